@@ -1,0 +1,52 @@
+# One set of commands for README, CI and the image. Every target sets itself up.
+SHELL := /bin/bash
+PY ?= python3.11
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+# DeepSpeed JIT-compiles cpu_adam / async_io on first use: keep them between runs.
+export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
+# The demo and tests run on DeepSpeed's CPU accelerator.
+DEMO_DIR ?= $(CURDIR)/demo
+APT_PACKAGES := $(shell grep -v '^\#' apt-packages.txt)
+
+.PHONY: setup run test test-fast lint bench image clean docs
+
+setup: $(STAMP)
+
+$(STAMP): requirements.txt requirements-dev.txt pyproject.toml apt-packages.txt
+	@missing=$$(for p in $(APT_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
+	if [ -n "$$missing" ]; then \
+	  echo "installing system packages: $$missing"; \
+	  SUDO=$$( [ $$(id -u) -eq 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq --no-install-recommends $$missing >/dev/null; \
+	fi
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --disable-pip-version-check -r requirements.txt -r requirements-dev.txt
+	$(BIN)/pip install -q --disable-pip-version-check --no-deps -e .
+	touch $(STAMP)
+
+run: setup
+	$(BIN)/zerotuner demo $(DEMO_DIR)
+	ZT_DEVICE=cpu ZT_MODEL=$(DEMO_DIR)/model ZT_DATA_DIR=$(DEMO_DIR)/data \
+	ZT_OUTPUT_DIR=$(DEMO_DIR)/output ZT_CACHE_DIR=$(DEMO_DIR)/cache ZT_OFFLOAD_DIR=$(DEMO_DIR)/offload \
+	ZT_CONFIG_FILE=config/demo.yaml ./entrypoint train
+
+test: setup
+	$(BIN)/pytest -q tests
+
+test-fast: setup
+	$(BIN)/pytest -q -m "not slow" tests
+
+lint: setup
+	$(BIN)/ruff check src tests bench
+	$(BIN)/ruff format --check src tests bench
+
+bench: setup
+	$(BIN)/python -m bench
+
+image:
+	docker build -t zerotuner:latest .
+
+clean:
+	rm -rf $(DEMO_DIR) .pytest_cache

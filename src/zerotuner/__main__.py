@@ -1,0 +1,3 @@
+from zerotuner.cli import main
+
+raise SystemExit(main())

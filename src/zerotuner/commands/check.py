@@ -1,0 +1,13 @@
+"""`zerotuner check`."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    pass
+
+
+def run(args: argparse.Namespace) -> int:
+    raise NotImplementedError("zerotuner check is being built")

@@ -1,0 +1,13 @@
+"""`zerotuner export`."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    pass
+
+
+def run(args: argparse.Namespace) -> int:
+    raise NotImplementedError("zerotuner export is being built")

@@ -1,0 +1,34 @@
+"""The exit codes of the public interface and the errors that map onto them.
+
+Kubernetes' podFailurePolicy acts on these codes, so each error class owns exactly one.
+"""
+
+from __future__ import annotations
+
+EXIT_OK = 0
+EXIT_FAILURE = 1  # unexpected: a retry may help
+EXIT_CONFIG = 2  # configuration or input error: never retry
+EXIT_ENVIRONMENT = 3  # the machine cannot run this job: never retry
+EXIT_SIGNAL = 143  # stopped by SIGTERM/SIGINT after a committed checkpoint: a retry resumes
+
+
+class ZeroTunerError(Exception):
+    """An error the user can act on: printed as one line, no traceback."""
+
+    exit_code = EXIT_FAILURE
+
+    def __init__(self, message: str, *, problems: list[str] | None = None) -> None:
+        self.problems = problems or [message]
+        super().__init__(message if problems is None else "; ".join(problems))
+
+
+class ConfigError(ZeroTunerError):
+    """A setting, file or input is invalid (exit 2)."""
+
+    exit_code = EXIT_CONFIG
+
+
+class EnvironmentUnfit(ZeroTunerError):
+    """The hardware or volumes cannot run the job as configured (exit 3)."""
+
+    exit_code = EXIT_ENVIRONMENT

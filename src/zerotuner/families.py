@@ -1,0 +1,116 @@
+"""Model families (SDXL, SD 1.x, SD 2.x): built-in UNet configs and parameter shapes.
+
+The planner and the normalizer need parameter counts before any weights exist: the UNet is
+built on the meta device (`accelerate.init_empty_weights`) from a local config or from the
+built-in config of its family, so planning works on a laptop with nothing downloaded.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from zerotuner.errors import ConfigError
+
+Family = Literal["sdxl", "sd1", "sd2"]
+FAMILIES: tuple[Family, ...] = ("sdxl", "sd1", "sd2")
+
+# The published UNet configs (stabilityai/stable-diffusion-xl-base-1.0,
+# runwayml/stable-diffusion-v1-5, stabilityai/stable-diffusion-2-1), fields that differ from
+# diffusers' UNet2DConditionModel defaults only.
+BUILTIN_UNET_CONFIGS: dict[Family, dict[str, Any]] = {
+    "sdxl": {
+        "sample_size": 128,
+        "block_out_channels": [320, 640, 1280],
+        "down_block_types": ["DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"],
+        "up_block_types": ["CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"],
+        "transformer_layers_per_block": [1, 2, 10],
+        "attention_head_dim": [5, 10, 20],
+        "cross_attention_dim": 2048,
+        "use_linear_projection": True,
+        "addition_embed_type": "text_time",
+        "addition_time_embed_dim": 256,
+        "projection_class_embeddings_input_dim": 2816,
+    },
+    "sd1": {"sample_size": 64, "cross_attention_dim": 768, "attention_head_dim": 8},
+    "sd2": {
+        "sample_size": 96,
+        "cross_attention_dim": 1024,
+        "attention_head_dim": [5, 10, 20, 20],
+        "use_linear_projection": True,
+    },
+}
+
+# Frozen parts (text encoders + VAE) of the published checkpoints, in parameters. They are only
+# on the device while latents and embeddings are cached, so the planner counts them separately.
+BUILTIN_FROZEN_PARAMS: dict[Family, int] = {
+    "sdxl": 123_060_480 + 694_659_840 + 83_653_863,
+    "sd1": 123_060_480 + 83_653_863,
+    "sd2": 340_387_840 + 83_653_863,
+}
+VAE_SCALE = 8  # pixels per latent cell in every family's VAE
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What memory planning and bucket sizing need to know about the trained UNet."""
+
+    family: Family
+    unet_params: int
+    largest_param: int  # elements of the biggest tensor (offload buffer_size must hold it)
+    frozen_params: int
+    native_resolution: int
+    source: str  # "built-in sdxl config" or the config file it was counted from
+
+
+def detect_family(model_dir: Path) -> Family:
+    """SDXL has a second text encoder and `text_time` conditioning; SD2 attends with 1024 dims."""
+    index = model_dir / "model_index.json"
+    if index.is_file():
+        components = json.loads(index.read_text())
+        if "text_encoder_2" in components or "XL" in str(components.get("_class_name", "")):
+            return "sdxl"
+    config = unet_config_path(model_dir)
+    if config is None:
+        raise ConfigError(
+            f"ZT_MODEL={model_dir}: no model_index.json or unet/config.json; "
+            "set ZT_MODEL_FAMILY to sdxl, sd1 or sd2"
+        )
+    unet = json.loads(config.read_text())
+    if unet.get("addition_embed_type") == "text_time":
+        return "sdxl"
+    return "sd2" if unet.get("cross_attention_dim") == 1024 else "sd1"
+
+
+def unet_config_path(model_dir: Path) -> Path | None:
+    for candidate in (model_dir / "unet" / "config.json", model_dir / "config.json"):
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def model_shape(family: Family, model_dir: Path | None = None) -> ModelShape:
+    """Count the UNet's parameters on the meta device: no memory, no download."""
+    from accelerate import init_empty_weights
+    from diffusers import UNet2DConditionModel
+
+    config_path = unet_config_path(model_dir) if model_dir else None
+    if config_path is not None:
+        config = UNet2DConditionModel.load_config(str(config_path.parent))
+        source = str(config_path)
+    else:
+        config = BUILTIN_UNET_CONFIGS[family]
+        source = f"built-in {family} config"
+    with init_empty_weights():
+        unet = UNet2DConditionModel.from_config(config)
+    sizes = [p.numel() for p in unet.parameters()]
+    return ModelShape(
+        family=family,
+        unet_params=sum(sizes),
+        largest_param=max(sizes),
+        frozen_params=BUILTIN_FROZEN_PARAMS[family] if config_path is None else 0,
+        native_resolution=int(unet.config.sample_size) * VAE_SCALE,
+        source=source,
+    )

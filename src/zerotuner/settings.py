@@ -1,0 +1,338 @@
+"""Every user-facing setting, declared once with its documentation.
+
+Sources, highest precedence first: environment (`ZT_*`), the mounted config file
+(`ZT_CONFIG_FILE`; YAML, JSON or TOML), secret files (`/run/secrets`), defaults.
+The CLI help and the README settings table are generated from the descriptions here.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import AliasChoices, Field, SecretStr, ValidationError, field_validator
+from pydantic_settings import (
+    BaseSettings,
+    NoDecode,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+)
+
+from zerotuner.errors import ConfigError
+from zerotuner.files import load_mapping
+
+ENV_PREFIX = "ZT_"
+DEFAULT_CONFIG_FILE = Path("/config/zerotuner.yaml")
+DEFAULT_SECRETS_DIR = Path("/run/secrets")
+
+Auto = Literal["auto"]
+OffloadTarget = Literal["auto", "none", "cpu", "nvme"]
+
+
+class Settings(BaseSettings):
+    """The whole configuration of one training job. Field order is the README order."""
+
+    model_config = SettingsConfigDict(
+        env_prefix=ENV_PREFIX,
+        case_sensitive=False,
+        extra="forbid",
+        frozen=True,
+        validate_default=True,
+    )
+
+    # --- model and data ---------------------------------------------------------------
+    model: str = Field(
+        "stabilityai/stable-diffusion-xl-base-1.0",
+        description="Hub id or local folder of a diffusers pipeline to fine-tune.",
+    )
+    model_family: Literal["auto", "sdxl", "sd1", "sd2"] = Field(
+        "auto", description="Model family; `auto` reads it from model_index.json / the UNet config."
+    )
+    data_dir: Path = Field(Path("/data"), description="Training images with captions.")
+    output_dir: Path = Field(
+        Path("/output"), description="Checkpoints, samples, run records and the final export."
+    )
+    cache_dir: Path = Field(
+        Path("/cache"), description="Model downloads (HF_HOME) and the latent/embedding cache."
+    )
+    offload_dir: Path = Field(
+        Path("/offload"), description="NVMe offload swap directory (a fast local volume)."
+    )
+    offload_device: str | None = Field(
+        None, description="Block device to mount at the offload dir (needs a privileged container)."
+    )
+    offload_format: bool = Field(
+        False, description="Allow formatting `ZT_OFFLOAD_DEVICE` when it holds no filesystem."
+    )
+
+    # --- training -----------------------------------------------------------------------
+    resolution: int | None = Field(
+        None, ge=64, le=4096, description="Target side in pixels; empty = the family's native."
+    )
+    train_batch_size: int = Field(1, ge=1, description="Micro-batch per device.")
+    gradient_accumulation_steps: int = Field(1, ge=1, description="Micro-batches per step.")
+    max_steps: int = Field(1000, ge=1, description="Optimizer steps to train.")
+    learning_rate: float = Field(1e-5, gt=0, description="Peak learning rate.")
+    lr_warmup_steps: int = Field(0, ge=0, description="Linear warm-up steps.")
+    lr_scheduler: Literal["constant", "linear", "cosine"] = Field(
+        "constant", description="Shape after warm-up (DeepSpeed WarmupLR/WarmupDecayLR/Cosine)."
+    )
+    optimizer: str = Field(
+        "AdamW", description="DeepSpeed optimizer name (AdamW, Adam, Lion, Lamb, ...)."
+    )
+    weight_decay: float = Field(1e-2, ge=0, description="Optimizer weight decay.")
+    gradient_clipping: float = Field(1.0, ge=0, description="Max gradient norm; 0 disables.")
+    mixed_precision: Literal["auto", "bf16", "fp16", "no"] = Field(
+        "auto", description="`auto`: bf16 where the GPU supports it, else fp16; `no` on CPU."
+    )
+    gradient_checkpointing: Auto | bool = Field(
+        "auto", description="Recompute activations; `auto` turns it on when needed to fit."
+    )
+    seed: int = Field(42, description="Random seed (data order, noise, validation).")
+    noise_offset: float = Field(0.0, ge=0, description="Noise offset (0 disables).")
+    snr_gamma: float | None = Field(
+        None, gt=0, description="Min-SNR-gamma loss weighting (e.g. 5); empty disables."
+    )
+    prediction_type: Literal["auto", "epsilon", "v_prediction"] = Field(
+        "auto", description="Training target; `auto` follows the model's scheduler."
+    )
+    random_flip: bool = Field(False, description="Flip images horizontally at random.")
+    ema: bool = Field(False, description="Keep an EMA of the UNet weights (on the CPU).")
+    ema_decay: float = Field(0.9999, gt=0, lt=1, description="EMA decay per step.")
+
+    # --- DeepSpeed ------------------------------------------------------------------------
+    zero_stage: Auto | Literal[0, 1, 2, 3] = Field(
+        "auto", description="ZeRO stage 0-3; `auto` picks the lowest that fits."
+    )
+    offload_optimizer: OffloadTarget = Field(
+        "auto", description="Optimizer state offload: none, cpu or nvme (nvme needs stage 3)."
+    )
+    offload_param: OffloadTarget = Field(
+        "auto", description="Parameter offload (stage 3 only): none, cpu or nvme."
+    )
+    deepspeed_config: Annotated[str | dict[str, Any] | None, NoDecode] = Field(
+        None, description="A DeepSpeed JSON (inline text or a file path) to start from."
+    )
+    accelerate_config: Path | None = Field(
+        None, description="An `accelerate config` YAML to start from."
+    )
+
+    # --- devices and launch -----------------------------------------------------------------
+    device: Literal["auto", "cuda", "cpu"] = Field(
+        "auto", description="Accelerator; `auto` uses CUDA GPUs when present."
+    )
+    num_processes: int | None = Field(
+        None, ge=1, description="Ranks per node; empty = visible GPUs (1 on CPU)."
+    )
+    nnodes: int | None = Field(None, ge=1, description="Nodes in the job; empty = detected / 1.")
+    node_rank: int | None = Field(None, ge=0, description="This node's index; empty = detected.")
+    master_addr: str | None = Field(None, description="Rendezvous host of node 0.")
+    master_port: int | None = Field(None, ge=1, le=65535, description="Rendezvous port.")
+
+    # --- checkpoints, validation ----------------------------------------------------------------
+    checkpoint_every_steps: int = Field(500, ge=0, description="Checkpoint interval; 0 = end only.")
+    checkpoints_keep: int = Field(2, ge=1, description="Committed checkpoints to keep.")
+    resume: str = Field(
+        "auto", description="`auto` (latest committed checkpoint), `never`, or a checkpoint path."
+    )
+    validation_prompts: Annotated[list[str], NoDecode] = Field(
+        default_factory=list, description="Prompts for sample images: a JSON list or `|`-separated."
+    )
+    validation_every_steps: int = Field(0, ge=0, description="Sample interval; 0 = end only.")
+    validation_inference_steps: int = Field(20, ge=1, description="Denoising steps per sample.")
+
+    # --- observability ----------------------------------------------------------------------------
+    metrics_host: str = Field("0.0.0.0", description="Address the metrics endpoint binds.")
+    metrics_port: int = Field(
+        9464, ge=0, le=65535, description="/metrics, /healthz, /readyz; 0 disables."
+    )
+    hang_timeout_seconds: float = Field(
+        1800, gt=0, description="/healthz fails when no step finished for this long."
+    )
+    log_format: Literal["text", "json"] = Field("text", description="Log line format.")
+    log_every_steps: int = Field(10, ge=1, description="Progress line interval without a TTY.")
+
+    # --- files and secrets ---------------------------------------------------------------------
+    config_file: Path = Field(
+        DEFAULT_CONFIG_FILE, description="Config file (YAML, JSON or TOML), read when present."
+    )
+    secrets_dir: Path = Field(
+        DEFAULT_SECRETS_DIR, description="Folder of secret files (e.g. `hf_token`)."
+    )
+    hf_token: SecretStr | None = Field(
+        None,
+        validation_alias=AliasChoices("zt_hf_token", "hf_token"),
+        description="Hugging Face token (env `HF_TOKEN` or a secret file `hf_token`).",
+    )
+
+    @field_validator("validation_prompts", mode="before")
+    @classmethod
+    def _split_prompts(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            text = value.strip()
+            if text.startswith("["):
+                import json
+
+                return json.loads(text)
+            return [p.strip() for p in text.split("|") if p.strip()]
+        return value
+
+    @field_validator("zero_stage", mode="before")
+    @classmethod
+    def _stage_number(cls, value: Any) -> Any:
+        if isinstance(value, str) and value.strip().isdigit():
+            return int(value)
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        return value
+
+    @field_validator("resume")
+    @classmethod
+    def _resume_word_or_path(cls, value: str) -> str:
+        return value.strip() or "auto"
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        return (
+            init_settings,
+            env_settings,
+            ConfigFileSource(settings_cls),
+            SecretsDirSource(settings_cls),
+        )
+
+
+def env_name(field: str) -> str:
+    return ENV_PREFIX + field.upper()
+
+
+def _path_from_env(name: str, default: Path) -> Path:
+    return Path(os.environ.get(env_name(name)) or default)
+
+
+class ConfigFileSource(PydanticBaseSettingsSource):
+    """The mounted config file. Keys are field names (`max_steps`) or env names."""
+
+    def __call__(self) -> dict[str, Any]:
+        path = _path_from_env("config_file", DEFAULT_CONFIG_FILE)
+        if not path.exists():
+            if env_name("config_file") in os.environ:
+                raise ConfigError(f"{env_name('config_file')}={path}: no such file")
+            return {}
+        data = load_mapping(path, setting=env_name("config_file"))
+        known = set(self.settings_cls.model_fields) | {"hf_token"}
+        out: dict[str, Any] = {}
+        for key, value in data.items():
+            name = key.lower().removeprefix(ENV_PREFIX.lower())
+            if name not in known:
+                hint = did_you_mean(name, known)
+                raise ConfigError(f"{path}: unknown setting '{key}'{hint}")
+            out[name] = value
+        return out
+
+    def get_field_value(self, field: Any, field_name: str) -> tuple[Any, str, bool]:
+        raise NotImplementedError  # __call__ reads the whole file at once
+
+
+class SecretsDirSource(PydanticBaseSettingsSource):
+    """Secret files as Docker and Kubernetes mount them: `/run/secrets/hf_token`.
+
+    Only fields declared as secrets are read, so a stray file there cannot change a setting.
+    """
+
+    def __call__(self) -> dict[str, Any]:
+        folder = _path_from_env("secrets_dir", DEFAULT_SECRETS_DIR)
+        out: dict[str, Any] = {}
+        for name, field in self.settings_cls.model_fields.items():
+            if field.annotation is not SecretStr | None:
+                continue
+            for candidate in (name, name.upper(), env_name(name), env_name(name).lower()):
+                path = folder / candidate
+                if path.is_file():
+                    out[name] = path.read_text().strip()
+                    break
+        return out
+
+    def get_field_value(self, field: Any, field_name: str) -> tuple[Any, str, bool]:
+        raise NotImplementedError
+
+
+def did_you_mean(name: str, known: set[str] | list[str]) -> str:
+    match = difflib.get_close_matches(name, sorted(known), n=1, cutoff=0.6)
+    return f" (did you mean '{match[0]}'?)" if match else ""
+
+
+def unknown_env_names(environ: dict[str, str] | None = None) -> list[tuple[str, str, bool]]:
+    """`ZT_*` variables that name no setting: (name, hint, looks_like_a_typo).
+
+    pydantic-settings ignores them silently. A near miss of a real name is a typo (an error);
+    anything else (e.g. Kubernetes' `ZT_SERVICE_HOST` for a Service called `zt`) is a warning.
+    """
+    environ = os.environ if environ is None else environ
+    known = {env_name(n) for n in Settings.model_fields} | {"ZT_HF_TOKEN"}
+    found = []
+    for key in sorted(environ):
+        upper = key.upper()
+        if not upper.startswith(ENV_PREFIX) or upper in known:
+            continue
+        close = difflib.get_close_matches(upper, sorted(known), n=1, cutoff=0.85)
+        hint = did_you_mean(upper, known)
+        found.append((key, hint, bool(close)))
+    return found
+
+
+def format_validation_error(error: ValidationError) -> list[str]:
+    """One line per setting, naming the env variable, the value and what is valid.
+
+    A union (`auto` or 0-3) fails once per member: those are merged into one line.
+    """
+    by_field: dict[str, tuple[Any, list[str]]] = {}
+    for item in error.errors():
+        loc = [str(p) for p in item.get("loc", ()) if not isinstance(p, int)]
+        field = loc[0] if loc else "?"
+        if item.get("type") == "extra_forbidden":
+            by_field[field] = (None, [f"unknown setting{did_you_mean(field, Settings.model_fields)}"])
+            continue
+        msg = item.get("msg", "invalid").removeprefix("Input should be ")
+        value, msgs = by_field.setdefault(field, (item.get("input"), []))
+        if msg not in msgs:
+            msgs.append(msg)
+    lines = []
+    for field, (value, msgs) in by_field.items():
+        name = env_name(field) if field in Settings.model_fields else field
+        if msgs and msgs[0].startswith("unknown setting"):
+            lines.append(f"'{field}': {msgs[0]}")
+            continue
+        shown = "***" if field == "hf_token" else repr(value)
+        lines.append(f"{name}={shown}: expected {' or '.join(msgs)}")
+    return lines
+
+
+def load_settings(**overrides: Any) -> Settings:
+    """Read every source; raise ConfigError with one line per problem."""
+    try:
+        return Settings(**overrides)
+    except ValidationError as exc:
+        raise ConfigError("invalid settings", problems=format_validation_error(exc)) from None
+
+
+def explicit_fields(settings: Settings) -> set[str]:
+    """Fields the user set in any source (not defaults): these override raw DeepSpeed/accelerate."""
+    return set(settings.model_fields_set)
+
+
+def masked_dump(settings: Settings) -> dict[str, Any]:
+    """The settings as JSON-able data with secrets masked, for logs and run records."""
+    data = settings.model_dump(mode="json")
+    for name, field in Settings.model_fields.items():
+        if field.annotation is SecretStr | None and data.get(name) is not None:
+            data[name] = "***"
+    return data
