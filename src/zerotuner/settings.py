@@ -299,7 +299,8 @@ def format_validation_error(error: ValidationError) -> list[str]:
         loc = [str(p) for p in item.get("loc", ()) if not isinstance(p, int)]
         field = loc[0] if loc else "?"
         if item.get("type") == "extra_forbidden":
-            by_field[field] = (None, [f"unknown setting{did_you_mean(field, Settings.model_fields)}"])
+            hint = did_you_mean(field, Settings.model_fields)
+            by_field[field] = (None, [f"unknown setting{hint}"])
             continue
         msg = item.get("msg", "invalid").removeprefix("Input should be ")
         value, msgs = by_field.setdefault(field, (item.get("input"), []))
