@@ -1,0 +1,69 @@
+"""What a training rank reports: per-step records for the sinks, and its exit status.
+
+The loop builds one StepRecord per optimizer step and hands it to every sink (steps.jsonl,
+Prometheus, the progress log). torchrun exits 1 for any failure, so each rank also writes its
+own exit code and reason to `ZT_STATUS_DIR`; the entrypoint maps those to the public codes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Protocol
+
+STATUS_DIR_ENV = "ZT_STATUS_DIR"
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    step: int  # optimizer steps finished so far (1-based)
+    loss: float  # mean over the step's micro-batches on this rank
+    lr: float
+    grad_norm: float | None
+    step_seconds: float  # wall time of this optimizer step
+    samples: int  # samples in this step across all ranks
+    timestamp: float  # time.time() when the step finished
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+
+class Sink(Protocol):
+    """Anything that consumes the loop's reports. Every method is optional to act on."""
+
+    def on_phase(self, phase: str) -> None: ...
+
+    def on_step(self, record: StepRecord) -> None: ...
+
+    def on_checkpoint(self, step: int, seconds: float) -> None: ...
+
+    def close(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class RankStatus:
+    rank: int
+    exit_code: int
+    message: str = ""
+
+
+def write_rank_status(rank: int, exit_code: int, message: str = "") -> None:
+    folder = os.environ.get(STATUS_DIR_ENV)
+    if not folder:
+        return
+    path = Path(folder) / f"rank-{rank}.json"
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(asdict(RankStatus(rank, exit_code, message))))
+    os.replace(tmp, path)
+
+
+def read_rank_statuses(folder: Path) -> list[RankStatus]:
+    statuses = []
+    for path in sorted(folder.glob("rank-*.json")):
+        try:
+            statuses.append(RankStatus(**json.loads(path.read_text())))
+        except (OSError, ValueError, TypeError):
+            continue  # a rank killed mid-write leaves no usable status: treated as unknown
+    return statuses
