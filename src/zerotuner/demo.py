@@ -1,0 +1,319 @@
+"""The demo: a tiny diffusion pipeline and a dataset it can learn, written without a download.
+
+`make run` and the tests need a model with the exact layout and classes of a hub checkpoint
+(so the same loading, caching, training and export code paths run), but small enough that a
+2-rank CPU DeepSpeed step takes well under a second. Every component is a real diffusers /
+transformers class with a tiny config, and the CLIP tokenizer's byte-level BPE vocabulary is
+trained here on the demo's own words. Everything is deterministic given the seed.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from PIL import Image, ImageDraw
+
+log = logging.getLogger(__name__)
+
+DemoFamily = Literal["sdxl", "sd1", "sd2"]
+DEMO_RESOLUTION = 64  # pixels; the VAE below halves it, so the UNet sees 32x32 latents
+VAE_BLOCKS = (32, 64)  # two blocks => latent scale 2 ** (len - 1) = 2
+MAX_TOKENS = 77  # CLIP's context length; without it tokenization overflows
+
+SHAPES = ("circle", "square", "triangle")
+COLOURS = {"red": (220, 30, 30), "green": (30, 170, 60), "blue": (40, 70, 220),
+           "yellow": (240, 210, 30)}  # fmt: skip
+BACKGROUNDS = {"white": (245, 245, 245), "black": (15, 15, 15), "gray": (128, 128, 128)}
+# Words beyond the captions so typical validation prompts tokenize into whole words too.
+EXTRA_WORDS = "a an the of on in with and photo picture image small large big shape background"
+
+
+@dataclass(frozen=True)
+class DemoPaths:
+    root: Path
+    model: Path  # a diffusers pipeline folder (model_index.json at the top)
+    data: Path  # images with sidecar .txt captions
+    family: DemoFamily
+    images: int
+
+
+def write_demo(
+    dir: Path, *, seed: int = 0, family: DemoFamily = "sdxl", images: int = 64
+) -> DemoPaths:
+    """Write DIR/model and DIR/data. Re-running overwrites only the files it writes."""
+    dir = Path(dir)
+    data = write_dataset(dir / "data", seed=seed, count=images)
+    captions = [p.read_text() for p in sorted(data.glob("*.txt"))]
+    model = write_model(dir / "model", family=family, seed=seed, corpus=captions, data_dir=data)
+    return DemoPaths(root=dir, model=model, data=data, family=family, images=images)
+
+
+# --- dataset ------------------------------------------------------------------------------
+
+
+def write_dataset(data_dir: Path, *, seed: int = 0, count: int = 64) -> Path:
+    """Coloured shapes on plain backgrounds with matching captions; a few are not square.
+
+    Shape, colour and background vary independently and the caption names all three, so a
+    tiny model's loss falls visibly and samples can be judged by eye.
+    """
+    data_dir.mkdir(parents=True, exist_ok=True)
+    rng = random.Random(seed)
+    combos = [(s, c, b) for s in SHAPES for c in COLOURS for b in BACKGROUNDS]
+    for i in range(count):
+        shape, colour, background = combos[i % len(combos)]
+        # Every 8th image is landscape, every 8th (offset 4) portrait: aspect buckets matter.
+        size = (144, 96) if i % 8 == 3 else (96, 144) if i % 8 == 7 else (96, 96)
+        image = _draw(rng, size, shape, COLOURS[colour], BACKGROUNDS[background])
+        stem = data_dir / f"{i:03d}-{colour}-{shape}-on-{background}"
+        image.save(stem.with_suffix(".png"), optimize=False)
+        stem.with_suffix(".txt").write_text(f"a {colour} {shape} on a {background} background")
+    return data_dir
+
+
+def _draw(rng: random.Random, size: tuple[int, int], shape: str, fill, background) -> Image.Image:
+    w, h = size
+    image = Image.new("RGB", size, background)
+    draw = ImageDraw.Draw(image)
+    r = rng.randint(min(w, h) // 5, min(w, h) // 3)
+    cx, cy = rng.randint(r, w - r), rng.randint(r, h - r)
+    if shape == "circle":
+        draw.ellipse((cx - r, cy - r, cx + r, cy + r), fill=fill)
+    elif shape == "square":
+        draw.rectangle((cx - r, cy - r, cx + r, cy + r), fill=fill)
+    else:
+        draw.polygon([(cx, cy - r), (cx - r, cy + r), (cx + r, cy + r)], fill=fill)
+    return image
+
+
+# --- tokenizer ------------------------------------------------------------------------------
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2/CLIP's reversible byte -> printable character table (the base alphabet)."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1)]
+    keep += range(ord("®"), ord("ÿ") + 1)
+    table, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            table[b] = chr(b)
+        else:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return table
+
+
+def train_bpe(words: list[str]) -> tuple[dict[str, int], list[str]]:
+    """A CLIP-layout byte-level BPE vocabulary in which every given word is one token.
+
+    Layout as in openai/clip-vit-large-patch14: 256 byte symbols, the same with `</w>`, the
+    merge results in merge order, then the two special tokens. Merges are learned greedily by
+    pair frequency (ties broken by the pair itself, so the result is deterministic).
+    """
+    alphabet = list(_bytes_to_unicode().values())
+    counts = Counter(w.lower() for w in words)
+    splits = {w: [*w[:-1], w[-1] + "</w>"] for w in counts}
+    merges: list[str] = []
+    while True:
+        pairs: Counter[tuple[str, str]] = Counter()
+        for word, symbols in splits.items():
+            for pair in zip(symbols, symbols[1:], strict=False):
+                pairs[pair] += counts[word]
+        if not pairs:
+            break
+        best = min(pairs, key=lambda p: (-pairs[p], p))
+        merges.append(f"{best[0]} {best[1]}")
+        for word, symbols in splits.items():
+            out, i = [], 0
+            while i < len(symbols):
+                if i + 1 < len(symbols) and (symbols[i], symbols[i + 1]) == best:
+                    out.append(symbols[i] + symbols[i + 1])
+                    i += 2
+                else:
+                    out.append(symbols[i])
+                    i += 1
+            splits[word] = out
+    tokens = alphabet + [a + "</w>" for a in alphabet] + [m.replace(" ", "") for m in merges]
+    tokens += ["<|startoftext|>", "<|endoftext|>"]
+    return {t: i for i, t in enumerate(dict.fromkeys(tokens))}, merges
+
+
+def write_tokenizer(folder: Path, corpus: list[str]):
+    """Write vocab.json + merges.txt and load them back as a CLIPTokenizer (77 tokens)."""
+    import re
+
+    from transformers import CLIPTokenizer
+
+    words = re.findall(r"[a-z]+", " ".join([*corpus, EXTRA_WORDS]).lower())
+    vocab, merges = train_bpe(words)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "vocab.json").write_text(json.dumps(vocab, ensure_ascii=False))
+    (folder / "merges.txt").write_text("#version: 0.2\n" + "\n".join(merges) + "\n")
+    return CLIPTokenizer(
+        vocab=str(folder / "vocab.json"),
+        merges=str(folder / "merges.txt"),
+        model_max_length=MAX_TOKENS,
+    )
+
+
+# --- model ----------------------------------------------------------------------------------
+
+
+def _text_config(vocab_size: int, hidden: int, *, layers: int = 2, heads: int = 4):
+    from transformers import CLIPTextConfig
+
+    return CLIPTextConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        intermediate_size=hidden * 2,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        max_position_embeddings=MAX_TOKENS,
+        projection_dim=hidden,
+        hidden_act="gelu",
+        bos_token_id=vocab_size - 2,
+        eos_token_id=vocab_size - 1,
+        pad_token_id=vocab_size - 1,
+    )
+
+
+def _vae(seed: int):
+    import torch
+    from diffusers import AutoencoderKL
+
+    torch.manual_seed(seed)
+    return AutoencoderKL(
+        block_out_channels=VAE_BLOCKS,
+        down_block_types=("DownEncoderBlock2D",) * len(VAE_BLOCKS),
+        up_block_types=("UpDecoderBlock2D",) * len(VAE_BLOCKS),
+        latent_channels=4,
+        layers_per_block=1,
+        norm_num_groups=32,
+        sample_size=DEMO_RESOLUTION,
+    )
+
+
+def _unet(
+    seed: int, *, cross_attention_dim: int, sdxl: bool, pooled_dim: int = 0, linear: bool = True
+):
+    import torch
+    from diffusers import UNet2DConditionModel
+
+    torch.manual_seed(seed)
+    extra = {}
+    if sdxl:
+        time_dim = 8
+        extra = {
+            "addition_embed_type": "text_time",
+            "addition_time_embed_dim": time_dim,
+            # 6 micro-conditioning numbers (original size, crop, target size), each embedded.
+            "projection_class_embeddings_input_dim": 6 * time_dim + pooled_dim,
+        }
+    return UNet2DConditionModel(
+        sample_size=DEMO_RESOLUTION // 2 ** (len(VAE_BLOCKS) - 1),
+        in_channels=4,
+        out_channels=4,
+        block_out_channels=(32, 64),
+        layers_per_block=1,
+        down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
+        up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
+        attention_head_dim=(2, 4),
+        cross_attention_dim=cross_attention_dim,
+        use_linear_projection=linear,  # SD 1.x projects with 1x1 convolutions
+        norm_num_groups=32,
+        **extra,
+    )
+
+
+def _scheduler(family: DemoFamily):
+    from diffusers import EulerDiscreteScheduler
+
+    # The published SDXL / SD schedules; SD 2.x (768 px) predicts v.
+    return EulerDiscreteScheduler(
+        num_train_timesteps=1000,
+        beta_start=0.00085,
+        beta_end=0.012,
+        beta_schedule="scaled_linear",
+        timestep_spacing="leading",
+        steps_offset=1,
+        prediction_type="v_prediction" if family == "sd2" else "epsilon",
+    )
+
+
+def _latent_scaling_factor(vae, data_dir: Path) -> float:
+    """1 / std of the demo latents, as SD/SDXL chose theirs: the diffusion sees unit variance."""
+    import numpy as np
+    import torch
+
+    batch = []
+    for path in sorted(data_dir.glob("*.png")):
+        with Image.open(path) as image:
+            side = min(image.size)
+            image = image.convert("RGB").crop((0, 0, side, side))
+            image = image.resize((DEMO_RESOLUTION, DEMO_RESOLUTION), Image.Resampling.BICUBIC)
+            batch.append(np.asarray(image, dtype=np.float32) / 127.5 - 1.0)
+    pixels = torch.from_numpy(np.stack(batch)).permute(0, 3, 1, 2)
+    with torch.no_grad():
+        latents = vae.encode(pixels).latent_dist.mean
+    return round(1.0 / float(latents.std()), 5)
+
+
+def write_model(
+    model_dir: Path, *, family: DemoFamily, seed: int, corpus: list[str], data_dir: Path
+) -> Path:
+    """Build the tiny pipeline from the real classes and `save_pretrained` it like a hub model."""
+    import tempfile
+
+    import torch
+    from diffusers import StableDiffusionPipeline, StableDiffusionXLPipeline
+    from transformers import CLIPTextModel, CLIPTextModelWithProjection
+
+    with tempfile.TemporaryDirectory() as tmp:
+        tokenizer = write_tokenizer(Path(tmp), corpus)
+    vocab_size = len(tokenizer)
+    vae = _vae(seed)
+    vae.register_to_config(scaling_factor=_latent_scaling_factor(vae, data_dir))
+    scheduler = _scheduler(family)
+
+    if family == "sdxl":
+        torch.manual_seed(seed + 1)
+        text_encoder = CLIPTextModel(_text_config(vocab_size, 32))
+        torch.manual_seed(seed + 2)
+        text_encoder_2 = CLIPTextModelWithProjection(_text_config(vocab_size, 32))
+        unet = _unet(seed + 3, cross_attention_dim=32 + 32, sdxl=True, pooled_dim=32)
+        pipe = StableDiffusionXLPipeline(
+            vae=vae,
+            text_encoder=text_encoder,
+            text_encoder_2=text_encoder_2,
+            tokenizer=tokenizer,
+            tokenizer_2=tokenizer,
+            unet=unet,
+            scheduler=scheduler,
+            add_watermarker=False,
+        )
+    else:
+        # SD 2.x attends to OpenCLIP-H's 1024-wide states; family detection keys on that width.
+        hidden = 1024 if family == "sd2" else 32
+        torch.manual_seed(seed + 1)
+        text_encoder = CLIPTextModel(
+            _text_config(vocab_size, hidden, layers=1 if family == "sd2" else 2, heads=4)
+        )
+        unet = _unet(seed + 3, cross_attention_dim=hidden, sdxl=False, linear=family == "sd2")
+        pipe = StableDiffusionPipeline(
+            vae=vae,
+            text_encoder=text_encoder,
+            tokenizer=tokenizer,
+            unet=unet,
+            scheduler=scheduler,
+            safety_checker=None,
+            feature_extractor=None,
+            requires_safety_checker=False,
+        )
+    pipe.save_pretrained(model_dir, safe_serialization=True)
+    return model_dir
