@@ -1,0 +1,171 @@
+"""The seed's configuration methods 2 and 3: a raw DeepSpeed JSON and an accelerate config.
+
+Both become one starting DeepSpeed dict (`UserInputs.deepspeed`) plus the launch settings the
+accelerate file implies (processes, machines, rank, address). High-level `ZT_*` settings the
+user set explicitly win over both; `deepspeed_config.normalize` reports each override.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from zerotuner.errors import ConfigError
+from zerotuner.files import load_mapping, parse_json, read_text
+from zerotuner.notes import Notes
+from zerotuner.settings import Settings, env_name
+
+DS_SETTING = env_name("deepspeed_config")
+ACCELERATE_SETTING = env_name("accelerate_config")
+
+# accelerate's deepspeed_config keys -> where they live in a DeepSpeed config.
+ACCELERATE_DS_KEYS: dict[str, tuple[str, ...]] = {
+    "zero_stage": ("zero_optimization", "stage"),
+    "gradient_accumulation_steps": ("gradient_accumulation_steps",),
+    "gradient_clipping": ("gradient_clipping",),
+    "offload_optimizer_device": ("zero_optimization", "offload_optimizer", "device"),
+    "offload_param_device": ("zero_optimization", "offload_param", "device"),
+    "offload_optimizer_nvme_path": ("zero_optimization", "offload_optimizer", "nvme_path"),
+    "offload_param_nvme_path": ("zero_optimization", "offload_param", "nvme_path"),
+    "zero3_save_16bit_model": ("zero_optimization", "stage3_gather_16bit_weights_on_model_save"),
+}
+# Understood, and handled by zerotuner itself.
+ACCELERATE_HANDLED = {
+    "zero3_init_flag": "zerotuner loads the UNet itself; the flag is not needed",
+    "deepspeed_multinode_launcher": "zerotuner launches nodes with torchrun",
+    "deepspeed_hostfile": "zerotuner launches nodes with torchrun",
+}
+
+
+@dataclass(frozen=True)
+class UserInputs:
+    deepspeed: dict[str, Any]  # the DeepSpeed config to start from ({} when none was given)
+    source: str | None  # where it came from, for messages
+    settings: dict[str, Any] = field(default_factory=dict)  # implied by the accelerate file
+    notes: Notes = field(default_factory=Notes)
+
+
+def read_user_inputs(settings: Settings) -> UserInputs:
+    notes = Notes()
+    deepspeed: dict[str, Any] = {}
+    sources = []
+    implied: dict[str, Any] = {}
+    if settings.accelerate_config is not None:
+        accel_ds, implied = _read_accelerate(settings.accelerate_config, notes)
+        deepspeed = accel_ds
+        sources.append(f"{ACCELERATE_SETTING}={settings.accelerate_config}")
+    if settings.deepspeed_config is not None:
+        raw, where = _read_deepspeed(settings.deepspeed_config)
+        if deepspeed:
+            notes.info(f"{DS_SETTING} is applied over the accelerate config's DeepSpeed fields")
+        deepspeed = _merge(deepspeed, raw)
+        sources.append(where)
+    return UserInputs(deepspeed, " + ".join(sources) or None, implied, notes)
+
+
+def _read_deepspeed(value: str | dict[str, Any]) -> tuple[dict[str, Any], str]:
+    """Inline JSON text, a path to a JSON file, or a mapping from the config file."""
+    if isinstance(value, dict):
+        return value, "the config file's deepspeed_config block"
+    text = value.strip()
+    if text.startswith("{"):
+        data, where = parse_json(text, source=DS_SETTING), f"{DS_SETTING} (inline JSON)"
+    else:
+        path = Path(text)
+        where = f"{DS_SETTING}={path}"
+        data = parse_json(read_text(path, setting=DS_SETTING), source=where)
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where}: expected a JSON object, got {type(data).__name__}")
+    return data, where
+
+
+def _read_accelerate(path: Path, notes: Notes) -> tuple[dict[str, Any], dict[str, Any]]:
+    data = load_mapping(path, setting=ACCELERATE_SETTING)
+    where = f"{ACCELERATE_SETTING}={path}"
+    kind = str(data.get("distributed_type", "DEEPSPEED")).upper()
+    if kind != "DEEPSPEED":
+        notes.warn(f"{where}: distributed_type is {kind}; zerotuner always trains with DeepSpeed")
+    ds_block = data.get("deepspeed_config") or {}
+    if not isinstance(ds_block, dict):
+        raise ConfigError(f"{where}: deepspeed_config must be a mapping")
+    deepspeed: dict[str, Any] = {}
+    config_file = ds_block.get("deepspeed_config_file")
+    if config_file and str(config_file).lower() not in ("none", "null", ""):
+        file = Path(config_file)
+        if not file.is_absolute():
+            file = path.parent / file
+        deepspeed, _ = _read_deepspeed(str(file))
+        notes.info(f"{where}: DeepSpeed config read from {file}")
+    for key, value in ds_block.items():
+        if key == "deepspeed_config_file":
+            continue
+        if key in ACCELERATE_DS_KEYS:
+            if value is None or (key.endswith("_device") and str(value).lower() == "none"):
+                continue
+            _set(deepspeed, ACCELERATE_DS_KEYS[key], value)
+        elif key in ACCELERATE_HANDLED:
+            notes.info(f"{where}: deepspeed_config.{key}: {ACCELERATE_HANDLED[key]}")
+        else:
+            notes.warn(f"{where}: deepspeed_config.{key} is not an accelerate key; ignored")
+    precision = data.get("mixed_precision")
+    if precision is not None:
+        precision = str(precision).lower()
+        if precision not in ("no", "fp16", "bf16"):
+            raise ConfigError(f"{where}: mixed_precision={precision!r}: expected no, fp16 or bf16")
+        deepspeed["bf16"] = {"enabled": precision == "bf16"}
+        deepspeed["fp16"] = {"enabled": precision == "fp16"}
+    return deepspeed, _accelerate_launch(data, where)
+
+
+def _accelerate_launch(data: dict[str, Any], where: str) -> dict[str, Any]:
+    """accelerate counts processes across all machines; zerotuner counts them per node."""
+    implied: dict[str, Any] = {}
+    try:
+        machines = int(data.get("num_machines") or 1)
+        if "num_machines" in data:
+            implied["nnodes"] = machines
+        if data.get("num_processes"):
+            total = int(data["num_processes"])
+            if total % machines:
+                raise ConfigError(
+                    f"{where}: num_processes={total} is not divisible by num_machines={machines}"
+                )
+            implied["num_processes"] = total // machines
+        if data.get("machine_rank") is not None:
+            implied["node_rank"] = int(data["machine_rank"])
+        if data.get("main_process_port"):
+            implied["master_port"] = int(data["main_process_port"])
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"{where}: expected whole numbers for process counts: {exc}") from None
+    if data.get("main_process_ip"):
+        implied["master_addr"] = str(data["main_process_ip"])
+    return implied
+
+
+def _set(tree: dict[str, Any], path: tuple[str, ...], value: Any) -> None:
+    for key in path[:-1]:
+        tree = tree.setdefault(key, {})
+    tree[path[-1]] = value
+
+
+def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    out = json.loads(json.dumps(base))
+    for key, value in over.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def apply_implied_settings(settings: Settings, inputs: UserInputs) -> Settings:
+    """Launch values from the accelerate file fill settings the user did not set."""
+    update = {k: v for k, v in inputs.settings.items() if k not in settings.model_fields_set}
+    for key in sorted(set(inputs.settings) - set(update)):
+        inputs.notes.change(
+            f"{env_name(key)}={getattr(settings, key)!r} overrides the accelerate config's "
+            f"{key}={inputs.settings[key]!r}"
+        )
+    return settings.model_copy(update=update) if update else settings
