@@ -1,0 +1,139 @@
+# syntax=docker/dockerfile:1
+# zerotuner: DeepSpeed fine-tuning appliance for SDXL / SD 1.x / SD 2.x.
+#   docker build -t zerotuner:latest .        (or `make image`)
+#   docker run --gpus all --shm-size 16g --ulimit memlock=-1 -p 9464:9464 \
+#     -v "$PWD/data:/data:ro" -v "$PWD/output:/output" zerotuner:latest
+#
+# Why these bases: torch==2.13.0 from PyPI (requirements.txt) is built against CUDA 13.0 (its
+# wheel requires cuda-toolkit 13.0.x), and torch.utils.cpp_extension refuses to compile
+# DeepSpeed's CUDA ops with an nvcc of another major version. Ubuntu 24.04 ships Python 3.12,
+# so no third-party PPA is needed. For byte-for-byte reproducible builds pin the digests, e.g.
+#   docker buildx imagetools inspect nvidia/cuda:13.0.1-devel-ubuntu24.04
+# and append @sha256:... to the two FROM lines (digests are not invented here: verify them).
+ARG CUDA_VERSION=13.0.1
+ARG UBUNTU_VERSION=ubuntu24.04
+
+# ---------------------------------------------------------------------------------------------
+# Build stage: a CUDA *devel* image (has nvcc) compiles DeepSpeed's ops ahead of time, because
+# the runtime image has no nvcc and a JIT build there would fail at the first optimizer step.
+FROM nvidia/cuda:${CUDA_VERSION}-devel-${UBUNTU_VERSION} AS build
+
+SHELL ["/bin/bash", "-o", "pipefail", "-c"]
+ARG DEBIAN_FRONTEND=noninteractive
+
+# Ubuntu's package versions move with security updates and old ones leave the archive, so
+# pinning them would break the build within weeks; the base tag pins the release instead.
+# hadolint ignore=DL3008
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends \
+        python3.12 python3.12-dev python3.12-venv build-essential libaio-dev \
+    && rm -rf /var/lib/apt/lists/*
+
+ENV VIRTUAL_ENV=/opt/venv \
+    PATH=/opt/venv/bin:$PATH \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PIP_NO_CACHE_DIR=1
+RUN python3.12 -m venv "$VIRTUAL_ENV"
+
+WORKDIR /src
+# The same dependency file `make setup` installs: one source of truth for versions.
+COPY requirements.txt ./
+
+# DeepSpeed's setup.py imports torch to compile its ops, so torch (and ninja) go in first, at
+# the versions requirements.txt pins; setuptools because the build runs without isolation.
+RUN grep -E '^(torch|ninja)==' requirements.txt > /tmp/build-requirements.txt \
+    && pip install -r /tmp/build-requirements.txt setuptools==84.2.1
+
+# Ops compiled into the DeepSpeed install:
+#   cpu_adam (DeepSpeedCPUAdam for optimizer offload), async_io (NVMe offload via libaio),
+#   fused_adam (GPU Adam without offload).
+# TORCH_CUDA_ARCH_LIST: no GPU is visible during `docker build`, so the targets are listed:
+#   8.0 A100/A30, 8.6 A10/A40/RTX 30xx/A6000, 8.9 L4/L40S/RTX 40xx/RTX 6000 Ada, 9.0 H100/H200,
+#   10.0 B200/GB200, 12.0 RTX 50xx/RTX PRO 6000 Blackwell; +PTX lets newer GPUs JIT from PTX.
+#   CUDA 13 dropped Volta (7.0) and older; build with --build-arg to add or trim.
+# DS_ACCELERATOR=cuda: without a visible GPU DeepSpeed would pick its CPU accelerator and build
+# the wrong op set.
+ARG TORCH_CUDA_ARCH_LIST="8.0;8.6;8.9;9.0;10.0;12.0+PTX"
+ARG MAX_JOBS=4
+RUN DS_ACCELERATOR=cuda DS_BUILD_OPS=0 DS_ENABLE_NINJA=1 \
+    DS_BUILD_CPU_ADAM=1 DS_BUILD_AIO=1 DS_BUILD_FUSED_ADAM=1 \
+    TORCH_CUDA_ARCH_LIST="$TORCH_CUDA_ARCH_LIST" MAX_JOBS="$MAX_JOBS" \
+    pip install --no-build-isolation -r requirements.txt \
+    # DeepSpeed skips a requested op it finds incompatible with only a warning: fail instead.
+    && python -c "import importlib.util, pathlib; \
+spec = importlib.util.find_spec('deepspeed'); \
+info = {}; \
+exec(pathlib.Path(spec.origin).with_name('git_version_info_installed.py').read_text(), info); \
+missing = [op for op in ('cpu_adam', 'async_io', 'fused_adam') if not info['installed_ops'].get(op)]; \
+assert info['accelerator_name'] == 'cuda' and not missing, (info['accelerator_name'], missing); \
+print('prebuilt DeepSpeed ops:', sorted(op for op, on in info['installed_ops'].items() if on))"
+
+# The package itself, without dependencies: they came from requirements.txt above.
+COPY pyproject.toml README.md ./
+COPY src ./src
+RUN pip install --no-deps --no-build-isolation .
+
+# ---------------------------------------------------------------------------------------------
+# Runtime stage: the matching CUDA *runtime* image (libcudart, no nvcc) plus the venv.
+FROM nvidia/cuda:${CUDA_VERSION}-runtime-${UBUNTU_VERSION} AS runtime
+
+ARG VERSION=0.1.0
+ARG REVISION=unknown
+ARG CUDA_VERSION
+LABEL org.opencontainers.image.title="zerotuner" \
+      org.opencontainers.image.description="DeepSpeed ZeRO fine-tuning appliance for SDXL and SD 1.x/2.x, configured by ZT_* environment variables" \
+      org.opencontainers.image.version="${VERSION}" \
+      org.opencontainers.image.revision="${REVISION}" \
+      org.opencontainers.image.base.name="nvidia/cuda:${CUDA_VERSION}-runtime-ubuntu24.04" \
+      org.opencontainers.image.documentation="README.md"
+
+SHELL ["/bin/bash", "-o", "pipefail", "-c"]
+ARG DEBIAN_FRONTEND=noninteractive
+
+# libaio1t64: the prebuilt async_io op (NVMe offload). tini: PID 1 that forwards SIGTERM and
+# reaps zombies. g++ / python3.12-dev / libaio-dev: Triton builds its launcher with the host
+# compiler, and on ZT_DEVICE=cpu DeepSpeed JIT-compiles its CPU ops (a few hundred MB on a
+# ~10 GB image). Versions unpinned for the reason given in the build stage.
+# hadolint ignore=DL3008
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends \
+        python3.12 python3.12-dev libaio1t64 libaio-dev g++ tini ca-certificates \
+    && rm -rf /var/lib/apt/lists/*
+
+# A non-root user with uid 1000 (Ubuntu 24.04 images ship `ubuntu` with that uid: replace it).
+# Group 0 owns the writable paths too, so platforms that run an arbitrary uid in group 0
+# (OpenShift) can write them.
+RUN if id -u ubuntu >/dev/null 2>&1; then userdel --remove ubuntu; fi \
+    && useradd --uid 1000 --gid 0 --create-home --shell /bin/bash zerotuner \
+    && mkdir -p /data /output /offload /config /cache/huggingface /cache/torch_extensions /app \
+    && chown -R 1000:0 /output /offload /cache /app \
+    && chmod -R g=u /output /offload /cache /app
+
+COPY --from=build /opt/venv /opt/venv
+COPY --chmod=0755 entrypoint /app/entrypoint
+
+ENV VIRTUAL_ENV=/opt/venv \
+    PATH=/opt/venv/bin:$PATH \
+    PYTHONUNBUFFERED=1 \
+    PYTHONDONTWRITEBYTECODE=1 \
+    HF_HOME=/cache/huggingface \
+    TORCH_EXTENSIONS_DIR=/cache/torch_extensions \
+    TRITON_CACHE_DIR=/cache/triton \
+    MPLCONFIGDIR=/cache/matplotlib \
+    NVIDIA_VISIBLE_DEVICES=all \
+    NVIDIA_DRIVER_CAPABILITIES=compute,utility
+
+WORKDIR /app
+USER 1000
+
+# /metrics, /healthz, /readyz (ZT_METRICS_PORT).
+EXPOSE 9464
+
+# /healthz turns 503 when no step finished for ZT_HANG_TIMEOUT_SECONDS. The start period covers
+# model download and the first step. Python's urllib: no curl in the image.
+HEALTHCHECK --interval=30s --timeout=10s --start-period=15m --retries=3 \
+    CMD ["python", "-c", "import os, sys, urllib.request; port = os.environ.get('ZT_METRICS_PORT', '9464'); sys.exit(0) if port == '0' else urllib.request.urlopen(f'http://127.0.0.1:{port}/healthz', timeout=8)"]
+
+# tini as PID 1; the entrypoint execs the zerotuner CLI, which maps failures to exit 0/1/2/3/143.
+ENTRYPOINT ["tini", "--", "/app/entrypoint"]
+CMD ["train"]
