@@ -1,0 +1,362 @@
+"""The dataset layer: find images and captions, bucket them by aspect ratio, order batches.
+
+Pure Python + PIL + numpy and no torch.distributed: every rank calls the same functions on the
+same folder and gets the same answer, so ranks agree on the data without talking. The latent
+cache (in the training worker) keys entries on what `scan` records per file.
+
+Order of a training epoch, independent of the world size: each aspect bucket is shuffled by
+(seed, epoch) and cut into full micro-batches (the last one topped up from the same bucket),
+then all batches are shuffled together. Ranks take every world_size-th batch, and the list is
+topped up so every rank gets the same number of batches (ranks must step together).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import logging
+import math
+import os
+import re
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from PIL import Image, ImageOps, UnidentifiedImageError
+
+from zerotuner.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp")
+PIL_FORMATS = {"PNG", "JPEG", "MPO", "WEBP"}  # MPO: multi-picture JPEG from phone cameras
+METADATA_FILE = "metadata.jsonl"
+COMPANION_SUFFIXES = {".txt", ".jsonl", ".json", ".md", ".yaml", ".yml", ".toml"}
+EXIF_ORIENTATION = 0x0112
+Size = tuple[int, int]  # (width, height) in pixels
+
+
+@dataclass(frozen=True)
+class Item:
+    """One usable image. `digest` identifies the content, so a cache survives `touch` and copies."""
+
+    path: Path
+    caption: str
+    size: Size  # (w, h) after EXIF orientation
+    file_size: int
+    mtime_ns: int
+    digest: str  # blake2b-128 of the file bytes
+
+
+@dataclass(frozen=True)
+class Dataset:
+    root: Path
+    items: tuple[Item, ...]
+    skipped: tuple[tuple[Path, str], ...]  # (path, reason) for every file left out
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+
+@dataclass(frozen=True)
+class Example:
+    """One image ready for the VAE, with SDXL's size/crop micro-conditioning."""
+
+    pixels: np.ndarray  # float32, CHW, RGB in [-1, 1]
+    caption: str
+    original_size: Size  # (h, w) of the source image after EXIF orientation
+    crop_top_left: Size  # (top, left) of the crop in the resized image
+    target_size: Size  # (h, w) of the bucket
+
+
+# --- scanning ---------------------------------------------------------------------------------
+
+
+def scan(data_dir: Path, *, log_skipped: bool = True, workers: int | None = None) -> Dataset:
+    """Find every readable PNG/JPEG/WebP under data_dir (recursively), with its caption.
+
+    Each image is fully decoded once, so a truncated file is found here, not mid-training.
+    Files that fail are skipped with one warning each (set log_skipped=False on all ranks but
+    one) and listed in `Dataset.skipped`. No usable image is a ConfigError (exit 2).
+    """
+    data_dir = Path(data_dir)
+    if not data_dir.is_dir():
+        raise ConfigError(
+            f"ZT_DATA_DIR={data_dir}: no such directory; mount a folder of PNG, JPEG or WebP "
+            "images (captions in sidecar .txt files or metadata.jsonl) there"
+        )
+    metadata = _read_metadata(data_dir)
+    candidates: list[Path] = []
+    skipped: list[tuple[Path, str]] = []
+    for path in _walk(data_dir):
+        suffix = path.suffix.lower()
+        if suffix in IMAGE_SUFFIXES:
+            candidates.append(path)
+        elif suffix not in COMPANION_SUFFIXES:
+            skipped.append((path, f"not a supported image ({', '.join(IMAGE_SUFFIXES)})"))
+    workers = workers or min(8, os.cpu_count() or 1)
+    with ThreadPoolExecutor(max_workers=workers) as pool:  # PIL decodes without the GIL
+        probed = list(pool.map(_probe, candidates))
+    items = []
+    for path, (result, reason) in zip(candidates, probed, strict=True):
+        if result is None:
+            skipped.append((path, reason))
+            continue
+        size, file_size, mtime_ns, digest = result
+        caption = _caption(path, data_dir, metadata)
+        items.append(Item(path, caption, size, file_size, mtime_ns, digest))
+    skipped.sort()
+    if log_skipped:
+        for path, reason in skipped:
+            log.warning("skipping %s: %s", path.relative_to(data_dir), reason)
+    if not items:
+        found = f"; {len(skipped)} file(s) skipped, see warnings" if skipped else ""
+        raise ConfigError(
+            f"ZT_DATA_DIR={data_dir}: no usable images{found}; expected PNG, JPEG or WebP "
+            "files (searched recursively) with captions in sidecar .txt files or metadata.jsonl"
+        )
+    return Dataset(root=data_dir, items=tuple(items), skipped=tuple(skipped))
+
+
+def _walk(root: Path) -> list[Path]:
+    """Regular files under root in a stable order; hidden files and folders are not data."""
+    found = []
+    for folder, dirs, files in os.walk(root, followlinks=True):
+        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+        for name in sorted(files):
+            if name.startswith(".") or name == METADATA_FILE:
+                continue
+            found.append(Path(folder) / name)
+    return found
+
+
+def _probe(path: Path) -> tuple[tuple[Size, int, int, str] | None, str]:
+    """Decode the image fully; return ((w, h), bytes, mtime_ns, digest) or (None, reason)."""
+    try:
+        stat = path.stat()
+        data = path.read_bytes()
+        with Image.open(io.BytesIO(data)) as image:
+            if image.format not in PIL_FORMATS:
+                return None, f"{image.format} data, not PNG, JPEG or WebP"
+            image.load()  # raises on truncated or corrupt data
+            size = image.size
+            if image.getexif().get(EXIF_ORIENTATION) in (5, 6, 7, 8):  # rotated 90 degrees
+                size = (size[1], size[0])
+    except UnidentifiedImageError:
+        return None, "not an image (unrecognised data)"
+    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as exc:
+        reason = "truncated" if "truncated" in str(exc) else "unreadable"
+        return None, f"{reason} ({exc})"
+    digest = hashlib.blake2b(data, digest_size=16).hexdigest()
+    return (size, stat.st_size, stat.st_mtime_ns, digest), ""
+
+
+def _read_metadata(root: Path) -> dict[Path, str]:
+    """Captions from every metadata.jsonl (Hugging Face imagefolder layout), by image path.
+
+    `file_name` is relative to the folder holding the metadata file. A malformed line is an
+    input error: silently falling back to file names would train on the wrong captions.
+    """
+    captions: dict[Path, str] = {}
+    for meta in sorted(root.rglob(METADATA_FILE)):
+        lines = meta.read_text(encoding="utf-8", errors="replace").splitlines()
+        for number, line in enumerate(lines, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+                name, text = row["file_name"], row.get("text", row.get("caption"))
+            except (ValueError, KeyError, TypeError) as exc:
+                raise ConfigError(
+                    f"ZT_DATA_DIR: {meta} line {number}: expected a JSON object with "
+                    f'"file_name" and "text" ({type(exc).__name__}: {exc})'
+                ) from None
+            captions[(meta.parent / name).resolve()] = "" if text is None else str(text).strip()
+    return captions
+
+
+def _caption(path: Path, root: Path, metadata: dict[Path, str]) -> str:
+    """Sidecar .txt first, then metadata.jsonl, then the file name."""
+    sidecar = path.with_suffix(".txt")
+    if sidecar.is_file():
+        return sidecar.read_text(encoding="utf-8", errors="replace").strip()
+    caption = metadata.get(path.resolve())
+    if caption is not None:
+        return caption
+    words = [w for w in re.split(r"[\s_\-.]+", path.stem) if w and not w.isdigit()]
+    return " ".join(words)
+
+
+# --- aspect-ratio buckets -------------------------------------------------------------------
+
+
+def bucket_sizes(resolution: int, *, multiple: int = 64, max_aspect: float = 4.0) -> list[Size]:
+    """(w, h) pairs, sides multiples of `multiple`, area at most resolution**2 and close to it.
+
+    For each short side the longest fitting long side is taken (both orientations), so every
+    bucket holds about the trained number of pixels; ratios beyond max_aspect are left out.
+    """
+    if multiple <= 0 or resolution < multiple:
+        raise ConfigError(
+            f"ZT_RESOLUTION={resolution}: must be at least the bucket step {multiple} pixels"
+        )
+    area = resolution * resolution
+    square = resolution // multiple * multiple
+    sizes = {(square, square)}
+    for short in range(multiple, resolution + 1, multiple):
+        long = area // short // multiple * multiple
+        if long / short <= max_aspect:
+            sizes.update({(short, long), (long, short)})
+    return sorted(sizes)
+
+
+def nearest_bucket(size: Size, buckets: Sequence[Size]) -> Size:
+    """The bucket whose aspect ratio is closest in log space (ties: the larger area)."""
+    ratio = math.log(size[0] / size[1])
+    return min(buckets, key=lambda b: (abs(math.log(b[0] / b[1]) - ratio), -b[0] * b[1], b))
+
+
+def assign_buckets(
+    items: Sequence[Item], resolution: int, *, multiple: int = 64, max_aspect: float = 4.0
+) -> dict[Size, list[int]]:
+    """Item indices grouped by bucket (w, h); only buckets in use, in sorted order.
+
+    `multiple` must keep latents divisible by the UNet's downsampling: pass
+    vae_scale * 2 ** (len(unet.block_out_channels) - 1) or a multiple of it (64 for SDXL).
+    """
+    sizes = bucket_sizes(resolution, multiple=multiple, max_aspect=max_aspect)
+    groups: dict[Size, list[int]] = {}
+    for index, item in enumerate(items):
+        groups.setdefault(nearest_bucket(item.size, sizes), []).append(index)
+    return dict(sorted(groups.items()))
+
+
+# --- loading one example ------------------------------------------------------------------------
+
+
+def load_example(item: Item, bucket_size: Size, *, flip: bool = False) -> Example:
+    """RGB pixels resized to cover the bucket, center-cropped, optionally mirrored."""
+    bw, bh = bucket_size
+    with Image.open(item.path) as raw:
+        image = _to_rgb(ImageOps.exif_transpose(raw))
+    w, h = image.size
+    scale = max(bw / w, bh / h)
+    nw, nh = max(bw, round(w * scale)), max(bh, round(h * scale))
+    image = image.resize((nw, nh), Image.Resampling.LANCZOS, reducing_gap=3.0)
+    left, top = (nw - bw) // 2, (nh - bh) // 2
+    image = image.crop((left, top, left + bw, top + bh))
+    if flip:
+        image = image.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
+        left = nw - left - bw  # where the crop sits in the mirrored image
+    pixels = np.asarray(image, dtype=np.float32).transpose(2, 0, 1) / 127.5 - 1.0
+    return Example(
+        pixels=np.ascontiguousarray(pixels),
+        caption=item.caption,
+        original_size=(item.size[1], item.size[0]),
+        crop_top_left=(top, left),
+        target_size=(bh, bw),
+    )
+
+
+def _to_rgb(image: Image.Image) -> Image.Image:
+    """Transparent pixels become white (not black); 16-bit images are scaled, not clipped."""
+    if image.mode in ("I;16", "I;16B", "I;16L", "I"):
+        array = np.asarray(image, dtype=np.float32) / 257.0
+        image = Image.fromarray(np.clip(array, 0, 255).astype(np.uint8), "L")
+    if image.mode in ("RGBA", "LA", "PA") or "transparency" in image.info:
+        rgba = image.convert("RGBA")
+        background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+        return Image.alpha_composite(background, rgba).convert("RGB")
+    return image.convert("RGB")
+
+
+# --- batch order --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Position:
+    """Where training stands in the data: global batches consumed in this epoch.
+
+    Counted in the world-size-independent global order, so a run can resume on another
+    number of ranks (rounded up to the next full round of world_size batches).
+    """
+
+    epoch: int = 0
+    batch: int = 0
+
+
+def epoch_batches(
+    buckets: dict[Size, list[int]], *, micro_batch: int, seed: int, epoch: int
+) -> list[list[int]]:
+    """The global batch order of one epoch: every batch from one bucket, every batch full."""
+    rng = np.random.default_rng([seed, epoch])
+    out: list[list[int]] = []
+    for size in sorted(buckets):
+        indices = [int(i) for i in rng.permutation(buckets[size])]
+        for start in range(0, len(indices), micro_batch):
+            batch = indices[start : start + micro_batch]
+            # Top a short last batch up from the same bucket: fixed shapes, no image dropped.
+            batch += [indices[j % len(indices)] for j in range(micro_batch - len(batch))]
+            out.append(batch)
+    order = rng.permutation(len(out))
+    return [out[i] for i in order]
+
+
+def batches(
+    dataset: Dataset,
+    buckets: dict[Size, list[int]],
+    *,
+    micro_batch: int,
+    rank: int,
+    world_size: int,
+    seed: int,
+    epoch: int,
+) -> list[list[int]]:
+    """This rank's micro-batches for one epoch; every rank gets the same number of them."""
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} outside world size {world_size}")
+    if micro_batch < 1:
+        raise ConfigError(f"ZT_TRAIN_BATCH_SIZE={micro_batch}: must be at least 1")
+    if sum(len(v) for v in buckets.values()) > len(dataset):
+        raise ValueError("buckets index more items than the dataset holds")
+    order = epoch_batches(buckets, micro_batch=micro_batch, seed=seed, epoch=epoch)
+    per_rank = -(-len(order) // world_size)
+    # Wrap around to the epoch's first batches so every rank gets the same count.
+    order = [order[i % len(order)] for i in range(per_rank * world_size)]
+    return order[rank::world_size]
+
+
+def batches_per_epoch(buckets: dict[Size, list[int]], *, micro_batch: int, world_size: int) -> int:
+    """Micro-batches each rank runs per epoch (what `batches` returns the length of)."""
+    total = sum(-(-len(v) // micro_batch) for v in buckets.values())
+    return -(-total // world_size)
+
+
+def iterate_batches(
+    dataset: Dataset,
+    buckets: dict[Size, list[int]],
+    *,
+    micro_batch: int,
+    rank: int,
+    world_size: int,
+    seed: int,
+    start: Position = Position(),
+) -> Iterator[tuple[list[int], Position]]:
+    """Endless (indices, position after this batch) pairs; save the position, resume from it."""
+    epoch, consumed = start.epoch, start.batch
+    while True:
+        mine = batches(
+            dataset,
+            buckets,
+            micro_batch=micro_batch,
+            rank=rank,
+            world_size=world_size,
+            seed=seed,
+            epoch=epoch,
+        )
+        for local in range(-(-consumed // world_size), len(mine)):
+            yield mine[local], Position(epoch, (local + 1) * world_size)
+        epoch, consumed = epoch + 1, 0
