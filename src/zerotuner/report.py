@@ -1,0 +1,81 @@
+"""End-of-run pictures from the run records: the loss curve a user looks at first.
+
+Reads OUTPUT/run/steps.jsonl (one StepRecord per line) rather than in-memory state, so the
+same picture can be redrawn for any run, including a resumed or a crashed one.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+
+def read_steps(steps_jsonl: Path) -> list[dict]:
+    """The step records, last one winning per step (a resumed run may repeat steps).
+
+    A torn last line (the run was killed mid-write) or a non-finite loss is left out.
+    """
+    by_step: dict[int, dict] = {}
+    for line in Path(steps_jsonl).read_text().splitlines():
+        try:
+            record = json.loads(line)
+            step, loss = int(record["step"]), float(record["loss"])
+        except (ValueError, KeyError, TypeError):
+            continue
+        if math.isfinite(loss):
+            by_step[step] = record
+    return [by_step[s] for s in sorted(by_step)]
+
+
+def smooth(values: list[float], *, window: int | None = None) -> list[float]:
+    """Trailing moving average; the default window is ~5% of the run (at least 1)."""
+    window = window or max(1, len(values) // 20)
+    out, total = [], 0.0
+    for i, value in enumerate(values):
+        total += value
+        if i >= window:
+            total -= values[i - window]
+        out.append(total / min(i + 1, window))
+    return out
+
+
+def loss_curve_png(steps_jsonl: Path, out_png: Path, *, title: str = "training loss") -> Path:
+    """Plot loss per step (faint) with a smoothed line, and the learning rate on a twin axis."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display in a container; must precede pyplot
+    import matplotlib.pyplot as plt
+
+    records = read_steps(steps_jsonl)
+    steps = [int(r["step"]) for r in records]
+    losses = [float(r["loss"]) for r in records]
+    fig, ax = plt.subplots(figsize=(8, 4.5), dpi=100)
+    try:
+        if records:
+            ax.plot(steps, losses, color="tab:blue", alpha=0.3, linewidth=1, label="loss")
+            ax.plot(steps, smooth(losses), color="tab:blue", linewidth=2, label="smoothed")
+            lrs = [r.get("lr") for r in records]
+            if all(isinstance(v, int | float) for v in lrs):
+                twin = ax.twinx()
+                twin.plot(steps, lrs, color="tab:orange", linewidth=1, label="learning rate")
+                twin.set_ylabel("learning rate", color="tab:orange")
+                twin.ticklabel_format(axis="y", style="sci", scilimits=(-2, 2))
+            ax.legend(loc="upper right")
+        else:
+            ax.text(0.5, 0.5, "no steps recorded", ha="center", va="center")
+        ax.set_xlabel("optimizer step")
+        ax.set_ylabel("loss")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+        fig.tight_layout()
+        out_png = Path(out_png)
+        out_png.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(out_png)
+    finally:
+        plt.close(fig)
+    log.info("loss curve: %s", out_png)
+    return out_png
