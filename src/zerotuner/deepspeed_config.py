@@ -227,14 +227,17 @@ def _batch(ctx: _Context, world_size: int) -> None:
     cfg, s, n = ctx.cfg, ctx.settings, ctx.n
     explicit_micro = "train_batch_size" in ctx.explicit
     explicit_accum = "gradient_accumulation_steps" in ctx.explicit
-    micro = (
-        s.train_batch_size if explicit_micro else _known(cfg.get("train_micro_batch_size_per_gpu"))
-    )
-    accum = (
-        s.gradient_accumulation_steps
-        if explicit_accum
-        else _known(cfg.get("gradient_accumulation_steps"))
-    )
+    micro = _known(cfg.get("train_micro_batch_size_per_gpu"))
+    accum = _known(cfg.get("gradient_accumulation_steps"))
+    for key, field, given, is_explicit in (
+        ("train_micro_batch_size_per_gpu", "train_batch_size", micro, explicit_micro),
+        ("gradient_accumulation_steps", "gradient_accumulation_steps", accum, explicit_accum),
+    ):
+        value = getattr(s, field)
+        if is_explicit and given is not None and given != value:
+            n.change(f"{env_name(field)}={value} overrides {key}={given} from {ctx.source}")
+    micro = s.train_batch_size if explicit_micro else micro
+    accum = s.gradient_accumulation_steps if explicit_accum else accum
     total = _known(cfg.get("train_batch_size"))
     if micro is None and accum is None:
         accum = s.gradient_accumulation_steps
