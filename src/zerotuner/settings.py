@@ -252,7 +252,7 @@ class SecretsDirSource(PydanticBaseSettingsSource):
         folder = _path_from_env("secrets_dir", DEFAULT_SECRETS_DIR)
         out: dict[str, Any] = {}
         for name, field in self.settings_cls.model_fields.items():
-            if field.annotation is not SecretStr | None:
+            if field.annotation != SecretStr | None:
                 continue
             for candidate in (name, name.upper(), env_name(name), env_name(name).lower()):
                 path = folder / candidate
@@ -334,6 +334,6 @@ def masked_dump(settings: Settings) -> dict[str, Any]:
     """The settings as JSON-able data with secrets masked, for logs and run records."""
     data = settings.model_dump(mode="json")
     for name, field in Settings.model_fields.items():
-        if field.annotation is SecretStr | None and data.get(name) is not None:
+        if field.annotation == SecretStr | None and data.get(name) is not None:
             data[name] = "***"
     return data
