@@ -75,7 +75,7 @@ RUN pip install --no-deps --no-build-isolation .
 
 # ---------------------------------------------------------------------------------------------
 # Runtime stage: the matching CUDA *runtime* image (libcudart, no nvcc) plus the venv.
-FROM nvidia/cuda:${CUDA_VERSION}-runtime-${UBUNTU_VERSION} AS runtime
+FROM nvidia/cuda:${CUDA_VERSION}-runtime-${UBUNTU_VERSION} AS runtime-base
 
 ARG VERSION=0.1.0
 ARG REVISION=unknown
@@ -124,7 +124,6 @@ ENV VIRTUAL_ENV=/opt/venv \
     NVIDIA_DRIVER_CAPABILITIES=compute,utility
 
 WORKDIR /app
-USER 1000
 
 # /metrics, /healthz, /readyz (ZT_METRICS_PORT).
 EXPOSE 9464
@@ -134,6 +133,19 @@ EXPOSE 9464
 HEALTHCHECK --interval=30s --timeout=10s --start-period=15m --retries=3 \
     CMD ["python", "-c", "import os, sys, urllib.request; port = os.environ.get('ZT_METRICS_PORT', '9464'); sys.exit(0) if port == '0' else urllib.request.urlopen(f'http://127.0.0.1:{port}/healthz', timeout=8)"]
 
+# ---------------------------------------------------------------------------------------------
+# RunPod variant (`docker build --target runpod -t zerotuner:runpod .`): RunPod mounts its
+# volume at /workspace owned by root and offers no way to choose the container user, so this
+# variant starts as root, hands the ZT_* folders to uid 1000 and drops to it with setpriv.
+FROM runtime-base AS runpod
+COPY --chmod=0755 config/cloud/runpod/start.sh /app/runpod-start
+ENTRYPOINT ["tini", "--", "/app/runpod-start"]
+CMD ["train"]
+
+# ---------------------------------------------------------------------------------------------
+# The default image (last stage): runs as uid 1000 from the first instruction.
+FROM runtime-base AS runtime
+USER 1000
 # tini as PID 1; the entrypoint execs the zerotuner CLI, which maps failures to exit 0/1/2/3/143.
 ENTRYPOINT ["tini", "--", "/app/entrypoint"]
 CMD ["train"]
