@@ -51,6 +51,13 @@ BUILTIN_FROZEN_PARAMS: dict[Family, int] = {
     "sd2": 340_387_840 + 83_653_863,
 }
 VAE_SCALE = 8  # pixels per latent cell in every family's VAE
+# (unet_params, largest_param) of the built-in configs, counted once on the meta device
+# (tests/test_plan.py recounts them): building SDXL on the meta device costs seconds.
+BUILTIN_UNET_COUNTS: dict[Family, tuple[int, int]] = {
+    "sdxl": (2_567_463_684, 29_491_200),
+    "sd1": (859_520_964, 29_491_200),
+    "sd2": (865_910_724, 29_491_200),
+}
 
 
 @dataclass(frozen=True)
@@ -91,12 +98,71 @@ def unet_config_path(model_dir: Path) -> Path | None:
     return None
 
 
-def model_shape(family: Family, model_dir: Path | None = None) -> ModelShape:
-    """Count the UNet's parameters on the meta device: no memory, no download."""
+def resolve_family(model: str, family_setting: str = "auto") -> Family:
+    """ZT_MODEL_FAMILY, else read from a local folder, else guessed from a hub id's name."""
+    if family_setting != "auto":
+        if family_setting not in FAMILIES:
+            raise ConfigError(f"ZT_MODEL_FAMILY={family_setting}: expected auto, sdxl, sd1 or sd2")
+        return family_setting  # type: ignore[return-value]
+    path = Path(model)
+    if path.is_dir():
+        return detect_family(path)
+    name = model.lower()
+    if "xl" in name:
+        return "sdxl"
+    if "stable-diffusion-2" in name or "sd2" in name:
+        return "sd2"
+    if "v1-" in name or "stable-diffusion-v1" in name or "sd1" in name:
+        return "sd1"
+    raise ConfigError(
+        f"ZT_MODEL={model}: cannot tell the model family from the name; set ZT_MODEL_FAMILY "
+        "to sdxl, sd1 or sd2"
+    )
+
+
+def frozen_params(model_dir: Path) -> int:
+    """Parameters of the text encoders and VAE of a local pipeline, counted on the meta device."""
+    from accelerate import init_empty_weights
+
+    total = 0
+    for sub in ("text_encoder", "text_encoder_2", "vae"):
+        folder = model_dir / sub
+        if not (folder / "config.json").is_file():
+            continue
+        with init_empty_weights():
+            if sub == "vae":
+                from diffusers import AutoencoderKL
+
+                module = AutoencoderKL.from_config(AutoencoderKL.load_config(str(folder)))
+            else:
+                import transformers
+
+                config = transformers.AutoConfig.from_pretrained(str(folder))
+                arch = (config.architectures or ["CLIPTextModel"])[0]
+                module = getattr(transformers, arch)(config)
+        total += sum(p.numel() for p in module.parameters())
+    return total
+
+
+def model_shape(
+    family: Family, model_dir: Path | None = None, *, recount: bool = False
+) -> ModelShape:
+    """Count the UNet's parameters on the meta device: no memory, no download.
+
+    A built-in family uses its stored counts unless `recount`.
+    """
+    config_path = unet_config_path(model_dir) if model_dir else None
+    if config_path is None and not recount:
+        params, largest = BUILTIN_UNET_COUNTS[family]
+        native = int(BUILTIN_UNET_CONFIGS[family]["sample_size"]) * VAE_SCALE
+        return ModelShape(
+            family, params, largest, BUILTIN_FROZEN_PARAMS[family], native,
+            f"built-in {family} config",
+        )  # fmt: skip
+
     from accelerate import init_empty_weights
     from diffusers import UNet2DConditionModel
 
-    config_path = unet_config_path(model_dir) if model_dir else None
     if config_path is not None:
         config = UNet2DConditionModel.load_config(str(config_path.parent))
         source = str(config_path)
@@ -110,7 +176,9 @@ def model_shape(family: Family, model_dir: Path | None = None) -> ModelShape:
         family=family,
         unet_params=sum(sizes),
         largest_param=max(sizes),
-        frozen_params=BUILTIN_FROZEN_PARAMS[family] if config_path is None else 0,
+        frozen_params=BUILTIN_FROZEN_PARAMS[family]
+        if config_path is None or model_dir is None
+        else frozen_params(model_dir),
         native_resolution=int(unet.config.sample_size) * VAE_SCALE,
         source=source,
     )

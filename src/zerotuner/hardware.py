@@ -1,17 +1,36 @@
 """What the machine offers: the description every decision is made from.
 
-Probing (torch.cuda, NVML, /proc, /sys) fills these dataclasses; everything downstream (plan,
-normalize) takes them as plain data so its decisions are tested by feeding descriptions.
+Probing (torch.cuda, NVML, /proc, /sys, rlimits) is thin I/O that fills `Facts`; `describe`
+turns facts into `Hardware` and `diagnose` turns them into warnings with the fix. Both are pure,
+so every decision is tested by feeding described machines (a CUDA GPU cannot exist here).
+Everything downstream (plan, normalize) takes `Hardware` as plain data.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Literal
+import ctypes.util
+import os
+import resource
+import shutil
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Literal
+
+from zerotuner.errors import ConfigError, EnvironmentUnfit
 
 Accelerator = Literal["cuda", "cpu", "rocm", "mps"]
 
 GiB = 1024**3
+MiB = 1024**2
+
+DOCKER_DEFAULT_SHM = 64 * MiB
+MIN_SHM = 1 * GiB  # NCCL and DataLoader workers exchange tensors through /dev/shm
+DS_OPS = ("cpu_adam", "async_io", "fused_adam")
+_BUILDERS = {
+    "cpu_adam": "CPUAdamBuilder",
+    "async_io": "AsyncIOBuilder",
+    "fused_adam": "FusedAdamBuilder",
+}
 
 
 @dataclass(frozen=True)
@@ -22,10 +41,25 @@ class GPU:
     free_memory: int  # bytes
     compute_capability: tuple[int, int] = (8, 0)
     uuid: str = ""
+    pci_bus_id: str = ""
 
     @property
     def bf16(self) -> bool:
         return self.compute_capability >= (8, 0)  # Ampere and newer
+
+
+@dataclass(frozen=True)
+class OpStatus:
+    """One DeepSpeed op: can it run here, and does it need a JIT compile first."""
+
+    name: str
+    compatible: bool  # the op builder's is_compatible(): headers, libraries, arch
+    prebuilt: bool  # compiled into the installed wheel (DS_BUILD_*=1 at install)
+    jit_possible: bool  # ninja and a C++ compiler (plus nvcc for CUDA ops) are present
+
+    @property
+    def loadable(self) -> bool:
+        return self.compatible and (self.prebuilt or self.jit_possible)
 
 
 @dataclass(frozen=True)
@@ -37,6 +71,9 @@ class Hardware:
     shm_bytes: int | None = None
     memlock_bytes: int | None = None  # None = unlimited
     warnings: tuple[str, ...] = field(default_factory=tuple)
+    driver_capabilities: str | None = None  # NVIDIA_DRIVER_CAPABILITIES as the container sees it
+    ops: tuple[OpStatus, ...] = ()  # DeepSpeed ops; empty = not probed
+    libaio: bool | None = None  # None = not probed
 
     @property
     def device_count(self) -> int:
@@ -54,6 +91,368 @@ class Hardware:
             return self.host_memory
         return min(g.total_memory for g in self.gpus)
 
+    def op(self, name: str) -> OpStatus | None:
+        return next((o for o in self.ops if o.name == name), None)
+
+    @property
+    def nvme_offload_possible(self) -> bool | None:
+        """DeepSpeed's NVMe offload needs the async_io op (libaio); None = not probed."""
+        status = self.op("async_io")
+        return None if status is None else status.loadable
+
 
 def cpu_only(host_memory: int = 16 * GiB, cpu_count: int = 2) -> Hardware:
     return Hardware(accelerator="cpu", host_memory=host_memory, cpu_count=cpu_count)
+
+
+# --- facts: what probing found, before any decision -------------------------------------------
+
+
+@dataclass(frozen=True)
+class CudaDevice:
+    """One device as torch.cuda numbers it (after CUDA_VISIBLE_DEVICES)."""
+
+    index: int
+    name: str
+    total_memory: int
+    compute_capability: tuple[int, int]
+    uuid: str  # "GPU-..." as NVML spells it; "" when torch cannot tell
+
+
+@dataclass(frozen=True)
+class NvmlDevice:
+    """One device as NVML sees it: every GPU of the host, whatever CUDA_VISIBLE_DEVICES says."""
+
+    uuid: str
+    name: str
+    total_memory: int
+    free_memory: int
+    pci_bus_id: str = ""
+
+
+@dataclass(frozen=True)
+class Facts:
+    cuda: tuple[CudaDevice, ...] = ()
+    nvml: tuple[NvmlDevice, ...] | None = None  # None: NVML not available
+    hip: bool = False  # torch built for ROCm and a device is present
+    mps: bool = False
+    mem_total: int = 16 * GiB  # /proc/meminfo MemTotal
+    cgroup_limit: int | None = None  # memory.max / memory.limit_in_bytes; None = unlimited
+    cpu_count: int = 1
+    shm_bytes: int | None = None
+    memlock_bytes: int | None = None  # None = unlimited
+    environ: dict[str, str] = field(default_factory=dict)  # the NVIDIA_* variables only
+    ops: tuple[OpStatus, ...] = ()
+    libaio: bool | None = None
+
+
+# --- decisions (pure) -------------------------------------------------------------------------
+
+
+def choose_accelerator(device_setting: str, facts: Facts) -> Accelerator:
+    """ZT_DEVICE=auto picks CUDA when a GPU is visible; ROCm and MPS are named, not run."""
+    if device_setting == "cpu":
+        return "cpu"
+    if facts.hip:
+        return "rocm"
+    if facts.cuda:
+        return "cuda"
+    if facts.mps:
+        return "mps"
+    if device_setting == "cuda":
+        raise EnvironmentUnfit(
+            "ZT_DEVICE=cuda: no CUDA GPU is visible; run with `docker run --gpus all` (and "
+            "NVIDIA_DRIVER_CAPABILITIES=compute,utility) or set ZT_DEVICE=auto/cpu"
+        )
+    if device_setting not in ("auto", "cuda"):
+        raise ConfigError(f"ZT_DEVICE={device_setting!r}: expected auto, cuda or cpu")
+    return "cpu"
+
+
+def join_gpus(cuda: tuple[CudaDevice, ...], nvml: tuple[NvmlDevice, ...] | None) -> tuple[GPU, ...]:
+    """torch's numbering with NVML's live numbers, matched by UUID (never by index).
+
+    NVML ignores CUDA_VISIBLE_DEVICES, so NVML index 0 may be a GPU this container cannot use.
+    Without a UUID match the free memory is unknown and taken as the total.
+    """
+    by_uuid = {d.uuid: d for d in nvml or ()}
+    gpus = []
+    for dev in cuda:
+        seen = by_uuid.get(dev.uuid) if dev.uuid else None
+        gpus.append(
+            GPU(
+                index=dev.index,
+                name=dev.name,
+                total_memory=dev.total_memory,
+                free_memory=seen.free_memory if seen else dev.total_memory,
+                compute_capability=dev.compute_capability,
+                uuid=dev.uuid,
+                pci_bus_id=seen.pci_bus_id if seen else "",
+            )
+        )
+    return tuple(gpus)
+
+
+def host_memory(mem_total: int, cgroup_limit: int | None) -> int:
+    """The container's share: a cgroup limit below MemTotal is what the OOM killer enforces."""
+    if cgroup_limit is not None and 0 < cgroup_limit < mem_total:
+        return cgroup_limit
+    return mem_total
+
+
+def diagnose(facts: Facts, accelerator: Accelerator, gpus: tuple[GPU, ...]) -> list[str]:
+    """Findings that will hurt training, each with the fix."""
+    out: list[str] = []
+    gpu_job = accelerator == "cuda" or bool(facts.environ.get("NVIDIA_VISIBLE_DEVICES"))
+    if facts.shm_bytes is not None and facts.shm_bytes < MIN_SHM:
+        out.append(
+            f"/dev/shm is {facts.shm_bytes // MiB} MiB: NCCL and DataLoader workers need more; "
+            "run with `--shm-size=16g` (docker), `ipc: host` (compose) or mount an emptyDir "
+            "with medium: Memory at /dev/shm (Kubernetes)"
+        )
+    if accelerator == "cuda" and facts.memlock_bytes is not None and facts.memlock_bytes < GiB:
+        out.append(
+            f"ulimit -l is {facts.memlock_bytes // 1024} KiB: pinned host buffers for offload "
+            "count against it; run with `--ulimit memlock=-1` (docker) or "
+            "`ulimits: {memlock: -1}` (compose)"
+        )
+    caps = facts.environ.get("NVIDIA_DRIVER_CAPABILITIES")
+    if gpu_job and caps is not None:
+        have = {c.strip() for c in caps.split(",")}
+        missing = [c for c in ("compute", "utility") if c not in have and "all" not in have]
+        if missing:
+            out.append(
+                f"NVIDIA_DRIVER_CAPABILITIES={caps} lacks {','.join(missing)}: CUDA needs compute, "
+                "NVML (memory metrics, GPU UUIDs) needs utility; set "
+                "NVIDIA_DRIVER_CAPABILITIES=compute,utility"
+            )
+    if accelerator == "cuda" and facts.nvml is None:
+        out.append(
+            "NVML is not available: free memory and GPU UUIDs are unknown (metrics cannot join "
+            "DCGM); include `utility` in NVIDIA_DRIVER_CAPABILITIES"
+        )
+    for gpu in gpus:
+        if gpu.free_memory < 0.9 * gpu.total_memory:
+            used = (gpu.total_memory - gpu.free_memory) / GiB
+            out.append(
+                f"GPU {gpu.index} ({gpu.name}) already has {used:.1f} GiB in use by other "
+                "processes: the plan assumes the whole GPU"
+            )
+    for op in facts.ops:
+        if op.name == "async_io" and not op.loadable:
+            out.append(
+                "DeepSpeed async_io cannot load (libaio missing): NVMe offload is unavailable; "
+                "install libaio-dev (the image has it) or offload to cpu"
+            )
+        elif op.name == "cpu_adam" and not op.loadable:
+            out.append(
+                "DeepSpeed cpu_adam cannot load: CPU optimizer offload is unavailable; "
+                "install a C++ compiler and ninja, or prebuild with DS_BUILD_CPU_ADAM=1"
+            )
+        elif op.compatible and not op.prebuilt and op.jit_possible and accelerator == "cuda":
+            out.append(
+                f"DeepSpeed {op.name} is not prebuilt: it compiles at first use (minutes); "
+                "build the image with DS_BUILD_CPU_ADAM=1 DS_BUILD_AIO=1 DS_BUILD_FUSED_ADAM=1"
+            )
+    return out
+
+
+def describe(facts: Facts, device_setting: str = "auto") -> Hardware:
+    accelerator = choose_accelerator(device_setting, facts)
+    gpus = join_gpus(facts.cuda, facts.nvml) if accelerator == "cuda" else ()
+    return Hardware(
+        accelerator=accelerator,
+        gpus=gpus,
+        host_memory=host_memory(facts.mem_total, facts.cgroup_limit),
+        cpu_count=facts.cpu_count,
+        shm_bytes=facts.shm_bytes,
+        memlock_bytes=facts.memlock_bytes,
+        warnings=tuple(diagnose(facts, accelerator, gpus)),
+        driver_capabilities=facts.environ.get("NVIDIA_DRIVER_CAPABILITIES"),
+        ops=facts.ops,
+        libaio=facts.libaio,
+    )
+
+
+def require_supported(hardware: Hardware) -> None:
+    """DeepSpeed cannot train on ROCm builds of this image nor on Apple MPS: say so (exit 3)."""
+    if hardware.accelerator == "rocm":
+        raise EnvironmentUnfit(
+            "ROCm GPU detected: this image's DeepSpeed is built for CUDA and cannot run on it; "
+            "use an NVIDIA GPU, or ZT_DEVICE=cpu to train (slowly) on the CPU"
+        )
+    if hardware.accelerator == "mps":
+        raise EnvironmentUnfit(
+            "Apple MPS detected: DeepSpeed does not run on MPS; use ZT_DEVICE=cpu or an NVIDIA GPU"
+        )
+
+
+# --- probing (thin I/O) -----------------------------------------------------------------------
+
+
+def probe(device_setting: str = "auto", environ: Any = None, *, ops: bool = True) -> Hardware:
+    """Look at this machine. `ops=False` skips importing DeepSpeed (seconds) for quick checks."""
+    environ = os.environ if environ is None else environ
+    return describe(probe_facts(device_setting, environ, ops=ops), device_setting)
+
+
+def probe_facts(device_setting: str, environ: Any, *, ops: bool = True) -> Facts:
+    cuda, hip, mps = ((), False, False) if device_setting == "cpu" else _torch_devices()
+    accelerator = "cuda" if cuda and not hip else "cpu"
+    return Facts(
+        cuda=cuda,
+        nvml=_nvml_devices() if cuda and not hip else None,
+        hip=hip,
+        mps=mps,
+        mem_total=_mem_total(),
+        cgroup_limit=_cgroup_memory_limit(),
+        cpu_count=_cpu_count(),
+        shm_bytes=_fs_size("/dev/shm"),
+        memlock_bytes=_memlock(),
+        environ={k: v for k, v in environ.items() if k.startswith("NVIDIA_")},
+        ops=_ds_ops(accelerator, environ) if ops else (),
+        libaio=ctypes.util.find_library("aio") is not None,
+    )
+
+
+def _torch_devices() -> tuple[tuple[CudaDevice, ...], bool, bool]:
+    import torch
+
+    hip = bool(getattr(torch.version, "hip", None))
+    devices = []
+    if torch.cuda.is_available():
+        for i in range(torch.cuda.device_count()):
+            props = torch.cuda.get_device_properties(i)
+            uuid = str(getattr(props, "uuid", "") or "")
+            if uuid and not uuid.startswith("GPU-"):
+                uuid = f"GPU-{uuid}"  # torch prints the bare UUID; NVML prefixes it
+            devices.append(
+                CudaDevice(i, props.name, int(props.total_memory), (props.major, props.minor), uuid)
+            )
+    mps_backend = getattr(torch.backends, "mps", None)
+    mps = bool(mps_backend and mps_backend.is_available())
+    return tuple(devices), hip and bool(devices), mps
+
+
+def _nvml_devices() -> tuple[NvmlDevice, ...] | None:
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+    except Exception:  # no driver library, or `utility` capability missing
+        return None
+    try:
+        found = []
+        for i in range(pynvml.nvmlDeviceGetCount()):
+            handle = pynvml.nvmlDeviceGetHandleByIndex(i)
+            mem = pynvml.nvmlDeviceGetMemoryInfo(handle)
+            pci = pynvml.nvmlDeviceGetPciInfo(handle)
+            found.append(
+                NvmlDevice(
+                    uuid=_text(pynvml.nvmlDeviceGetUUID(handle)),
+                    name=_text(pynvml.nvmlDeviceGetName(handle)),
+                    total_memory=int(mem.total),
+                    free_memory=int(mem.free),
+                    pci_bus_id=_text(pci.busId),
+                )
+            )
+        return tuple(found)
+    except Exception:
+        return None
+    finally:
+        pynvml.nvmlShutdown()
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _mem_total() -> int:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemTotal:"):
+            return int(line.split()[1]) * 1024
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def _cgroup_memory_limit() -> int | None:
+    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            text = Path(path).read_text().strip()
+        except OSError:
+            continue
+        if text.isdigit() and int(text) < 2**60:  # v1 reports "unlimited" as ~2**63
+            return int(text)
+        return None
+    return None
+
+
+def _cpu_count() -> int:
+    cpus = len(os.sched_getaffinity(0))
+    try:  # cgroup v2 quota: "max 100000" or "200000 100000"
+        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()
+        if quota != "max":
+            cpus = min(cpus, max(1, int(quota) // int(period)))
+    except (OSError, ValueError):
+        pass
+    return cpus
+
+
+def _fs_size(path: str) -> int | None:
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return None
+    return st.f_blocks * st.f_frsize
+
+
+def _memlock() -> int | None:
+    soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    return None if soft == resource.RLIM_INFINITY else soft
+
+
+def _ds_ops(accelerator: str, environ: Any) -> tuple[OpStatus, ...]:
+    """Ask DeepSpeed's op builders (no compile): compatible, prebuilt, or JIT-compilable."""
+    env_backup = os.environ.get("DS_ACCELERATOR")
+    if accelerator == "cpu":
+        os.environ["DS_ACCELERATOR"] = "cpu"  # else DeepSpeed probes for CUDA and warns
+    try:
+        from deepspeed.accelerator import get_accelerator
+        from deepspeed.git_version_info import installed_ops
+
+        acc = get_accelerator()
+        compiler = bool(shutil.which("c++") or shutil.which("g++"))
+        jit = compiler and shutil.which("ninja") is not None
+        if accelerator == "cuda":
+            cuda_jit = jit and bool(shutil.which("nvcc") or environ.get("CUDA_HOME"))
+        else:
+            cuda_jit = jit
+        found = []
+        for name in DS_OPS:
+            builder = acc.create_op_builder(_BUILDERS[name])
+            compatible = bool(builder and builder.is_compatible(verbose=False))
+            needs_cuda = name == "fused_adam"
+            found.append(
+                OpStatus(
+                    name=name,
+                    compatible=compatible,
+                    prebuilt=bool(installed_ops.get(name)),
+                    jit_possible=cuda_jit if needs_cuda else jit,
+                )
+            )
+        return tuple(found)
+    except Exception:  # an unusable DeepSpeed install is reported by train itself
+        return ()
+    finally:
+        if accelerator == "cpu":
+            if env_backup is None:
+                os.environ.pop("DS_ACCELERATOR", None)
+            else:
+                os.environ["DS_ACCELERATOR"] = env_backup
+
+
+def with_memory(hardware: Hardware, *, gpu_memory: int | None, host: int | None) -> Hardware:
+    """The same machine with other sizes (what-if planning)."""
+    gpus = hardware.gpus
+    if gpu_memory is not None:
+        gpus = tuple(replace(g, total_memory=gpu_memory, free_memory=gpu_memory) for g in gpus)
+    return replace(hardware, gpus=gpus, host_memory=host or hardware.host_memory)
