@@ -96,7 +96,8 @@ def scan(data_dir: Path, *, log_skipped: bool = True, workers: int | None = None
         if suffix in IMAGE_SUFFIXES:
             candidates.append(path)
         elif suffix not in COMPANION_SUFFIXES:
-            skipped.append((path, f"not a supported image ({', '.join(IMAGE_SUFFIXES)})"))
+            kind = f"'{suffix}' files" if suffix else "files without a suffix"
+            skipped.append((path, f"{kind} are not read (PNG, JPEG or WebP are)"))
     workers = workers or min(8, os.cpu_count() or 1)
     with ThreadPoolExecutor(max_workers=workers) as pool:  # PIL decodes without the GIL
         probed = list(pool.map(_probe, candidates))

@@ -1,0 +1,110 @@
+"""The demo model loads and runs like a hub checkpoint; the demo data is what training needs."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from zerotuner import cli, data
+from zerotuner.demo import DEMO_RESOLUTION, MAX_TOKENS, train_bpe
+from zerotuner.families import detect_family
+
+
+def _generate(pipe, prompt: str):
+    generator = torch.Generator().manual_seed(0)
+    return pipe(
+        prompt,
+        num_inference_steps=2,
+        height=DEMO_RESOLUTION,
+        width=DEMO_RESOLUTION,
+        generator=generator,
+        output_type="np",
+    ).images[0]
+
+
+def test_sdxl_demo_loads_as_a_hub_pipeline_and_generates(demo_dir: Path) -> None:
+    from diffusers import DiffusionPipeline, StableDiffusionXLPipeline
+
+    pipe = DiffusionPipeline.from_pretrained(demo_dir / "model")
+    assert isinstance(pipe, StableDiffusionXLPipeline)
+    assert detect_family(demo_dir / "model") == "sdxl"
+    vae_scale = 2 ** (len(pipe.vae.config.block_out_channels) - 1)
+    assert pipe.vae_scale_factor == vae_scale == 2
+    assert pipe.unet.config.sample_size * vae_scale == DEMO_RESOLUTION
+    assert pipe.unet.config.cross_attention_dim == (
+        pipe.text_encoder.config.hidden_size + pipe.text_encoder_2.config.hidden_size
+    )
+    image = _generate(pipe, "a red circle on a white background")
+    assert image.shape == (DEMO_RESOLUTION, DEMO_RESOLUTION, 3)
+    assert image.min() >= 0.0 and image.max() <= 1.0 and image.std() > 0
+
+
+def test_tokenizers_cover_every_caption_without_overflow(demo_dir: Path) -> None:
+    from transformers import CLIPTokenizer
+
+    captions = [p.read_text() for p in sorted((demo_dir / "data").glob("*.txt"))]
+    for sub in ("tokenizer", "tokenizer_2"):
+        tokenizer = CLIPTokenizer.from_pretrained(demo_dir / "model" / sub)
+        assert tokenizer.model_max_length == MAX_TOKENS
+        for caption in captions:
+            tokens = tokenizer.tokenize(caption)
+            assert tokens == [w + "</w>" for w in caption.split()]  # one known token per word
+            assert tokenizer.unk_token_id not in tokenizer(caption).input_ids[1:-1]
+        long = tokenizer(
+            "a red circle " * 100, padding="max_length", truncation=True, max_length=MAX_TOKENS
+        )
+        assert len(long.input_ids) == MAX_TOKENS
+
+
+def test_bpe_turns_each_training_word_into_one_token() -> None:
+    vocab, merges = train_bpe(["triangle", "red", "red", "tri"])
+    assert {"triangle</w>", "red</w>", "tri</w>"} <= set(vocab)
+    assert len(vocab) == 512 + len(merges) + 2  # bytes, bytes + </w>, merges, specials
+    assert list(vocab.values()) == list(range(len(vocab)))
+    assert train_bpe(["triangle", "red", "tri"]) == train_bpe(["triangle", "red", "tri"])
+
+
+def test_demo_data_has_captions_and_several_aspect_buckets(demo_dir: Path) -> None:
+    dataset = data.scan(demo_dir / "data")
+    assert len(dataset) == 64 and not dataset.skipped
+    assert all(item.caption.startswith("a ") for item in dataset.items)
+    assert {"red", "green", "blue"} <= {item.caption.split()[1] for item in dataset.items}
+    buckets = data.assign_buckets(dataset.items, DEMO_RESOLUTION, multiple=4)
+    assert len(buckets) == 3 and (DEMO_RESOLUTION, DEMO_RESOLUTION) in buckets
+
+
+def test_cli_rewrites_identically_and_keeps_user_files(
+    demo_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    target = tmp_path / "demo"
+    shutil.copytree(demo_dir, target)
+    (target / "mine.txt").write_text("keep me")
+    (target / "model" / "notes.md").write_text("keep me too")
+
+    assert cli.main(["demo", str(target)]) == 0
+
+    assert str(target / "model") in capsys.readouterr().out
+    assert (target / "mine.txt").read_text() == "keep me"
+    assert (target / "model" / "notes.md").read_text() == "keep me too"
+    # Same seed, same bytes: weights, tokenizer, configs and images are deterministic.
+    written = sorted(p.relative_to(demo_dir) for p in demo_dir.rglob("*") if p.is_file())
+    assert any(p.suffix == ".safetensors" for p in written)
+    for rel in written:
+        assert (target / rel).read_bytes() == (demo_dir / rel).read_bytes(), rel
+
+
+@pytest.mark.parametrize("family", ["sd1", "sd2"])
+def test_sd1_and_sd2_demos_load_and_generate(family: str, request: pytest.FixtureRequest) -> None:
+    from diffusers import DiffusionPipeline, StableDiffusionPipeline
+
+    root: Path = request.getfixturevalue(f"{family}_demo_dir")
+    pipe = DiffusionPipeline.from_pretrained(root / "model")
+    assert isinstance(pipe, StableDiffusionPipeline)
+    assert detect_family(root / "model") == family
+    expected = "v_prediction" if family == "sd2" else "epsilon"
+    assert pipe.scheduler.config.prediction_type == expected
+    image = _generate(pipe, "a blue square on a black background")
+    assert image.shape == (DEMO_RESOLUTION, DEMO_RESOLUTION, 3)
