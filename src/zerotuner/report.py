@@ -58,13 +58,19 @@ def loss_curve_png(steps_jsonl: Path, out_png: Path, *, title: str = "training l
         if records:
             ax.plot(steps, losses, color="tab:blue", alpha=0.3, linewidth=1, label="loss")
             ax.plot(steps, smooth(losses), color="tab:blue", linewidth=2, label="smoothed")
+            handles = ax.get_lines()
             lrs = [r.get("lr") for r in records]
             if all(isinstance(v, int | float) for v in lrs):
                 twin = ax.twinx()
-                twin.plot(steps, lrs, color="tab:orange", linewidth=1, label="learning rate")
+                (lr_line,) = twin.plot(
+                    steps, lrs, color="tab:orange", linestyle="--", linewidth=1, label="lr"
+                )
                 twin.set_ylabel("learning rate", color="tab:orange")
                 twin.ticklabel_format(axis="y", style="sci", scilimits=(-2, 2))
-            ax.legend(loc="upper right")
+                ax.set_zorder(twin.get_zorder() + 1)  # the loss is drawn over the lr line
+                ax.patch.set_visible(False)
+                handles.append(lr_line)
+            ax.legend(handles=handles, loc="upper right", framealpha=0.9)
         else:
             ax.text(0.5, 0.5, "no steps recorded", ha="center", va="center")
         ax.set_xlabel("optimizer step")
