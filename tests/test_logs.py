@@ -125,6 +125,7 @@ def test_library_loggers_with_own_handlers_are_routed_through_ours():
     assert "WARNING [rank 1] DeepSpeed: rank 1 trouble" in out.getvalue()
 
 
+@pytest.mark.slow
 def test_a_rank_process_logs_through_the_real_deepspeed_logger(tmp_path):
     """DeepSpeed's own logger (stdout handler, no propagation) is adopted in a real process."""
     code = textwrap.dedent(

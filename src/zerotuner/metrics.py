@@ -83,6 +83,7 @@ PHASES = (
     "starting",
     "probing",
     "downloading",
+    "loading",
     "caching",
     "training",
     "checkpointing",
