@@ -471,5 +471,15 @@ def test_without_a_metrics_dir_the_sink_does_nothing(monkeypatch):
     sink.on_step(StepRecord(1, 0.1, 1e-4, None, 0.1, 1, time.time()))  # no error, no effect
 
 
+def test_a_metrics_dir_set_too_late_is_reported(tmp_path, monkeypatch, caplog):
+    # This pytest process imported prometheus_client without the variable: like a rank whose
+    # launcher exported it too late. The sink says so instead of silently exporting nothing.
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))
+    with caplog.at_level("WARNING"):
+        sink = PrometheusSink(0)
+    assert sink.enabled is False
+    assert "imported before it" in caplog.text
+
+
 if __name__ == "__main__":
     produce(int(sys.argv[1]), int(sys.argv[2]), Path(sys.argv[3]))

@@ -32,6 +32,7 @@ the job's totals (`samples_total`, throughput). Device memory per rank:
 
 from __future__ import annotations
 
+import logging
 import os
 import resource
 import time
@@ -43,6 +44,8 @@ import psutil
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from zerotuner.records import StepRecord
+
+log = logging.getLogger(__name__)
 
 MULTIPROC_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
@@ -155,7 +158,7 @@ class CudaMemoryProbe:
         self._index = device_index
         props = torch.cuda.get_device_properties(device_index)
         uuid = str(props.uuid)
-        self.gpu_uuid = uuid if uuid.startswith("GPU-") else f"GPU-{uuid}"
+        self.gpu_uuid = uuid if uuid.startswith(("GPU-", "MIG-")) else f"GPU-{uuid}"  # NVML's form
         self._total = int(props.total_memory)
         self._nvml = _nvml_handle(self.gpu_uuid)
 
@@ -226,10 +229,15 @@ class PrometheusSink:
         registry: CollectorRegistry | None = None,
         probe: MemoryProbe | None = None,
     ) -> None:
-        self.enabled = registry is not None or (
-            bool(os.environ.get(MULTIPROC_DIR_ENV)) and multiprocess_mode_active()
-        )
+        wanted = bool(os.environ.get(MULTIPROC_DIR_ENV))
+        self.enabled = registry is not None or (wanted and multiprocess_mode_active())
         if not self.enabled:
+            if wanted:
+                log.warning(
+                    "%s is set but prometheus_client was imported before it: this rank's "
+                    "metrics are not exported",
+                    MULTIPROC_DIR_ENV,
+                )
             return
         self._rank = str(rank)
         self._world = world_size or int(os.environ.get("WORLD_SIZE", "1"))
