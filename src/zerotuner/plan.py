@@ -227,8 +227,14 @@ def estimate(
         host_rank["model_load"] = 4 * psi if stage < 3 else 4 * psi // max(1, ranks_per_node)
     if ema:
         host_rank["ema"] = 4 * psi  # fp32 shadow on the CPU, not sharded by DeepSpeed
-    steady = sum(v for k, v in host_rank.items() if k != "model_load")
-    per_rank_host = max(steady, host_rank["process"] + host_rank.get("model_load", 0))
+    # The loaded copy is gone (moved to the device, or became DeepSpeed's fp32 master) before
+    # offloaded states fill the host; the process and the EMA shadow stay throughout.
+    lasting = ("process", "ema", "model_load")
+    offloaded = sum(v for k, v in host_rank.items() if k not in lasting)
+    per_rank_host = (
+        host_rank["process"] + host_rank.get("ema", 0)
+        + max(offloaded, host_rank.get("model_load", 0))
+    )  # fmt: skip
     host = ranks_per_node * per_rank_host + ENTRYPOINT_PROCESS
     if on_cpu:
         host += ranks_per_node * device  # the CPU accelerator's "device" memory is host memory

@@ -1,0 +1,251 @@
+"""Planner decisions for described hardware, the ZeRO formulas, and `zerotuner plan`."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from zerotuner import cli
+from zerotuner.errors import ConfigError, EnvironmentUnfit
+from zerotuner.families import BUILTIN_UNET_COUNTS, FAMILIES, ModelShape, model_shape
+from zerotuner.hardware import GPU, GiB, Hardware, OpStatus, cpu_only
+from zerotuner.plan import estimate, make_plan
+
+SDXL = model_shape("sdxl")
+PSI = SDXL.unet_params
+# The demo's tiny SDXL-architecture UNet (zerotuner demo), as counted from its config.
+TINY = ModelShape("sdxl", 1_028_708, 73_728, 736_647, 256, "demo")
+
+
+def gpus(n: int, memory_gib: float, host_gib: float, cc=(8, 9), name="GPU") -> Hardware:
+    mem = int(memory_gib * GiB)
+    cards = tuple(GPU(i, name, mem, mem, cc) for i in range(n))
+    return Hardware("cuda", cards, host_memory=int(host_gib * GiB), cpu_count=32)
+
+
+def choice(plan) -> tuple:
+    c = plan.choice
+    return (c.zero_stage, c.offload_optimizer, c.offload_param, c.gradient_checkpointing)
+
+
+CASES = [
+    # id, hardware, job, expected (stage, optimizer, param, checkpointing)
+    # The seed's headline: SDXL 1024 px, batch 8 on one 24 GB RTX 4090 + 128 GiB host.
+    ("rtx4090", gpus(1, 24, 128, name="RTX 4090"), dict(micro_batch=8), (2, "cpu", "none", True)),
+    # The same job on one 80 GB GPU needs no offload at all.
+    ("a100-80", gpus(1, 80, 128), dict(micro_batch=8), (0, "none", "none", True)),
+    # 8 x H100: sharding the optimizer over 8 ranks frees room for full activations.
+    ("8xh100", gpus(8, 80, 1024, name="H100"), dict(micro_batch=8), (1, "none", "none", False)),
+    # 2 x T4 (16 GB, no bf16): fp16; SDXL only fits with the optimizer on the host.
+    ("2xt4", gpus(2, 16, 64, cc=(7, 5)), dict(micro_batch=1), (2, "cpu", "none", False)),
+    # 8 GB GPU, 16 GiB host, a 1 TB NVMe: the optimizer goes to NVMe at stage 3.
+    (
+        "8gb-nvme",
+        gpus(1, 8, 16),
+        dict(micro_batch=1, offload_disk_free=1000 * GiB),
+        (3, "nvme", "cpu", True),
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("hardware", "job", "expected"), [c[1:] for c in CASES], ids=[c[0] for c in CASES]
+)
+def test_choice_for_described_hardware(hardware, job, expected):
+    world = len(hardware.gpus)
+    plan = make_plan(SDXL, hardware, resolution=1024, world_size=world, **job)
+    assert choice(plan) == expected
+    assert plan.choice.fits
+    assert plan.choice.device_bytes <= 0.9 * hardware.min_device_memory
+
+
+def test_headline_reasons_say_why_stage_2_and_why_checkpointing():
+    plan = make_plan(SDXL, gpus(1, 24, 128), resolution=1024, micro_batch=8, world_size=1)
+    text = " ".join(plan.reasons)
+    assert "ZeRO-2 rather than ZeRO-1" in text
+    assert "gradient checkpointing is what makes it fit" in text
+    assert "less offload does not fit" in text
+    # With one GPU, ZeRO-1 + optimizer offload also fits: stage 2 is a choice, not a necessity.
+    stage1 = [r for r in plan.rows if r.zero_stage == 1 and r.offload_optimizer == "cpu"]
+    assert any(r.fits for r in stage1)
+    # Within reach of what the seed measured (13,102 MiB) and far below 24 GB.
+    assert 9 * GiB < plan.choice.device_bytes < 16 * GiB
+
+
+def test_t4_plans_in_fp16():
+    plan = make_plan(SDXL, gpus(2, 16, 64, cc=(7, 5)), resolution=1024, micro_batch=1, world_size=2)
+    assert plan.inputs["precision"] == "fp16"
+
+
+def test_small_gpu_and_little_ram_without_nvme_exits_3_naming_the_way_out():
+    with pytest.raises(EnvironmentUnfit) as info:
+        make_plan(SDXL, gpus(1, 8, 16), resolution=1024, micro_batch=1, world_size=1)
+    message = str(info.value)
+    assert info.value.exit_code == 3
+    assert message.startswith("nothing fits: closest is ZeRO-")
+    assert "would fit with" in message and "ZT_OFFLOAD_DIR" in message
+
+
+def test_nvme_needs_async_io():
+    no_aio = Hardware(
+        "cuda",
+        gpus(1, 8, 16).gpus,
+        host_memory=16 * GiB,
+        ops=(OpStatus("async_io", False, False, True),),
+    )
+    with pytest.raises(EnvironmentUnfit, match="async_io"):
+        make_plan(
+            SDXL, no_aio, resolution=1024, micro_batch=1, world_size=1, offload_disk_free=10**13
+        )
+
+
+def test_cpu_only_demo_picks_plain_fp32_zero_0():
+    plan = make_plan(TINY, cpu_only(24 * GiB), resolution=256, micro_batch=2, world_size=2)
+    assert choice(plan) == (0, "none", "none", False)
+    assert plan.inputs["precision"] == "no"
+    assert plan.choice.device_bytes < 1 * GiB
+
+
+def test_cpu_only_sdxl_does_not_fit_in_24_gib():
+    with pytest.raises(EnvironmentUnfit, match="host"):
+        make_plan(SDXL, cpu_only(24 * GiB), resolution=1024, micro_batch=1, world_size=1)
+
+
+def test_pins_are_kept():
+    hw = gpus(1, 80, 128)
+    plan = make_plan(SDXL, hw, resolution=1024, micro_batch=8, world_size=1, zero_stage=3)
+    assert plan.choice.zero_stage == 3
+    assert {r.zero_stage for r in plan.rows} == {3}
+    plan = make_plan(
+        SDXL, hw, resolution=1024, micro_batch=1, world_size=1, offload_optimizer="cpu"
+    )
+    assert plan.choice.offload_optimizer == "cpu"
+    with pytest.raises(EnvironmentUnfit, match="ZT_GRADIENT_CHECKPOINTING=False"):
+        make_plan(
+            SDXL, gpus(1, 24, 128), resolution=1024, micro_batch=8, world_size=1,
+            gradient_checkpointing=False,
+        )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("pins", "word"),
+    [
+        (dict(zero_stage=2, offload_param="cpu"), "parameter offload needs ZeRO stage 3"),
+        (dict(zero_stage=1, offload_optimizer="nvme"), "NVMe optimizer offload needs"),
+        (dict(zero_stage=0, offload_optimizer="cpu"), "needs ZeRO stage >= 1"),
+    ],
+)
+def test_illegal_pins_are_config_errors(pins, word):
+    with pytest.raises(ConfigError, match=word) as info:
+        make_plan(SDXL, gpus(1, 80, 128), resolution=1024, micro_batch=1, world_size=1, **pins)
+    assert "ZT_ZERO_STAGE=" in str(info.value)
+
+
+@pytest.mark.parametrize("n", [1, 4, 8])
+@pytest.mark.parametrize(
+    ("stage", "psi_factor"),
+    [
+        (0, lambda n: 16),
+        (1, lambda n: 4 + 12 / n),
+        (2, lambda n: 2 + 14 / n),
+        (3, lambda n: 16 / n),
+    ],
+)
+def test_model_states_follow_the_zero_formulas(stage, psi_factor, n):
+    _, _, _, parts = estimate(
+        SDXL, stage=stage, offload_optimizer="none", offload_param="none",
+        gradient_checkpointing=True, resolution=1024, micro_batch=1, world_size=n,
+        ranks_per_node=n, precision="bf16", on_cpu=False, ema=False,
+    )  # fmt: skip
+    states = sum(parts.get(f"device.{k}", 0) for k in ("params", "grads", "optimizer"))
+    assert states == pytest.approx(psi_factor(n) * PSI, rel=1e-6)
+
+
+def test_optimizer_offload_moves_master_moments_and_fp32_grads_to_the_host():
+    kw = dict(
+        gradient_checkpointing=True, resolution=1024, micro_batch=1, world_size=2,
+        ranks_per_node=2, precision="bf16", on_cpu=False, ema=False,
+    )  # fmt: skip
+    _, host, _, parts = estimate(SDXL, stage=2, offload_optimizer="cpu", offload_param="none", **kw)
+    assert parts["host_per_rank.optimizer"] == 12 * PSI // 2
+    assert parts["host_per_rank.fp32_grads"] == 4 * PSI // 2
+    assert "device.optimizer" not in parts and "device.grads" not in parts
+    _, _, disk, parts = estimate(
+        SDXL, stage=3, offload_optimizer="nvme", offload_param="nvme", **kw
+    )
+    assert disk == 2 * (16 * PSI // 2 + 2 * PSI // 2)  # two ranks on this node
+
+
+def test_activations_scale_with_pixels_batch_and_checkpointing():
+    def act(resolution, batch, ckpt):
+        return estimate(
+            SDXL, stage=0, offload_optimizer="none", offload_param="none",
+            gradient_checkpointing=ckpt, resolution=resolution, micro_batch=batch, world_size=1,
+            ranks_per_node=1, precision="bf16", on_cpu=False, ema=False,
+        )[3]["device.activations"]  # fmt: skip
+
+    assert act(1024, 1, False) == pytest.approx(6.4 * GiB, rel=0.01)  # DESIGN.md
+    assert act(1024, 1, True) == pytest.approx(0.55 * GiB, rel=0.01)
+    assert act(512, 1, False) == pytest.approx(act(1024, 1, False) / 4, rel=0.01)
+    assert act(1024, 8, True) == pytest.approx(8 * act(1024, 1, True), rel=0.01)
+
+
+def test_ema_is_an_fp32_copy_on_the_host():
+    hw = gpus(1, 80, 256)
+    base = make_plan(SDXL, hw, resolution=1024, micro_batch=1, world_size=1)
+    with_ema = make_plan(SDXL, hw, resolution=1024, micro_batch=1, world_size=1, ema=True)
+    assert with_ema.choice.host_bytes - base.choice.host_bytes >= 4 * PSI - 2 * GiB
+    assert with_ema.choice.device_bytes == base.choice.device_bytes
+
+
+@pytest.mark.slow
+def test_builtin_counts_match_the_configs_on_the_meta_device():
+    for family in FAMILIES:
+        shape = model_shape(family, recount=True)
+        assert (shape.unet_params, shape.largest_param) == BUILTIN_UNET_COUNTS[family]
+
+
+def test_plan_cli_what_if_json(capsys):
+    argv = "plan --model-family sdxl --resolution 1024 --train-batch-size 8 --gpus 1"
+    code = cli.main([*argv.split(), "--gpu-memory", "24GiB", "--host-memory", "128GiB", "--json"])
+    assert code == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["choice"] == {
+        "zero_stage": 2,
+        "offload_optimizer": "cpu",
+        "offload_param": "none",
+        "gradient_checkpointing": True,
+    }
+    assert len(data["rows"]) > 10 and data["reasons"]
+
+    code = cli.main([*argv.split(), "--gpu-memory", "80GiB", "--host-memory", "128GiB", "--json"])
+    data = json.loads(capsys.readouterr().out)
+    assert (data["choice"]["offload_optimizer"], data["choice"]["offload_param"]) == (
+        "none",
+        "none",
+    )
+
+
+def test_plan_cli_table_and_exit_codes(capsys):
+    base = ["plan", "--model-family", "sdxl", "--resolution", "1024", "--train-batch-size", "8"]
+    base += ["--gpus", "1"]
+    assert cli.main([*base, "--gpu-memory", "24GiB", "--host-memory", "128GiB"]) == 0
+    out = capsys.readouterr().out
+    assert "choice: ZeRO-2, optimizer->cpu, checkpointing" in out
+    assert "<- choice" in out
+    assert cli.main([*base, "--gpu-memory", "24 gigs", "--host-memory", "128GiB"]) == 2
+    assert "--gpu-memory=24 gigs" in capsys.readouterr().err
+    assert cli.main([*base, "--gpu-memory", "4GiB", "--host-memory", "8GiB"]) == 3
+    assert "nothing fits" in capsys.readouterr().err
+
+
+def test_plan_cli_probes_this_machine_with_settings(capsys, demo_dir, monkeypatch, tmp_path):
+    monkeypatch.setenv("ZT_MODEL", str(demo_dir / "model"))
+    monkeypatch.setenv("ZT_NUM_PROCESSES", "2")
+    monkeypatch.setenv("ZT_OFFLOAD_DIR", str(tmp_path / "offload"))
+    assert cli.main(["plan", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["inputs"]["accelerator"] == "cpu"
+    assert data["inputs"]["world_size"] == 2
+    assert data["choice"]["offload_param"] == "none"
