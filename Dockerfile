@@ -48,12 +48,14 @@ RUN grep -E '^(torch|ninja)==' requirements.txt > /tmp/build-requirements.txt \
 #   cpu_adam (DeepSpeedCPUAdam for optimizer offload), async_io (NVMe offload via libaio),
 #   fused_adam (GPU Adam without offload).
 # TORCH_CUDA_ARCH_LIST: no GPU is visible during `docker build`, so the targets are listed:
-#   8.0 A100/A30, 8.6 A10/A40/RTX 30xx/A6000, 8.9 L4/L40S/RTX 40xx/RTX 6000 Ada, 9.0 H100/H200,
-#   10.0 B200/GB200, 12.0 RTX 50xx/RTX PRO 6000 Blackwell; +PTX lets newer GPUs JIT from PTX.
-#   CUDA 13 dropped Volta (7.0) and older; build with --build-arg to add or trim.
+#   7.5 T4/RTX 20xx, 8.0 A100/A30, 8.6 A10/A40/RTX 30xx/A6000, 8.9 L4/L40S/RTX 40xx,
+#   9.0 H100/H200, 10.0 B200/GB200, 12.0 RTX 50xx/RTX PRO 6000 Blackwell;
+#   +PTX lets newer GPUs JIT-compile from PTX.
+#   CUDA 13 dropped Volta (7.0) and older. Each entry adds compile time: trim with
+#   --build-arg TORCH_CUDA_ARCH_LIST="8.9" for a single GPU model.
 # DS_ACCELERATOR=cuda: without a visible GPU DeepSpeed would pick its CPU accelerator and build
 # the wrong op set.
-ARG TORCH_CUDA_ARCH_LIST="8.0;8.6;8.9;9.0;10.0;12.0+PTX"
+ARG TORCH_CUDA_ARCH_LIST="7.5;8.0;8.6;8.9;9.0;10.0;12.0+PTX"
 ARG MAX_JOBS=4
 RUN DS_ACCELERATOR=cuda DS_BUILD_OPS=0 DS_ENABLE_NINJA=1 \
     DS_BUILD_CPU_ADAM=1 DS_BUILD_AIO=1 DS_BUILD_FUSED_ADAM=1 \
@@ -77,15 +79,21 @@ RUN pip install --no-deps --no-build-isolation .
 # Runtime stage: the matching CUDA *runtime* image (libcudart, no nvcc) plus the venv.
 FROM nvidia/cuda:${CUDA_VERSION}-runtime-${UBUNTU_VERSION} AS runtime-base
 
+# OCI labels; pass the build facts: --build-arg REVISION=$(git rev-parse HEAD) \
+#   --build-arg CREATED=$(date -u +%Y-%m-%dT%H:%M:%SZ) --build-arg SOURCE=https://...
+ARG CUDA_VERSION
+ARG UBUNTU_VERSION
 ARG VERSION=0.1.0
 ARG REVISION=unknown
-ARG CUDA_VERSION
+ARG CREATED=unknown
+ARG SOURCE=unknown
 LABEL org.opencontainers.image.title="zerotuner" \
       org.opencontainers.image.description="DeepSpeed ZeRO fine-tuning appliance for SDXL and SD 1.x/2.x, configured by ZT_* environment variables" \
       org.opencontainers.image.version="${VERSION}" \
       org.opencontainers.image.revision="${REVISION}" \
-      org.opencontainers.image.base.name="nvidia/cuda:${CUDA_VERSION}-runtime-ubuntu24.04" \
-      org.opencontainers.image.documentation="README.md"
+      org.opencontainers.image.created="${CREATED}" \
+      org.opencontainers.image.source="${SOURCE}" \
+      org.opencontainers.image.base.name="nvidia/cuda:${CUDA_VERSION}-runtime-${UBUNTU_VERSION}"
 
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 ARG DEBIAN_FRONTEND=noninteractive

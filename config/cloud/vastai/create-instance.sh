@@ -6,12 +6,21 @@
 # /output, /offload and /cache live on the instance disk (--disk, GB): they survive stopping
 # the instance, not destroying it. Copy results out with `vastai copy` before destroying.
 # The metrics port is mapped to a random public port: `vastai show instance ID` lists it.
-# (SSH/Jupyter launch modes replace the entrypoint: use onstart.sh there instead.)
+# Training starts at once, so the dataset must already be in the image: for a few GB, build
+#   printf 'FROM ghcr.io/YOUR_ORG/zerotuner:latest\nCOPY data/ /data/\n' | docker build -t X -f- .
+# and pass IMAGE=X. For larger datasets use the SSH launch mode with onstart.sh (it waits for
+# the upload).
 set -eu
 offer=${1:?usage: create-instance.sh OFFER_ID (from vastai search offers)}
+# docker create options: the metrics port and the settings (add more -e ZT_...=... here).
+options="-p 9464:9464"
+options="$options -e ZT_MODEL=${ZT_MODEL:-stabilityai/stable-diffusion-xl-base-1.0}"
+options="$options -e ZT_MAX_STEPS=${ZT_MAX_STEPS:-2000}"
+options="$options -e ZT_DATA_DIR=/data -e ZT_OUTPUT_DIR=/output"
+options="$options -e ZT_OFFLOAD_DIR=/offload -e ZT_CACHE_DIR=/cache"
 exec vastai create instance "$offer" \
     --image "${IMAGE:-ghcr.io/YOUR_ORG/zerotuner:latest}" \
     --disk "${DISK_GB:-200}" \
     --label zerotuner \
-    --env "-p 9464:9464 -e ZT_MODEL=${ZT_MODEL:-stabilityai/stable-diffusion-xl-base-1.0} -e ZT_DATA_DIR=/data -e ZT_OUTPUT_DIR=/output -e ZT_OFFLOAD_DIR=/offload -e ZT_CACHE_DIR=/cache" \
+    --env "$options" \
     --args train
