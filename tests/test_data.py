@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import logging
+import os
 from pathlib import Path
 
 import numpy as np
@@ -105,6 +106,31 @@ def test_scan_records_oriented_size_and_content_digest(mixed_dir: Path) -> None:
     item = items["sidecar.png"]
     assert item.file_size == item.path.stat().st_size
     assert item.mtime_ns == item.path.stat().st_mtime_ns
+
+
+def test_index_lets_a_restart_skip_unchanged_files(mixed_dir: Path, tmp_path: Path) -> None:
+    index = tmp_path / "cache" / "dataset-index.json"
+    first = data.scan(mixed_dir, index=index)
+    assert index.is_file()
+    assert data.scan(mixed_dir, index=index) == first
+
+    # Same size and mtime: trusted from the index without reading (the stale digest shows it).
+    path = mixed_dir / "sidecar.png"
+    stat = path.stat()
+    path.write_bytes(path.read_bytes()[:-1] + b"\x00")
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    again = {i.path.name: i for i in data.scan(mixed_dir, index=index).items}
+    assert (
+        again["sidecar.png"].digest == {i.path.name: i for i in first.items}["sidecar.png"].digest
+    )
+
+    # A changed mtime is read again: the digest follows the new bytes.
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1))
+    rescanned = {i.path.name: i for i in data.scan(mixed_dir, index=index).items}
+    assert rescanned["sidecar.png"].digest != again["sidecar.png"].digest
+
+    index.write_text("{not json")  # a damaged index only costs a full scan
+    assert data.scan(mixed_dir, index=index).items == tuple(rescanned.values())
 
 
 def test_load_example_applies_exif_and_converts_modes(mixed_dir: Path) -> None:

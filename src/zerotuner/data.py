@@ -75,12 +75,22 @@ class Example:
 # --- scanning ---------------------------------------------------------------------------------
 
 
-def scan(data_dir: Path, *, log_skipped: bool = True, workers: int | None = None) -> Dataset:
+def scan(
+    data_dir: Path,
+    *,
+    log_skipped: bool = True,
+    index: Path | None = None,
+    write_index: bool = True,
+    workers: int | None = None,
+) -> Dataset:
     """Find every readable PNG/JPEG/WebP under data_dir (recursively), with its caption.
 
     Each image is fully decoded once, so a truncated file is found here, not mid-training.
-    Files that fail are skipped with one warning each (set log_skipped=False on all ranks but
-    one) and listed in `Dataset.skipped`. No usable image is a ConfigError (exit 2).
+    With `index` (a JSON file outside the possibly read-only data dir) the results are
+    remembered by (path, size, mtime) and a restart decodes only new or changed files; let one
+    rank write it (`write_index`). Files that fail are skipped with one warning each (set
+    log_skipped=False on all ranks but one) and listed in `Dataset.skipped`. No usable image
+    is a ConfigError (exit 2).
     """
     data_dir = Path(data_dir)
     if not data_dir.is_dir():
@@ -98,17 +108,38 @@ def scan(data_dir: Path, *, log_skipped: bool = True, workers: int | None = None
         elif suffix not in COMPANION_SUFFIXES:
             kind = f"'{suffix}' files" if suffix else "files without a suffix"
             skipped.append((path, f"{kind} are not read (PNG, JPEG or WebP are)"))
+    known = _read_index(index, data_dir) if index else {}
+
+    def probe(path: Path) -> _Probe:
+        previous = known.get(path.relative_to(data_dir).as_posix())
+        if previous is not None:
+            try:
+                stat = path.stat()
+            except OSError:
+                pass
+            else:
+                if (stat.st_size, stat.st_mtime_ns) == (previous.file_size, previous.mtime_ns):
+                    return previous
+        return _probe(path)
+
     workers = workers or min(8, os.cpu_count() or 1)
     with ThreadPoolExecutor(max_workers=workers) as pool:  # PIL decodes without the GIL
-        probed = list(pool.map(_probe, candidates))
+        probed = list(pool.map(probe, candidates))
+    if (
+        index
+        and write_index
+        and any(known.get(k) != p for k, p in _keyed(data_dir, candidates, probed))
+    ):
+        _write_index(index, data_dir, dict(_keyed(data_dir, candidates, probed)))
     items = []
-    for path, (result, reason) in zip(candidates, probed, strict=True):
-        if result is None:
-            skipped.append((path, reason))
+    for path, result in zip(candidates, probed, strict=True):
+        if result.size is None:
+            skipped.append((path, result.reason))
             continue
-        size, file_size, mtime_ns, digest = result
         caption = _caption(path, data_dir, metadata)
-        items.append(Item(path, caption, size, file_size, mtime_ns, digest))
+        items.append(
+            Item(path, caption, result.size, result.file_size, result.mtime_ns, result.digest)
+        )
     skipped.sort()
     if log_skipped:
         for path, reason in skipped:
@@ -134,25 +165,68 @@ def _walk(root: Path) -> list[Path]:
     return found
 
 
-def _probe(path: Path) -> tuple[tuple[Size, int, int, str] | None, str]:
-    """Decode the image fully; return ((w, h), bytes, mtime_ns, digest) or (None, reason)."""
+@dataclass(frozen=True)
+class _Probe:
+    """What decoding one file found: its size and digest, or why it cannot be used."""
+
+    file_size: int
+    mtime_ns: int
+    size: Size | None  # (w, h) after EXIF orientation; None when skipped
+    digest: str = ""
+    reason: str = ""
+
+
+def _probe(path: Path) -> _Probe:
     try:
         stat = path.stat()
         data = path.read_bytes()
+    except OSError as exc:
+        return _Probe(-1, -1, None, reason=f"unreadable ({exc.strerror or exc})")
+    stamp = (stat.st_size, stat.st_mtime_ns)
+    try:
         with Image.open(io.BytesIO(data)) as image:
             if image.format not in PIL_FORMATS:
-                return None, f"{image.format} data, not PNG, JPEG or WebP"
+                return _Probe(*stamp, None, reason=f"{image.format} data, not PNG, JPEG or WebP")
             image.load()  # raises on truncated or corrupt data
             size = image.size
             if image.getexif().get(EXIF_ORIENTATION) in (5, 6, 7, 8):  # rotated 90 degrees
                 size = (size[1], size[0])
     except UnidentifiedImageError:
-        return None, "not an image (unrecognised data)"
+        return _Probe(*stamp, None, reason="not an image (unrecognised data)")
     except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as exc:
-        reason = "truncated" if "truncated" in str(exc) else "unreadable"
-        return None, f"{reason} ({exc})"
-    digest = hashlib.blake2b(data, digest_size=16).hexdigest()
-    return (size, stat.st_size, stat.st_mtime_ns, digest), ""
+        kind = "truncated" if "truncated" in str(exc) else "unreadable"
+        return _Probe(*stamp, None, reason=f"{kind} ({exc})")
+    return _Probe(*stamp, size, hashlib.blake2b(data, digest_size=16).hexdigest())
+
+
+def _keyed(root: Path, paths: list[Path], probes: list[_Probe]):
+    return ((p.relative_to(root).as_posix(), r) for p, r in zip(paths, probes, strict=True))
+
+
+def _read_index(index: Path, root: Path) -> dict[str, _Probe]:
+    """A previous scan's results; anything unexpected just means decoding again."""
+    try:
+        content = json.loads(index.read_text())
+        if content.get("root") != str(root.resolve()):
+            return {}
+        return {
+            key: _Probe(e[0], e[1], tuple(e[2]) if e[2] else None, e[3], e[4])
+            for key, e in content["files"].items()
+        }
+    except (OSError, ValueError, KeyError, TypeError, IndexError):
+        return {}
+
+
+def _write_index(index: Path, root: Path, probes: dict[str, _Probe]) -> None:
+    files = {k: [p.file_size, p.mtime_ns, p.size, p.digest, p.reason] for k, p in probes.items()}
+    content = {"root": str(root.resolve()), "files": files}
+    try:
+        index.parent.mkdir(parents=True, exist_ok=True)
+        tmp = index.with_name(f".{index.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(content))
+        os.replace(tmp, index)  # readers on other ranks see the old or the new file, whole
+    except OSError as exc:
+        log.warning("could not write the dataset index %s: %s", index, exc)
 
 
 def _read_metadata(root: Path) -> dict[Path, str]:
