@@ -327,6 +327,38 @@ def test_compose_runs_the_appliance_as_documented() -> None:
     assert "./config/monitoring/grafana/dashboards:/var/lib/grafana/dashboards" in mounts
 
 
+def test_monitoring_profile_wires_prometheus_and_grafana_to_the_compose_services() -> None:
+    """The other ends of the mounts: Prometheus scrapes the compose service, Grafana reads the
+    compose Prometheus, and the alert rules land where `rule_files` looks."""
+    compose = yaml.safe_load((REPO / "compose.yaml").read_text())
+    monitoring = REPO / "config" / "monitoring"
+    if not (monitoring / "prometheus.yml").is_file():
+        pytest.skip("config/monitoring is not there yet")
+    prometheus = yaml.safe_load((monitoring / "prometheus.yml").read_text())
+    targets = [
+        t
+        for job in prometheus["scrape_configs"]
+        for c in job["static_configs"]
+        for t in c["targets"]
+    ]
+    assert f"zerotuner:{METRICS_PORT}" in targets and "zerotuner" in compose["services"]
+    container_dir = "/etc/prometheus"
+    mounts = dict(
+        v.removesuffix(":ro").split(":", 1) for v in compose["services"]["prometheus"]["volumes"]
+    )
+    for pattern in prometheus.get("rule_files", []):
+        folder = f"{container_dir}/{Path(pattern).parent}"
+        assert folder in mounts.values(), f"rule_files {pattern}: {folder} is not mounted"
+        host = REPO / next(h for h, c in mounts.items() if c == folder)
+        assert list(host.glob(Path(pattern).name)), f"no rules match {pattern}"
+    sources = yaml.safe_load(
+        (monitoring / "grafana/provisioning/datasources/prometheus.yaml").read_text()
+    )
+    (source,) = sources["datasources"]
+    assert source["url"] == "http://prometheus:9090"
+    assert "9090:9090" in compose["services"]["prometheus"]["ports"]
+
+
 # --- Kubernetes -----------------------------------------------------------------------------
 
 
