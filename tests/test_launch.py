@@ -1,0 +1,262 @@
+"""Topology, torchrun argv and worker env per platform; exit codes and signals with real ranks."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from zerotuner.errors import ConfigError
+from zerotuner.hardware import GPU, GiB, Hardware, cpu_only
+from zerotuner.launch import (
+    Topology,
+    exit_code,
+    resolve_topology,
+    run_ranks,
+    torchrun_command,
+    worker_env,
+)
+from zerotuner.records import RankStatus
+from zerotuner.settings import load_settings
+
+FOUR_GPUS = Hardware(
+    "cuda", tuple(GPU(i, "A100", 80 * GiB, 80 * GiB) for i in range(4)), cpu_count=32
+)
+
+
+@pytest.mark.parametrize(
+    ("settings", "environ", "hardware", "expected"),
+    [
+        # plain `docker run --gpus all`: one node, one rank per visible GPU
+        ({}, {}, FOUR_GPUS, Topology(1, 0, 4, "127.0.0.1", 29500, "single node")),
+        # CPU: one rank unless ZT_NUM_PROCESSES says otherwise
+        ({}, {}, cpu_only(), Topology(1, 0, 1, "127.0.0.1", 29500, "single node")),
+        (
+            {"num_processes": 2},
+            {},
+            cpu_only(),
+            Topology(1, 0, 2, "127.0.0.1", 29500, "single node"),
+        ),
+        # explicit ZT_* (docker on two hosts)
+        (
+            {"nnodes": 2, "node_rank": 1, "master_addr": "10.0.0.5", "master_port": 12345},
+            {},
+            FOUR_GPUS,
+            Topology(2, 1, 4, "10.0.0.5", 12345, "ZT_NNODES, ZT_NODE_RANK"),
+        ),
+        # Kubeflow PyTorchJob (v1): RANK/WORLD_SIZE count nodes and are ignored
+        (
+            {},
+            {
+                "PET_NNODES": "3",
+                "PET_NODE_RANK": "2",
+                "PET_MASTER_ADDR": "job-master-0",
+                "PET_MASTER_PORT": "23456",
+                "PET_NPROC_PER_NODE": "auto",
+                "RANK": "2",
+                "WORLD_SIZE": "3",
+            },
+            FOUR_GPUS,
+            Topology(3, 2, 4, "job-master-0", 23456, "PET_*"),
+        ),
+        # Kubeflow TrainJob (v2): PET_NPROC_PER_NODE is a number
+        (
+            {},
+            {
+                "PET_NNODES": "2",
+                "PET_NODE_RANK": "0",
+                "PET_MASTER_ADDR": "train-node-0-0.train",
+                "PET_MASTER_PORT": "29400",
+                "PET_NPROC_PER_NODE": "2",
+            },
+            FOUR_GPUS,
+            Topology(2, 0, 2, "train-node-0-0.train", 29400, "PET_*"),
+        ),
+        # ZT_* wins over PET_*
+        (
+            {"nnodes": 4, "master_addr": "mine"},
+            {"PET_NNODES": "2", "PET_NODE_RANK": "1", "PET_MASTER_ADDR": "theirs"},
+            FOUR_GPUS,
+            Topology(4, 1, 4, "mine", 29500, "ZT_NNODES"),
+        ),
+        # Indexed Job: JOB_COMPLETION_INDEX + ZT_MASTER_ADDR (+ ZT_NNODES = completions)
+        (
+            {"nnodes": 2, "master_addr": "zt-0.zt"},
+            {"JOB_COMPLETION_INDEX": "1"},
+            FOUR_GPUS,
+            Topology(2, 1, 4, "zt-0.zt", 29500, "ZT_NNODES, JOB_COMPLETION_INDEX"),
+        ),
+    ],
+    ids=["docker", "cpu", "cpu-2", "zt-env", "kubeflow-v1", "kubeflow-v2", "zt-wins", "indexed"],
+)
+def test_topology(settings, environ, hardware, expected):
+    assert resolve_topology(load_settings(**settings), hardware, environ) == expected
+
+
+@pytest.mark.parametrize(
+    ("settings", "environ", "word"),
+    [
+        ({"nnodes": 2}, {}, "ZT_MASTER_ADDR"),
+        ({}, {"JOB_COMPLETION_INDEX": "1"}, "ZT_NNODES"),
+        ({"nnodes": 2, "node_rank": 2, "master_addr": "x"}, {}, "outside 0..1"),
+        ({}, {"PET_NNODES": "1:4", "PET_MASTER_ADDR": "x"}, "elastic"),
+        ({"num_processes": 8}, {}, "only 4 GPUs"),
+    ],
+)
+def test_topology_errors_name_the_setting(settings, environ, word):
+    with pytest.raises(ConfigError, match=word):
+        resolve_topology(load_settings(**settings), FOUR_GPUS, environ)
+
+
+def test_torchrun_command_is_static_and_complete():
+    topo = Topology(2, 1, 4, "10.0.0.5", 12345, "x")
+    argv = torchrun_command(topo, shutdown_timeout=120, python="/py")
+    assert argv == [
+        "/py", "-m", "torch.distributed.run", "--nnodes=2", "--node-rank=1",
+        "--nproc-per-node=4", "--master-addr=10.0.0.5", "--master-port=12345",
+        "--rdzv-backend=static", "--max-restarts=0", "--shutdown-timeout=120",
+        "-m", "zerotuner.worker",
+    ]  # fmt: skip
+
+
+def test_worker_env_gpu_and_cpu(tmp_path):
+    topo = Topology(1, 0, 4, "127.0.0.1", 29500, "x")
+    base = {"PATH": "/bin", "HF_TOKEN": "secret"}
+    env = worker_env(base, topo, FOUR_GPUS, job_file=tmp_path / "job.json", status_dir=tmp_path)
+    assert env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1"
+    assert env["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
+    assert env["OMP_NUM_THREADS"] == "8"  # 32 CPUs / 4 ranks
+    assert env["DS_ACCELERATOR"] == "cuda"
+    assert env["ZT_JOB_FILE"] == str(tmp_path / "job.json")
+    assert env["ZT_STATUS_DIR"] == str(tmp_path)
+    assert env["HF_TOKEN"] == "secret" and env["PATH"] == "/bin"  # inherited, not dropped
+    assert base == {"PATH": "/bin", "HF_TOKEN": "secret"}  # the caller's dict is untouched
+
+    cpu = worker_env({"OMP_NUM_THREADS": "3"}, Topology(1, 0, 2, "h", 1, "x"), cpu_only(),
+                     job_file="j", status_dir="s")  # fmt: skip
+    assert cpu["DS_ACCELERATOR"] == "cpu"
+    assert cpu["OMP_NUM_THREADS"] == "3"  # the user's choice stands
+
+
+@pytest.mark.parametrize(
+    ("code", "ranks", "signalled", "expected"),
+    [
+        (0, [0, 0], False, 0),
+        (0, [], False, 0),
+        (1, [0, 2], False, 2),
+        (1, [3], False, 3),
+        (1, [2, 3], False, 2),
+        (1, [143, 143], True, 143),
+        (1, [143, 143], False, 1),
+        (1, [143], True, 143),
+        (1, [143, 1], True, 1),
+        (1, [0, 0], False, 1),  # torchrun failed though every rank said 0
+        (1, [], True, 1),
+    ],
+)
+def test_exit_code_mapping(code, ranks, signalled, expected):
+    statuses = [RankStatus(i, c) for i, c in enumerate(ranks)]
+    assert exit_code(code, statuses, signalled=signalled) == expected
+
+
+# --- real processes: torchrun with two gloo ranks ---------------------------------------------
+
+WORKER = textwrap.dedent(
+    """
+    import os, signal, sys, time
+    from pathlib import Path
+    import torch.distributed as dist
+    from zerotuner.records import write_rank_status
+
+    mode, rank = os.environ["TEST_MODE"], int(os.environ["RANK"])
+    out = Path(os.environ["TEST_OUT"])
+    dist.init_process_group("gloo")
+    dist.barrier()
+
+    def stop(signum, frame):
+        if mode == "stubborn":
+            return  # ignores SIGTERM: only a kill stops it
+        time.sleep(0.5)  # "saving a checkpoint"
+        (out / f"saved-{rank}").write_text("ok")
+        write_rank_status(rank, 143, "stopped by signal after checkpoint")
+        sys.exit(143)
+
+    signal.signal(signal.SIGTERM, stop)
+    if mode == "ok":
+        write_rank_status(rank, 0)
+        sys.exit(0)
+    if mode == "config" and rank == 1:
+        write_rank_status(rank, 2, "ZT_X=1: bad")
+        sys.exit(2)
+    if mode == "unfit" and rank == 0:
+        write_rank_status(rank, 3, "offload volume too small")
+        sys.exit(3)
+    if mode == "crash" and rank == 1:
+        raise RuntimeError("boom")
+    (out / f"ready-{rank}").write_text(str(os.getpid()))
+    while True:
+        time.sleep(0.1)
+    """
+)
+
+
+def _launch(tmp_path: Path, mode: str, *, signals: int = 0, grace: float = 30) -> tuple[int, Path]:
+    script_dir = tmp_path / "pkg"
+    script_dir.mkdir()
+    (script_dir / "fake_worker.py").write_text(WORKER)
+    out = tmp_path / "out"
+    out.mkdir()
+    status = tmp_path / "status"
+    status.mkdir()
+    (status / "rank-0.json").write_text('{"rank": 0, "exit_code": 2, "message": "old run"}')
+    port = 29000 + os.getpid() % 1000
+    topo = Topology(1, 0, 2, "127.0.0.1", port, "test")
+    argv = torchrun_command(topo, module="fake_worker", shutdown_timeout=int(grace))
+    base = dict(os.environ, TEST_MODE=mode, TEST_OUT=str(out))
+    base["PYTHONPATH"] = os.pathsep.join([str(script_dir), *sys.path])
+    env = worker_env(base, topo, cpu_only(cpu_count=2), job_file=tmp_path / "j", status_dir=status)
+
+    def send():
+        deadline = time.monotonic() + 120
+        while len(list(out.glob("ready-*"))) < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        for _ in range(signals):
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(1.0)
+
+    sender = threading.Thread(target=send, daemon=True)
+    if signals:
+        sender.start()
+    code = run_ranks(argv, env, status_dir=status, grace_seconds=grace)
+    return code, out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("mode", "expected"), [("ok", 0), ("config", 2), ("crash", 1)])
+def test_run_ranks_maps_rank_outcomes(tmp_path, mode, expected):
+    code, _ = _launch(tmp_path, mode)
+    assert code == expected
+
+
+@pytest.mark.slow
+def test_sigterm_reaches_every_rank_which_saves_and_exits_143(tmp_path):
+    code, out = _launch(tmp_path, "sigterm", signals=1)
+    assert code == 143
+    assert sorted(p.name for p in out.glob("saved-*")) == ["saved-0", "saved-1"]
+
+
+@pytest.mark.slow
+def test_second_signal_kills_every_rank_at_once(tmp_path):
+    code, out = _launch(tmp_path, "stubborn", signals=2, grace=600)
+    assert code == 1  # no checkpoint confirmed: a retry must not count on one
+    pids = [int(p.read_text()) for p in out.glob("ready-*")]
+    assert len(pids) == 2
+    for pid in pids:
+        assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == "zombie"
