@@ -13,6 +13,7 @@ import json
 import os
 import re
 import shlex
+import shutil
 import signal
 import socket
 import subprocess
@@ -20,6 +21,7 @@ import sys
 import tempfile
 import threading
 import time
+import zipfile
 from pathlib import Path
 
 import kubernetes_validate
@@ -253,6 +255,40 @@ def test_dockerignore_keeps_outputs_venvs_and_caches_out() -> None:
     assert "src" in copied and "requirements.txt" in copied
     for source in copied + ["src/zerotuner/cli.py"]:
         assert not dockerignored(source, rules), f"the Dockerfile copies {source}"
+
+
+def test_the_build_context_builds_the_package(tmp_path: Path) -> None:
+    """What .dockerignore lets through is enough for the Dockerfile's `pip install .`, and the
+    grep that feeds the first pip install picks torch and ninja from requirements.txt."""
+    rules = [
+        line.strip()
+        for line in (REPO / ".dockerignore").read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    ]
+    context = tmp_path / "context"
+    for name in run("git", "ls-files", cwd=REPO).stdout.splitlines():
+        if not dockerignored(name, rules) and (REPO / name).is_file():
+            (context / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(REPO / name, context / name)
+    assert not (context / "tests").exists()
+
+    grep = next(a for i, a in dockerfile_instructions() if i == "RUN" and "build-requirements" in a)
+    command = grep.split("&&")[0].replace("/tmp/build-requirements.txt", str(tmp_path / "b.txt"))
+    assert run("bash", "-c", command, cwd=context).returncode == 0
+    picked = (tmp_path / "b.txt").read_text().split()
+    assert sorted(p.split("==")[0] for p in picked) == ["ninja", "torch"]
+
+    result = run(
+        sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+        "-w", tmp_path / "wheel", context,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    (wheel,) = (tmp_path / "wheel").glob("zerotuner-*.whl")
+    with zipfile.ZipFile(wheel) as archive:
+        names = archive.namelist()
+        assert "zerotuner/cli.py" in names and "zerotuner/settings.py" in names
+        entry_points = next(n for n in names if n.endswith("entry_points.txt"))
+        assert "zerotuner = zerotuner.cli:main" in archive.read(entry_points).decode()
 
 
 # --- line endings and executables -----------------------------------------------------------
