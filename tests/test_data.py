@@ -169,6 +169,12 @@ def test_load_example_covers_the_bucket_center_crops_and_flips(tmp_path: Path) -
     assert np.array_equal(flipped.pixels, example.pixels[:, :, ::-1])
     assert flipped.pixels[2, :, :16].mean() > 0.9  # left is blue now
 
+    # An odd margin: the mirrored crop starts one pixel further right (129 px wide, 32 + 33).
+    Image.fromarray(np.zeros((100, 201, 3), dtype=np.uint8)).save(tmp_path / "odd.png")
+    odd = next(i for i in data.scan(tmp_path).items if i.path.name == "odd.png")
+    assert data.load_example(odd, (64, 64)).crop_top_left == (0, 32)
+    assert data.load_example(odd, (64, 64), flip=True).crop_top_left == (0, 33)
+
 
 def test_empty_or_missing_data_dir_is_a_config_error(tmp_path: Path) -> None:
     (tmp_path / "readme.txt").write_text("no images here")
