@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from zerotuner.errors import ConfigError, EnvironmentUnfit
-from zerotuner.hardware import GiB
+from zerotuner.hardware import GiB, MiB
 
 # What DeepSpeed writes under nvme_path (runtime/swap_tensor, runtime/zero/stage3.py):
 # zero_stage_3/optimizer/rank*/*.tensor.swp and zero_stage_3/<dtype>params/rank*/*.swp.
@@ -305,6 +305,12 @@ def filesystem_of(device: str) -> str | None:
     return "unknown data"
 
 
+def looks_blank(device: str, probe_bytes: int = 1 * MiB) -> bool:
+    """blkid knows signatures, not data: a blank device also reads zeros at its start."""
+    with open(device, "rb") as f:
+        return not any(f.read(probe_bytes))
+
+
 @contextlib.contextmanager
 def mounted_offload_device(
     device: str | None, path: Path, *, allow_format: bool
@@ -332,6 +338,8 @@ def mounted_offload_device(
         return
     fs = filesystem_of(device)
     formatted = False
+    if fs is None and not looks_blank(device):
+        fs = "unknown data"
     if fs is None:
         if not allow_format:
             raise ConfigError(
@@ -342,8 +350,9 @@ def mounted_offload_device(
         fs, formatted = "ext4", True
     elif fs.startswith("partition table") or fs == "unknown data":
         raise EnvironmentUnfit(
-            f"ZT_OFFLOAD_DEVICE={device} holds a {fs}, not a filesystem: name a partition "
-            "(e.g. /dev/nvme1n1p1); zerotuner never formats a device holding data"
+            f"ZT_OFFLOAD_DEVICE={device} holds {fs}, not a filesystem: name a partition "
+            "(e.g. /dev/nvme1n1p1) or wipe it yourself; zerotuner never formats a device "
+            "holding data"
         )
     path.mkdir(parents=True, exist_ok=True)
     result = subprocess.run(
