@@ -1,8 +1,78 @@
-"""`zerotuner check`."""
+"""`zerotuner check`: every validation `train` makes, without training (the dry run to trust
+before renting GPUs). Each check prints OK, WARN, SKIP or FAIL and the rest still run.
+
+Exit 2 when any check found a configuration or input error, else 3 when the environment
+cannot run the job, else 0. Nothing is created, cleaned, mounted or formatted.
+"""
 
 from __future__ import annotations
 
 import argparse
+import errno
+import importlib.util
+import os
+import re
+import socket
+import sys
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from zerotuner.errors import (
+    EXIT_CONFIG,
+    EXIT_ENVIRONMENT,
+    EXIT_FAILURE,
+    EXIT_OK,
+    ConfigError,
+    EnvironmentUnfit,
+    ZeroTunerError,
+)
+
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+@dataclass
+class Checks:
+    """Runs checks in order, records each outcome, and keeps what later checks need."""
+
+    lines: list[str] = field(default_factory=list)
+    codes: list[int] = field(default_factory=list)
+    facts: dict[str, Any] = field(default_factory=dict)
+
+    def run(self, name: str, fn: Callable[[], str | tuple[str, list[str]]]) -> bool:
+        try:
+            result = fn()
+        except ZeroTunerError as error:
+            self.codes.append(error.exit_code)
+            for i, problem in enumerate(error.problems):
+                self.emit("FAIL" if i == 0 else "    ", name, problem)
+            return False
+        except Exception as error:  # a bug, not a verdict: report it and keep checking
+            self.codes.append(EXIT_FAILURE)
+            self.emit("FAIL", name, f"unexpected {type(error).__name__}: {error}")
+            return False
+        detail, warnings = result if isinstance(result, tuple) else (result, [])
+        self.emit("OK", name, detail)
+        for warning in warnings:
+            self.emit("WARN", name, warning)
+        return True
+
+    def skip(self, name: str, why: str) -> None:
+        self.emit("SKIP", name, why)
+
+    def emit(self, status: str, name: str, detail: str) -> None:
+        line = f"{status:<4} {name:<16} {detail}"
+        self.lines.append(line)
+        print(line, flush=True)
+
+    def exit_code(self) -> int:
+        if EXIT_CONFIG in self.codes:
+            return EXIT_CONFIG
+        if self.codes:
+            return EXIT_ENVIRONMENT if EXIT_ENVIRONMENT in self.codes else max(self.codes)
+        return EXIT_OK
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -10,4 +80,238 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    raise NotImplementedError("zerotuner check is being built")
+    c = Checks()
+    if not c.run("settings", lambda: _settings(c)):
+        return c.exit_code()
+    c.run("config files", lambda: _inputs(c))
+    if not c.run("hardware", lambda: _hardware(c)):
+        return _finish(c)
+    c.run("topology", lambda: _topology(c))
+    if c.run("model", lambda: _model(c)):
+        c.run("plan", lambda: _plan(c))
+    if not _available("zerotuner.deepspeed_config"):
+        c.skip("deepspeed config", "zerotuner.deepspeed_config is not available")
+    elif "plan" in c.facts and "inputs" in c.facts:
+        c.run("deepspeed config", lambda: _normalize(c))
+    if _available("zerotuner.data"):
+        c.run("dataset", lambda: _dataset(c))
+    else:
+        c.skip("dataset", "zerotuner.data is not available")
+    if "plan" in c.facts or c.facts["settings"].offload_device:
+        c.run("offload", lambda: _offload(c))
+    else:
+        c.skip("offload", "needs a plan to know what NVMe offload needs")
+    c.run("output dir", lambda: _writable_dir(c.facts["settings"].output_dir, "ZT_OUTPUT_DIR"))
+    c.run("metrics port", lambda: _port(c))
+    return _finish(c)
+
+
+def _available(module: str) -> bool:
+    return importlib.util.find_spec(module) is not None
+
+
+def _finish(c: Checks) -> int:
+    code = c.exit_code()
+    verdict = "ready to train" if code == EXIT_OK else f"not ready (exit {code})"
+    print(f"check: {verdict}", file=sys.stderr if code else sys.stdout)
+    return code
+
+
+def _settings(c: Checks) -> str:
+    from zerotuner.settings import load_settings
+
+    c.facts["settings"] = load_settings()
+    path = c.facts["settings"].config_file
+    return f"loaded (config file {path})" if path.exists() else "loaded (no config file)"
+
+
+def _inputs(c: Checks) -> str:
+    from zerotuner.inputs import apply_implied_settings, read_user_inputs
+
+    inputs = read_user_inputs(c.facts["settings"])
+    c.facts["settings"] = apply_implied_settings(c.facts["settings"], inputs)
+    c.facts["inputs"] = inputs
+    return f"DeepSpeed/accelerate input: {inputs.source or 'none (built from settings)'}"
+
+
+def _hardware(c: Checks) -> tuple[str, list[str]]:
+    from zerotuner.commands.plan import describe_hardware
+    from zerotuner.hardware import probe, require_supported
+
+    hardware = probe(c.facts["settings"].device)
+    require_supported(hardware)
+    c.facts["hardware"] = hardware
+    return describe_hardware(hardware), list(hardware.warnings)
+
+
+def _topology(c: Checks) -> str:
+    from zerotuner.launch import resolve_topology
+
+    t = resolve_topology(c.facts["settings"], c.facts["hardware"], os.environ)
+    c.facts["topology"] = t
+    return (
+        f"{t.nnodes} node(s) x {t.nproc_per_node} rank(s), this is node {t.node_rank}, "
+        f"master {t.master_addr}:{t.master_port} ({t.source})"
+    )
+
+
+def _model(c: Checks) -> str:
+    from zerotuner.families import model_shape, unet_config_path
+    from zerotuner.preflight import resolve_model
+
+    settings = c.facts["settings"]
+    local = Path(settings.model).expanduser()
+    if settings.model.startswith(("/", ".", "~")) and not local.is_dir():
+        raise ConfigError(f"ZT_MODEL={settings.model}: no such folder")
+    source = resolve_model(settings)
+    if source.local_dir is not None:
+        if unet_config_path(source.local_dir) is None:
+            raise ConfigError(
+                f"ZT_MODEL={settings.model}: no unet/config.json (or config.json) in that folder; "
+                "point it at a diffusers pipeline folder"
+            )
+        where = f"local folder {source.local_dir}"
+    elif not HUB_ID.match(settings.model):
+        raise ConfigError(
+            f"ZT_MODEL={settings.model}: neither a local folder nor a hub id like "
+            "'stabilityai/stable-diffusion-xl-base-1.0'"
+        )
+    else:
+        where = f"hub id {settings.model} (downloaded at train time)"
+    shape = model_shape(source.family, source.local_dir)  # type: ignore[arg-type]
+    c.facts["shape"] = shape
+    return f"{where}; {source.family} ({source.reason}); UNet {shape.unet_params / 1e6:.1f}M params"
+
+
+def _plan(c: Checks) -> str:
+    from zerotuner.deepspeed_config import pins
+    from zerotuner.offload import free_bytes_at
+    from zerotuner.plan import gib, make_plan
+
+    settings, hardware, shape = c.facts["settings"], c.facts["hardware"], c.facts["shape"]
+    topology = c.facts.get("topology")
+    per_node = topology.nproc_per_node if topology else (settings.num_processes or 1)
+    world = topology.world_size if topology else per_node
+    base = c.facts["inputs"].deepspeed if "inputs" in c.facts else {}
+    user = pins(settings, base)
+    plan = make_plan(
+        shape,
+        hardware,
+        resolution=settings.resolution or shape.native_resolution,
+        micro_batch=settings.train_batch_size,
+        world_size=world,
+        ranks_per_node=per_node,
+        gradient_checkpointing=settings.gradient_checkpointing,
+        zero_stage=user.zero_stage if user.zero_stage is not None else "auto",
+        offload_optimizer=user.offload_optimizer or "auto",
+        offload_param=user.offload_param or "auto",
+        ema=settings.ema,
+        offload_disk_free=free_bytes_at(settings.offload_dir),
+        mixed_precision=settings.mixed_precision,
+    )
+    c.facts["plan"], c.facts["world"] = plan, world
+    ch = plan.choice
+    return f"{ch.label()}: device {gib(ch.device_bytes)} GiB, host {gib(ch.host_bytes)} GiB" + (
+        f", disk {gib(ch.disk_bytes)} GiB" if ch.disk_bytes else ""
+    )
+
+
+def _normalize(c: Checks) -> tuple[str, list[str]]:
+    from zerotuner.deepspeed_config import Decisions, normalize
+
+    choice = c.facts["plan"].choice
+    inputs = c.facts["inputs"]
+    result = normalize(
+        inputs.deepspeed,
+        settings=c.facts["settings"],
+        hardware=c.facts["hardware"],
+        shape=c.facts["shape"],
+        world_size=c.facts["world"],
+        decisions=Decisions(
+            zero_stage=choice.zero_stage,
+            offload_optimizer=choice.offload_optimizer,
+            offload_param=choice.offload_param,
+            gradient_checkpointing=choice.gradient_checkpointing,
+        ),
+        source=inputs.source,
+    )
+    warnings = [str(n) for n in result.notes if n.level in ("warning", "change")]
+    batch = result.config.get("train_batch_size")
+    return f"valid (train_batch_size {batch}, {result.mixed_precision})", warnings
+
+
+def _dataset(c: Checks) -> tuple[str, list[str]]:
+    from zerotuner.data import scan
+
+    settings = c.facts["settings"]
+    dataset = scan(settings.data_dir, log_skipped=False, write_index=False)
+    warnings = [f"skipped {path}: {why}" for path, why in dataset.skipped[:5]]
+    if len(dataset.skipped) > 5:
+        warnings.append(f"... and {len(dataset.skipped) - 5} more skipped files")
+    return f"{len(dataset)} images in {settings.data_dir}", warnings
+
+
+def _offload(c: Checks) -> tuple[str, list[str]] | str:
+    from zerotuner.offload import filesystem_of, prepare_offload_dir
+
+    settings = c.facts["settings"]
+    plan = c.facts.get("plan")
+    nvme = bool(plan and plan.choice.disk_bytes)
+    if settings.offload_device:
+        device = settings.offload_device
+        if not Path(device).is_block_device():
+            raise ConfigError(f"ZT_OFFLOAD_DEVICE={device}: not a block device")
+        fs = filesystem_of(device)
+        if fs is None and not settings.offload_format:
+            raise ConfigError(
+                f"ZT_OFFLOAD_DEVICE={device} has no filesystem; set ZT_OFFLOAD_FORMAT=true to "
+                "format it as ext4 (erases the device)"
+            )
+        if os.geteuid() != 0:
+            raise EnvironmentUnfit(
+                f"ZT_OFFLOAD_DEVICE={device}: mounting needs root in a privileged container"
+            )
+        return f"{device} ({fs or 'blank: will be formatted'}) will be mounted at " + str(
+            settings.offload_dir
+        )
+    if not nvme:
+        return f"{settings.offload_dir}: not used (the plan offloads nothing to NVMe)"
+    report = prepare_offload_dir(
+        settings.offload_dir,
+        need_bytes=plan.choice.disk_bytes,
+        nvme=True,
+        clean=False,
+        create=False,
+    )
+    return report.summary(), list(report.warnings)
+
+
+def _writable_dir(path: Path, setting: str) -> str:
+    existing = next((p for p in (path, *path.absolute().parents) if p.exists()), Path("/"))
+    try:  # a file that vanishes on close: the only test root cannot fool
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as exc:
+        raise EnvironmentUnfit(
+            f"{setting}={path} is not writable ({exc.strerror} in {existing}): mount a "
+            "read-write volume there"
+        ) from None
+    return f"{path} writable" + ("" if existing == path else " (will be created)")
+
+
+def _port(c: Checks) -> str:
+    settings = c.facts["settings"]
+    if settings.metrics_port == 0:
+        return "metrics disabled (ZT_METRICS_PORT=0)"
+    family = socket.AF_INET6 if ":" in settings.metrics_host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((settings.metrics_host, settings.metrics_port))
+        except OSError as exc:
+            why = "in use" if exc.errno == errno.EADDRINUSE else exc.strerror
+            raise EnvironmentUnfit(
+                f"ZT_METRICS_PORT={settings.metrics_port} on {settings.metrics_host}: {why}; "
+                "pick a free port or 0 to disable"
+            ) from None
+    return f"{settings.metrics_host}:{settings.metrics_port} free"
