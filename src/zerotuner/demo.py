@@ -268,14 +268,15 @@ def write_model(
     model_dir: Path, *, family: DemoFamily, seed: int, corpus: list[str], data_dir: Path
 ) -> Path:
     """Build the tiny pipeline from the real classes and `save_pretrained` it like a hub model."""
+    import shutil
     import tempfile
 
     import torch
     from diffusers import StableDiffusionPipeline, StableDiffusionXLPipeline
     from transformers import CLIPTextModel, CLIPTextModelWithProjection
 
-    with tempfile.TemporaryDirectory() as tmp:
-        tokenizer = write_tokenizer(Path(tmp), corpus)
+    bpe_files = Path(tempfile.mkdtemp(prefix="zerotuner-bpe-"))
+    tokenizer = write_tokenizer(bpe_files, corpus)
     vocab_size = len(tokenizer)
     vae = _vae(seed)
     vae.register_to_config(scaling_factor=_latent_scaling_factor(vae, data_dir))
@@ -316,4 +317,9 @@ def write_model(
             requires_safety_checker=False,
         )
     pipe.save_pretrained(model_dir, safe_serialization=True)
+    # transformers 5 saves tokenizer.json only; 4.x's slow CLIPTokenizer needs these two.
+    for sub in ("tokenizer", "tokenizer_2") if family == "sdxl" else ("tokenizer",):
+        for name in ("vocab.json", "merges.txt"):
+            shutil.copyfile(bpe_files / name, model_dir / sub / name)
+    shutil.rmtree(bpe_files, ignore_errors=True)
     return model_dir
