@@ -1,0 +1,157 @@
+"""The latent and text-embedding cache: the frozen VAE and text encoders run once per input.
+
+Entries live under `ZT_CACHE_DIR/features/` as one safetensors file each, named by a digest of
+everything the tensor depends on:
+- a latent: the VAE (its config and weight files), the image file (relative path and a
+  digest of its bytes) and its bucket -- so a changed image, resolution or bucket re-encodes
+  only that image;
+- a text embedding: the text encoders and tokenizers, and the caption.
+Each rank encodes its share of the missing entries (round-robin), writes them atomically, and
+after a barrier every rank reads any entry from the shared folder. A restart finds them all
+and loads no VAE at all; `CacheStats` says how many were encoded and reused.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from collections import defaultdict
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+log = logging.getLogger(__name__)
+
+ENCODE_BATCH = 8  # images or captions per encoder call while caching
+
+
+@dataclass(frozen=True)
+class CacheItem:
+    """One training example as the cache sees it. `load(flip)` reads the bucketed image:
+    (C, H, W) tensor in [-1, 1] and SDXL's time ids (original size, crop, target size)."""
+
+    name: str  # path relative to the data dir: stable across mounts
+    content: str  # a digest of the image file's bytes
+    caption: str
+    bucket: tuple[int, int]  # target (w, h) in pixels
+    load: Callable[[bool], tuple[torch.Tensor, torch.Tensor]]
+
+
+@dataclass
+class CacheStats:
+    latents_encoded: int = 0
+    latents_reused: int = 0
+    texts_encoded: int = 0
+    texts_reused: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+
+def component_key(source: Path, subfolders: Iterable[str]) -> str:
+    """A digest of frozen components: their config text and their weight files' size/mtime."""
+    digest = hashlib.sha256()
+    for sub in subfolders:
+        folder = source / sub
+        if not folder.is_dir():
+            continue
+        for path in sorted(folder.iterdir()):
+            real = path.resolve()
+            if not real.is_file():
+                continue
+            digest.update(f"{sub}/{path.name}".encode())
+            if real.suffix in (".json", ".txt"):
+                digest.update(real.read_bytes())
+            else:
+                stat = real.stat()
+                digest.update(f"{stat.st_size}-{stat.st_mtime_ns}".encode())
+    return digest.hexdigest()[:16]
+
+
+def _digest(*parts: object) -> str:
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:32]
+
+
+class FeatureCache:
+    """Cached latents and text embeddings for one model; see the module docstring."""
+
+    def __init__(self, root: Path, *, vae_key: str, text_key: str, flip: bool) -> None:
+        self.root = root / "features"
+        self.vae_key, self.text_key, self.flip = vae_key, text_key, flip
+
+    def latent_path(self, item: CacheItem) -> Path:
+        key = _digest("latent", self.vae_key, item.name, item.content, item.bucket, self.flip)
+        return self.root / "latents" / key[:2] / f"{key}.safetensors"
+
+    def text_path(self, caption: str) -> Path:
+        key = _digest("text", self.text_key, caption)
+        return self.root / "text" / key[:2] / f"{key}.safetensors"
+
+    def missing(self, items: list[CacheItem]) -> tuple[list[int], list[str]]:
+        """Indices of items without latents, and captions without embeddings (sorted, unique)."""
+        latents = [i for i, item in enumerate(items) if not self.latent_path(item).is_file()]
+        captions = sorted({item.caption for item in items})
+        texts = [c for c in captions if not self.text_path(c).is_file()]
+        return latents, texts
+
+    def encode_latents(self, items: list[CacheItem], encode: Callable) -> None:
+        """Encode (and write) the given items, batching images of the same bucket."""
+        rows: dict[str, dict[str, torch.Tensor]] = defaultdict(dict)
+        by_bucket: dict[tuple[int, int], list[CacheItem]] = {}
+        for item in items:
+            by_bucket.setdefault(item.bucket, []).append(item)
+        for group in by_bucket.values():
+            for start in range(0, len(group), ENCODE_BATCH):
+                chunk = group[start : start + ENCODE_BATCH]
+                variants = [False, True] if self.flip else [False]
+                for flip in variants:
+                    loaded = [item.load(flip) for item in chunk]
+                    latents = encode(torch.stack([pixels for pixels, _ in loaded]))
+                    suffix = "_flipped" if flip else ""
+                    for i, (_, time_ids) in enumerate(loaded):
+                        rows[chunk[i].name][f"latents{suffix}"] = latents[i].contiguous()
+                        rows[chunk[i].name][f"time_ids{suffix}"] = time_ids
+                for item in chunk:
+                    _save(rows.pop(item.name), self.latent_path(item))
+
+    def encode_texts(self, captions: list[str], encode: Callable) -> None:
+        for start in range(0, len(captions), ENCODE_BATCH):
+            chunk = captions[start : start + ENCODE_BATCH]
+            embeds = encode(chunk)
+            for i, caption in enumerate(chunk):
+                _save({k: v[i].contiguous() for k, v in embeds.items()}, self.text_path(caption))
+
+    def load_batch(
+        self, items: list[CacheItem], generator: torch.Generator | None = None
+    ) -> dict[str, torch.Tensor]:
+        """Stack the cached tensors of a batch; with flip on, each image is mirrored at random
+        (its pre-encoded mirror image), decided by `generator` so resumed runs match."""
+        rows = []
+        for item in items:
+            row = load_file(self.latent_path(item))
+            if self.flip:
+                mirrored = torch.rand((), generator=generator).item() < 0.5  # CPU generator
+                for key in ("latents", "time_ids"):
+                    flipped = row.pop(f"{key}_flipped")
+                    row[key] = flipped if mirrored else row[key]
+            row.update(load_file(self.text_path(item.caption)))
+            rows.append(row)
+        return {key: torch.stack([r[key] for r in rows]) for key in rows[0]}
+
+
+def _save(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    """Write then rename, so a reader (another rank, a restart) never sees half a file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    save_file(tensors, str(tmp))
+    os.replace(tmp, path)
+
+
+def share(indices: list, rank: int, world: int) -> list:
+    """This rank's round-robin share of a list every rank computed identically."""
+    return indices[rank::world]

@@ -1,0 +1,172 @@
+"""DeepSpeed checkpoints under OUTPUT/checkpoints/step-N/, committed in one place.
+
+Every rank saves its shards with `save_latest=False`; after a barrier rank 0 writes the
+manifest `step-N/zerotuner.json` (step, world size, ZeRO stage, base model, data position,
+files with sizes) and then moves the pointer `checkpoints/latest` by write-temp, fsync, rename.
+A checkpoint without a manifest was never committed and is never resumed from. Old
+checkpoints are deleted (by rank 0) only after the new one is committed.
+
+The manifest also makes a checkpoint self-contained for `zerotuner export`: it names the base
+pipeline whose frozen parts complete the exported folder.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file, save_file
+
+from zerotuner.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+MANIFEST = "zerotuner.json"
+LATEST = "latest"
+EMA_FILE = "ema.safetensors"
+STEP_DIR = re.compile(r"^step-(\d+)$")
+
+
+def checkpoints_dir(output_dir: Path) -> Path:
+    return output_dir / "checkpoints"
+
+
+@dataclass(frozen=True)
+class Resumed:
+    step: int
+    position: Any  # the data order's resumable position (see data.batches)
+    ema: dict[str, torch.Tensor] | None
+    ema_updates: int
+    path: Path
+
+
+def _barrier() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    with tmp.open("w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)  # the rename itself survives a crash
+    finally:
+        os.close(fd)
+
+
+def save(
+    engine: Any,
+    *,
+    output_dir: Path,
+    step: int,
+    meta: dict[str, Any],
+    ema: dict[str, torch.Tensor] | None,
+    ema_updates: int,
+    keep: int,
+    rank: int,
+) -> float:
+    """Save and commit step-N on every rank (a collective). Returns the seconds it took."""
+    started = time.perf_counter()
+    root = checkpoints_dir(output_dir)
+    tag = f"step-{step}"
+    if rank == 0 and (root / tag).exists():
+        shutil.rmtree(root / tag)  # an uncommitted leftover of a crashed save
+    _barrier()
+    engine.save_checkpoint(
+        str(root), tag=tag, client_state={"zerotuner_step": step}, save_latest=False
+    )
+    if rank == 0 and ema is not None:
+        save_file(ema, str(root / tag / EMA_FILE))
+    _barrier()
+    if rank == 0:
+        files = {
+            str(p.relative_to(root / tag)): p.stat().st_size
+            for p in sorted((root / tag).rglob("*"))
+            if p.is_file()
+        }
+        manifest = {**meta, "step": step, "ema_updates": ema_updates, "files": files}
+        _write_atomic(root / tag / MANIFEST, json.dumps(manifest, indent=2, sort_keys=True))
+        _write_atomic(root / LATEST, tag)
+        _rotate(root, keep=keep, current=tag)
+    _barrier()
+    return time.perf_counter() - started
+
+
+def _rotate(root: Path, *, keep: int, current: str) -> None:
+    committed = sorted(committed_checkpoints(root), key=lambda p: _step_of(p))
+    for old in committed[:-keep]:
+        if old.name != current:
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def _step_of(path: Path) -> int:
+    match = STEP_DIR.match(path.name)
+    return int(match.group(1)) if match else -1
+
+
+def read_manifest(path: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads((path / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def committed_checkpoints(root: Path) -> list[Path]:
+    if not root.is_dir():
+        return []
+    return [p for p in root.iterdir() if STEP_DIR.match(p.name) and read_manifest(p) is not None]
+
+
+def find_resume(resume: str, output_dir: Path) -> Path | None:
+    """The checkpoint to resume from: `never`, `auto` (latest committed) or a path."""
+    if resume == "never":
+        return None
+    if resume != "auto":
+        path = Path(resume)
+        if read_manifest(path) is None:
+            raise ConfigError(
+                f"ZT_RESUME={resume}: not a committed zerotuner checkpoint (no {MANIFEST}); "
+                "use auto, never or a checkpoints/step-N folder"
+            )
+        return path
+    root = checkpoints_dir(output_dir)
+    pointer = root / LATEST
+    if pointer.is_file():
+        tag = pointer.read_text().strip()
+        if read_manifest(root / tag) is not None:
+            return root / tag
+        log.warning("checkpoints/latest names %r, which is not committed: looking further", tag)
+    committed = committed_checkpoints(root)
+    return max(committed, key=_step_of) if committed else None
+
+
+def load(engine: Any, path: Path) -> Resumed:
+    """Weights, optimizer and LR schedule into the engine; the rest returned (every rank)."""
+    manifest = read_manifest(path)
+    assert manifest is not None
+    loaded, _ = engine.load_checkpoint(str(path.parent), tag=path.name)
+    if loaded is None:
+        raise ConfigError(f"ZT_RESUME: DeepSpeed could not load the checkpoint {path}")
+    ema_file = path / EMA_FILE
+    ema = load_file(str(ema_file)) if ema_file.is_file() else None
+    return Resumed(
+        step=int(manifest["step"]),
+        position=manifest.get("position"),
+        ema=ema,
+        ema_updates=int(manifest.get("ema_updates", 0)),
+        path=path,
+    )

@@ -1,0 +1,88 @@
+"""An exponential moving average of the UNet weights, kept on the CPU in fp32 on rank 0.
+
+DeepSpeed does not shard it (the seed's note: an EMA doubles the footprint), so it lives in
+host memory of one rank. Under ZeRO-3 each rank holds only a shard of every parameter: all
+ranks gather one parameter group at a time (`GatheredParameters`), rank 0 updates the
+average. Under ZeRO 0-2 every rank holds full (possibly 16-bit) weights after the step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+
+GATHER_GROUP = 64  # parameters gathered at once under ZeRO-3: bounds the peak memory
+
+
+@contextmanager
+def full_parameters(module: torch.nn.Module, params: list[torch.nn.Parameter]) -> Iterator[None]:
+    """Make `params` whole on every rank for the duration (a no-op below ZeRO-3).
+
+    Every rank must enter it: the gather is a collective.
+    """
+    if any(hasattr(p, "ds_id") for p in params):
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
+            yield
+    else:
+        yield
+
+
+def iter_full_named_parameters(
+    module: torch.nn.Module,
+) -> Iterator[tuple[str, torch.nn.Parameter]]:
+    """(name, parameter) with the parameter whole while the caller looks at it, at any stage."""
+    named = list(module.named_parameters())
+    for start in range(0, len(named), GATHER_GROUP):
+        group = named[start : start + GATHER_GROUP]
+        with full_parameters(module, [p for _, p in group]):
+            yield from group
+
+
+def full_state_dict(module: torch.nn.Module, *, rank: int) -> dict[str, torch.Tensor] | None:
+    """An fp32 CPU copy of every parameter and buffer on rank 0 (None elsewhere); every rank
+    must call it. Used for samples and the final export."""
+    state: dict[str, torch.Tensor] | None = {} if rank == 0 else None
+    for name, param in iter_full_named_parameters(module):
+        if state is not None:
+            state[name] = param.detach().float().cpu().clone()
+    if state is not None:
+        for name, buffer in module.named_buffers():
+            state[name] = buffer.detach().float().cpu().clone()
+    return state
+
+
+class EMA:
+    """Shadow weights; `decay` is capped by (1 + n) / (10 + n) after n updates (as diffusers'
+    EMAModel does), so short runs are not dominated by the initial weights."""
+
+    def __init__(self, module: torch.nn.Module, *, decay: float, rank: int) -> None:
+        self.decay, self.rank, self.updates = decay, rank, 0
+        state = full_state_dict(module, rank=rank)
+        self.shadow = {k: v for k, v in state.items()} if state is not None else None
+
+    def current_decay(self) -> float:
+        return min(self.decay, (1 + self.updates) / (10 + self.updates))
+
+    @torch.no_grad()
+    def update(self, module: torch.nn.Module) -> None:
+        """Call on every rank after each optimizer step."""
+        decay = self.current_decay()
+        self.updates += 1
+        for name, param in iter_full_named_parameters(module):
+            if self.shadow is not None:
+                shadow = self.shadow[name]
+                shadow.lerp_(param.detach().float().cpu(), 1.0 - decay)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        assert self.shadow is not None, "EMA weights live on rank 0"
+        return self.shadow
+
+    def load(self, shadow: dict[str, torch.Tensor], updates: int) -> None:
+        self.updates = updates
+        if self.shadow is not None:
+            for name, value in shadow.items():
+                self.shadow[name].copy_(value)

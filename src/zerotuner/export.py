@@ -1,0 +1,84 @@
+"""Diffusers pipeline folders from trained UNet weights: the run's final/ and `zerotuner export`.
+
+A folder is the base pipeline's frozen parts (VAE, text encoders, tokenizers, scheduler,
+model_index.json) copied as they are, plus the trained UNet written with save_pretrained in
+safetensors. It is built next to the destination and renamed into place, so a reader never
+sees half an export. Checkpoints are consolidated with DeepSpeed's own tools: zero_to_fp32 for
+ZeRO 1-3 (any world size), the module state for stage 0.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from pathlib import Path
+
+import torch
+
+from zerotuner.checkpoint import EMA_FILE, read_manifest
+from zerotuner.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+
+def write_pipeline(base: Path, unet_state: dict[str, torch.Tensor], out: Path) -> Path:
+    """Write `out` as a pipeline folder: `base` without its UNet, plus these UNet weights."""
+    from diffusers import UNet2DConditionModel
+
+    out = Path(out)
+    tmp = out.with_name(f".{out.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(base, tmp, ignore=shutil.ignore_patterns("unet", ".*"))
+    config = UNet2DConditionModel.load_config(base, subfolder="unet")
+    unet = UNet2DConditionModel.from_config(config)
+    missing, unexpected = unet.load_state_dict(unet_state, strict=False)
+    if missing or unexpected:
+        raise ConfigError(
+            f"the trained weights do not match {base}/unet: missing {missing[:3]}, "
+            f"unexpected {unexpected[:3]}"
+        )
+    unet.save_pretrained(tmp / "unet", safe_serialization=True)
+    if out.exists():
+        shutil.rmtree(out)
+    tmp.rename(out)
+    return out
+
+
+def checkpoint_unet_state(checkpoint: Path, *, ema: bool = False) -> dict[str, torch.Tensor]:
+    """The UNet weights (fp32) of a committed checkpoint, whatever its stage and world size."""
+    manifest = read_manifest(checkpoint)
+    if manifest is None:
+        raise ConfigError(f"{checkpoint}: not a committed zerotuner checkpoint (no zerotuner.json)")
+    if ema:
+        from safetensors.torch import load_file
+
+        if not (checkpoint / EMA_FILE).is_file():
+            raise ConfigError(f"{checkpoint}: has no EMA weights (the run had ZT_EMA off)")
+        return load_file(str(checkpoint / EMA_FILE))
+    if int(manifest["zero_stage"]) == 0:
+        states = torch.load(
+            checkpoint / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False
+        )
+        return {k: v.float() for k, v in states["module"].items()}
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    state = get_fp32_state_dict_from_zero_checkpoint(str(checkpoint.parent), tag=checkpoint.name)
+    return {k: v.float() for k, v in state.items()}
+
+
+def export_checkpoint(
+    checkpoint: Path, out: Path, *, ema: bool = False, base: Path | None = None
+) -> Path:
+    """`zerotuner export CKPT OUT`: a checkpoint folder (step-N) to a pipeline folder."""
+    checkpoint = Path(checkpoint)
+    if not checkpoint.is_dir():
+        raise ConfigError(f"CKPT={checkpoint}: no such checkpoint folder")
+    manifest = read_manifest(checkpoint) or {}
+    base = Path(base or manifest.get("base_model", ""))
+    if not (base / "model_index.json").is_file():
+        raise ConfigError(
+            f"CKPT={checkpoint}: its base pipeline {base} is gone; pass --base with the "
+            "pipeline folder the run trained from"
+        )
+    state = checkpoint_unet_state(checkpoint, ema=ema)
+    return write_pipeline(base, state, out)

@@ -1,0 +1,240 @@
+"""The training loop in named steps: train() -> train_step() -> forward_backward().
+
+It sees a DeepSpeed engine (whatever ZeRO stage and offload), cached batches and one
+`Conditioning`; nothing here depends on the model family. Noise and timesteps come from a
+generator seeded by (seed, step, micro-batch, rank), so a resumed run draws exactly what the
+uninterrupted run would have drawn, with no RNG state to carry in checkpoints.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from zerotuner.records import Sink, StepRecord
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LossConfig:
+    prediction_type: str  # epsilon | v_prediction
+    snr_gamma: float | None  # min-SNR-gamma weighting (arXiv 2303.09556); None = plain MSE
+    noise_offset: float  # adds a per-channel constant to the noise (brightness range)
+
+
+def step_generator(seed: int, step: int, micro: int, rank: int) -> torch.Generator:
+    """A CPU generator unique to one micro-batch of one rank, reproducible on resume."""
+    return torch.Generator().manual_seed(hash((seed, step, micro, rank)) & 0x7FFF_FFFF_FFFF_FFFF)
+
+
+def diffusion_loss(
+    unet: Callable,
+    scheduler: Any,
+    latents: torch.Tensor,
+    unet_kwargs: dict[str, Any],
+    *,
+    config: LossConfig,
+    generator: torch.Generator,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """Noise the latents at random timesteps and regress the model's prediction (in fp32)."""
+    batch = latents.shape[0]
+    noise = torch.randn(latents.shape, generator=generator)
+    if config.noise_offset:
+        noise += config.noise_offset * torch.randn(
+            (batch, latents.shape[1], 1, 1), generator=generator
+        )
+    steps = scheduler.config.num_train_timesteps
+    timesteps = torch.randint(0, steps, (batch,), generator=generator)
+    noisy = scheduler.add_noise(latents, noise, timesteps)
+    if config.prediction_type == "v_prediction":
+        target = scheduler.get_velocity(latents, noise, timesteps)
+    else:
+        target = noise
+    device = _device_of(unet)
+    pred = unet(noisy.to(device, dtype), timesteps.to(device), **_to(unet_kwargs, device)).sample
+    target = target.to(device)
+    if config.snr_gamma is None:
+        return F.mse_loss(pred.float(), target.float())
+    from diffusers.training_utils import compute_snr
+
+    snr = compute_snr(scheduler, timesteps)
+    weight = torch.clamp(snr, max=config.snr_gamma)
+    weight = weight / (snr + 1) if config.prediction_type == "v_prediction" else weight / snr
+    per_sample = F.mse_loss(pred.float(), target.float(), reduction="none").mean(dim=(1, 2, 3))
+    return (per_sample * weight.to(device)).mean()
+
+
+def _device_of(module: Any) -> torch.device:
+    device = getattr(module, "device", None)
+    return torch.device(device) if device is not None else torch.device("cpu")
+
+
+def _to(value: Any, device: torch.device) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, dict):
+        return {k: _to(v, device) for k, v in value.items()}
+    return value
+
+
+@dataclass
+class LoopContext:
+    """What the loop needs besides the engine; built once by the worker."""
+
+    scheduler: Any
+    conditioning: Any
+    loss: LossConfig
+    dtype: torch.dtype
+    seed: int
+    rank: int
+    accumulation: int
+    samples_per_step: int  # micro-batch * accumulation * world size
+    load_batch: Callable[[Any, torch.Generator], dict[str, torch.Tensor]]
+
+
+def forward_backward(engine: Any, batch: dict[str, torch.Tensor], ctx: LoopContext, gen) -> Any:
+    """One micro-batch: loss, then engine.backward (DeepSpeed scales for accumulation)."""
+    kwargs = ctx.conditioning.unet_kwargs(batch, ctx.dtype)
+    loss = diffusion_loss(
+        engine, ctx.scheduler, batch["latents"], kwargs, config=ctx.loss, generator=gen,
+        dtype=ctx.dtype,
+    )  # fmt: skip
+    engine.backward(loss)
+    engine.step()  # steps the optimizer and LR only at the accumulation boundary
+    return loss.detach()
+
+
+def train_step(engine: Any, micro_batches: list[Any], step: int, ctx: LoopContext) -> torch.Tensor:
+    """One optimizer step: `accumulation` micro-batches. Returns the mean loss (on device)."""
+    losses = []
+    for micro, keys in enumerate(micro_batches):
+        gen = step_generator(ctx.seed, step, micro, ctx.rank)
+        batch = ctx.load_batch(keys, gen)
+        losses.append(forward_backward(engine, batch, ctx, gen))
+    return torch.stack(losses).mean()
+
+
+def grad_norm(engine: Any) -> float | None:
+    norm = engine.get_global_grad_norm()
+    if norm is None:
+        return None
+    return float(norm.item() if isinstance(norm, torch.Tensor) else norm)  # sync (a scalar)
+
+
+def train(
+    engine: Any,
+    steps: Iterator[tuple[int, list[Any]]],
+    ctx: LoopContext,
+    *,
+    sinks: list[Sink],
+    after_step: Callable[[int], None],
+) -> int:
+    """Run optimizer steps from `steps` ((step number, its micro-batches) pairs, already
+    positioned for a resume); `after_step` runs EMA, checkpoints, samples and stop checks.
+    Returns the last finished step."""
+    last = 0
+    started = time.perf_counter()
+    for step, micro_batches in steps:
+        lr = float(engine.get_lr()[0])  # the rate this step uses; the scheduler moves at its end
+        loss = train_step(engine, micro_batches, step, ctx)
+        record = StepRecord(
+            step=step,
+            loss=loss.item(),  # sync: one scalar per step, for steps.jsonl and the sinks
+            lr=lr,
+            grad_norm=grad_norm(engine),
+            step_seconds=time.perf_counter() - started,
+            samples=ctx.samples_per_step,
+            timestamp=time.time(),
+        )
+        for sink in sinks:
+            sink.on_step(record)
+        last = step
+        after_step(step)
+        started = time.perf_counter()
+    return last
+
+
+class StepsJsonlSink:
+    """OUTPUT/run/steps.jsonl: one line per optimizer step (rank 0). At the first record, lines
+    from that step on are dropped (left by a run that went further than its last checkpoint),
+    so after a resume the file continues with the next step."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._file: Any = None
+
+    def _open(self, first_step: int) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        kept = []
+        if self.path.exists():
+            for line in self.path.read_text().splitlines():
+                try:
+                    if json.loads(line)["step"] < first_step:
+                        kept.append(line)
+                except (ValueError, KeyError, TypeError):
+                    continue  # a line cut by a crash
+        self.path.write_text("".join(f"{line}\n" for line in kept))
+        self._file = self.path.open("a", buffering=1)
+
+    def on_phase(self, phase: str) -> None:
+        pass
+
+    def on_step(self, record: StepRecord) -> None:
+        if self._file is None:
+            self._open(record.step)
+        line = {
+            "step": record.step,
+            "loss": record.loss,
+            "lr": record.lr,
+            "step_seconds": round(record.step_seconds, 6),
+            "samples": record.samples,
+            "grad_norm": record.grad_norm,
+            "timestamp": record.timestamp,
+        }
+        self._file.write(json.dumps(line) + "\n")
+
+    def on_checkpoint(self, step: int, seconds: float) -> None:
+        if self._file is not None:
+            self._file.flush()
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+
+
+class ProgressLogSink:
+    """A plain progress line every `every` steps (rank 0), e.g. for `kubectl logs`."""
+
+    def __init__(self, *, every: int, max_steps: int) -> None:
+        self.every, self.max_steps = every, max_steps
+        self._losses: list[float] = []
+
+    def on_phase(self, phase: str) -> None:
+        log.info("phase: %s", phase)
+
+    def on_step(self, record: StepRecord) -> None:
+        self._losses.append(record.loss)
+        if record.step % self.every and record.step != self.max_steps:
+            return
+        mean = sum(self._losses) / len(self._losses)
+        self._losses.clear()
+        log.info(
+            "step %d/%d  loss %.4f  lr %.3g  %.3f s/step",
+            record.step, self.max_steps, mean, record.lr, record.step_seconds,
+        )  # fmt: skip
+
+    def on_checkpoint(self, step: int, seconds: float) -> None:
+        log.info("checkpoint step-%d saved in %.1f s", step, seconds)
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,425 @@
+"""One training rank: `python -m zerotuner.worker`, started by torchrun (one per device).
+
+Settings come from the environment and config file, decisions from the Job file
+(`ZT_JOB_FILE`). `train()` is the whole per-rank job and reads rank and world size from
+torch.distributed, so another launcher (Ray Train, Kubeflow) can call it unchanged. The phases:
+loading -> caching -> training (with checkpointing and validating) -> exporting. This is the
+only module that calls `deepspeed.initialize`.
+
+Each rank writes its exit status (records.write_rank_status): 0 done, 2 ConfigError,
+3 EnvironmentUnfit, 1 anything else; torchrun itself exits 1 for every failure.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import traceback
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from zerotuner import cache as feature_cache
+from zerotuner import checkpoint, data, export, loop, model, samples
+from zerotuner.ema import EMA, full_state_dict
+from zerotuner.errors import EXIT_FAILURE, EXIT_OK, ZeroTunerError
+from zerotuner.job import Job, load_job
+from zerotuner.records import Sink, write_rank_status
+from zerotuner.settings import Settings, load_settings
+
+log = logging.getLogger("zerotuner.worker")
+
+
+def build_sinks(settings: Settings, job: Job, *, rank: int) -> list[Sink]:
+    """Every consumer of step records on this rank: the one place sinks plug in."""
+    sinks: list[Sink] = []
+    if rank == 0:
+        run_dir = settings.output_dir / "run"
+        sinks.append(loop.StepsJsonlSink(run_dir / "steps.jsonl"))
+        sinks.append(
+            loop.ProgressLogSink(every=settings.log_every_steps, max_steps=settings.max_steps)
+        )
+    return sinks
+
+
+def init_distributed(job: Job) -> tuple[int, int]:
+    """Join the process group torchrun described (gloo on CPU); a lone process is rank 0 of 1."""
+    import deepspeed
+    import torch.distributed as dist
+
+    for name, default in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
+        os.environ.setdefault(name, default)
+    os.environ.setdefault("MASTER_ADDR", job.master_addr)
+    os.environ.setdefault("MASTER_PORT", str(job.master_port))
+    if not dist.is_initialized():
+        deepspeed.init_distributed(dist_backend="gloo" if job.device == "cpu" else "nccl")
+    return dist.get_rank(), dist.get_world_size()
+
+
+def _barrier() -> None:
+    import torch.distributed as dist
+
+    dist.barrier()
+
+
+def _all_sum(values: list[int]) -> list[int]:
+    import torch.distributed as dist
+
+    tensor = torch.tensor(values, dtype=torch.long)
+    dist.all_reduce(tensor)
+    return [int(v) for v in tensor.tolist()]
+
+
+def _write_json(path: Path, payload: Any) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(payload, indent=2, sort_keys=True, default=str) + "\n")
+
+
+class Run:
+    """The state of one rank's job, built phase by phase."""
+
+    def __init__(
+        self, settings: Settings, job: Job, *, sinks: Sequence[Sink], rank: int, world: int
+    ):
+        self.settings, self.job, self.sinks = settings, job, list(sinks)
+        self.rank, self.world = rank, world
+        self.run_dir = settings.output_dir / "run"
+        self.device = "cpu" if job.device == "cpu" else f"cuda:{int(os.environ['LOCAL_RANK'])}"
+        self.dtype = model.train_dtype(job.mixed_precision)
+        self.position = data.Position()
+        self.ema: EMA | None = None
+
+    def phase(self, name: str) -> None:
+        for sink in self.sinks:
+            sink.on_phase(name)
+
+    # --- loading ------------------------------------------------------------------------
+    def load(self) -> None:
+        self.phase("loading")
+        s, job = self.settings, self.job
+        token = s.hf_token.get_secret_value() if s.hf_token else None
+        if int(os.environ["LOCAL_RANK"]) == 0:  # one download per node
+            self.source = model.resolve_model(job.model, cache_dir=s.cache_dir, token=token)
+        _barrier()
+        if int(os.environ["LOCAL_RANK"]) != 0:
+            self.source = model.resolve_model(job.model, cache_dir=s.cache_dir, token=token)
+        self.components = model.load_components(
+            self.source,
+            job.family,
+            gradient_checkpointing=job.gradient_checkpointing,
+            with_frozen=False,
+        )
+        self.conditioning = model.CONDITIONING[job.family]
+        self.prediction = model.prediction_type(self.components.scheduler, s.prediction_type)
+        self.dataset = data.scan(s.data_dir, log_skipped=self.rank == 0)
+        self.buckets = data.assign_buckets(
+            self.dataset.items, job.resolution, multiple=self._bucket_multiple()
+        )
+        if self.rank == 0:
+            _write_json(
+                self.run_dir / "dataset.json",
+                {
+                    "images": len(self.dataset),
+                    "skipped": [[str(p), why] for p, why in self.dataset.skipped],
+                    "buckets": {f"{w}x{h}": len(ix) for (w, h), ix in self.buckets.items()},
+                },
+            )
+            log.info(
+                "dataset: %d images, %d skipped, %d bucket(s); prediction %s",
+                len(self.dataset), len(self.dataset.skipped), len(self.buckets), self.prediction,
+            )  # fmt: skip
+
+    def _bucket_multiple(self) -> int:
+        """Bucket sides must survive the VAE's and the UNet's downsampling."""
+        from diffusers import AutoencoderKL
+
+        vae = AutoencoderKL.load_config(self.source, subfolder="vae")
+        unet = self.components.unet.config
+        step = 2 ** (len(vae["block_out_channels"]) - 1) * 2 ** (len(unet.block_out_channels) - 1)
+        return max(step, 64) if self.job.resolution >= 512 else step
+
+    # --- caching ------------------------------------------------------------------------
+    def cache(self) -> None:
+        self.phase("caching")
+        s = self.settings
+        text_dirs = [d for pair in self.conditioning.text_subfolders for d in pair]
+        self.features = feature_cache.FeatureCache(
+            s.cache_dir,
+            vae_key=feature_cache.component_key(self.source, ["vae"]),
+            text_key=feature_cache.component_key(self.source, text_dirs),
+            flip=s.random_flip,
+        )
+        bucket_of = {i: size for size, indices in self.buckets.items() for i in indices}
+        root = self.dataset.root
+        self.items = [
+            feature_cache.CacheItem(
+                name=str(item.path.relative_to(root)),
+                content=item.digest,
+                caption=item.caption,
+                bucket=bucket_of[i],
+                load=self._loader(item, bucket_of[i]),
+            )
+            for i, item in enumerate(self.dataset.items)
+        ]
+        latents, texts = self.features.missing(self.items)
+        my_latents = feature_cache.share(latents, self.rank, self.world)
+        my_texts = feature_cache.share(texts, self.rank, self.world)
+        if my_latents or my_texts:
+            model.load_frozen(
+                self.components, device=torch.device(self.device), text_dtype=self.dtype
+            )
+            components = self.components
+            self.features.encode_latents(
+                [self.items[i] for i in my_latents],
+                lambda px: model.encode_images(components.vae, px),
+            )
+            self.features.encode_texts(
+                my_texts, lambda caps: self.conditioning.encode_text(components, caps)
+            )
+        self.components.drop_frozen()
+        _barrier()  # every entry is on disk now
+        encoded_l, encoded_t = _all_sum([len(my_latents), len(my_texts)])
+        captions = len({item.caption for item in self.items})
+        stats = feature_cache.CacheStats(
+            latents_encoded=encoded_l,
+            latents_reused=len(self.items) - encoded_l,
+            texts_encoded=encoded_t,
+            texts_reused=captions - encoded_t,
+        )
+        if self.rank == 0:
+            _write_json(self.run_dir / "cache.json", stats.as_dict())
+            log.info(
+                "cache: %d latents encoded, %d reused; %d texts encoded, %d reused",
+                stats.latents_encoded, stats.latents_reused, stats.texts_encoded,
+                stats.texts_reused,
+            )  # fmt: skip
+
+    @staticmethod
+    def _loader(item: data.Item, bucket: tuple[int, int]):
+        def load(flip: bool) -> tuple[torch.Tensor, torch.Tensor]:
+            example = data.load_example(item, bucket, flip=flip)
+            ids = model.time_ids(example.original_size, example.crop_top_left, example.target_size)
+            return torch.from_numpy(example.pixels), ids
+
+        return load
+
+    # --- engine and resume ----------------------------------------------------------------
+    def engine(self) -> None:
+        import deepspeed
+
+        config = dict(self.job.deepspeed)
+        unet = self.components.unet
+        params = [p for p in unet.parameters() if p.requires_grad]
+        self.engine_, _, _, _ = deepspeed.initialize(
+            model=unet, model_parameters=params, config=config
+        )
+        if self.rank == 0:
+            _write_json(self.run_dir / "deepspeed.json", config)
+            log.info(
+                "effective DeepSpeed config:\n%s", json.dumps(config, indent=2, sort_keys=True)
+            )
+        self.start_step = 0
+        resume = checkpoint.find_resume(self.settings.resume, self.settings.output_dir)
+        resumed = checkpoint.load(self.engine_, resume) if resume else None
+        if resumed:
+            self.start_step = resumed.step
+            self.position = data.Position(**(resumed.position or {}))
+            log.info("resumed from %s at step %d", resumed.path, resumed.step)
+        if self.settings.ema:
+            self.ema = EMA(self.engine_.module, decay=self.settings.ema_decay, rank=self.rank)
+            if resumed and resumed.ema is not None:
+                self.ema.load(resumed.ema, resumed.ema_updates)
+
+    # --- training -------------------------------------------------------------------------
+    def steps(self) -> Iterator[tuple[int, list[list[int]]]]:
+        """(step, micro-batches) from the resumed position; self.position follows along."""
+        s = self.settings
+        micro = data.iterate_batches(
+            self.dataset,
+            self.buckets,
+            micro_batch=self.engine_.train_micro_batch_size_per_gpu(),
+            rank=self.rank,
+            world_size=self.world,
+            seed=s.seed,
+            start=self.position,
+        )
+        accumulation = self.engine_.gradient_accumulation_steps()
+        for step in range(self.start_step + 1, s.max_steps + 1):
+            batch = [next(micro) for _ in range(accumulation)]
+            self.position = batch[-1][1]
+            yield step, [indices for indices, _ in batch]
+
+    def train(self) -> None:
+        s = self.settings
+        self.phase("training")
+        ctx = loop.LoopContext(
+            scheduler=self.components.scheduler,
+            conditioning=self.conditioning,
+            loss=loop.LossConfig(self.prediction, s.snr_gamma, s.noise_offset),
+            dtype=self.dtype,
+            seed=s.seed,
+            rank=self.rank,
+            accumulation=self.engine_.gradient_accumulation_steps(),
+            samples_per_step=self.engine_.train_batch_size(),  # micro * accumulation * world
+            load_batch=lambda keys, gen: self.features.load_batch(
+                [self.items[i] for i in keys], gen
+            ),
+        )
+        loop.train(self.engine_, self.steps(), ctx, sinks=self.sinks, after_step=self.after_step)
+
+    def after_step(self, step: int) -> None:
+        s = self.settings
+        if self.ema is not None:
+            self.ema.update(self.engine_.module)
+        if step == s.max_steps:
+            return  # the end-of-run checkpoint and samples follow in finish()
+        if s.checkpoint_every_steps and step % s.checkpoint_every_steps == 0:
+            self.save(step)
+        if (
+            s.validation_prompts
+            and s.validation_every_steps
+            and step % s.validation_every_steps == 0
+        ):
+            self.validate(step)
+
+    def save(self, step: int) -> None:
+        self.phase("checkpointing")
+        s, job = self.settings, self.job
+        meta = {
+            "base_model": str(self.source),
+            "model": job.model,
+            "family": job.family,
+            "zero_stage": job.zero_stage,
+            "world_size": self.world,
+            "mixed_precision": job.mixed_precision,
+            "position": asdict(self.position),
+        }
+        seconds = checkpoint.save(
+            self.engine_,
+            output_dir=s.output_dir,
+            step=step,
+            meta=meta,
+            ema=self.ema.shadow if self.ema else None,
+            ema_updates=self.ema.updates if self.ema else 0,
+            keep=s.checkpoints_keep,
+            rank=self.rank,
+        )
+        for sink in self.sinks:
+            sink.on_checkpoint(step, seconds)
+        self.phase("training")
+
+    def validate(self, step: int) -> None:
+        self.phase("validating")
+        state = full_state_dict(self.engine_.module, rank=self.rank)  # collective
+        if state is not None:
+            samples.render(
+                self.source,
+                state,
+                self.settings.validation_prompts,
+                self.settings.output_dir / "samples" / f"step-{step}",
+                resolution=self.job.resolution,
+                inference_steps=self.settings.validation_inference_steps,
+                seed=self.settings.seed,
+                device=self.device,
+            )
+        _barrier()
+        self.phase("training")
+
+    # --- the end --------------------------------------------------------------------------
+    def finish(self) -> None:
+        s = self.settings
+        step = s.max_steps
+        if self.start_step < step:
+            self.save(step)
+        if s.validation_prompts:
+            self.validate(step)
+        self.phase("exporting")
+        state = full_state_dict(self.engine_.module, rank=self.rank)  # collective
+        if self.rank == 0:
+            out = export.write_pipeline(self.source, state, s.output_dir / "final")
+            if self.ema is not None:
+                export.write_pipeline(
+                    self.source, self.ema.state_dict(), s.output_dir / "final-ema"
+                )
+            self._loss_curve()
+            log.info("exported %s%s", out, " and final-ema" if self.ema else "")
+        _barrier()
+
+    def _loss_curve(self) -> None:
+        try:
+            from zerotuner.report import loss_curve_png
+        except ImportError:
+            return
+        loss_curve_png(self.run_dir / "steps.jsonl", self.run_dir / "loss.png")
+
+
+def train(settings: Settings, job: Job, *, sinks: Sequence[Sink] | None = None) -> int:
+    """The whole job of one rank; returns its exit code (and writes it as its rank status)."""
+    rank, code, message = int(os.environ.get("RANK", "0")), EXIT_FAILURE, ""
+    try:
+        rank, world = init_distributed(job)
+        if sinks is None:
+            sinks = build_sinks(settings, job, rank=rank)
+        _quiet_other_ranks(rank)
+        run = Run(settings, job, sinks=sinks, rank=rank, world=world)
+        run.load()
+        run.cache()
+        run.engine()
+        run.train()
+        run.finish()
+        code, message = EXIT_OK, f"finished at step {settings.max_steps}"
+    except ZeroTunerError as error:
+        code, message = error.exit_code, str(error)
+        for line in error.problems:
+            print(f"zerotuner: error: {line}", file=sys.stderr, flush=True)
+    except Exception as error:  # noqa: BLE001 - the status must be written whatever happened
+        traceback.print_exc()
+        code, message = EXIT_FAILURE, f"{type(error).__name__}: {error}"
+    finally:
+        for sink in sinks or ():
+            sink.close()
+        write_rank_status(rank, code, message)
+    return code
+
+
+def _quiet_libraries() -> None:
+    """No per-file progress bars from diffusers/transformers in a training log."""
+    import diffusers
+    import transformers
+
+    diffusers.utils.logging.disable_progress_bar()
+    transformers.utils.logging.disable_progress_bar()
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+
+
+def _quiet_other_ranks(rank: int) -> None:
+    """Rank 0 tells the story; the others speak up only for warnings."""
+    logging.getLogger("zerotuner").setLevel(logging.INFO if rank == 0 else logging.WARNING)
+
+
+def main() -> None:
+    _quiet_libraries()
+    logging.basicConfig(
+        level=logging.INFO,
+        format=f"[rank{os.environ.get('RANK', '0')}] %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        job = load_job()
+        if job.device == "cpu":
+            os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        settings = load_settings()
+    except ZeroTunerError as error:
+        for line in error.problems:
+            print(f"zerotuner: error: {line}", file=sys.stderr, flush=True)
+        write_rank_status(int(os.environ.get("RANK", "0")), error.exit_code, str(error))
+        sys.exit(error.exit_code)
+    sys.exit(train(settings, job))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,170 @@
+"""Helpers for the training tests: a Job file, a DeepSpeed config, torchrun with N CPU ranks.
+
+The DeepSpeed dicts have the shape `zerotuner.deepspeed_config.normalize` produces, built
+directly so these tests pin the worker, not the normalizer.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from zerotuner.job import Job
+
+REPO = Path(__file__).resolve().parents[1]
+RUN_TIMEOUT = 600  # seconds; a 2-rank tiny run takes well under a minute
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def ds_config(
+    stage: int,
+    *,
+    world: int = 2,
+    micro: int = 2,
+    accumulation: int = 1,
+    lr: float = 1e-3,
+    steps: int = 10,
+    offload_optimizer: str = "none",
+    offload_param: str = "none",
+    nvme_dir: Path | None = None,
+) -> dict[str, Any]:
+    """What the normalizer would produce for the tiny demo model on the CPU (fp32)."""
+    zero: dict[str, Any] = {"stage": stage}
+    if stage >= 1:
+        zero |= {"reduce_bucket_size": 500_000, "allgather_bucket_size": 500_000}
+    if stage == 3:
+        zero |= {
+            "stage3_prefetch_bucket_size": 450_000,
+            "stage3_param_persistence_threshold": 1_000,
+            "stage3_gather_16bit_weights_on_model_save": True,
+        }
+    for key, target in (("offload_optimizer", offload_optimizer), ("offload_param", offload_param)):
+        if target == "none":
+            continue
+        section: dict[str, Any] = {"device": target, "pin_memory": False}
+        if target == "nvme":
+            section["nvme_path"] = str(nvme_dir)
+            if key == "offload_optimizer":
+                section["buffer_count"] = 4
+        if key == "offload_param":
+            section |= {"buffer_size": 1_000_000, "buffer_count": 5}
+        zero[key] = section
+    config: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": micro,
+        "gradient_accumulation_steps": accumulation,
+        "train_batch_size": micro * accumulation * world,
+        "optimizer": {
+            "type": "AdamW",
+            "params": {"lr": lr, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.01},
+        },
+        "scheduler": {
+            "type": "WarmupLR",
+            "params": {
+                "warmup_min_lr": 0,
+                "warmup_max_lr": lr,
+                "warmup_num_steps": 2,
+                "warmup_type": "linear",
+            },
+        },  # fmt: skip
+        "zero_optimization": zero,
+        "gradient_clipping": 1.0,
+        "steps_per_print": steps + 1,
+        "wall_clock_breakdown": False,
+    }
+    if "nvme" in (offload_optimizer, offload_param):
+        config["aio"] = {"block_size": 1048576, "queue_depth": 8, "intra_op_parallelism": 1,
+                         "single_submit": False, "overlap_events": True}  # fmt: skip
+    return config
+
+
+def write_job(
+    path: Path,
+    *,
+    model: Path,
+    deepspeed: dict[str, Any],
+    family: str = "sdxl",
+    resolution: int = 64,
+    world: int = 2,
+    **extra: Any,
+) -> Path:
+    stage = deepspeed["zero_optimization"]["stage"]
+    zero = deepspeed.get("zero_optimization", {})
+    job = Job(
+        family=family,
+        model=str(model),
+        resolution=resolution,
+        zero_stage=stage,
+        offload_optimizer=zero.get("offload_optimizer", {}).get("device", "none"),
+        offload_param=zero.get("offload_param", {}).get("device", "none"),
+        gradient_checkpointing=extra.pop("gradient_checkpointing", False),
+        mixed_precision=extra.pop("mixed_precision", "no"),
+        device="cpu",
+        world_size=world,
+        nproc_per_node=world,
+        deepspeed=deepspeed,
+        **extra,
+    )
+    return job.write(path)
+
+
+def settings_env(*, model: Path, data: Path, output: Path, cache: Path, **settings: Any) -> dict:
+    """ZT_* variables for a run; anything else given becomes ZT_<NAME>."""
+    env = {
+        "ZT_MODEL": str(model),
+        "ZT_DATA_DIR": str(data),
+        "ZT_OUTPUT_DIR": str(output),
+        "ZT_CACHE_DIR": str(cache),
+        "ZT_METRICS_PORT": "0",
+    }
+    for key, value in settings.items():
+        env[f"ZT_{key.upper()}"] = json.dumps(value) if isinstance(value, list) else str(value)
+    return env
+
+
+def run_ranks(
+    tmp: Path, env: dict[str, str], *, job_file: Path, world: int = 2
+) -> subprocess.CompletedProcess[str]:
+    """torchrun with `world` CPU ranks running the worker; output captured."""
+    status = tmp / "status"
+    status.mkdir(parents=True, exist_ok=True)
+    full = {
+        **{k: v for k, v in os.environ.items() if not k.startswith("ZT_")},
+        "DS_ACCELERATOR": "cpu",
+        "TORCH_EXTENSIONS_DIR": os.environ.get(
+            "TORCH_EXTENSIONS_DIR", str(REPO / ".cache" / "torch_extensions")
+        ),
+        "OMP_NUM_THREADS": "1",
+        "ZT_JOB_FILE": str(job_file),
+        "ZT_STATUS_DIR": str(status),
+        "PYTHONUNBUFFERED": "1",
+        **env,
+    }
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={world}",
+        f"--master_port={free_port()}", "-m", "zerotuner.worker",
+    ]  # fmt: skip
+    return subprocess.run(
+        cmd, env=full, capture_output=True, text=True, timeout=RUN_TIMEOUT, cwd=tmp
+    )
+
+
+def statuses(tmp: Path) -> dict[int, dict]:
+    return {
+        int(p.stem.split("-")[1]): json.loads(p.read_text())
+        for p in sorted((tmp / "status").glob("rank-*.json"))
+    }
+
+
+def read_steps(output: Path) -> list[dict]:
+    path = output / "run" / "steps.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
