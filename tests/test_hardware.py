@@ -137,7 +137,8 @@ def test_t4_has_no_bf16():
     assert not hw.bf16
 
 
-def test_probe_this_machine():
+def test_probe_this_machine(capsys):
+    # capsys: stderr without a file descriptor must not make DeepSpeed's op checks fail
     hw = probe("auto")
     assert hw.accelerator == "cpu"  # no GPU here
     assert hw.host_memory > 1 * GiB and hw.cpu_count >= 1

@@ -260,3 +260,85 @@ def test_second_signal_kills_every_rank_at_once(tmp_path):
     assert len(pids) == 2
     for pid in pids:
         assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == "zombie"
+
+
+# --- zerotuner check: the dry run of everything train validates -------------------------------
+
+
+@pytest.fixture
+def check_env(monkeypatch, demo_dir, tmp_path):
+    env = {
+        "ZT_MODEL": str(demo_dir / "model"),
+        "ZT_DATA_DIR": str(demo_dir / "data"),
+        "ZT_OUTPUT_DIR": str(tmp_path / "output"),
+        "ZT_OFFLOAD_DIR": str(tmp_path / "offload"),
+        "ZT_CACHE_DIR": str(tmp_path / "cache"),
+        "ZT_DEVICE": "cpu",
+        "ZT_NUM_PROCESSES": "2",
+        "ZT_METRICS_PORT": "0",
+    }
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    return monkeypatch
+
+
+def _check(capsys) -> tuple[int, str]:
+    from zerotuner import cli
+
+    code = cli.main(["check"])
+    captured = capsys.readouterr()
+    return code, captured.out + captured.err
+
+
+def test_check_passes_on_the_demo(check_env, capsys, tmp_path):
+    code, out = _check(capsys)
+    assert code == 0, out
+    for name in ("settings", "hardware", "topology", "model", "plan", "deepspeed config",
+                 "dataset", "offload", "output dir", "metrics port"):  # fmt: skip
+        assert any(line.startswith("OK") and f" {name} " in line for line in out.splitlines())
+    assert "1 node(s) x 2 rank(s)" in out
+    assert not (tmp_path / "output").exists()  # check creates nothing
+
+
+@pytest.mark.parametrize(
+    ("env", "failing", "expected"),
+    [
+        ({"ZT_DATA_DIR": "/nonexistent/data"}, "dataset", 2),
+        ({"ZT_MODEL": "/nonexistent/model"}, "model", 2),
+        ({"ZT_MODEL": "not a hub id!"}, "model", 2),
+        ({"ZT_NNODES": "2"}, "topology", 2),
+        ({"ZT_ZERO_STAGE": "1", "ZT_OFFLOAD_PARAM": "cpu"}, "plan", 2),
+        ({"ZT_TRAIN_BATCH_SIZE": "0"}, "settings", 2),
+    ],
+)
+def test_check_reports_config_errors_with_exit_2(check_env, capsys, env, failing, expected):
+    for key, value in env.items():
+        check_env.setenv(key, value)
+    code, out = _check(capsys)
+    assert code == expected, out
+    assert any(line.startswith("FAIL") and f" {failing} " in line for line in out.splitlines())
+
+
+def test_check_busy_port_is_exit_3(check_env, capsys):
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        check_env.setenv("ZT_METRICS_HOST", "127.0.0.1")
+        check_env.setenv("ZT_METRICS_PORT", str(busy.getsockname()[1]))
+        code, out = _check(capsys)
+    assert code == 3, out
+    assert "in use" in out
+
+
+def test_check_validates_nvme_offload_without_cleaning(check_env, capsys, tmp_path):
+    check_env.setenv("ZT_ZERO_STAGE", "3")
+    check_env.setenv("ZT_OFFLOAD_OPTIMIZER", "nvme")
+    stale = tmp_path / "offload" / "zero_stage_3" / "optimizer" / "rank0" / "1.tensor.swp"
+    stale.parent.mkdir(parents=True)
+    stale.write_bytes(b"x")
+    code, out = _check(capsys)
+    assert code == 0, out
+    assert "O_DIRECT ok" in out
+    assert stale.exists()  # check mode never deletes

@@ -8,7 +8,14 @@ import pytest
 
 from zerotuner import cli
 from zerotuner.errors import ConfigError, EnvironmentUnfit
-from zerotuner.families import BUILTIN_UNET_COUNTS, FAMILIES, ModelShape, model_shape
+from zerotuner.families import (
+    BUILTIN_UNET_COUNTS,
+    FAMILIES,
+    ModelShape,
+    frozen_params,
+    model_shape,
+    resolve_family,
+)
 from zerotuner.hardware import GPU, GiB, Hardware, OpStatus, cpu_only
 from zerotuner.plan import estimate, make_plan
 
@@ -249,3 +256,40 @@ def test_plan_cli_probes_this_machine_with_settings(capsys, demo_dir, monkeypatc
     assert data["inputs"]["accelerator"] == "cpu"
     assert data["inputs"]["world_size"] == 2
     assert data["choice"]["offload_param"] == "none"
+
+
+@pytest.mark.parametrize(
+    ("model", "family"),
+    [
+        ("stabilityai/stable-diffusion-xl-base-1.0", "sdxl"),
+        ("stabilityai/stable-diffusion-2-1", "sd2"),
+        ("runwayml/stable-diffusion-v1-5", "sd1"),
+    ],
+)
+def test_family_from_hub_names(model, family):
+    assert resolve_family(model) == family
+    assert resolve_family(model, "sd1") == "sd1"  # ZT_MODEL_FAMILY wins
+
+
+def test_unknown_hub_name_asks_for_the_family():
+    with pytest.raises(ConfigError, match="set ZT_MODEL_FAMILY"):
+        resolve_family("someone/my-model")
+
+
+def test_local_model_counts_its_frozen_encoders(demo_dir):
+    import torch
+    from diffusers import AutoencoderKL
+    from transformers import CLIPTextModel, CLIPTextModelWithProjection
+
+    model = demo_dir / "model"
+    real = 0
+    for sub, cls in (
+        ("text_encoder", CLIPTextModel),
+        ("text_encoder_2", CLIPTextModelWithProjection),
+        ("vae", AutoencoderKL),
+    ):
+        module = cls.from_pretrained(model / sub, torch_dtype=torch.float32)
+        real += sum(p.numel() for p in module.parameters())
+    assert frozen_params(model) == real > 0
+    shape = model_shape("sdxl", model)
+    assert shape.frozen_params == real and shape.source.endswith("unet/config.json")

@@ -8,10 +8,12 @@ Everything downstream (plan, normalize) takes `Hardware` as plain data.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes.util
 import os
 import resource
 import shutil
+import sys
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
@@ -429,7 +431,10 @@ def _ds_ops(accelerator: str, environ: Any) -> tuple[OpStatus, ...]:
         found = []
         for name in DS_OPS:
             builder = acc.create_op_builder(_BUILDERS[name])
-            compatible = bool(builder and builder.is_compatible(verbose=False))
+            # async_io's check compiles a test program with stderr dup'ed to a file: it needs a
+            # real stderr descriptor, which captured streams (pytest, notebooks) lack.
+            with contextlib.redirect_stderr(sys.__stderr__):
+                compatible = bool(builder and builder.is_compatible(verbose=False))
             needs_cuda = name == "fused_adam"
             found.append(
                 OpStatus(

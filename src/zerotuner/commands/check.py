@@ -163,6 +163,11 @@ def _model(c: Checks) -> str:
     local = Path(settings.model).expanduser()
     if settings.model.startswith(("/", ".", "~")) and not local.is_dir():
         raise ConfigError(f"ZT_MODEL={settings.model}: no such folder")
+    if not local.is_dir() and not HUB_ID.match(settings.model):
+        raise ConfigError(
+            f"ZT_MODEL={settings.model}: neither a local folder nor a hub id like "
+            "'stabilityai/stable-diffusion-xl-base-1.0'"
+        )
     source = resolve_model(settings)
     if source.local_dir is not None:
         if unet_config_path(source.local_dir) is None:
@@ -171,11 +176,6 @@ def _model(c: Checks) -> str:
                 "point it at a diffusers pipeline folder"
             )
         where = f"local folder {source.local_dir}"
-    elif not HUB_ID.match(settings.model):
-        raise ConfigError(
-            f"ZT_MODEL={settings.model}: neither a local folder nor a hub id like "
-            "'stabilityai/stable-diffusion-xl-base-1.0'"
-        )
     else:
         where = f"hub id {settings.model} (downloaded at train time)"
     shape = model_shape(source.family, source.local_dir)  # type: ignore[arg-type]
