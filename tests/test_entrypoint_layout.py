@@ -67,6 +67,7 @@ def test_entrypoint_check_passes_in_the_container_layout(container_root) -> None
     root, env = container_root
     result = entrypoint("check", env=env)
     assert result.returncode == 0, result.stdout + result.stderr
+    assert "FAIL" not in result.stdout
     # check validates and trains nothing: no checkpoint appears in /output.
     assert not any((root / "output").rglob("*.pt"))
 
@@ -76,12 +77,3 @@ def test_entrypoint_check_reports_a_misspelt_setting_with_exit_2(container_root)
     result = entrypoint("check", env={**env, "ZT_MAX_STEPZ": "5"})
     assert result.returncode == EXIT_CONFIG
     assert "ZT_MAX_STEPZ" in result.stderr and "ZT_MAX_STEPS" in result.stderr
-
-
-def test_entrypoint_check_refuses_an_empty_dataset_with_exit_2(container_root) -> None:
-    root, env = container_root
-    empty = root / "empty-data"
-    empty.mkdir()
-    result = entrypoint("check", env={**env, "ZT_DATA_DIR": str(empty)})
-    assert result.returncode == EXIT_CONFIG, result.stdout + result.stderr
-    assert "ZT_DATA_DIR" in result.stderr
