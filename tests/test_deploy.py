@@ -35,6 +35,7 @@ REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 K8S_DIR = REPO / "config" / "kubernetes"
 K8S_VERSION = "1.37.0"
+K8S_OLDEST = "1.29.0"  # the README's minimum (podFailurePolicy on by default, schema-stable)
 CRD_KINDS = {("kubeflow.org/v1", "PyTorchJob"), ("monitoring.coreos.com/v1", "PodMonitor")}
 SETTING_NAMES = {env_name(n) for n in Settings.model_fields}
 METRICS_PORT = Settings.model_fields["metrics_port"].default
@@ -398,9 +399,10 @@ def test_monitoring_profile_wires_prometheus_and_grafana_to_the_compose_services
 # --- Kubernetes -----------------------------------------------------------------------------
 
 
-def test_core_kinds_validate_strictly() -> None:
+@pytest.mark.parametrize("version", [K8S_OLDEST, K8S_VERSION])
+def test_core_kinds_validate_strictly(version: str) -> None:
     files = sorted(K8S_DIR.glob("*.yaml"))
-    result = run(BIN / "kubernetes-validate", "--strict", "-k", K8S_VERSION, *files)
+    result = run(BIN / "kubernetes-validate", "--strict", "-k", version, *files)
     assert result.returncode == 0, result.stdout + result.stderr
     core = [(p, d) for p, d in k8s_docs() if (d["apiVersion"], d["kind"]) not in CRD_KINDS]
     assert {d["kind"] for _, d in core} >= {"Job", "Service", "PersistentVolumeClaim"}
@@ -473,7 +475,7 @@ def test_jobs_fail_fast_on_exit_2_and_3_and_checkpoint_on_sigterm(job: dict) -> 
     assert set(codes["values"]) == {EXIT_CONFIG, EXIT_ENVIRONMENT}
     assert codes["containerName"] in {c["name"] for c in pod["containers"]}
     (ignore,) = [r for r in rules if r["action"] == "Ignore"]
-    assert ignore["onPodConditions"] == [{"type": "DisruptionTarget"}]
+    assert ignore["onPodConditions"] == [{"type": "DisruptionTarget", "status": "True"}]
     assert pod["terminationGracePeriodSeconds"] >= 300
     assert pod["enableServiceLinks"] is False  # a Service `zt` would inject ZT_SERVICE_HOST
     container = pod["containers"][0]
