@@ -128,6 +128,7 @@ ENV VIRTUAL_ENV=/opt/venv \
     TORCH_EXTENSIONS_DIR=/cache/torch_extensions \
     TRITON_CACHE_DIR=/cache/triton \
     MPLCONFIGDIR=/cache/matplotlib \
+    CUDA_CACHE_PATH=/cache/nv/ComputeCache \
     NVIDIA_VISIBLE_DEVICES=all \
     NVIDIA_DRIVER_CAPABILITIES=compute,utility
 
