@@ -168,3 +168,7 @@ def statuses(tmp: Path) -> dict[int, dict]:
 def read_steps(output: Path) -> list[dict]:
     path = output / "run" / "steps.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def read_json(path: Path) -> Any:
+    return json.loads(path.read_text())

@@ -1,0 +1,157 @@
+"""The feature cache and the per-family conditioning, in one process with the real tiny models
+(no DeepSpeed): keys, invalidation, round trips, SD 1.x/2.x/SDXL inputs and the loss."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from zerotuner import data, loop, model
+from zerotuner.cache import CacheItem, FeatureCache, component_key
+from zerotuner.errors import ConfigError
+
+
+def items_for(dataset: data.Dataset, buckets) -> list[CacheItem]:
+    bucket_of = {i: size for size, ix in buckets.items() for i in ix}
+
+    def loader(item, bucket):
+        def load(flip: bool):
+            ex = data.load_example(item, bucket, flip=flip)
+            ids = model.time_ids(ex.original_size, ex.crop_top_left, ex.target_size)
+            return torch.from_numpy(ex.pixels), ids
+
+        return load
+
+    return [
+        CacheItem(
+            name=item.path.name,
+            content=item.digest,
+            caption=item.caption,
+            bucket=bucket_of[i],
+            load=loader(item, bucket_of[i]),
+        )
+        for i, item in enumerate(dataset.items)
+    ]
+
+
+@pytest.fixture(scope="module")
+def sdxl(demo_dir: Path):
+    source = demo_dir / "model"
+    components = model.load_components(source, "sdxl", gradient_checkpointing=False)
+    dataset = data.scan(demo_dir / "data")
+    buckets = data.assign_buckets(dataset.items, 64, multiple=8)
+    return source, components, items_for(dataset, buckets)[:6]
+
+
+def test_keys_follow_content_bucket_model_and_caption(sdxl, tmp_path: Path) -> None:
+    source, _, items = sdxl
+    vae_key = component_key(source, ["vae"])
+    cache = FeatureCache(tmp_path, vae_key=vae_key, text_key="t", flip=False)
+    item = items[0]
+    same = CacheItem(item.name, item.content, item.caption, item.bucket, item.load)
+    assert cache.latent_path(same) == cache.latent_path(item)
+    changed = [
+        CacheItem(item.name, "other-bytes", item.caption, item.bucket, item.load),
+        CacheItem(item.name, item.content, item.caption, (128, 64), item.load),
+        CacheItem("elsewhere.png", item.content, item.caption, item.bucket, item.load),
+    ]
+    assert all(cache.latent_path(c) != cache.latent_path(item) for c in changed)
+    other_model = FeatureCache(tmp_path, vae_key="different", text_key="t", flip=False)
+    assert other_model.latent_path(item) != cache.latent_path(item)
+    flipping = FeatureCache(tmp_path, vae_key=vae_key, text_key="t", flip=True)
+    assert flipping.latent_path(item) != cache.latent_path(item)
+    # the caption keys the text entry only
+    recaptioned = CacheItem(item.name, item.content, "a new caption", item.bucket, item.load)
+    assert cache.latent_path(recaptioned) == cache.latent_path(item)
+    assert cache.text_path("a new caption") != cache.text_path(item.caption)
+
+
+def test_component_key_changes_with_the_vae_weights(demo_dir: Path, tmp_path: Path) -> None:
+    import shutil
+
+    copy = tmp_path / "model"
+    shutil.copytree(demo_dir / "model", copy)
+    before = component_key(copy, ["vae"])
+    text = component_key(copy, ["text_encoder", "tokenizer"])
+    weights = copy / "vae" / "diffusion_pytorch_model.safetensors"
+    weights.write_bytes(weights.read_bytes() + b"\0")
+    assert component_key(copy, ["vae"]) != before
+    assert component_key(copy, ["text_encoder", "tokenizer"]) == text
+
+
+def test_encode_once_then_load_batches(sdxl, tmp_path: Path) -> None:
+    source, components, items = sdxl
+    conditioning = model.CONDITIONING["sdxl"]
+    cache = FeatureCache(tmp_path, vae_key="v", text_key="t", flip=True)
+    missing, texts = cache.missing(items)
+    assert missing == list(range(len(items))) and texts
+    cache.encode_latents(
+        [items[i] for i in missing], lambda px: model.encode_images(components.vae, px)
+    )
+    cache.encode_texts(texts, lambda caps: conditioning.encode_text(components, caps))
+    assert cache.missing(items) == ([], [])
+
+    same_bucket = [it for it in items if it.bucket == items[0].bucket][:2]
+    batch = cache.load_batch(same_bucket, torch.Generator().manual_seed(0))
+    w, h = same_bucket[0].bucket
+    assert batch["latents"].shape == (len(same_bucket), 4, h // 2, w // 2)  # demo VAE: x2
+    assert batch["prompt_embeds"].shape[:2] == (len(same_bucket), 77)
+    assert batch["pooled_prompt_embeds"].shape == (len(same_bucket), 32)
+    assert batch["time_ids"].shape == (len(same_bucket), 6)
+    # the random mirror is decided by the generator: the same seed gives the same batch
+    again = cache.load_batch(same_bucket, torch.Generator().manual_seed(0))
+    assert all(torch.equal(batch[k], again[k]) for k in batch)
+    # a cached latent is what the VAE gives for that image
+    pixels, _ = same_bucket[0].load(False)
+    direct = model.encode_images(components.vae, pixels[None])[0]
+    flips = [
+        cache.load_batch([same_bucket[0]], torch.Generator().manual_seed(s))["latents"][0]
+        for s in range(8)
+    ]
+    assert any(torch.allclose(f, direct, atol=1e-5) for f in flips)
+
+
+@pytest.mark.parametrize("family", ["sd1", "sd2", "sdxl"])
+def test_family_conditioning_drives_the_unet(family, request) -> None:
+    fixture = {"sd1": "sd1_demo_dir", "sd2": "sd2_demo_dir", "sdxl": "demo_dir"}[family]
+    source = request.getfixturevalue(fixture) / "model"
+    components = model.load_components(source, family, gradient_checkpointing=True)
+    conditioning = model.CONDITIONING[family]
+    text = conditioning.encode_text(components, ["a red circle", "a blue square"])
+    batch = dict(text, latents=torch.randn(2, 4, 32, 32))
+    if family == "sdxl":
+        batch["time_ids"] = torch.stack([model.time_ids((64, 64), (0, 0), (64, 64))] * 2)
+    kind = model.prediction_type(components.scheduler)
+    assert kind == ("v_prediction" if family == "sd2" else "epsilon")
+    for snr_gamma in (None, 5.0):
+        loss = loop.diffusion_loss(
+            components.unet,
+            components.scheduler,
+            batch["latents"],
+            conditioning.unet_kwargs(batch, torch.float32),
+            config=loop.LossConfig(kind, snr_gamma, noise_offset=0.05),
+            generator=torch.Generator().manual_seed(0),
+            dtype=torch.float32,
+        )
+        assert loss.ndim == 0 and torch.isfinite(loss)
+        loss.backward()
+    assert any(p.grad is not None for p in components.unet.parameters())
+
+
+def test_prediction_type_setting_overrides_the_scheduler(sd2_demo_dir: Path) -> None:
+    from diffusers import DDPMScheduler
+
+    scheduler = DDPMScheduler.from_pretrained(sd2_demo_dir / "model", subfolder="scheduler")
+    assert model.prediction_type(scheduler, "epsilon") == "epsilon"
+    scheduler.register_to_config(prediction_type="sample")
+    with pytest.raises(ConfigError, match="ZT_PREDICTION_TYPE"):
+        model.prediction_type(scheduler)
+
+
+def test_step_noise_is_reproducible_per_step_and_rank() -> None:
+    a = torch.randn(4, generator=loop.step_generator(42, 7, 0, 1))
+    b = torch.randn(4, generator=loop.step_generator(42, 7, 0, 1))
+    c = torch.randn(4, generator=loop.step_generator(42, 7, 0, 0))
+    assert torch.equal(a, b) and not torch.equal(a, c)

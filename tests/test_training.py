@@ -1,0 +1,231 @@
+"""End-to-end training: torchrun, 2 CPU ranks, real DeepSpeed (ZeRO 0-3, CPU and NVMe offload)
+and the tiny demo SDXL. Runs share one feature cache, so only the first one encodes."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import trainkit as tk
+from PIL import Image
+from safetensors.torch import load_file
+
+from zerotuner.checkpoint import read_manifest
+from zerotuner.export import export_checkpoint
+
+pytestmark = pytest.mark.slow
+
+STEPS = 16  # the ZeRO-2 run: enough for the loss to fall visibly
+SHORT = 3  # every other configuration: train, checkpoint (at 2 and 3), export
+PROMPT = "a red circle on a white background"
+UNET_FILE = "unet/diffusion_pytorch_model.safetensors"
+
+
+@pytest.fixture(scope="module")
+def shared_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("feature-cache")
+
+
+def train(
+    tmp: Path, demo: Path, cache: Path, *, stage: int, steps: int, data: Path | None = None,
+    output: Path | None = None, world: int = 2, offload_optimizer: str = "none",
+    offload_param: str = "none", **settings,
+) -> tuple[subprocess.CompletedProcess[str], Path]:  # fmt: skip
+    output = output or tmp / "output"
+    config = tk.ds_config(
+        stage, world=world, steps=steps, offload_optimizer=offload_optimizer,
+        offload_param=offload_param, nvme_dir=tmp / "nvme",
+    )  # fmt: skip
+    job = tk.write_job(tmp / "job.json", model=demo / "model", deepspeed=config, world=world)
+    env = tk.settings_env(
+        model=demo / "model", data=data or demo / "data", output=output, cache=cache,
+        max_steps=steps, validation_inference_steps=2, log_every_steps=1, **settings,
+    )  # fmt: skip
+    proc = tk.run_ranks(tmp, env, job_file=job, world=world)
+    return proc, output
+
+
+def assert_ok(proc: subprocess.CompletedProcess[str], tmp: Path, world: int = 2) -> None:
+    codes = {rank: s["exit_code"] for rank, s in tk.statuses(tmp).items()}
+    assert proc.returncode == 0 and codes == dict.fromkeys(range(world), 0), (
+        f"rc={proc.returncode} statuses={codes}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    )
+
+
+def unet_weights(folder: Path) -> dict[str, torch.Tensor]:
+    return load_file(folder / UNET_FILE)
+
+
+def assert_same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+
+
+def generate(folder: Path) -> Image.Image:
+    """Load an exported folder the way a user would and render one small image."""
+    from diffusers import DiffusionPipeline
+
+    pipe = DiffusionPipeline.from_pretrained(folder)
+    pipe.set_progress_bar_config(disable=True)
+    gen = torch.Generator().manual_seed(0)
+    image = pipe(PROMPT, height=64, width=64, num_inference_steps=2, generator=gen).images[0]
+    assert image.size == (64, 64)
+    return image
+
+
+@pytest.fixture(scope="module")
+def zero2(tmp_path_factory, demo_dir: Path, shared_cache: Path):
+    tmp = tmp_path_factory.mktemp("zero2")
+    proc, output = train(
+        tmp, demo_dir, shared_cache, stage=2, steps=STEPS, checkpoint_every_steps=8,
+        validation_prompts=[PROMPT],
+    )  # fmt: skip
+    assert_ok(proc, tmp)
+    return tmp, output, proc
+
+
+def test_zero2_trains_checkpoints_samples_and_exports(zero2, demo_dir: Path) -> None:
+    _, output, proc = zero2
+    steps = tk.read_steps(output)
+    assert [s["step"] for s in steps] == list(range(1, STEPS + 1))
+    assert all(s["samples"] == 4 and s["step_seconds"] > 0 for s in steps)
+    assert {"step", "loss", "lr", "step_seconds", "samples", "grad_norm"} <= steps[0].keys()
+    assert steps[-1]["lr"] == pytest.approx(1e-3)  # WarmupLR reached its peak
+    assert (output / "run" / "deepspeed.json").is_file()
+    assert (output / "run" / "loss.png").stat().st_size > 0
+    assert list((output / "samples" / f"step-{STEPS}").glob("*.png"))
+    checkpoints = output / "checkpoints"
+    assert (checkpoints / "latest").read_text() == f"step-{STEPS}"
+    for step in (8, STEPS):
+        manifest = read_manifest(checkpoints / f"step-{step}")
+        assert manifest["step"] == step and manifest["zero_stage"] == 2
+        assert manifest["world_size"] == 2
+    # the run's export and a checkpoint consolidated afterwards agree, and both load
+    final = unet_weights(output / "final")
+    base = load_file(demo_dir / "model" / UNET_FILE)
+    assert any(not torch.equal(final[k], base[k]) for k in final), "the UNet did not train"
+    generate(output / "final")
+    # the `zerotuner export` command, as a user runs it
+    out = output.parent / "exported"
+    cli = subprocess.run(
+        [sys.executable, "-m", "zerotuner", "export", str(checkpoints / f"step-{STEPS}"), str(out)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert cli.returncode == 0, cli.stderr[-3000:]
+    assert_same_weights(unet_weights(out), final)
+
+
+def test_loss_falls_on_demo_data(zero2) -> None:
+    losses = [s["loss"] for s in tk.read_steps(zero2[1])]
+    first, last = sum(losses[:4]) / 4, sum(losses[-4:]) / 4
+    assert last < 0.8 * first, losses
+
+
+def test_resume_continues_at_next_step_with_same_weights(zero2, tmp_path, demo_dir, shared_cache):
+    """A run stopped after its step-8 checkpoint and restarted ends exactly where the
+    uninterrupted run did: weights, optimizer, LR schedule, data order and noise all resume.
+    The restart also finds every latent in the cache and never runs the VAE."""
+    _, full, _ = zero2
+    stopped = tmp_path / "output"
+    (stopped / "checkpoints").mkdir(parents=True)
+    shutil.copytree(full / "checkpoints" / "step-8", stopped / "checkpoints" / "step-8")
+    (stopped / "checkpoints" / "latest").write_text("step-8")
+    (stopped / "run").mkdir()
+    # the stopped run had logged two steps past its checkpoint: those are redone
+    lines = (full / "run" / "steps.jsonl").read_text().splitlines()[:10]
+    (stopped / "run" / "steps.jsonl").write_text("\n".join(lines) + "\n")
+
+    proc, output = train(
+        tmp_path, demo_dir, shared_cache, stage=2, steps=STEPS, output=stopped,
+        checkpoint_every_steps=8,
+    )  # fmt: skip
+    assert_ok(proc, tmp_path)
+    assert "resumed from" in proc.stderr + proc.stdout
+    steps, expected = tk.read_steps(output), tk.read_steps(full)
+    assert [s["step"] for s in steps] == list(range(1, STEPS + 1))
+    assert [s["loss"] for s in steps[8:]] == [s["loss"] for s in expected[8:]]
+    assert_same_weights(unet_weights(output / "final"), unet_weights(full / "final"))
+    cache = tk.read_json(output / "run" / "cache.json")
+    assert cache["latents_encoded"] == 0 and cache["latents_reused"] == 64
+    assert cache["texts_encoded"] == 0
+
+
+CONFIGS = {
+    "zero0": dict(stage=0),
+    "zero1-cpu-offload": dict(stage=1, offload_optimizer="cpu"),
+    "zero3-ema-samples": dict(stage=3, ema="true", validation_prompts=[PROMPT]),
+    "zero3-nvme": dict(stage=3, offload_optimizer="nvme", offload_param="nvme"),
+}
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_stage_trains_checkpoints_and_exports(name, tmp_path, demo_dir, shared_cache, zero2):
+    config = dict(CONFIGS[name])
+    proc, output = train(
+        tmp_path, demo_dir, shared_cache, steps=SHORT, checkpoint_every_steps=2, **config
+    )
+    assert_ok(proc, tmp_path)
+    assert [s["step"] for s in tk.read_steps(output)] == [1, 2, 3]
+    deepspeed = tk.read_json(output / "run" / "deepspeed.json")
+    assert deepspeed["zero_optimization"]["stage"] == config["stage"]
+    for step in (2, SHORT):
+        assert (
+            read_manifest(output / "checkpoints" / f"step-{step}")["zero_stage"] == config["stage"]
+        )
+    exported = export_checkpoint(output / "checkpoints" / f"step-{SHORT}", tmp_path / "exported")
+    assert_same_weights(unet_weights(exported), unet_weights(output / "final"))
+    generate(exported)
+    if config.get("validation_prompts"):
+        assert list((output / "samples" / f"step-{SHORT}").glob("*.png"))
+    if config.get("ema"):
+        ema, final = unet_weights(output / "final-ema"), unet_weights(output / "final")
+        assert any(not torch.equal(ema[k], final[k]) for k in ema)
+        ema_export = export_checkpoint(
+            output / "checkpoints" / f"step-{SHORT}", tmp_path / "ema", ema=True
+        )
+        assert_same_weights(unet_weights(ema_export), ema)
+    if "nvme" in name:
+        assert any((tmp_path / "nvme").rglob("*")), "nothing was swapped to the NVMe dir"
+
+
+def test_changed_image_and_broken_files(tmp_path, demo_dir, shared_cache, zero2) -> None:
+    """Only the changed image is re-encoded; corrupt, truncated and non-image files are skipped
+    and listed, and training goes on with the good ones."""
+    data = tmp_path / "data"
+    data.mkdir()
+    images = sorted((demo_dir / "data").glob("*.png"))[:8]
+    for image in images:
+        shutil.copy2(image, data / image.name)
+        shutil.copy2(image.with_suffix(".txt"), data / image.with_suffix(".txt").name)
+    changed = data / images[0].name
+    Image.new("RGB", Image.open(changed).size, (0, 200, 0)).save(changed)
+    (data / "corrupt.png").write_bytes(b"\x89PNG\r\n\x1a\n" + bytes(range(256)) * 4)
+    good = images[1].read_bytes()
+    (data / "truncated.png").write_bytes(good[: len(good) // 2])
+    (data / "notes.bin").write_bytes(b"not an image")
+
+    proc, output = train(tmp_path, demo_dir, shared_cache, stage=2, steps=2, data=data)
+    assert_ok(proc, tmp_path)
+    cache = tk.read_json(output / "run" / "cache.json")
+    assert (cache["latents_encoded"], cache["latents_reused"]) == (1, 7)
+    dataset = tk.read_json(output / "run" / "dataset.json")
+    assert dataset["images"] == 8
+    skipped = {Path(path).name for path, _ in dataset["skipped"]}
+    assert skipped == {"corrupt.png", "truncated.png", "notes.bin"}
+    assert "truncated.png" in proc.stderr + proc.stdout
+
+
+def test_empty_dataset_exits_2(tmp_path, demo_dir, shared_cache) -> None:
+    (tmp_path / "empty").mkdir()
+    proc, _ = train(
+        tmp_path, demo_dir, shared_cache, stage=0, steps=1, data=tmp_path / "empty", world=1
+    )
+    assert proc.returncode != 0
+    assert tk.statuses(tmp_path)[0]["exit_code"] == 2
+    assert "ZT_DATA_DIR" in proc.stderr and "no usable images" in proc.stderr
+    assert "Traceback" not in proc.stderr
