@@ -26,9 +26,6 @@ def write_pipeline(base: Path, unet_state: dict[str, torch.Tensor], out: Path) -
     from diffusers import UNet2DConditionModel
 
     out = Path(out)
-    tmp = out.with_name(f".{out.name}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    shutil.copytree(base, tmp, ignore=shutil.ignore_patterns("unet", ".*"))
     config = UNet2DConditionModel.load_config(base, subfolder="unet")
     unet = UNet2DConditionModel.from_config(config)
     missing, unexpected = unet.load_state_dict(unet_state, strict=False)
@@ -37,6 +34,9 @@ def write_pipeline(base: Path, unet_state: dict[str, torch.Tensor], out: Path) -
             f"the trained weights do not match {base}/unet: missing {missing[:3]}, "
             f"unexpected {unexpected[:3]}"
         )
+    tmp = out.with_name(f".{out.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(base, tmp, ignore=shutil.ignore_patterns("unet", ".*"))
     unet.save_pretrained(tmp / "unet", safe_serialization=True)
     if out.exists():
         shutil.rmtree(out)
@@ -73,7 +73,11 @@ def export_checkpoint(
     checkpoint = Path(checkpoint)
     if not checkpoint.is_dir():
         raise ConfigError(f"CKPT={checkpoint}: no such checkpoint folder")
-    manifest = read_manifest(checkpoint) or {}
+    manifest = read_manifest(checkpoint)
+    if manifest is None:
+        raise ConfigError(
+            f"CKPT={checkpoint}: not a committed zerotuner checkpoint (no zerotuner.json)"
+        )
     base = Path(base or manifest.get("base_model", ""))
     if not (base / "model_index.json").is_file():
         raise ConfigError(
