@@ -22,7 +22,7 @@ from zerotuner.plan import estimate, make_plan
 SDXL = model_shape("sdxl")
 PSI = SDXL.unet_params
 # The demo's tiny SDXL-architecture UNet (zerotuner demo), as counted from its config.
-TINY = ModelShape("sdxl", 1_028_708, 73_728, 736_647, 256, "demo")
+TINY = ModelShape("sdxl", 1_028_708, 73_728, 736_647, 256, "demo", base_channels=32)
 
 
 def gpus(n: int, memory_gib: float, host_gib: float, cc=(8, 9), name="GPU") -> Hardware:
@@ -196,6 +196,19 @@ def test_activations_scale_with_pixels_batch_and_checkpointing():
     assert act(1024, 1, True) == pytest.approx(0.55 * GiB, rel=0.01)
     assert act(512, 1, False) == pytest.approx(act(1024, 1, False) / 4, rel=0.01)
     assert act(1024, 8, True) == pytest.approx(8 * act(1024, 1, True), rel=0.01)
+
+
+def test_activations_follow_width_not_parameter_count():
+    def act(shape):
+        return estimate(
+            shape, stage=0, offload_optimizer="none", offload_param="none",
+            gradient_checkpointing=True, resolution=512, micro_batch=1, world_size=1,
+            ranks_per_node=1, precision="bf16", on_cpu=False, ema=False,
+        )[3]["device.activations"]  # fmt: skip
+
+    # SD1 has a third of SDXL's parameters but the same first-block width (320 channels)
+    assert act(model_shape("sd1")) == act(SDXL)
+    assert act(TINY) == pytest.approx(act(SDXL) * 32 / 320, rel=0.01)
 
 
 def test_ema_is_an_fp32_copy_on_the_host():

@@ -70,6 +70,7 @@ class ModelShape:
     frozen_params: int
     native_resolution: int
     source: str  # "built-in sdxl config" or the config file it was counted from
+    base_channels: int = 320  # block_out_channels[0]: activation memory scales with it
 
 
 def detect_family(model_dir: Path) -> Family:
@@ -181,4 +182,5 @@ def model_shape(
         else frozen_params(model_dir),
         native_resolution=int(unet.config.sample_size) * VAE_SCALE,
         source=source,
+        base_channels=int(unet.config.block_out_channels[0]),
     )

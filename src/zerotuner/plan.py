@@ -17,11 +17,14 @@ from zerotuner.errors import ConfigError, EnvironmentUnfit
 from zerotuner.families import ModelShape
 from zerotuner.hardware import GiB, Hardware
 
-# DESIGN.md: SDXL U-Net (2.567e9 params) activations at 1024^2, bf16, per image.
-SDXL_PARAMS = 2.567e9
+# DESIGN.md: SDXL U-Net activations at 1024^2, bf16, per image. They scale with pixels and
+# with the width of the first block (320 in SDXL, SD1 and SD2), not with the parameter count:
+# counting saved tensors of a checkpointed forward on the meta device gave SD1/SD2/SDXL within
+# 10% of each other at equal pixels (SDXL 0.62, SD1 0.58, SD2 0.63 GiB at 1024^2).
 ACT_BYTES_PER_IMAGE = 6.4 * GiB
 ACT_BYTES_PER_IMAGE_CHECKPOINTED = 0.55 * GiB
 REFERENCE_PIXELS = 1024 * 1024
+REFERENCE_CHANNELS = 320
 # VAE encoding while latents are cached (batch 1, 16-bit): an estimate, scaled by pixels.
 VAE_ENCODE_BYTES = 3 * GiB
 
@@ -206,7 +209,8 @@ def estimate(
 
     # --- activations ------------------------------------------------------------------------
     per_image = ACT_BYTES_PER_IMAGE_CHECKPOINTED if gradient_checkpointing else ACT_BYTES_PER_IMAGE
-    scale = (resolution * resolution / REFERENCE_PIXELS) * (psi / SDXL_PARAMS) * (p_bytes / 2)
+    width = shape.base_channels / REFERENCE_CHANNELS
+    scale = (resolution * resolution / REFERENCE_PIXELS) * width * (p_bytes / 2)
     dev["activations"] = int(per_image * scale * micro_batch)
 
     if not on_cpu:
