@@ -225,21 +225,18 @@ def estimate(
         dev["caching_peak"] = caching - training
 
     host_rank["process"] = RANK_PROCESS
-    # Every rank loads the fp32 UNet before DeepSpeed partitions it (on the CPU accelerator
-    # that copy becomes the "device" params, already counted).
+    # Every rank loads the full fp32 UNet (no zero.Init) before DeepSpeed partitions it; on the
+    # CPU accelerator that copy becomes the "device" params, already counted.
     if not on_cpu:
-        host_rank["model_load"] = 4 * psi if stage < 3 else 4 * psi // max(1, ranks_per_node)
-    if ema:
-        host_rank["ema"] = 4 * psi  # fp32 shadow on the CPU, not sharded by DeepSpeed
+        host_rank["model_load"] = 4 * psi
     # The loaded copy is gone (moved to the device, or became DeepSpeed's fp32 master) before
-    # offloaded states fill the host; the process and the EMA shadow stay throughout.
-    lasting = ("process", "ema", "model_load")
-    offloaded = sum(v for k, v in host_rank.items() if k not in lasting)
-    per_rank_host = (
-        host_rank["process"] + host_rank.get("ema", 0)
-        + max(offloaded, host_rank.get("model_load", 0))
-    )  # fmt: skip
+    # offloaded states fill the host.
+    offloaded = sum(v for k, v in host_rank.items() if k not in ("process", "model_load"))
+    per_rank_host = host_rank["process"] + max(offloaded, host_rank.get("model_load", 0))
     host = ranks_per_node * per_rank_host + ENTRYPOINT_PROCESS
+    if ema:  # one fp32 shadow per node (rank 0 keeps it), on the CPU, not sharded by DeepSpeed
+        host += 4 * psi
+        host_rank["ema_once_per_node"] = 4 * psi
     if on_cpu:
         host += ranks_per_node * device  # the CPU accelerator's "device" memory is host memory
     disk = ranks_per_node * sum(disk_rank.values())
