@@ -18,8 +18,8 @@ from zerotuner.hardware import GPU, GiB, Hardware, cpu_only
 from zerotuner.launch import (
     Topology,
     exit_code,
+    launch,
     resolve_topology,
-    run_ranks,
     torchrun_command,
     worker_env,
 )
@@ -218,10 +218,8 @@ def _launch(tmp_path: Path, mode: str, *, signals: int = 0, grace: float = 30) -
     (status / "rank-0.json").write_text('{"rank": 0, "exit_code": 2, "message": "old run"}')
     port = 29000 + os.getpid() % 1000
     topo = Topology(1, 0, 2, "127.0.0.1", port, "test")
-    argv = torchrun_command(topo, module="fake_worker", shutdown_timeout=int(grace))
     base = dict(os.environ, TEST_MODE=mode, TEST_OUT=str(out))
     base["PYTHONPATH"] = os.pathsep.join([str(script_dir), *sys.path])
-    env = worker_env(base, topo, cpu_only(cpu_count=2), job_file=tmp_path / "j", status_dir=status)
 
     def send():
         deadline = time.monotonic() + 120
@@ -234,7 +232,10 @@ def _launch(tmp_path: Path, mode: str, *, signals: int = 0, grace: float = 30) -
     sender = threading.Thread(target=send, daemon=True)
     if signals:
         sender.start()
-    code = run_ranks(argv, env, status_dir=status, grace_seconds=grace)
+    code = launch(
+        topo, cpu_only(cpu_count=2), job_file=tmp_path / "job.json", status_dir=status,
+        grace_seconds=grace, environ=base, module="fake_worker",
+    )  # fmt: skip
     return code, out
 
 

@@ -302,3 +302,36 @@ def run_ranks(
     log.info("torchrun exited %s; ranks reported %s -> exit %d", code,
              {s.rank: s.exit_code for s in statuses}, result)  # fmt: skip
     return result
+
+
+def launch(
+    topology: Topology,
+    hardware: Hardware,
+    *,
+    job_file: Path | str,
+    status_dir: Path,
+    grace_seconds: float,
+    environ: Mapping[str, str] | None = None,
+    module: str = "zerotuner.worker",
+) -> int:
+    """Run this node's ranks to the end: the public exit code.
+
+    `status_dir` must be local to the node (e.g. under /tmp): it holds this node's ranks only.
+    torchrun gets `grace_seconds` to let ranks save after SIGTERM; we wait a little longer so
+    torchrun's own teardown runs first.
+    """
+    argv = torchrun_command(topology, module=module, shutdown_timeout=int(grace_seconds))
+    env = worker_env(
+        os.environ if environ is None else environ,
+        topology,
+        hardware,
+        job_file=job_file,
+        status_dir=status_dir,
+    )
+    return run_ranks(
+        argv,
+        env,
+        status_dir=status_dir,
+        grace_seconds=grace_seconds + 5,
+        expected_ranks=topology.nproc_per_node,
+    )
