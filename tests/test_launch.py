@@ -200,6 +200,14 @@ WORKER = textwrap.dedent(
         sys.exit(3)
     if mode == "crash" and rank == 1:
         raise RuntimeError("boom")
+    if mode == "allreduce":
+        import torch
+
+        total = torch.ones(1)
+        dist.all_reduce(total)
+        (out / f"sum-{rank}").write_text(f"{int(total.item())} {os.environ['WORLD_SIZE']}")
+        write_rank_status(rank, 0)
+        sys.exit(0)
     (out / f"ready-{rank}").write_text(str(os.getpid()))
     while True:
         time.sleep(0.1)
@@ -207,7 +215,7 @@ WORKER = textwrap.dedent(
 )
 
 
-def _launch(tmp_path: Path, mode: str, *, signals: int = 0, grace: float = 30) -> tuple[int, Path]:
+def _setup(tmp_path: Path, mode: str) -> tuple[Path, Path, dict[str, str]]:
     script_dir = tmp_path / "pkg"
     script_dir.mkdir()
     (script_dir / "fake_worker.py").write_text(WORKER)
@@ -216,10 +224,22 @@ def _launch(tmp_path: Path, mode: str, *, signals: int = 0, grace: float = 30) -
     status = tmp_path / "status"
     status.mkdir()
     (status / "rank-0.json").write_text('{"rank": 0, "exit_code": 2, "message": "old run"}')
-    port = 29000 + os.getpid() % 1000
-    topo = Topology(1, 0, 2, "127.0.0.1", port, "test")
     base = dict(os.environ, TEST_MODE=mode, TEST_OUT=str(out))
     base["PYTHONPATH"] = os.pathsep.join([str(script_dir), *sys.path])
+    return out, status, base
+
+
+def _port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _launch(tmp_path: Path, mode: str, *, signals: int = 0, grace: float = 30) -> tuple[int, Path]:
+    out, status, base = _setup(tmp_path, mode)
+    topo = Topology(1, 0, 2, "127.0.0.1", _port(), "test")
 
     def send():
         deadline = time.monotonic() + 120
@@ -343,3 +363,44 @@ def test_check_validates_nvme_offload_without_cleaning(check_env, capsys, tmp_pa
     assert code == 0, out
     assert "O_DIRECT ok" in out
     assert stale.exists()  # check mode never deletes
+
+
+NODE = """
+import sys
+from pathlib import Path
+from zerotuner.hardware import cpu_only
+from zerotuner.launch import Topology, launch
+
+port, status, job = int(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
+topo = Topology(2, 1, 1, "127.0.0.1", port, "test")
+code = launch(topo, cpu_only(cpu_count=1), job_file=job, status_dir=status, grace_seconds=30,
+              module="fake_worker")
+sys.exit(code)
+"""
+
+
+@pytest.mark.slow
+def test_two_nodes_on_localhost_form_one_job(tmp_path):
+    """Node 1 in another process, node 0 here: static rendezvous through --node-rank."""
+    import subprocess
+
+    out, status0, base = _setup(tmp_path, "allreduce")
+    status1 = tmp_path / "status-node1"
+    port = _port()
+    node1 = subprocess.Popen(
+        [sys.executable, "-c", NODE, str(port), str(status1), str(tmp_path / "job.json")],
+        env=base,
+    )
+    try:
+        code0 = launch(
+            Topology(2, 0, 1, "127.0.0.1", port, "test"), cpu_only(cpu_count=1),
+            job_file=tmp_path / "job.json", status_dir=status0, grace_seconds=30,
+            environ=base, module="fake_worker",
+        )  # fmt: skip
+        code1 = node1.wait(timeout=120)
+    finally:
+        node1.kill()
+    assert (code0, code1) == (0, 0)
+    assert sorted(p.read_text() for p in out.glob("sum-*")) == ["2 2", "2 2"]
+    assert [p.name for p in status0.glob("rank-*")] == ["rank-0.json"]
+    assert [p.name for p in status1.glob("rank-*")] == ["rank-1.json"]
