@@ -71,6 +71,7 @@ class ModelShape:
     native_resolution: int
     source: str  # "built-in sdxl config" or the config file it was counted from
     base_channels: int = 320  # block_out_channels[0]: activation memory scales with it
+    vae_channels: int = 128  # the VAE's block_out_channels[0]: so does encoding's memory
 
 
 def detect_family(model_dir: Path) -> Family:
@@ -183,4 +184,12 @@ def model_shape(
         native_resolution=int(unet.config.sample_size) * VAE_SCALE,
         source=source,
         base_channels=int(unet.config.block_out_channels[0]),
+        vae_channels=_vae_channels(model_dir) if model_dir else 128,
     )
+
+
+def _vae_channels(model_dir: Path) -> int:
+    config = model_dir / "vae" / "config.json"
+    if not config.is_file():
+        return 128
+    return int(json.loads(config.read_text()).get("block_out_channels", [128])[0])

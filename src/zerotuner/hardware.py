@@ -14,7 +14,7 @@ import os
 import resource
 import shutil
 import sys
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
@@ -453,11 +453,3 @@ def _ds_ops(accelerator: str, environ: Any) -> tuple[OpStatus, ...]:
                 os.environ.pop("DS_ACCELERATOR", None)
             else:
                 os.environ["DS_ACCELERATOR"] = env_backup
-
-
-def with_memory(hardware: Hardware, *, gpu_memory: int | None, host: int | None) -> Hardware:
-    """The same machine with other sizes (what-if planning)."""
-    gpus = hardware.gpus
-    if gpu_memory is not None:
-        gpus = tuple(replace(g, total_memory=gpu_memory, free_memory=gpu_memory) for g in gpus)
-    return replace(hardware, gpus=gpus, host_memory=host or hardware.host_memory)

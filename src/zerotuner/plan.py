@@ -25,8 +25,10 @@ ACT_BYTES_PER_IMAGE = 6.4 * GiB
 ACT_BYTES_PER_IMAGE_CHECKPOINTED = 0.55 * GiB
 REFERENCE_PIXELS = 1024 * 1024
 REFERENCE_CHANNELS = 320
-# VAE encoding while latents are cached (batch 1, 16-bit): an estimate, scaled by pixels.
+# VAE encoding while latents are cached (batch 1, 16-bit): an estimate, scaled by pixels and
+# the VAE's first-block width (128 in every published SD/SDXL VAE).
 VAE_ENCODE_BYTES = 3 * GiB
+REFERENCE_VAE_CHANNELS = 128
 
 CUDA_CONTEXT = 1 * GiB  # CUDA context, cuBLAS/cuDNN workspaces
 RANK_PROCESS = 2 * GiB  # one rank's Python + torch + DeepSpeed + diffusers, host RSS
@@ -38,7 +40,7 @@ DISK_MARGIN = 0.10
 MAX_BUCKET = 500_000_000  # DeepSpeed's default bucket (elements), capped like normalize does
 STAGE3_MAX_LIVE = 1_000_000_000  # stage3_max_live_parameters default (elements)
 PARAM_BUFFERS = 5  # offload_param.buffer_count default
-PARAM_BUFFER_MIN = 100_000_000  # offload_param.buffer_size (elements), >= largest param
+PARAM_BUFFER_MAX = 100_000_000  # offload_param.buffer_size cap (elements), >= largest param
 OPTIMIZER_NVME_BUFFERS = 4
 SUB_GROUP_NVME = 100_000_000  # sub_group_size assumed with NVMe optimizer offload
 
@@ -197,10 +199,11 @@ def estimate(
         target = host_rank if offload_optimizer == "cpu" else disk_rank
         target["optimizer"] = o_bytes * psi // n
         target["fp32_grads"] = g32 * psi // n
-        if offload_optimizer == "nvme":
-            host_rank["optimizer_swap_buffers"] = OPTIMIZER_NVME_BUFFERS * SUB_GROUP_NVME * 4
-    if offload_param == "nvme":
-        size = max(shape.largest_param, PARAM_BUFFER_MIN)
+        if offload_optimizer == "nvme":  # pinned fp32 buffers of one sub-group each
+            group = min(SUB_GROUP_NVME, max(psi // n, shape.largest_param))
+            host_rank["optimizer_swap_buffers"] = OPTIMIZER_NVME_BUFFERS * group * 4
+    if offload_param == "nvme":  # buffer_size as normalize sets it (holds the largest tensor)
+        size = max(shape.largest_param, min(PARAM_BUFFER_MAX, psi // 8))
         host_rank["param_swap_buffers"] = PARAM_BUFFERS * size * p_bytes
 
     # --- buckets: reduce (and all-gather below stage 3) in 16-bit ------------------------------
@@ -216,8 +219,9 @@ def estimate(
     if not on_cpu:
         dev["framework"] = CUDA_CONTEXT
     # Caching latents and embeddings runs before training: frozen encoders + one VAE encode.
+    vae_width = shape.vae_channels / REFERENCE_VAE_CHANNELS
     caching = shape.frozen_params * p_bytes + int(
-        VAE_ENCODE_BYTES * resolution * resolution / REFERENCE_PIXELS * (p_bytes / 2)
+        VAE_ENCODE_BYTES * resolution * resolution / REFERENCE_PIXELS * vae_width * (p_bytes / 2)
     )
     training = sum(dev.values())
     device = max(training, caching + (0 if on_cpu else CUDA_CONTEXT))
@@ -485,5 +489,7 @@ def _reasons(choice: Estimate, rows: list[Estimate], cap: Capacity, precision: s
             out.append(f"lower stages do not fit: {lower[0].label()} needs {lower[0].short[0]}")
     if choice.zero_stage == 0:
         out.append("ZeRO-0 fits: no partitioning, no extra communication")
-    out.append(f"precision {precision}" + (" (fp32 on the CPU accelerator)" if on_cpu else ""))
+    out.append(
+        "precision fp32 (no mixed precision)" if precision == "no" else f"precision {precision}"
+    )
     return out
