@@ -147,3 +147,46 @@ def test_probe_this_machine(capsys):
     assert names == {"cpu_adam", "async_io", "fused_adam"}
     assert hw.op("async_io").compatible is hw.libaio  # libaio-dev is installed here
     assert hw.nvme_offload_possible is True
+
+
+def test_probe_path_with_fake_cuda_and_nvml(monkeypatch):
+    """The probing code itself, fed at the torch.cuda / NVML level (no GPU can exist here).
+
+    CUDA_VISIBLE_DEVICES=1: torch sees one GPU (the host's second); NVML lists both.
+    """
+    import types
+
+    import pynvml
+    import torch
+
+    props = types.SimpleNamespace(
+        name="NVIDIA H100 80GB HBM3", total_memory=80 * GiB, major=9, minor=0,
+        uuid="bbbbbbbb-0000-0000-0000-000000000000",
+    )  # fmt: skip
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: props)
+    host_gpus = [(A, 79 * GiB, b"0000:01:00.0"), (B, 70 * GiB, b"0000:02:00.0")]
+    memory = {
+        i: types.SimpleNamespace(total=80 * GiB, free=f) for i, (_, f, _) in enumerate(host_gpus)
+    }  # noqa: E501
+    calls = []
+    monkeypatch.setattr(pynvml, "nvmlInit", lambda: calls.append("init"))
+    monkeypatch.setattr(pynvml, "nvmlShutdown", lambda: calls.append("shutdown"))
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetCount", lambda: len(host_gpus))
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetHandleByIndex", lambda i: i)
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetMemoryInfo", lambda h: memory[h])
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetUUID", lambda h: host_gpus[h][0].encode())
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetName", lambda h: "NVIDIA H100 80GB HBM3")
+    monkeypatch.setattr(
+        pynvml, "nvmlDeviceGetPciInfo", lambda h: types.SimpleNamespace(busId=host_gpus[h][2])
+    )
+    env = {"NVIDIA_DRIVER_CAPABILITIES": "compute,utility", "NVIDIA_VISIBLE_DEVICES": "1"}
+    hw = probe("auto", env, ops=False)
+    assert hw.accelerator == "cuda"
+    assert [(g.uuid, g.free_memory, g.pci_bus_id, g.bf16) for g in hw.gpus] == [
+        (B, 70 * GiB, "0000:02:00.0", True)
+    ]
+    assert hw.driver_capabilities == "compute,utility"
+    assert calls == ["init", "shutdown"]
+    assert any("10.0 GiB in use" in w for w in hw.warnings)
