@@ -167,6 +167,16 @@ def test_small_loop_fs_is_measured_after_cleaning_stale_swap(tmp_path, mounts, l
     assert 40 * MiB < report.free_bytes < 64 * MiB
 
 
+def test_a_filesystem_refusing_o_direct_is_refused_with_what_to_do(tmp_path, mounts):
+    # tmpfs accepts O_DIRECT since Linux 6.6; ramfs still refuses it, as older tmpfs did.
+    target = mounts("-t", "ramfs", "ramfs", target=tmp_path / "ram")
+    with pytest.raises(EnvironmentUnfit, match="refuses O_DIRECT") as info:
+        prepare_offload_dir(target, need_bytes=0, nvme=True)
+    assert "mount an ext4/xfs disk there" in str(info.value)
+    report = prepare_offload_dir(target, need_bytes=0, nvme=False)  # CPU offload: unused
+    assert report.device_kind == "tmpfs" and report.o_direct is None
+
+
 def test_stale_swap_dirs_are_removed_and_nothing_else(tmp_path):
     files = stale_tree(tmp_path)
     keep = tmp_path / "notes.txt"
