@@ -4,8 +4,10 @@ and the tiny demo SDXL. Runs share one feature cache, so only the first one enco
 from __future__ import annotations
 
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -229,3 +231,39 @@ def test_empty_dataset_exits_2(tmp_path, demo_dir, shared_cache) -> None:
     assert tk.statuses(tmp_path)[0]["exit_code"] == 2
     assert "ZT_DATA_DIR" in proc.stderr and "no usable images" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_sigterm_commits_a_checkpoint_and_exits_143(tmp_path, demo_dir, shared_cache, zero2):
+    """torchrun forwards SIGTERM; the ranks agree at the next step boundary, commit a
+    checkpoint of that step and exit 143, so a restart resumes at the next step."""
+    output = tmp_path / "output"
+    config = tk.ds_config(2, steps=500)
+    job = tk.write_job(tmp_path / "job.json", model=demo_dir / "model", deepspeed=config)
+    env = tk.settings_env(
+        model=demo_dir / "model", data=demo_dir / "data", output=output, cache=shared_cache,
+        max_steps=500, checkpoint_every_steps=0,
+    )  # fmt: skip
+    cmd, full = tk.rank_command(tmp_path, env, job_file=job)
+    log = (tmp_path / "log.txt").open("w")
+    proc = subprocess.Popen(cmd, env=full, stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path)
+    steps_file = output / "run" / "steps.jsonl"
+    try:
+        for _ in range(600):  # up to 5 minutes for start-up and two steps on a busy machine
+            if steps_file.is_file() and len(steps_file.read_text().splitlines()) >= 2:
+                break
+            if proc.poll() is not None:
+                break
+            time.sleep(0.5)
+        assert proc.poll() is None, (tmp_path / "log.txt").read_text()[-4000:]
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        log.close()
+    codes = {rank: s["exit_code"] for rank, s in tk.statuses(tmp_path).items()}
+    assert codes == {0: 143, 1: 143}, (tmp_path / "log.txt").read_text()[-4000:]
+    last = tk.read_steps(output)[-1]["step"]
+    assert 2 <= last < 500
+    assert (output / "checkpoints" / "latest").read_text() == f"step-{last}"
+    assert read_manifest(output / "checkpoints" / f"step-{last}")["step"] == last

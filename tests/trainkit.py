@@ -131,10 +131,10 @@ def settings_env(*, model: Path, data: Path, output: Path, cache: Path, **settin
     return env
 
 
-def run_ranks(
+def rank_command(
     tmp: Path, env: dict[str, str], *, job_file: Path, world: int = 2
-) -> subprocess.CompletedProcess[str]:
-    """torchrun with `world` CPU ranks running the worker; output captured."""
+) -> tuple[list[str], dict[str, str]]:
+    """The torchrun command line and environment for `world` CPU ranks running the worker."""
     status = tmp / "status"
     status.mkdir(parents=True, exist_ok=True)
     full = {
@@ -153,6 +153,14 @@ def run_ranks(
         sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={world}",
         f"--master_port={free_port()}", "-m", "zerotuner.worker",
     ]  # fmt: skip
+    return cmd, full
+
+
+def run_ranks(
+    tmp: Path, env: dict[str, str], *, job_file: Path, world: int = 2
+) -> subprocess.CompletedProcess[str]:
+    """torchrun with `world` CPU ranks running the worker, to the end; output captured."""
+    cmd, full = rank_command(tmp, env, job_file=job_file, world=world)
     return subprocess.run(
         cmd, env=full, capture_output=True, text=True, timeout=RUN_TIMEOUT, cwd=tmp
     )

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import sys
 import traceback
 from collections.abc import Iterator, Sequence
@@ -27,7 +28,7 @@ import torch
 from zerotuner import cache as feature_cache
 from zerotuner import checkpoint, data, export, loop, model, samples
 from zerotuner.ema import EMA, full_state_dict
-from zerotuner.errors import EXIT_FAILURE, EXIT_OK, ZeroTunerError
+from zerotuner.errors import EXIT_FAILURE, EXIT_OK, EXIT_SIGNAL, ZeroTunerError
 from zerotuner.job import Job, load_job
 from zerotuner.records import Sink, write_rank_status
 from zerotuner.settings import Settings, load_settings
@@ -80,6 +81,45 @@ def _write_json(path: Path, payload: Any) -> None:
     path.write_text(json.dumps(payload, indent=2, sort_keys=True, default=str) + "\n")
 
 
+class Stopped(Exception):
+    """The ranks agreed to stop on a signal and committed a checkpoint at `step`."""
+
+    def __init__(self, step: int, signal_name: str) -> None:
+        super().__init__(f"stopped by {signal_name} after committing checkpoint step-{step}")
+        self.step = step
+
+
+class StopRequest:
+    """SIGTERM/SIGINT ask every rank to stop at the next step boundary, after a committed
+    checkpoint; a second signal ends the process at once (the last committed checkpoint is
+    never touched by a half save). Ranks agree over a gloo group (also beside NCCL)."""
+
+    def __init__(self) -> None:
+        import torch.distributed as dist
+
+        self.signum: int | None = None
+        self._group = dist.new_group(backend="gloo")
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        self.signum = signum
+        signal.signal(signum, signal.SIG_DFL)  # a second one: the default action, exit now
+
+    @property
+    def name(self) -> str:
+        return signal.Signals(self.signum).name if self.signum else "signal"
+
+    def agreed(self) -> bool:
+        """True on every rank if any rank was signalled (a collective: call on all ranks)."""
+        import torch.distributed as dist
+
+        flag = torch.tensor([0 if self.signum is None else self.signum], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
+        self.signum = self.signum or int(flag.item()) or None  # sync: one int per step
+        return self.signum is not None
+
+
 class Run:
     """The state of one rank's job, built phase by phase."""
 
@@ -93,6 +133,7 @@ class Run:
         self.dtype = model.train_dtype(job.mixed_precision)
         self.position = data.Position()
         self.ema: EMA | None = None
+        self.stop = StopRequest()
 
     def phase(self, name: str) -> None:
         for sink in self.sinks:
@@ -276,15 +317,17 @@ class Run:
         s = self.settings
         if self.ema is not None:
             self.ema.update(self.engine_.module)
-        if step == s.max_steps:
-            return  # the end-of-run checkpoint and samples follow in finish()
-        if s.checkpoint_every_steps and step % s.checkpoint_every_steps == 0:
+        last = step == s.max_steps  # the end-of-run checkpoint and samples follow in finish()
+        saved = False
+        if not last and s.checkpoint_every_steps and step % s.checkpoint_every_steps == 0:
             self.save(step)
-        if (
-            s.validation_prompts
-            and s.validation_every_steps
-            and step % s.validation_every_steps == 0
-        ):
+            saved = True
+        if self.stop.agreed():
+            if not saved:
+                self.save(step)
+            raise Stopped(step, self.stop.name)
+        every = s.validation_every_steps
+        if not last and s.validation_prompts and every and step % every == 0:
             self.validate(step)
 
     def save(self, step: int) -> None:
@@ -373,6 +416,9 @@ def train(settings: Settings, job: Job, *, sinks: Sequence[Sink] | None = None) 
         run.train()
         run.finish()
         code, message = EXIT_OK, f"finished at step {settings.max_steps}"
+    except Stopped as stopped:
+        code, message = EXIT_SIGNAL, str(stopped)
+        log.warning("%s: exit %d, a restart resumes at step %d", stopped, code, stopped.step + 1)
     except ZeroTunerError as error:
         code, message = error.exit_code, str(error)
         for line in error.problems:
