@@ -38,11 +38,15 @@ def train(
     offload_param: str = "none", **settings,
 ) -> tuple[subprocess.CompletedProcess[str], Path]:  # fmt: skip
     output = output or tmp / "output"
+    checkpointing = settings.pop("gradient_checkpointing", False)  # a Job decision
     config = tk.ds_config(
         stage, world=world, steps=steps, offload_optimizer=offload_optimizer,
         offload_param=offload_param, nvme_dir=tmp / "nvme",
     )  # fmt: skip
-    job = tk.write_job(tmp / "job.json", model=demo / "model", deepspeed=config, world=world)
+    job = tk.write_job(
+        tmp / "job.json", model=demo / "model", deepspeed=config, world=world,
+        gradient_checkpointing=checkpointing,
+    )  # fmt: skip
     env = tk.settings_env(
         model=demo / "model", data=data or demo / "data", output=output, cache=cache,
         max_steps=steps, validation_inference_steps=2, log_every_steps=1, **settings,
@@ -160,7 +164,9 @@ def test_resume_continues_at_next_step_with_same_weights(zero2, tmp_path, demo_d
 CONFIGS = {
     "zero0": dict(stage=0),
     "zero1-cpu-offload": dict(stage=1, offload_optimizer="cpu"),
-    "zero3-ema-samples": dict(stage=3, ema="true", validation_prompts=[PROMPT]),
+    "zero3-ema-samples-checkpointing": dict(
+        stage=3, ema="true", validation_prompts=[PROMPT], gradient_checkpointing=True
+    ),
     "zero3-nvme": dict(stage=3, offload_optimizer="nvme", offload_param="nvme"),
 }
 
