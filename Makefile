@@ -45,6 +45,9 @@ lint: setup
 bench: setup
 	$(BIN)/python -m bench
 
+docs: setup
+	$(BIN)/python -m zerotuner.docs --write
+
 image:
 	docker build -t zerotuner:latest .
 

@@ -98,7 +98,7 @@ def test_seed_nvme_example_gets_the_volume_integer_buffers_and_aio():
     ],
 )  # fmt: skip
 def test_optimizer_names_are_normalized(given, expected):
-    r = run({"optimizer": {"type": given}})
+    r = run({"optimizer": {"type": given}}, hardware=RTX4090)
     assert r.config["optimizer"]["type"] == expected
 
 
@@ -369,3 +369,23 @@ def test_the_input_is_not_modified():
 def test_deepspeed_rejections_become_config_errors():
     (problem,) = problems(base={"nebula": {"enabled": True}})
     assert problem.startswith("DeepSpeed rejects the config") and "Nebula" in problem
+
+
+def test_cpu_accelerator_refuses_optimizers_it_cannot_run():
+    (problem,) = problems(base={"optimizer": {"type": "lamb"}})
+    assert "Lamb has no CPU implementation" in problem
+    (problem,) = problems(base={"optimizer": {"type": "lion"}}, stage=2)
+    assert "ZT_OFFLOAD_OPTIMIZER=cpu" in problem
+    r = run({"optimizer": {"type": "lion"}}, stage=2, opt="cpu")
+    assert r.config["optimizer"]["type"] == "Lion"
+
+
+@pytest.mark.parametrize("setting", ["constant", "linear", "cosine"])
+def test_no_warmup_starts_at_the_peak(setting):
+    r = run({}, lr_scheduler=setting, lr_warmup_steps=0, learning_rate=1e-4)
+    params = r.config["scheduler"]["params"]
+    assert params["warmup_num_steps"] == 1  # DeepSpeed refuses 0
+    if setting == "cosine":
+        assert params["warmup_min_ratio"] == 1.0
+    else:
+        assert params["warmup_min_lr"] == params["warmup_max_lr"] == 1e-4

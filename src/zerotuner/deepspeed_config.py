@@ -142,6 +142,7 @@ def normalize(
     _scheduler(ctx)
     precision = _precision(ctx, hardware)
     _zero(ctx, decisions, hardware, shape)
+    _optimizer_runs_here(ctx, hardware)
     ctx.take(("gradient_clipping",), "gradient_clipping")
     # zerotuner's own progress log replaces DeepSpeed's periodic step print.
     cfg.setdefault("steps_per_print", settings.max_steps + 1)
@@ -325,6 +326,24 @@ def _optimizer(ctx: _Context) -> None:
             n.error(f"optimizer.params.{key}='auto' has no value zerotuner can fill; set it")
 
 
+def _optimizer_runs_here(ctx: _Context, hardware: Hardware) -> None:
+    """DeepSpeed's CPU accelerator has no fused Lamb or Lion kernels (CPU Lion needs offload)."""
+    if hardware.accelerator != "cpu":
+        return
+    name = ctx.cfg.get("optimizer", {}).get("type")
+    offload = ctx.cfg["zero_optimization"].get("offload_optimizer", {}).get("device", "none")
+    if name == "Lamb":
+        ctx.n.error(
+            "optimizer Lamb has no CPU implementation in DeepSpeed; on the CPU use AdamW, Adam, "
+            "Adagrad, or Lion with ZT_OFFLOAD_OPTIMIZER=cpu"
+        )
+    elif name == "Lion" and offload == "none":
+        ctx.n.error(
+            "optimizer Lion runs on the CPU only as DeepSpeed's CPU Lion: set "
+            f"{env_name('offload_optimizer')}=cpu (ZeRO >= 1) or use AdamW"
+        )
+
+
 def _scheduler(ctx: _Context) -> None:
     cfg, s, n = ctx.cfg, ctx.settings, ctx.n
     section = cfg.get("scheduler")
@@ -349,7 +368,15 @@ def _scheduler(ctx: _Context) -> None:
         ctx.take(("scheduler", "params", "warmup_max_lr"), "learning_rate", lr)
         params.setdefault("warmup_type", "linear")
     if name in ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR"):
-        ctx.take(("scheduler", "params", "warmup_num_steps"), "lr_warmup_steps")
+        warmup = ctx.take(("scheduler", "params", "warmup_num_steps"), "lr_warmup_steps")
+        if warmup == 0:
+            # DeepSpeed needs >= 1 warm-up step; starting that step at the peak means none.
+            params["warmup_num_steps"] = 1
+            if name == "WarmupCosineLR":
+                params["warmup_min_ratio"] = 1.0
+            else:
+                params["warmup_min_lr"] = params.get("warmup_max_lr", lr)
+            n.info("no warm-up: one DeepSpeed warm-up step that starts at the peak LR")
     if name in ("WarmupDecayLR", "WarmupCosineLR"):
         ctx.take(("scheduler", "params", "total_num_steps"), "max_steps")
     if name == "WarmupCosineLR":

@@ -181,11 +181,19 @@ def model_shape(
         frozen_params=BUILTIN_FROZEN_PARAMS[family]
         if config_path is None or model_dir is None
         else frozen_params(model_dir),
-        native_resolution=int(unet.config.sample_size) * VAE_SCALE,
+        native_resolution=int(unet.config.sample_size) * vae_scale(model_dir),
         source=source,
         base_channels=int(unet.config.block_out_channels[0]),
         vae_channels=_vae_channels(model_dir) if model_dir else 128,
     )
+
+
+def vae_scale(model_dir: Path | None) -> int:
+    """Pixels per latent cell: 8 for the published VAEs, 2 for the tiny demo VAE."""
+    config = model_dir / "vae" / "config.json" if model_dir else None
+    if config is not None and config.is_file():
+        return 2 ** (len(json.loads(config.read_text())["block_out_channels"]) - 1)
+    return VAE_SCALE
 
 
 def _vae_channels(model_dir: Path) -> int:

@@ -7,15 +7,19 @@ what `train` runs. It reads files and the model's config, never weights.
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from zerotuner.deepspeed_config import Decisions, Normalized, normalize, pins
 from zerotuner.errors import ConfigError
 from zerotuner.families import ModelShape, detect_family, model_shape
-from zerotuner.hardware import Hardware
+from zerotuner.hardware import Hardware, require_supported
 from zerotuner.inputs import UserInputs, apply_implied_settings, read_user_inputs
+from zerotuner.launch import Topology, resolve_topology
 from zerotuner.notes import Note
+from zerotuner.offload import free_bytes_at
+from zerotuner.plan import Plan, make_plan
 from zerotuner.settings import Settings, env_name
 
 log = logging.getLogger(__name__)
@@ -36,9 +40,9 @@ class Preflight:
     model: ModelSource
     shape: ModelShape
     resolution: int
-    world_size: int
+    topology: Topology
     decisions: Decisions
-    plan: object | None
+    plan: Plan
     normalized: Normalized
     notes: tuple[Note, ...] = field(default=())
 
@@ -64,39 +68,58 @@ def resolve_model(settings: Settings) -> ModelSource:
 
 def _cached_snapshot(settings: Settings) -> Path | None:
     """The hub cache folder of a model already downloaded, found without the network."""
+    from huggingface_hub import try_to_load_from_cache
+    from huggingface_hub.errors import HFValidationError
+
     try:
-        from huggingface_hub import try_to_load_from_cache
-    except ImportError:  # pragma: no cover - huggingface_hub ships with diffusers
+        hit = try_to_load_from_cache(
+            settings.model, "model_index.json", cache_dir=str(hub_cache_dir(settings))
+        )
+    except HFValidationError:  # not a hub id at all: the caller reports the missing folder
         return None
-    hit = try_to_load_from_cache(
-        settings.model, "model_index.json", cache_dir=str(settings.cache_dir / "huggingface/hub")
-    )
     return Path(hit).parent if isinstance(hit, str) else None
 
 
-def world_size_of(settings: Settings, hardware: Hardware) -> int:
-    per_node = settings.num_processes or hardware.device_count
-    return per_node * (settings.nnodes or 1)
+def hub_cache_dir(settings: Settings) -> Path:
+    """Where diffusers keeps downloads: HF_HOME's hub folder, else ZT_CACHE_DIR/huggingface."""
+    home = os.environ.get("HF_HOME") or str(settings.cache_dir / "huggingface")
+    return Path(home) / "hub"
 
 
 def preflight(
-    settings: Settings, *, hardware: Hardware, world_size: int | None = None
+    settings: Settings, *, hardware: Hardware, topology: Topology | None = None
 ) -> Preflight:
     inputs = read_user_inputs(settings)
     settings = apply_implied_settings(settings, inputs)
-    if hardware.accelerator in ("mps", "rocm"):
-        from zerotuner.errors import EnvironmentUnfit
-
-        raise EnvironmentUnfit(
-            f"DeepSpeed training is not supported on {hardware.accelerator} in this image; "
-            "run it on an NVIDIA GPU or set ZT_DEVICE=cpu"
-        )
+    require_supported(hardware)
     model = resolve_model(settings)
     shape = model_shape(model.family, model.local_dir)  # type: ignore[arg-type]
     resolution = settings.resolution or shape.native_resolution
-    world = world_size or world_size_of(settings, hardware)
+    topology = topology or resolve_topology(settings, hardware, os.environ)
+    world = topology.world_size
     user_pins = pins(settings, inputs.deepspeed)
-    decisions, plan = decide(settings, hardware, shape, resolution, world, user_pins)
+    plan = make_plan(
+        shape,
+        hardware,
+        resolution=resolution,
+        micro_batch=settings.train_batch_size,
+        world_size=world,
+        gradient_checkpointing=settings.gradient_checkpointing,
+        zero_stage="auto" if user_pins.zero_stage is None else user_pins.zero_stage,
+        offload_optimizer=user_pins.offload_optimizer or "auto",
+        offload_param=user_pins.offload_param or "auto",
+        ema=settings.ema,
+        offload_disk_free=free_bytes_at(settings.offload_dir),
+        mixed_precision=settings.mixed_precision,
+        ranks_per_node=topology.nproc_per_node,
+    )
+    choice = plan.choice
+    decisions = Decisions(
+        zero_stage=int(choice.zero_stage),
+        offload_optimizer=choice.offload_optimizer,
+        offload_param=choice.offload_param,
+        gradient_checkpointing=bool(choice.gradient_checkpointing),
+    )
     normalized = normalize(
         inputs.deepspeed,
         settings=settings,
@@ -112,33 +135,6 @@ def preflight(
         *normalized.notes,
     )
     return Preflight(
-        settings, inputs, hardware, model, shape, resolution, world, decisions, plan,
+        settings, inputs, hardware, model, shape, resolution, topology, decisions, plan,
         normalized, notes,
     )  # fmt: skip
-
-
-def decide(settings, hardware, shape, resolution, world_size, user_pins):  # noqa: ANN001, ANN201
-    """The planner's choice, keeping what the user pinned."""
-    from zerotuner import plan as planner
-
-    result = planner.make_plan(
-        shape,
-        hardware,
-        resolution=resolution,
-        micro_batch=settings.train_batch_size,
-        world_size=world_size,
-        gradient_checkpointing=settings.gradient_checkpointing,
-        zero_stage=user_pins.zero_stage if user_pins.zero_stage is not None else "auto",
-        offload_optimizer=user_pins.offload_optimizer or "auto",
-        offload_param=user_pins.offload_param or "auto",
-        ema=settings.ema,
-        offload_disk_free=None,
-    )
-    choice = result.choice
-    decisions = Decisions(
-        zero_stage=int(choice.zero_stage),
-        offload_optimizer=choice.offload_optimizer,
-        offload_param=choice.offload_param,
-        gradient_checkpointing=bool(choice.gradient_checkpointing),
-    )
-    return decisions, result

@@ -37,6 +37,7 @@ class Settings(BaseSettings):
     model_config = SettingsConfigDict(
         env_prefix=ENV_PREFIX,
         case_sensitive=False,
+        env_ignore_empty=True,  # `ZT_RESOLUTION=` (an uncommented example line) means default
         extra="forbid",
         frozen=True,
         validate_default=True,
@@ -136,6 +137,12 @@ class Settings(BaseSettings):
     checkpoints_keep: int = Field(2, ge=1, description="Committed checkpoints to keep.")
     resume: str = Field(
         "auto", description="`auto` (latest committed checkpoint), `never`, or a checkpoint path."
+    )
+    stop_grace_seconds: float = Field(
+        300,
+        gt=0,
+        description="After SIGTERM, seconds ranks get to save and commit before they are killed "
+        "(Kubernetes' terminationGracePeriodSeconds must be larger).",
     )
     validation_prompts: Annotated[list[str], NoDecode] = Field(
         default_factory=list, description="Prompts for sample images: a JSON list or `|`-separated."

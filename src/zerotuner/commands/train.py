@@ -1,13 +1,167 @@
-"""`zerotuner train`."""
+"""`zerotuner train`: the entrypoint's job on one node, from settings to the ranks' exit code.
+
+probe -> topology -> (mount the offload device) -> preflight (plan + DeepSpeed config) ->
+prepare the offload dir -> write the Job -> torchrun ranks -> public exit code. The metrics
+endpoint serves from the first line to the last, so downloads and caching are visible too.
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
+import logging
+import os
+import tempfile
+from contextlib import ExitStack
+from pathlib import Path
+
+from zerotuner.commands.plan import render
+from zerotuner.errors import EXIT_OK, ZeroTunerError
+from zerotuner.hardware import probe
+from zerotuner.job import Job
+from zerotuner.launch import launch, resolve_topology
+from zerotuner.logs import setup_logging
+from zerotuner.offload import mounted_offload_device, prepare_offload_dir
+from zerotuner.preflight import Preflight, preflight
+from zerotuner.settings import Settings, load_settings
+
+log = logging.getLogger("zerotuner.train")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    pass
+    pass  # configured by ZT_* variables and files only
 
 
 def run(args: argparse.Namespace) -> int:
-    raise NotImplementedError("zerotuner train is being built")
+    settings = load_settings()
+    token = settings.hf_token.get_secret_value() if settings.hf_token else None
+    setup_logging(rank=0, log_format=settings.log_format, secrets=[token])
+    with ExitStack() as stack:
+        server = _start_metrics(settings, stack)
+        code = 1
+        try:
+            code = _train(settings, server, stack)
+        except ZeroTunerError as error:
+            code = error.exit_code
+            raise
+        finally:
+            if server is not None:
+                server.set_phase("done" if code == EXIT_OK else "failed")
+        return code
+
+
+def _start_metrics(settings: Settings, stack: ExitStack):  # noqa: ANN202 - optional server
+    if not settings.metrics_port:
+        return None
+    from zerotuner.metrics_server import MetricsServer, prepare_metrics_dir
+
+    # Node-local, emptied before launch: the ranks inherit PROMETHEUS_MULTIPROC_DIR.
+    metrics_dir = prepare_metrics_dir(Path(tempfile.mkdtemp(prefix="zerotuner-metrics-")))
+    server = MetricsServer(
+        settings.metrics_host,
+        settings.metrics_port,
+        hang_timeout_seconds=settings.hang_timeout_seconds,
+        multiproc_dir=metrics_dir,
+        offload_dir=settings.offload_dir,
+    ).start()
+    stack.callback(server.stop)
+    server.set_phase("probing")
+    log.info("metrics on http://%s:%d/metrics", settings.metrics_host, server.port)
+    return server
+
+
+def _train(settings: Settings, server, stack: ExitStack) -> int:  # noqa: ANN001
+    hardware = probe(settings.device)
+    for warning in hardware.warnings:
+        log.warning("%s", warning)
+    topology = resolve_topology(settings, hardware, os.environ)
+    if settings.offload_device:
+        stack.enter_context(
+            mounted_offload_device(
+                settings.offload_device, settings.offload_dir, allow_format=settings.offload_format
+            )
+        )
+    pre = preflight(settings, hardware=hardware, topology=topology)
+    _log_decisions(pre)
+    choice = pre.plan.choice
+    if "nvme" in (choice.offload_optimizer, choice.offload_param):
+        # Once per node, before any rank starts: stale swap files make a resume load garbage.
+        report = prepare_offload_dir(
+            settings.offload_dir, need_bytes=choice.disk_bytes, nvme=True, clean=True
+        )
+        log.info("offload volume: %s", report.summary())
+        for removed in report.removed:
+            log.info("removed stale swap data: %s", removed)
+        for warning in report.warnings:
+            log.warning("%s", warning)
+    job = job_from(pre)
+    run_dir = Path(tempfile.mkdtemp(prefix="zerotuner-job-"))
+    status_dir = run_dir / "status"
+    status_dir.mkdir()
+    job_file = job.write(run_dir / "job.json")
+    if server is not None:
+        server.set_job(job)
+        server.set_phase("loading")
+    log.info(
+        "launching %d rank(s) on node %d of %d (world size %d, %s)",
+        topology.nproc_per_node, topology.node_rank, topology.nnodes, topology.world_size,
+        topology.source,
+    )  # fmt: skip
+    code = launch(
+        topology,
+        hardware,
+        job_file=job_file,
+        status_dir=status_dir,
+        grace_seconds=settings.stop_grace_seconds,
+    )
+    if code == EXIT_OK and topology.node_rank == 0:
+        _say_where_outputs_are(settings)
+    return code
+
+
+def job_from(pre: Preflight) -> Job:
+    d, t = pre.decisions, pre.topology
+    return Job(
+        family=pre.model.family,
+        model=str(pre.model.local_dir or pre.settings.model),
+        resolution=pre.resolution,
+        zero_stage=d.zero_stage,
+        offload_optimizer=d.offload_optimizer,
+        offload_param=d.offload_param,
+        gradient_checkpointing=d.gradient_checkpointing,
+        mixed_precision=pre.normalized.mixed_precision,
+        device="cpu" if pre.hardware.accelerator == "cpu" else "cuda",
+        world_size=t.world_size,
+        nnodes=t.nnodes,
+        nproc_per_node=t.nproc_per_node,
+        node_rank=t.node_rank,
+        master_addr=t.master_addr,
+        master_port=t.master_port,
+        deepspeed=pre.normalized.config,
+        notes=tuple(str(n) for n in pre.notes),
+    )
+
+
+def _log_decisions(pre: Preflight) -> None:
+    """The plan, every normalization change, and the effective DeepSpeed config."""
+    log.info("plan:\n%s", render(pre.plan, pre.hardware))
+    for note in pre.notes:
+        if note.level == "warning":
+            log.warning("%s", note.message)
+        else:
+            log.info("%s", note)
+    log.info("effective DeepSpeed config:\n%s", json.dumps(pre.normalized.config, indent=2))
+
+
+def _say_where_outputs_are(settings: Settings) -> None:
+    out = settings.output_dir
+    for label, path in (
+        ("final pipeline (diffusers)", out / "final"),
+        ("EMA pipeline", out / "final-ema"),
+        ("samples", out / "samples"),
+        ("checkpoints", out / "checkpoints"),
+        ("loss curve", out / "run" / "loss.png"),
+        ("step log", out / "run" / "steps.jsonl"),
+    ):
+        if path.exists():
+            log.info("%-27s %s", label, path)
