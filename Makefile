@@ -24,6 +24,8 @@ $(STAMP): requirements.txt requirements-dev.txt pyproject.toml apt-packages.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --disable-pip-version-check -r requirements.txt -r requirements-dev.txt
 	$(BIN)/pip install -q --disable-pip-version-check --no-deps -e .
+	@echo "building DeepSpeed's CPU ops once (minutes on 2 cores; cached in $(TORCH_EXTENSIONS_DIR))"
+	DS_ACCELERATOR=cpu $(BIN)/python -m zerotuner.ops
 	touch $(STAMP)
 
 run: setup
