@@ -1,0 +1,69 @@
+"""The public surface, pinned: renaming a setting, metric, command or exit code is deliberate.
+
+Adding a name means adding it here too; removing or renaming one breaks users' scripts,
+Kubernetes manifests and dashboards, so this test makes that a conscious act.
+"""
+
+from __future__ import annotations
+
+from zerotuner import errors, metrics
+from zerotuner.cli import COMMANDS
+from zerotuner.settings import Settings, env_name
+
+SETTINGS = [
+    "ZT_MODEL", "ZT_MODEL_FAMILY", "ZT_DATA_DIR", "ZT_OUTPUT_DIR", "ZT_CACHE_DIR",
+    "ZT_OFFLOAD_DIR", "ZT_OFFLOAD_DEVICE", "ZT_OFFLOAD_FORMAT", "ZT_RESOLUTION",
+    "ZT_TRAIN_BATCH_SIZE", "ZT_GRADIENT_ACCUMULATION_STEPS", "ZT_MAX_STEPS",
+    "ZT_LEARNING_RATE", "ZT_LR_WARMUP_STEPS", "ZT_LR_SCHEDULER", "ZT_OPTIMIZER",
+    "ZT_WEIGHT_DECAY", "ZT_GRADIENT_CLIPPING", "ZT_MIXED_PRECISION",
+    "ZT_GRADIENT_CHECKPOINTING", "ZT_SEED", "ZT_NOISE_OFFSET", "ZT_SNR_GAMMA",
+    "ZT_PREDICTION_TYPE", "ZT_RANDOM_FLIP", "ZT_EMA", "ZT_EMA_DECAY", "ZT_ZERO_STAGE",
+    "ZT_OFFLOAD_OPTIMIZER", "ZT_OFFLOAD_PARAM", "ZT_DEEPSPEED_CONFIG", "ZT_ACCELERATE_CONFIG",
+    "ZT_DEVICE", "ZT_NUM_PROCESSES", "ZT_NNODES", "ZT_NODE_RANK", "ZT_MASTER_ADDR",
+    "ZT_MASTER_PORT", "ZT_CHECKPOINT_EVERY_STEPS", "ZT_CHECKPOINTS_KEEP", "ZT_RESUME",
+    "ZT_STOP_GRACE_SECONDS", "ZT_VALIDATION_PROMPTS", "ZT_VALIDATION_EVERY_STEPS",
+    "ZT_VALIDATION_INFERENCE_STEPS", "ZT_METRICS_HOST", "ZT_METRICS_PORT",
+    "ZT_HANG_TIMEOUT_SECONDS", "ZT_LOG_FORMAT", "ZT_LOG_EVERY_STEPS", "ZT_CONFIG_FILE",
+    "ZT_SECRETS_DIR", "ZT_HF_TOKEN",
+]  # fmt: skip
+
+# The names DESIGN.md fixes; the catalog may add more but never drop one of these.
+DESIGN_METRICS = {
+    "zerotuner_step_duration_seconds", "zerotuner_steps_total", "zerotuner_samples_total",
+    "zerotuner_loss", "zerotuner_learning_rate", "zerotuner_device_memory_allocated_bytes",
+    "zerotuner_device_memory_reserved_bytes", "zerotuner_device_memory_peak_bytes",
+    "zerotuner_device_memory_total_bytes", "zerotuner_host_memory_rss_bytes",
+    "zerotuner_offload_dir_used_bytes", "zerotuner_offload_dir_free_bytes",
+    "zerotuner_checkpoint_duration_seconds", "zerotuner_last_checkpoint_step",
+    "zerotuner_last_step_timestamp_seconds", "zerotuner_dataset_skipped_files_total",
+    "zerotuner_info",
+}  # fmt: skip
+
+
+def test_setting_names_are_pinned():
+    assert [env_name(name) for name in Settings.model_fields] == SETTINGS
+
+
+def test_every_design_setting_exists():
+    design = """ZT_MODEL ZT_MODEL_FAMILY ZT_DATA_DIR ZT_OUTPUT_DIR ZT_OFFLOAD_DIR ZT_OFFLOAD_DEVICE
+    ZT_CACHE_DIR ZT_RESOLUTION ZT_TRAIN_BATCH_SIZE ZT_GRADIENT_ACCUMULATION_STEPS ZT_MAX_STEPS
+    ZT_LEARNING_RATE ZT_LR_WARMUP_STEPS ZT_MIXED_PRECISION ZT_ZERO_STAGE ZT_OFFLOAD_OPTIMIZER
+    ZT_OFFLOAD_PARAM ZT_OPTIMIZER ZT_GRADIENT_CLIPPING ZT_GRADIENT_CHECKPOINTING ZT_EMA
+    ZT_DEVICE ZT_NUM_PROCESSES ZT_NNODES ZT_NODE_RANK ZT_MASTER_ADDR ZT_MASTER_PORT
+    ZT_CHECKPOINT_EVERY_STEPS ZT_CHECKPOINTS_KEEP ZT_RESUME ZT_VALIDATION_PROMPTS
+    ZT_VALIDATION_EVERY_STEPS ZT_METRICS_PORT ZT_METRICS_HOST ZT_HANG_TIMEOUT_SECONDS
+    ZT_CONFIG_FILE ZT_DEEPSPEED_CONFIG ZT_ACCELERATE_CONFIG""".split()  # noqa: SIM905
+    assert set(design) <= set(SETTINGS)
+
+
+def test_metric_names_are_pinned():
+    assert set(metrics.DESIGN_METRICS) == DESIGN_METRICS
+    for name in (*metrics.DESIGN_METRICS, *metrics.EXTRA_METRICS):
+        assert name.startswith("zerotuner_")
+
+
+def test_commands_and_exit_codes_are_pinned():
+    assert list(COMMANDS) == ["train", "config", "plan", "check", "demo", "export"]
+    codes = (errors.EXIT_OK, errors.EXIT_FAILURE, errors.EXIT_CONFIG, errors.EXIT_ENVIRONMENT)
+    assert codes == (0, 1, 2, 3)
+    assert errors.EXIT_SIGNAL == 143
