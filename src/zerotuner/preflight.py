@@ -97,29 +97,16 @@ def preflight(
     resolution = settings.resolution or shape.native_resolution
     topology = topology or resolve_topology(settings, hardware, os.environ)
     world = topology.world_size
-    user_pins = pins(settings, inputs.deepspeed)
-    plan = make_plan(
+    plan = plan_for(
+        settings,
         shape,
         hardware,
-        resolution=resolution,
-        micro_batch=settings.train_batch_size,
+        base=inputs.deepspeed,
         world_size=world,
-        gradient_checkpointing=settings.gradient_checkpointing,
-        zero_stage="auto" if user_pins.zero_stage is None else user_pins.zero_stage,
-        offload_optimizer=user_pins.offload_optimizer or "auto",
-        offload_param=user_pins.offload_param or "auto",
-        ema=settings.ema,
-        offload_disk_free=free_bytes_at(settings.offload_dir),
-        mixed_precision=settings.mixed_precision,
         ranks_per_node=topology.nproc_per_node,
+        offload_disk_free=free_bytes_at(settings.offload_dir),
     )
-    choice = plan.choice
-    decisions = Decisions(
-        zero_stage=int(choice.zero_stage),
-        offload_optimizer=choice.offload_optimizer,
-        offload_param=choice.offload_param,
-        gradient_checkpointing=bool(choice.gradient_checkpointing),
-    )
+    decisions = decisions_from(plan)
     normalized = normalize(
         inputs.deepspeed,
         settings=settings,
@@ -138,3 +125,42 @@ def preflight(
         settings, inputs, hardware, model, shape, resolution, topology, decisions, plan,
         normalized, notes,
     )  # fmt: skip
+
+
+def plan_for(
+    settings: Settings,
+    shape: ModelShape,
+    hardware: Hardware,
+    *,
+    base: dict,
+    world_size: int,
+    ranks_per_node: int,
+    offload_disk_free: int | None,
+) -> Plan:
+    """The planner's choice for these settings, keeping what the user pinned (env or raw JSON)."""
+    user = pins(settings, base)
+    return make_plan(
+        shape,
+        hardware,
+        resolution=settings.resolution or shape.native_resolution,
+        micro_batch=settings.train_batch_size,
+        world_size=world_size,
+        ranks_per_node=ranks_per_node,
+        gradient_checkpointing=settings.gradient_checkpointing,
+        zero_stage="auto" if user.zero_stage is None else user.zero_stage,
+        offload_optimizer=user.offload_optimizer or "auto",
+        offload_param=user.offload_param or "auto",
+        ema=settings.ema,
+        offload_disk_free=offload_disk_free,
+        mixed_precision=settings.mixed_precision,
+    )
+
+
+def decisions_from(plan: Plan) -> Decisions:
+    choice = plan.choice
+    return Decisions(
+        zero_stage=int(choice.zero_stage),
+        offload_optimizer=choice.offload_optimizer,
+        offload_param=choice.offload_param,
+        gradient_checkpointing=bool(choice.gradient_checkpointing),
+    )

@@ -184,30 +184,23 @@ def _model(c: Checks) -> str:
 
 
 def _plan(c: Checks) -> str:
-    from zerotuner.deepspeed_config import pins
     from zerotuner.offload import free_bytes_at
-    from zerotuner.plan import gib, make_plan
+    from zerotuner.plan import gib
+    from zerotuner.preflight import plan_for
 
     settings, hardware, shape = c.facts["settings"], c.facts["hardware"], c.facts["shape"]
     topology = c.facts.get("topology")
     per_node = topology.nproc_per_node if topology else (settings.num_processes or 1)
     world = topology.world_size if topology else per_node
     base = c.facts["inputs"].deepspeed if "inputs" in c.facts else {}
-    user = pins(settings, base)
-    plan = make_plan(
+    plan = plan_for(
+        settings,
         shape,
         hardware,
-        resolution=settings.resolution or shape.native_resolution,
-        micro_batch=settings.train_batch_size,
+        base=base,
         world_size=world,
         ranks_per_node=per_node,
-        gradient_checkpointing=settings.gradient_checkpointing,
-        zero_stage=user.zero_stage if user.zero_stage is not None else "auto",
-        offload_optimizer=user.offload_optimizer or "auto",
-        offload_param=user.offload_param or "auto",
-        ema=settings.ema,
         offload_disk_free=free_bytes_at(settings.offload_dir),
-        mixed_precision=settings.mixed_precision,
     )
     c.facts["plan"], c.facts["world"] = plan, world
     ch = plan.choice
@@ -217,9 +210,9 @@ def _plan(c: Checks) -> str:
 
 
 def _normalize(c: Checks) -> tuple[str, list[str]]:
-    from zerotuner.deepspeed_config import Decisions, normalize
+    from zerotuner.deepspeed_config import normalize
+    from zerotuner.preflight import decisions_from
 
-    choice = c.facts["plan"].choice
     inputs = c.facts["inputs"]
     result = normalize(
         inputs.deepspeed,
@@ -227,12 +220,7 @@ def _normalize(c: Checks) -> tuple[str, list[str]]:
         hardware=c.facts["hardware"],
         shape=c.facts["shape"],
         world_size=c.facts["world"],
-        decisions=Decisions(
-            zero_stage=choice.zero_stage,
-            offload_optimizer=choice.offload_optimizer,
-            offload_param=choice.offload_param,
-            gradient_checkpointing=choice.gradient_checkpointing,
-        ),
+        decisions=decisions_from(c.facts["plan"]),
         source=inputs.source,
     )
     warnings = [str(n) for n in result.notes if n.level in ("warning", "change")]

@@ -15,7 +15,8 @@ from typing import Any
 
 from zerotuner.errors import ConfigError
 from zerotuner.hardware import GPU, GiB, Hardware
-from zerotuner.plan import Plan, gib, make_plan
+from zerotuner.plan import Plan, gib
+from zerotuner.preflight import plan_for
 
 _UNITS = {"": GiB, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 10**6, "mb": 10**6}
 _UNITS |= {"mib": 1024**2, "g": GiB, "gb": 10**9, "gib": GiB, "t": 1024**4, "tb": 10**12}
@@ -67,7 +68,6 @@ def _what_if_hardware(args: argparse.Namespace, probed_host: int | None) -> Hard
 
 
 def build_plan(args: argparse.Namespace) -> tuple[Plan, Hardware]:
-    from zerotuner.deepspeed_config import pins
     from zerotuner.families import model_shape
     from zerotuner.hardware import probe
     from zerotuner.inputs import apply_implied_settings, read_user_inputs
@@ -109,21 +109,14 @@ def build_plan(args: argparse.Namespace) -> tuple[Plan, Hardware]:
             if args.offload_disk
             else free_bytes_at(Path(settings.offload_dir))
         )
-    user = pins(settings, inputs.deepspeed)
-    plan = make_plan(
+    plan = plan_for(
+        settings,
         shape,
         hardware,
-        resolution=settings.resolution or shape.native_resolution,
-        micro_batch=settings.train_batch_size,
+        base=inputs.deepspeed,
         world_size=world,
         ranks_per_node=per_node,
-        gradient_checkpointing=settings.gradient_checkpointing,
-        zero_stage=user.zero_stage if user.zero_stage is not None else "auto",
-        offload_optimizer=user.offload_optimizer or "auto",
-        offload_param=user.offload_param or "auto",
-        ema=settings.ema,
         offload_disk_free=disk,
-        mixed_precision=settings.mixed_precision,
     )
     return plan, hardware
 
