@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from zerotuner.families import ModelShape
-from zerotuner.hardware import Hardware
+from zerotuner.hardware import Hardware, auto_precision
 from zerotuner.notes import Note, Notes
 from zerotuner.optimizers import (
     ONE_BIT,
@@ -107,9 +107,7 @@ def resolve_precision(requested: str, hardware: Hardware, notes: Notes) -> str:
     """auto: bf16 where the GPU has it, fp16 on older GPUs, fp32 on the CPU."""
     on_cpu = hardware.accelerator == "cpu"
     if requested == "auto":
-        if on_cpu:
-            return "no"
-        return "bf16" if hardware.bf16 else "fp16"
+        return auto_precision(hardware)
     if requested == "fp16" and on_cpu:
         notes.error(
             f"{env_name('mixed_precision')}=fp16: DeepSpeed's CPU accelerator has no fp16; "

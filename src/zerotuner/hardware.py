@@ -103,6 +103,13 @@ class Hardware:
         return None if status is None else status.loadable
 
 
+def auto_precision(hardware: Hardware) -> str:
+    """`ZT_MIXED_PRECISION=auto`: bf16 where every GPU has it, else fp16; fp32 on the CPU."""
+    if hardware.accelerator == "cpu":
+        return "no"  # DeepSpeed's CPU accelerator has no fp16, and bf16 is slow on most CPUs
+    return "bf16" if hardware.bf16 else "fp16"
+
+
 def cpu_only(host_memory: int = 16 * GiB, cpu_count: int = 2) -> Hardware:
     return Hardware(accelerator="cpu", host_memory=host_memory, cpu_count=cpu_count)
 

@@ -15,7 +15,7 @@ from typing import Any
 
 from zerotuner.errors import ConfigError, EnvironmentUnfit
 from zerotuner.families import ModelShape
-from zerotuner.hardware import GiB, Hardware
+from zerotuner.hardware import GiB, Hardware, auto_precision
 
 # DESIGN.md: SDXL U-Net activations at 1024^2, bf16, per image. They scale with pixels and
 # with the width of the first block (320 in SDXL, SD1 and SD2), not with the parameter count:
@@ -136,12 +136,7 @@ class Plan:
 
 
 def resolve_precision(mixed_precision: str, hardware: Hardware) -> str:
-    """auto: bf16 where every GPU has it, else fp16; fp32 ("no") on the CPU accelerator."""
-    if mixed_precision == "auto":
-        if hardware.accelerator == "cpu":
-            return "no"
-        return "bf16" if hardware.bf16 else "fp16"
-    return mixed_precision
+    return auto_precision(hardware) if mixed_precision == "auto" else mixed_precision
 
 
 def estimate(
