@@ -210,31 +210,3 @@ class StepsJsonlSink:
     def close(self) -> None:
         if self._file is not None:
             self._file.close()
-
-
-class ProgressLogSink:
-    """A plain progress line every `every` steps (rank 0), e.g. for `kubectl logs`."""
-
-    def __init__(self, *, every: int, max_steps: int) -> None:
-        self.every, self.max_steps = every, max_steps
-        self._losses: list[float] = []
-
-    def on_phase(self, phase: str) -> None:
-        log.info("phase: %s", phase)
-
-    def on_step(self, record: StepRecord) -> None:
-        self._losses.append(record.loss)
-        if record.step % self.every and record.step != self.max_steps:
-            return
-        mean = sum(self._losses) / len(self._losses)
-        self._losses.clear()
-        log.info(
-            "step %d/%d  loss %.4f  lr %.3g  %.3f s/step",
-            record.step, self.max_steps, mean, record.lr, record.step_seconds,
-        )  # fmt: skip
-
-    def on_checkpoint(self, step: int, seconds: float) -> None:
-        log.info("checkpoint step-%d saved in %.1f s", step, seconds)
-
-    def close(self) -> None:
-        pass

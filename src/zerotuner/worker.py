@@ -38,13 +38,26 @@ log = logging.getLogger("zerotuner.worker")
 
 def build_sinks(settings: Settings, job: Job, *, rank: int) -> list[Sink]:
     """Every consumer of step records on this rank: the one place sinks plug in."""
-    sinks: list[Sink] = []
+    from zerotuner.logs import ProgressSink
+    from zerotuner.metrics import PrometheusSink
+
+    device = "cpu" if job.device == "cpu" else f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
+    resume = checkpoint.find_resume(settings.resume, settings.output_dir)
+    start = int((checkpoint.read_manifest(resume) or {}).get("step", 0)) if resume else 0
+    sinks: list[Sink] = [
+        PrometheusSink(
+            rank, device=device, world_size=job.world_size, max_steps=settings.max_steps
+        ),
+        ProgressSink(
+            rank,
+            max_steps=settings.max_steps,
+            every_steps=settings.log_every_steps,
+            start_step=start,
+            device=device,
+        ),
+    ]
     if rank == 0:
-        run_dir = settings.output_dir / "run"
-        sinks.append(loop.StepsJsonlSink(run_dir / "steps.jsonl"))
-        sinks.append(
-            loop.ProgressLogSink(every=settings.log_every_steps, max_steps=settings.max_steps)
-        )
+        sinks.append(loop.StepsJsonlSink(settings.output_dir / "run" / "steps.jsonl"))
     return sinks
 
 
@@ -161,7 +174,10 @@ class Run:
         self.buckets = data.assign_buckets(
             self.dataset.items, job.resolution, multiple=self._bucket_multiple()
         )
-        if self.rank == 0:
+        if self.rank == 0:  # every rank scanned the same files: count them once
+            for sink in self.sinks:
+                if hasattr(sink, "on_dataset_skipped"):
+                    sink.on_dataset_skipped(len(self.dataset.skipped))
             _write_json(
                 self.run_dir / "dataset.json",
                 {
@@ -259,11 +275,8 @@ class Run:
         self.engine_, _, _, _ = deepspeed.initialize(
             model=unet, model_parameters=params, config=config
         )
-        if self.rank == 0:
+        if self.rank == 0:  # the entrypoint logs it; the run folder keeps it
             _write_json(self.run_dir / "deepspeed.json", config)
-            log.info(
-                "effective DeepSpeed config:\n%s", json.dumps(config, indent=2, sort_keys=True)
-            )
         self.start_step = 0
         resume = checkpoint.find_resume(self.settings.resume, self.settings.output_dir)
         resumed = checkpoint.load(self.engine_, resume) if resume else None
@@ -408,7 +421,6 @@ def train(settings: Settings, job: Job, *, sinks: Sequence[Sink] | None = None) 
         rank, world = init_distributed(job)
         if sinks is None:
             sinks = build_sinks(settings, job, rank=rank)
-        _quiet_other_ranks(rank)
         run = Run(settings, job, sinks=sinks, rank=rank, world=world)
         run.load()
         run.cache()
@@ -443,17 +455,10 @@ def _quiet_libraries() -> None:
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
 
-def _quiet_other_ranks(rank: int) -> None:
-    """Rank 0 tells the story; the others speak up only for warnings."""
-    logging.getLogger("zerotuner").setLevel(logging.INFO if rank == 0 else logging.WARNING)
-
-
 def main() -> None:
-    _quiet_libraries()
-    logging.basicConfig(
-        level=logging.INFO,
-        format=f"[rank{os.environ.get('RANK', '0')}] %(levelname)s %(name)s: %(message)s",
-    )
+    """torchrun's entry: settings, job, logging, then train(); exits with the rank's code."""
+    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING)
     try:
         job = load_job()
         if job.device == "cpu":
@@ -462,8 +467,15 @@ def main() -> None:
     except ZeroTunerError as error:
         for line in error.problems:
             print(f"zerotuner: error: {line}", file=sys.stderr, flush=True)
-        write_rank_status(int(os.environ.get("RANK", "0")), error.exit_code, str(error))
+        write_rank_status(rank, error.exit_code, str(error))
         sys.exit(error.exit_code)
+    import deepspeed  # noqa: F401 - its logger must exist before ours adopts it
+
+    from zerotuner.logs import setup_logging
+
+    _quiet_libraries()
+    token = settings.hf_token.get_secret_value() if settings.hf_token else None
+    setup_logging(rank=rank, world_size=world, log_format=settings.log_format, secrets=[token])
     sys.exit(train(settings, job))
 
 
