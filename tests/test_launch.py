@@ -35,14 +35,14 @@ FOUR_GPUS = Hardware(
     ("settings", "environ", "hardware", "expected"),
     [
         # plain `docker run --gpus all`: one node, one rank per visible GPU
-        ({}, {}, FOUR_GPUS, Topology(1, 0, 4, "127.0.0.1", 29500, "single node")),
+        ({}, {}, FOUR_GPUS, Topology(1, 0, 4, "127.0.0.1", 0, "single node")),
         # CPU: one rank unless ZT_NUM_PROCESSES says otherwise
-        ({}, {}, cpu_only(), Topology(1, 0, 1, "127.0.0.1", 29500, "single node")),
+        ({}, {}, cpu_only(), Topology(1, 0, 1, "127.0.0.1", 0, "single node")),
         (
             {"num_processes": 2},
             {},
             cpu_only(),
-            Topology(1, 0, 2, "127.0.0.1", 29500, "single node"),
+            Topology(1, 0, 2, "127.0.0.1", 0, "single node"),
         ),
         # explicit ZT_* (docker on two hosts)
         (

@@ -119,7 +119,9 @@ def resolve_topology(settings: Any, hardware: Hardware, environ: Mapping[str, st
     elif "PET_MASTER_PORT" in pet:
         master_port = _int(pet["PET_MASTER_PORT"], "PET_MASTER_PORT")
     else:
-        master_port = DEFAULT_MASTER_PORT
+        # One node: port 0 lets torchrun's store take a free port, so two jobs on one host
+        # (tests, host networking) never collide on 29500.
+        master_port = DEFAULT_MASTER_PORT if nnodes > 1 else 0
 
     if settings.num_processes is not None:
         nproc = settings.num_processes

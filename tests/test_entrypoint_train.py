@@ -1,0 +1,118 @@
+"""`./entrypoint train` as the image runs it: real processes, real DeepSpeed on the CPU.
+
+Two entrypoints on 127.0.0.1 train together as node 0 and node 1; SIGTERM to the entrypoint
+reaches the ranks, which commit a checkpoint and exit 143; bad settings exit 2 and an unfit
+environment exits 3, each with one line and no traceback.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+ENTRYPOINT = str(REPO / "entrypoint")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def demo_env(demo_dir: Path, out: Path, **overrides: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ZT_")}
+    env.update(
+        ZT_DEVICE="cpu",
+        ZT_MODEL=str(demo_dir / "model"),
+        ZT_DATA_DIR=str(demo_dir / "data"),
+        ZT_OUTPUT_DIR=str(out / "output"),
+        ZT_CACHE_DIR=str(out / "cache"),
+        ZT_OFFLOAD_DIR=str(out / "offload"),
+        ZT_CONFIG_FILE=str(REPO / "config" / "demo.yaml"),
+        ZT_METRICS_PORT="0",
+        ZT_VALIDATION_PROMPTS="[]",
+        ZT_LOG_EVERY_STEPS="1",
+        OMP_NUM_THREADS="1",
+    )
+    env.update(overrides)
+    return env
+
+
+def steps_done(out: Path) -> list[dict]:
+    path = out / "output" / "run" / "steps.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+@pytest.mark.slow
+def test_two_entrypoints_on_localhost_train_together(demo_dir, tmp_path):
+    port = str(free_port())
+    common = dict(ZT_NNODES="2", ZT_NUM_PROCESSES="1", ZT_MASTER_ADDR="127.0.0.1",
+                  ZT_MASTER_PORT=port, ZT_MAX_STEPS="4", ZT_CHECKPOINT_EVERY_STEPS="0")  # fmt: skip
+    nodes = [
+        subprocess.Popen(
+            [ENTRYPOINT, "train"],
+            env=demo_env(demo_dir, tmp_path, ZT_NODE_RANK=str(rank), **common),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for rank in (0, 1)
+    ]
+    logs = [node.communicate(timeout=900)[0] for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], logs[0][-3000:] + logs[1][-3000:]
+    assert "node 0 of 2 (world size 2" in logs[0] and "node 1 of 2 (world size 2" in logs[1]
+    assert [s["step"] for s in steps_done(tmp_path)] == [1, 2, 3, 4]
+    effective = json.loads((tmp_path / "output" / "run" / "deepspeed.json").read_text())
+    micro = effective["train_micro_batch_size_per_gpu"]
+    assert effective["train_batch_size"] == micro * effective["gradient_accumulation_steps"] * 2
+    assert (tmp_path / "output" / "final" / "model_index.json").is_file()
+
+
+@pytest.mark.slow
+def test_sigterm_to_the_entrypoint_reaches_the_ranks_and_exits_143(demo_dir, tmp_path):
+    env = demo_env(demo_dir, tmp_path, ZT_MAX_STEPS="10000", ZT_CHECKPOINT_EVERY_STEPS="0")
+    proc = subprocess.Popen(
+        [ENTRYPOINT, "train"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True, start_new_session=True,
+    )  # fmt: skip
+    deadline = time.monotonic() + 600
+    while len(steps_done(tmp_path)) < 3 and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert proc.poll() is None, proc.communicate()[0][-3000:]
+    proc.send_signal(signal.SIGTERM)  # to the entrypoint only, as `docker stop` does
+    out = proc.communicate(timeout=300)[0]
+    assert proc.returncode == 143, out[-3000:]
+    last = steps_done(tmp_path)[-1]["step"]
+    pointer = tmp_path / "output" / "checkpoints" / "latest"
+    assert pointer.is_file(), out[-3000:]
+    assert pointer.read_text().strip().endswith(f"step-{last}")
+    assert "Traceback" not in out
+
+
+def run_entrypoint(env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([ENTRYPOINT, *args], env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_a_config_error_exits_2_with_one_line(demo_dir, tmp_path):
+    result = run_entrypoint(demo_env(demo_dir, tmp_path, ZT_ZERO_STAGE="7"), "train")
+    assert result.returncode == 2
+    errors = [line for line in result.stderr.splitlines() if "error:" in line]
+    assert errors == ["zerotuner: error: ZT_ZERO_STAGE=7: expected 'auto' or 0, 1, 2 or 3"]
+    assert "Traceback" not in result.stderr
+
+
+def test_an_unfit_environment_exits_3(demo_dir, tmp_path):
+    result = run_entrypoint(demo_env(demo_dir, tmp_path, ZT_DEVICE="cuda"), "train")
+    assert result.returncode == 3, result.stderr[-2000:]
+    assert "Traceback" not in result.stderr
+    assert any(line.startswith("zerotuner: error: ") for line in result.stderr.splitlines())
