@@ -76,7 +76,7 @@ def load_unet(source: Path, *, gradient_checkpointing: bool) -> Any:
     """The trainable UNet in fp32: DeepSpeed casts it to the configured precision itself."""
     from diffusers import UNet2DConditionModel
 
-    unet = UNet2DConditionModel.from_pretrained(source, subfolder="unet", torch_dtype=torch.float32)
+    unet = UNet2DConditionModel.from_pretrained(source, subfolder="unet", dtype=torch.float32)
     if gradient_checkpointing:
         unet.enable_gradient_checkpointing()
     unet.train()
@@ -87,9 +87,7 @@ def load_frozen(components: Components, *, device: torch.device, text_dtype: tor
     """VAE (fp32: the SDXL VAE overflows in fp16) and the family's text encoders, eval mode."""
     from diffusers import AutoencoderKL
 
-    vae = AutoencoderKL.from_pretrained(
-        components.source, subfolder="vae", torch_dtype=torch.float32
-    )
+    vae = AutoencoderKL.from_pretrained(components.source, subfolder="vae", dtype=torch.float32)
     components.vae = vae.to(device).eval().requires_grad_(False)
     conditioning = CONDITIONING[components.family]
     encoders, tokenizers = conditioning.load_text(components.source, dtype=text_dtype)
@@ -146,7 +144,7 @@ class Conditioning:
         encoders, tokenizers = [], []
         for encoder_dir, tokenizer_dir in self.text_subfolders:
             cls = CLIPTextModelWithProjection if encoder_dir.endswith("_2") else CLIPTextModel
-            encoders.append(cls.from_pretrained(source, subfolder=encoder_dir, torch_dtype=dtype))
+            encoders.append(cls.from_pretrained(source, subfolder=encoder_dir, dtype=dtype))
             tokenizers.append(AutoTokenizer.from_pretrained(source, subfolder=tokenizer_dir))
         return encoders, tokenizers
 

@@ -24,7 +24,7 @@ def load_pipeline(base: Path, unet_state: dict[str, torch.Tensor], *, device: st
         UNet2DConditionModel.load_config(base, subfolder="unet")
     )
     unet.load_state_dict(unet_state)
-    pipe = DiffusionPipeline.from_pretrained(base, unet=unet, torch_dtype=torch.float32)
+    pipe = DiffusionPipeline.from_pretrained(base, unet=unet, dtype=torch.float32)
     pipe.set_progress_bar_config(disable=True)
     return pipe.to(device)
 
