@@ -155,3 +155,11 @@ def test_step_noise_is_reproducible_per_step_and_rank() -> None:
     b = torch.randn(4, generator=loop.step_generator(42, 7, 0, 1))
     c = torch.randn(4, generator=loop.step_generator(42, 7, 0, 0))
     assert torch.equal(a, b) and not torch.equal(a, c)
+
+
+def test_model_errors_name_the_setting(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="ZT_MODEL=/no/such/model: no such folder"):
+        model.resolve_model("/no/such/model", cache_dir=tmp_path)
+    # the tests run with HF_HUB_OFFLINE=1 (conftest): an uncached hub id cannot be fetched
+    with pytest.raises(ConfigError, match="ZT_MODEL=someone/not-cached"):
+        model.resolve_model("someone/not-cached", cache_dir=tmp_path)

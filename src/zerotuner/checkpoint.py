@@ -154,10 +154,30 @@ def find_resume(resume: str, output_dir: Path) -> Path | None:
     return max(committed, key=_step_of) if committed else None
 
 
+def _world() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def _check_topology(manifest: dict[str, Any], path: Path, *, stage: int, world: int) -> None:
+    """DeepSpeed loads a checkpoint only into the layout that saved it (ZeRO 1 and 2 share
+    one). Say so plainly instead of failing deep inside DeepSpeed."""
+    saved_stage, saved_world = int(manifest["zero_stage"]), int(manifest["world_size"])
+    same_layout = saved_stage == stage or {saved_stage, stage} == {1, 2}
+    if same_layout and saved_world == world:
+        return
+    raise ConfigError(
+        f"ZT_RESUME: {path} was saved with ZeRO-{saved_stage} on {saved_world} rank(s); this run "
+        f"is ZeRO-{stage} on {world}: resuming across ZeRO stages or world sizes is not "
+        "supported yet. Set ZT_ZERO_STAGE/ZT_NUM_PROCESSES to match, ZT_RESUME=never, or "
+        "`zerotuner export` the checkpoint and train from the export"
+    )
+
+
 def load(engine: Any, path: Path) -> Resumed:
     """Weights, optimizer and LR schedule into the engine; the rest returned (every rank)."""
     manifest = read_manifest(path)
     assert manifest is not None
+    _check_topology(manifest, path, stage=engine.zero_optimization_stage(), world=_world())
     loaded, _ = engine.load_checkpoint(str(path.parent), tag=path.name)
     if loaded is None:
         raise ConfigError(f"ZT_RESUME: DeepSpeed could not load the checkpoint {path}")

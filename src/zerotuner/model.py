@@ -18,6 +18,18 @@ import torch
 
 from zerotuner.errors import ConfigError
 
+# A diffusers pipeline's own files only: hub repos also hold single-file checkpoints and fp16
+# variants (SDXL base: ~20 GB more) that diffusers does not read here.
+HUB_FILES = (
+    "model_index.json",
+    "*/*.json",
+    "*/*.txt",
+    "*/*.model",
+    "*/diffusion_pytorch_model.safetensors",
+    "*/diffusion_pytorch_model-*-of-*.safetensors",
+    "*/model.safetensors",
+    "*/model-*-of-*.safetensors",
+)
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "no": torch.float32}
 
 
@@ -38,18 +50,28 @@ def resolve_model(model: str, *, cache_dir: Path, token: str | None = None) -> P
     if local.is_absolute() or model.startswith("."):
         raise ConfigError(f"ZT_MODEL={model}: no such folder")
     from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import HfHubHTTPError
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        HFValidationError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+    )
 
     hub_cache = None if os.environ.get("HF_HOME") else cache_dir / "huggingface" / "hub"
     try:
         path = snapshot_download(
-            model,
-            cache_dir=hub_cache,
-            token=token,
-            allow_patterns=["*.json", "*.txt", "*.model", "*.safetensors"],
+            model, cache_dir=hub_cache, token=token, allow_patterns=list(HUB_FILES)
         )
-    except HfHubHTTPError as exc:
-        raise ConfigError(f"ZT_MODEL={model}: cannot download from the hub ({exc})") from None
+    except (RepositoryNotFoundError, GatedRepoError, HFValidationError) as exc:
+        raise ConfigError(
+            f"ZT_MODEL={model}: not a hub repository this token can read "
+            f"({type(exc).__name__}); give a local pipeline folder or a hub id"
+        ) from None
+    except LocalEntryNotFoundError:
+        raise ConfigError(
+            f"ZT_MODEL={model}: not in the model cache and the hub is unreachable or "
+            "HF_HUB_OFFLINE is set"
+        ) from None
     return Path(path)
 
 

@@ -17,6 +17,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 import traceback
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict
@@ -112,8 +113,9 @@ class StopRequest:
 
         self.signum: int | None = None
         self._group = dist.new_group(backend="gloo")
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, self._handle)
+        if threading.current_thread() is threading.main_thread():  # else the launcher's job
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                signal.signal(sig, self._handle)
 
     def _handle(self, signum: int, frame: Any) -> None:
         self.signum = signum
