@@ -38,14 +38,15 @@ def train(
     offload_param: str = "none", **settings,
 ) -> tuple[subprocess.CompletedProcess[str], Path]:  # fmt: skip
     output = output or tmp / "output"
-    checkpointing = settings.pop("gradient_checkpointing", False)  # a Job decision
+    checkpointing = settings.pop("gradient_checkpointing", False)  # Job decisions
+    precision = settings.pop("mixed_precision", "no")
     config = tk.ds_config(
         stage, world=world, steps=steps, offload_optimizer=offload_optimizer,
-        offload_param=offload_param, nvme_dir=tmp / "nvme",
+        offload_param=offload_param, nvme_dir=tmp / "nvme", precision=precision,
     )  # fmt: skip
     job = tk.write_job(
         tmp / "job.json", model=demo / "model", deepspeed=config, world=world,
-        gradient_checkpointing=checkpointing,
+        gradient_checkpointing=checkpointing, mixed_precision=precision,
     )  # fmt: skip
     env = tk.settings_env(
         model=demo / "model", data=data or demo / "data", output=output, cache=cache,
@@ -163,7 +164,7 @@ def test_resume_continues_at_next_step_with_same_weights(zero2, tmp_path, demo_d
 
 CONFIGS = {
     "zero0": dict(stage=0),
-    "zero1-cpu-offload": dict(stage=1, offload_optimizer="cpu"),
+    "zero1-cpu-offload-bf16": dict(stage=1, offload_optimizer="cpu", mixed_precision="bf16"),
     "zero3-ema-samples-checkpointing": dict(
         stage=3, ema="true", validation_prompts=[PROMPT], gradient_checkpointing=True
     ),

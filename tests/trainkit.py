@@ -37,6 +37,7 @@ def ds_config(
     offload_optimizer: str = "none",
     offload_param: str = "none",
     nvme_dir: Path | None = None,
+    precision: str = "no",
 ) -> dict[str, Any]:
     """What the normalizer would produce for the tiny demo model on the CPU (fp32)."""
     zero: dict[str, Any] = {"stage": stage}
@@ -81,6 +82,8 @@ def ds_config(
         "steps_per_print": steps + 1,
         "wall_clock_breakdown": False,
     }
+    if precision != "no":
+        config["bf16" if precision == "bf16" else "fp16"] = {"enabled": True}
     if "nvme" in (offload_optimizer, offload_param):
         config["aio"] = {"block_size": 1048576, "queue_depth": 8, "intra_op_parallelism": 1,
                          "single_submit": False, "overlap_events": True}  # fmt: skip

@@ -44,11 +44,29 @@ def iter_full_named_parameters(
 
 def full_state_dict(module: torch.nn.Module, *, rank: int) -> dict[str, torch.Tensor] | None:
     """An fp32 CPU copy of every parameter and buffer on rank 0 (None elsewhere); every rank
-    must call it. Used for samples and the final export."""
+    must call it. Used for samples and the final export.
+
+    With mixed precision the optimizer's fp32 master weights are taken (DeepSpeed's
+    `safe_get_full_fp32_param`, a collective at ZeRO 1-3), not the bf16/fp16 copies the
+    forward pass uses, so the export equals what zero_to_fp32 makes of the checkpoint.
+    """
+    from deepspeed.utils import safe_get_full_fp32_param
+
     state: dict[str, torch.Tensor] | None = {} if rank == 0 else None
-    for name, param in iter_full_named_parameters(module):
+    named = list(module.named_parameters())
+    masters = [safe_get_full_fp32_param(p) for _, p in named]
+    if all(m is not None for m in masters):
         if state is not None:
-            state[name] = param.detach().float().cpu().clone()
+            state.update(
+                {
+                    n: m.detach().float().cpu().clone()
+                    for (n, _), m in zip(named, masters, strict=True)
+                }
+            )
+    else:  # no optimizer mapping (ZeRO-0 in fp32): the module holds the weights
+        for name, param in iter_full_named_parameters(module):
+            if state is not None:
+                state[name] = param.detach().float().cpu().clone()
     if state is not None:
         for name, buffer in module.named_buffers():
             state[name] = buffer.detach().float().cpu().clone()
