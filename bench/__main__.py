@@ -1,0 +1,93 @@
+"""`python -m bench [--smoke] [--only SUITE ...]`: run the suites, write bench/results/."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import shutil
+import sys
+import tempfile
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+
+from bench import report, runs, suites
+from bench.benchmodel import unet_parameters, write_bench_model
+
+SUITES = ("overhead", "planner", "nvme", "scaling", "gpu_paper")
+log = logging.getLogger("bench")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes: checks the harness")
+    parser.add_argument("--only", nargs="+", choices=SUITES, help="run only these suites")
+    parser.add_argument("--out", type=Path, default=runs.REPO / "bench" / "results")
+    parser.add_argument(
+        "--scratch", type=Path, default=None,
+        help="working folder on the disk to measure (default: a temp dir under .cache/)",
+    )  # fmt: skip
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s bench: %(message)s")
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(runs.REPO / ".cache" / "torch_extensions"))
+    wanted = set(args.only or SUITES)
+
+    root = args.scratch or Path(
+        tempfile.mkdtemp(prefix="bench-", dir=runs.REPO / ".cache")
+    )  # on the repo's disk: tmpfs has no O_DIRECT
+    started = time.time()
+    results: dict = {
+        "date": datetime.now(UTC).strftime("%Y-%m-%d"),
+        "started_utc": datetime.now(UTC).isoformat(timespec="seconds"),
+        "smoke": args.smoke,
+        "machine": report.machine(),
+        "load_start": report.load(),
+    }
+    try:
+        log.info("writing the bench model in %s", root)
+        paths = write_bench_model(root / "demo")
+        results["model"] = {"unet_params": unet_parameters(paths.model)}
+        b = suites.Bench(
+            root=root, model=paths.model, data=paths.data,
+            steps=3 if args.smoke else 14, warmup=1 if args.smoke else 3,
+            pairs=1 if args.smoke else 2, disk_mib=64 if args.smoke else 1024,
+            smoke=args.smoke,
+        )  # fmt: skip
+        _, split = suites.preflight_for(b, zero_stage=2, offload_optimizer="none")
+        over = bare2 = None
+        if wanted & {"overhead", "planner", "scaling"}:
+            log.info("overhead: zerotuner train vs the bare loop, interleaved")
+            over = suites.overhead(b)
+            a_runs, b_runs = over["_runs"]
+            bare2 = b_runs[-1]
+            results["first_step"] = suites.first_step(b, over, split)
+            results["first_step"].pop("_bare", None)
+            results["overhead"] = over
+            log.info("overhead_ratio %.3f", over["overhead_ratio"])
+        if "planner" in wanted:
+            log.info("planner accuracy")
+            results["planner"] = suites.planner(b, bare2)
+        if "scaling" in wanted and over is not None:
+            log.info("scaling: 1 vs 2 ranks")
+            results["scaling"] = suites.scaling(b, over["deepspeed_config"], bare2)
+        if "nvme" in wanted:
+            log.info("NVMe offload vs the raw disk")
+            results["nvme"] = suites.nvme(b)
+        if "gpu_paper" in wanted:
+            from bench.paper import headline
+
+            results["gpu_paper"] = headline()
+    finally:
+        results["load_end"] = report.load()
+        results["wall_seconds"] = time.time() - started
+        js, md = report.write(results, args.out)
+        log.info("wrote %s and %s", js, md)
+        if args.scratch is None:
+            shutil.rmtree(root, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

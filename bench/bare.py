@@ -1,0 +1,154 @@
+"""The bare DeepSpeed loop the harness is measured against: `torchrun ... -m bench.bare`.
+
+What a user would write by hand: load the UNet, `deepspeed.initialize` with the very config
+zerotuner produced (OUTPUT/run/deepspeed.json), and loop forward / backward / step on batches
+already in memory (the same shapes zerotuner's cache yields). Nothing else: no sinks, no
+checkpoints, no signal handling, no data loading. Rank 0 writes step times and phase times;
+every rank writes the bytes of the tensors it holds after the first step (planner accuracy).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import time
+from pathlib import Path
+
+STARTED = time.time()
+
+
+def held_tensor_bytes() -> int:
+    """Bytes of every distinct tensor storage alive in this process (after a gc)."""
+    import torch
+
+    gc.collect()
+    storages: dict[int, int] = {}
+    for obj in gc.get_objects():
+        try:
+            if not isinstance(obj, torch.Tensor) or obj.device.type == "meta":
+                continue
+            storage = obj.untyped_storage()
+        except Exception:  # noqa: BLE001, S112 - half-built or exotic objects: not model state
+            continue
+        ptr = storage.data_ptr()
+        if ptr:
+            storages[ptr] = max(storages.get(ptr, 0), storage.nbytes())
+    return sum(storages.values())
+
+
+def rss() -> int:
+    import psutil
+
+    return psutil.Process().memory_info().rss
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", type=Path, required=True)
+    parser.add_argument("--config", type=Path, required=True)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--resolution", type=int, default=64)
+    args = parser.parse_args()
+
+    times = {"process_start": STARTED}
+    import deepspeed
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from diffusers import EulerDiscreteScheduler, UNet2DConditionModel
+
+    times["imported"] = time.time()
+    deepspeed.init_distributed(dist_backend="gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    times["distributed"] = time.time()
+
+    config = json.loads(args.config.read_text())
+    micro = config["train_micro_batch_size_per_gpu"]
+    accumulation = config.get("gradient_accumulation_steps", 1)
+    config["train_batch_size"] = micro * accumulation * world
+    rss_before = rss()
+    unet = UNet2DConditionModel.from_pretrained(args.model, subfolder="unet")
+    unet.train()
+    scheduler = EulerDiscreteScheduler.from_pretrained(args.model, subfolder="scheduler")
+    times["model_loaded"] = time.time()
+    engine, _, _, _ = deepspeed.initialize(
+        model=unet, model_parameters=[p for p in unet.parameters() if p.requires_grad],
+        config=config,
+    )  # fmt: skip
+    times["engine_ready"] = time.time()
+
+    # One in-memory batch of the shapes zerotuner's cache produces for this model.
+    gen = torch.Generator().manual_seed(rank)
+    vae = json.loads((args.model / "vae" / "config.json").read_text())
+    side = args.resolution // 2 ** (len(vae["block_out_channels"]) - 1)
+    text_dim = unet.config.cross_attention_dim
+    pooled = unet.config.projection_class_embeddings_input_dim - 6 * int(
+        unet.config.addition_time_embed_dim
+    )
+    batch = {
+        "latents": torch.randn((micro, 4, side, side), generator=gen),
+        "prompt_embeds": torch.randn((micro, 77, text_dim), generator=gen),
+        "text_embeds": torch.randn((micro, pooled), generator=gen),
+        "time_ids": torch.tensor([[args.resolution] * 2 + [0, 0] + [args.resolution] * 2] * micro,
+                                 dtype=torch.float32),
+    }  # fmt: skip
+
+    step_seconds, memory = [], {}
+    for step in range(1, args.steps + 1):
+        started = time.perf_counter()
+        for _ in range(accumulation):
+            noise = torch.randn(batch["latents"].shape, generator=gen)
+            t = torch.randint(0, scheduler.config.num_train_timesteps, (micro,), generator=gen)
+            noisy = scheduler.add_noise(batch["latents"], noise, t)
+            pred = engine(
+                noisy, t, batch["prompt_embeds"],
+                added_cond_kwargs={"text_embeds": batch["text_embeds"],
+                                   "time_ids": batch["time_ids"]},
+            ).sample  # fmt: skip
+            loss = F.mse_loss(pred.float(), noise)
+            engine.backward(loss)
+            engine.step()
+        loss.item()
+        step_seconds.append(time.perf_counter() - started)
+        if step == 1:
+            times["first_step"] = time.time()
+            del pred, loss, noisy, noise
+            memory = {"tensor_bytes": held_tensor_bytes(), "rss_bytes": rss(),
+                      "rss_before_model_bytes": rss_before}  # fmt: skip
+    result = {
+        "rank": rank,
+        "world_size": world,
+        "micro_batch": micro,
+        "samples_per_step": micro * accumulation * world,
+        "step_seconds": step_seconds,
+        "times": times,
+        "memory": memory,
+        "offload_files_bytes": _swap_bytes(config),
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"rank-{rank}.json").write_text(json.dumps(result, indent=2))
+    dist.barrier()
+
+
+def _swap_bytes(config: dict) -> int | None:
+    """Bytes of this job's NVMe swap files (all ranks) when something is offloaded there."""
+    zero = config.get("zero_optimization", {})
+    paths = {
+        zero.get(key, {}).get("nvme_path")
+        for key in ("offload_optimizer", "offload_param")
+        if zero.get(key, {}).get("device") == "nvme"
+    } - {None}
+    if not paths:
+        return None
+    total = 0
+    for path in paths:
+        for root, _, files in os.walk(path):
+            total += sum(os.path.getsize(os.path.join(root, f)) for f in files)
+    return total
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,70 @@
+"""The bench model: the demo SDXL pipeline with a ~95M-parameter UNet and a 4x VAE.
+
+The demo's UNet (~1M parameters) is so small that the optimizer step and the gradient
+all-reduce are noise; a harness overhead measured on it would say nothing. This UNet is
+SDXL-shaped (text_time conditioning, cross-attention on both text encoders' states) and big
+enough that Adam and communication matter, while a 3-block VAE (latent scale 4) keeps the
+latents at 16x16 for 64 px images, so one 2-rank CPU step takes about a second.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from zerotuner.demo import DemoPaths, _latent_scaling_factor, write_demo
+
+RESOLUTION = 64  # the smallest ZT_RESOLUTION allowed
+VAE_BLOCKS = (32, 64, 64)  # latent scale 2 ** 2 = 4: 16x16 latents at 64 px
+UNET_BLOCKS = (128, 256, 512)
+TEXT_DIM = 32 + 32  # the demo's two text encoders, concatenated
+POOLED_DIM = 32
+TIME_DIM = 16  # with 8 the bucket (params // 10) is odd and ZeRO-1/2 refuse it (see report)
+
+
+def unet_config(sample_size: int = RESOLUTION // 4) -> dict:
+    return {
+        "sample_size": sample_size,
+        "in_channels": 4,
+        "out_channels": 4,
+        "block_out_channels": UNET_BLOCKS,
+        "layers_per_block": 2,
+        "down_block_types": ("DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"),
+        "up_block_types": ("CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"),
+        "attention_head_dim": (4, 8, 16),
+        "cross_attention_dim": TEXT_DIM,
+        "use_linear_projection": True,
+        "norm_num_groups": 32,
+        "addition_embed_type": "text_time",
+        "addition_time_embed_dim": TIME_DIM,
+        "projection_class_embeddings_input_dim": 6 * TIME_DIM + POOLED_DIM,
+    }
+
+
+def write_bench_model(dir: Path, *, seed: int = 0) -> DemoPaths:
+    """DIR/model (the pipeline) and DIR/data (the demo's 64 images); idempotent."""
+    import torch
+    from diffusers import AutoencoderKL, UNet2DConditionModel
+
+    paths = write_demo(Path(dir), seed=seed, family="sdxl")
+    torch.manual_seed(seed + 10)
+    vae = AutoencoderKL(
+        block_out_channels=VAE_BLOCKS,
+        down_block_types=("DownEncoderBlock2D",) * len(VAE_BLOCKS),
+        up_block_types=("UpDecoderBlock2D",) * len(VAE_BLOCKS),
+        latent_channels=4,
+        layers_per_block=1,
+        norm_num_groups=32,
+        sample_size=RESOLUTION,
+    )
+    vae.register_to_config(scaling_factor=_latent_scaling_factor(vae, paths.data))
+    vae.save_pretrained(paths.model / "vae", safe_serialization=True)
+    torch.manual_seed(seed + 11)
+    unet = UNet2DConditionModel(**unet_config())
+    unet.save_pretrained(paths.model / "unet", safe_serialization=True)
+    return paths
+
+
+def unet_parameters(model: Path) -> int:
+    from zerotuner.families import model_shape
+
+    return model_shape("sdxl", Path(model)).unet_params

@@ -1,0 +1,131 @@
+"""The GPU picture on paper: what zerotuner would choose for the seed's headline run (SDXL,
+1024^2, batch 8, one 24 GB RTX 4090; the seed measured 13.1 GB and 8 s/it) and an estimate
+of each part of one step. Everything here is an ESTIMATE: the planner's formulas, FLOPs
+counted on the meta device, an assumed GPU utilisation and PCIe rate, and CPU Adam's speed
+measured on this machine's cores, scaled to an assumed desktop CPU.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+GiB = 1 << 30
+GPU_NAME = "NVIDIA GeForce RTX 4090"
+GPU_MEMORY = 24 * GiB  # 24564 MiB in nvidia-smi; 24 GiB is close enough for a plan
+GPU_BF16_TFLOPS = 165.2  # dense bf16 tensor cores, fp32 accumulate (Ada whitepaper)
+ASSUMED_MFU = 0.45  # a UNet's convolutions and attention at 1024^2 in bf16, no compile
+PCIE_BYTES_PER_S = 20e9  # PCIe 4.0 x16, ~25 GB/s peak; pinned-memory copies reach ~20
+ASSUMED_HOST_CORES = 16  # a 4090 desktop; CPU Adam scales with cores (memory-bound later)
+HOST_MEMORY = 64 * GiB
+
+
+def headline_hardware() -> Any:
+    from zerotuner.hardware import GPU, Hardware, OpStatus
+
+    ok = (OpStatus("cpu_adam", True, False, True), OpStatus("async_io", True, False, True))
+    return Hardware(
+        accelerator="cuda",
+        gpus=(GPU(0, GPU_NAME, GPU_MEMORY, GPU_MEMORY - GiB // 2, (8, 9)),),
+        host_memory=HOST_MEMORY, cpu_count=ASSUMED_HOST_CORES, ops=ok, libaio=True,
+    )  # fmt: skip
+
+
+def unet_flops(batch: int = 1, latent: int = 128) -> tuple[float, float]:
+    """(forward, backward) FLOPs of the SDXL UNet for `batch` images, counted on meta."""
+    import torch
+    from diffusers import UNet2DConditionModel
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from zerotuner.families import BUILTIN_UNET_CONFIGS
+
+    with torch.device("meta"):
+        unet = UNet2DConditionModel.from_config(BUILTIN_UNET_CONFIGS["sdxl"])
+        x = torch.randn(batch, 4, latent, latent)
+        cond = {"text_embeds": torch.randn(batch, 1280), "time_ids": torch.randn(batch, 6)}
+        with FlopCounterMode(display=False) as forward:
+            out = unet(x, torch.tensor([500] * batch), torch.randn(batch, 77, 2048),
+                       added_cond_kwargs=cond).sample  # fmt: skip
+        with FlopCounterMode(display=False) as backward:
+            out.sum().backward()
+    return float(forward.get_total_flops()), float(backward.get_total_flops())
+
+
+def cpu_adam_elements_per_s(numel: int = 20_000_000, steps: int = 3) -> dict[str, float]:
+    """DeepSpeed's CPU Adam (what optimizer offload runs) on this machine, all its threads."""
+    import torch
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+    param = torch.nn.Parameter(torch.randn(numel))
+    param.grad = torch.randn(numel)
+    opt = DeepSpeedCPUAdam([param], lr=1e-4, adamw_mode=True)
+    opt.step()  # allocate the moments
+    started = time.perf_counter()
+    for _ in range(steps):
+        opt.step()
+    seconds = (time.perf_counter() - started) / steps
+    return {"elements_per_s": numel / seconds, "threads": torch.get_num_threads()}
+
+
+def headline(adam: dict[str, float] | None = None) -> dict[str, Any]:
+    from zerotuner.families import model_shape
+    from zerotuner.plan import make_plan
+
+    shape = model_shape("sdxl")
+    plan = make_plan(
+        shape, headline_hardware(), resolution=1024, micro_batch=8, world_size=1,
+        mixed_precision="auto",
+    )  # fmt: skip
+    choice = plan.choice
+    fwd, bwd = unet_flops()
+    psi = shape.unet_params
+    images = 8
+    recompute = fwd if choice.gradient_checkpointing else 0.0
+    compute_flops = images * (fwd + bwd + recompute)
+    compute_s = compute_flops / (GPU_BF16_TFLOPS * 1e12 * ASSUMED_MFU)
+    parts_s: dict[str, float] = {"gpu_forward_backward": compute_s}
+    if choice.offload_optimizer == "cpu":
+        adam = adam or cpu_adam_elements_per_s()
+        per_core = adam["elements_per_s"] / max(1, adam["threads"])
+        parts_s["cpu_adam_step"] = psi / (per_core * ASSUMED_HOST_CORES)
+        # bf16 grads out during backward, updated bf16 params back after the step; the
+        # grads overlap with backward in ZeRO-2 (overlap_comm), the params do not.
+        parts_s["params_to_gpu"] = 2 * psi / PCIE_BYTES_PER_S
+        parts_s["grads_to_host_overlapped"] = 2 * psi / PCIE_BYTES_PER_S
+    total = sum(v for k, v in parts_s.items() if not k.endswith("_overlapped"))
+    return {
+        "ESTIMATE": "planner formulas + FLOPs on meta + assumed MFU/PCIe/CPU; not measured",
+        "setup": {
+            "model": "SDXL 1.0 UNet",
+            "unet_params": psi,
+            "resolution": 1024,
+            "batch": images,
+            "gpu": GPU_NAME,
+            "gpu_memory_gib": GPU_MEMORY / GiB,
+            "host_memory_gib": HOST_MEMORY / GiB,
+        },  # fmt: skip
+        "seed_measured": {
+            "device_mib": 13102,
+            "seconds_per_step": 8.0,
+            "setup": "ZeRO-2, optimizer offload to CPU, bf16",
+        },  # fmt: skip
+        "choice": choice.choice() | {"label": choice.label()},
+        "reasons": list(plan.reasons),
+        "device_bytes": choice.device_bytes,
+        "host_bytes": choice.host_bytes,
+        "parts_bytes": choice.parts,
+        "flops": {
+            "forward_per_image": fwd,
+            "backward_per_image": bwd,
+            "step": compute_flops,
+        },  # fmt: skip
+        "assumptions": {
+            "gpu_bf16_tflops": GPU_BF16_TFLOPS,
+            "mfu": ASSUMED_MFU,
+            "pcie_bytes_per_s": PCIE_BYTES_PER_S,
+            "host_cores": ASSUMED_HOST_CORES,
+            "cpu_adam_measured_here": adam,
+        },  # fmt: skip
+        "step_parts_seconds": parts_s,
+        "step_seconds": total,
+    }

@@ -1,0 +1,215 @@
+"""The machine a bench ran on, and the results as JSON and a markdown table for README."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+from pathlib import Path
+from typing import Any
+
+GiB = 1 << 30
+
+
+def machine() -> dict[str, Any]:
+    import deepspeed
+    import diffusers
+    import torch
+
+    cpu = next(
+        (line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+         if line.startswith("model name")), platform.processor(),
+    )  # fmt: skip
+    mem = next(
+        int(line.split()[1]) * 1024 for line in Path("/proc/meminfo").read_text().splitlines()
+        if line.startswith("MemTotal")
+    )  # fmt: skip
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "ram_gib": round(mem / GiB, 1),
+        "gpu": None,
+        "accelerator": "DeepSpeed CPU accelerator (gloo)",
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "deepspeed": deepspeed.__version__,
+        "diffusers": diffusers.__version__,
+        "kernel": platform.release(),
+    }
+
+
+def load() -> list[float]:
+    return [round(x, 2) for x in os.getloadavg()]
+
+
+def _s(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}"
+
+
+def _mb(x: float | None) -> str:
+    return "-" if x is None else f"{x / 1e6:.0f}"
+
+
+def markdown(r: dict[str, Any]) -> str:
+    m = r["machine"]
+    out = [
+        f"# zerotuner bench {r['date']}",
+        "",
+        f"Machine: {m['cpu']}, {m['cores']} cores, {m['ram_gib']} GiB RAM, no GPU "
+        f"({m['accelerator']}); torch {m['torch']}, DeepSpeed {m['deepspeed']}, diffusers "
+        f"{m['diffusers']}. Load average at start {r['load_start']}, at end {r['load_end']} "
+        "(the machine was shared). "
+        f"Model: SDXL-shaped UNet, {r['model']['unet_params'] / 1e6:.1f}M parameters, 64 px "
+        "(16x16 latents), fp32, micro-batch 2 per rank. Wall time "
+        f"{r['wall_seconds'] / 60:.1f} min"
+        + (" (SMOKE: tiny sizes, numbers meaningless)." if r["smoke"] else "."),
+        "",
+    ]
+    o = r.get("overhead")
+    if o:
+        out += [
+            "## Harness overhead (ZeRO-2, 2 ranks)", "",
+            "| | median s/step (steady) | runs |", "|---|---|---|",
+            f"| `zerotuner train` | {o['zerotuner_median_s']:.3f} "
+            f"| {len(o['zerotuner_step_seconds'])} |",
+            f"| bare DeepSpeed loop | {o['bare_median_s']:.3f} | {len(o['bare_step_seconds'])} |",
+            "",
+            f"**overhead_ratio = {o['overhead_ratio']:.3f}** (target <= 1.03); per A/B pair: "
+            + ", ".join(f"{x:.3f}" for x in o["pair_ratios"])
+            + f"; order {' '.join(o['order'])}, first {o['warmup_steps_skipped']} steps of each "
+            "run skipped.", "",
+        ]  # fmt: skip
+    t = r.get("first_step")
+    if t:
+        out += [
+            "## Time to first step (s)",
+            "",
+            "| phase | zerotuner (cold cache) | zerotuner (warm cache) |",
+            "|---|---|---|",
+        ]
+        cold, warm = t["zerotuner_cold_cache"], t["zerotuner_warm_cache"]
+        for k in cold["phases_s"]:
+            out.append(f"| {k} | {cold['phases_s'][k]:.2f} | {warm['phases_s'][k]:.2f} |")
+        out += [
+            f"| **total** | **{cold['total_s']:.1f}** | **{warm['total_s']:.1f}** |",
+            "",
+            "| phase | bare loop |",
+            "|---|---|",
+        ]
+        for k, v in t["bare"]["phases_s"].items():
+            out.append(f"| {k} | {v:.2f} |")
+        out += [f"| **total** | **{t['bare']['total_s']:.1f}** |", ""]
+    p = r.get("planner")
+    if p:
+        out += [
+            "## Planner accuracy (model-state bytes per rank)",
+            "",
+            "| ZeRO | optimizer | params | predicted MB | measured MB (ranks) | error | "
+            "disk predicted MB | disk measured MB |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        for row in p["rows"]:
+            if "error" in row:
+                out.append(
+                    f"| {row['zero_stage']} | {row['offload_optimizer']} | "
+                    f"{row['offload_param']} | failed: {row['error']} | | | | |"
+                )
+                continue
+            out.append(
+                f"| {row['zero_stage']} | {row['offload_optimizer']} | {row['offload_param']} "
+                f"| {_mb(row['predicted_bytes_per_rank'])} | "
+                f"{' / '.join(_mb(x) for x in row['measured_bytes_per_rank'])} | "
+                f"{row['error_percent']:+.0f}% | {_mb(row['predicted_disk_bytes_per_rank'])} | "
+                f"{_mb(row['measured_disk_bytes_per_rank'])} |"
+            )
+        out += ["", "Measured: all distinct live tensor storages on the rank after step 1.", ""]
+    n = r.get("nvme")
+    if n:
+        raw, d = n["raw_o_direct_dd"], n["training_default_aio"]
+        out += [
+            "## NVMe offload (ZeRO-3, optimizer + params on NVMe)",
+            "",
+            f"Disk {n['offload_disk']}: dd O_DIRECT 1 MiB sequential write "
+            f"{_mb(raw['write_bytes_per_s'])} MB/s, read {_mb(raw['read_bytes_per_s'])} MB/s.",
+            "",
+            "| aio | s/step | read MB/step | written MB/step | read MB/s of training | "
+            "write MB/s of training | MB/s while disk busy |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for label, run in (("defaults", d), ("recommended", n["training_recommended_aio"])):
+            if run and "error" in run:
+                out.append(f"| {label} {run['aio']} | failed: {run['error']} | | | | | |")
+            elif run:
+                out.append(
+                    f"| {label} {run['aio']} | {run['median_step_s']:.2f} | "
+                    f"{_mb(run['read_bytes_per_step'])} | {_mb(run['written_bytes_per_step'])} | "
+                    f"{_mb(run['read_bytes_per_s_of_training'])} | "
+                    f"{_mb(run['write_bytes_per_s_of_training'])} | "
+                    f"{_mb(run['bytes_per_s_while_disk_busy'])} |"
+                )
+        out += [
+            "",
+            "DeepSpeed aio handle, one file (MB/s):",
+            "",
+            "| block | queue depth | intra-op | write | read |",
+            "|---|---|---|---|---|",
+        ]
+        for row in n["aio_sweep"]:
+            out.append(
+                f"| {row['block_size'] // 1024} KiB | {row['queue_depth']} | "
+                f"{row['intra_op_parallelism']} | {_mb(row['write_bytes_per_s'])} | "
+                f"{_mb(row['read_bytes_per_s'])} |"
+            )
+        best = n["aio_recommended"]
+        out += [
+            "",
+            f"Recommended aio: block_size {best['block_size']}, queue_depth "
+            f"{best['queue_depth']}, intra_op_parallelism {best['intra_op_parallelism']} "
+            f"(now {n['aio_defaults_now']}).",
+            "",
+        ]
+    s = r.get("scaling")
+    if s:
+        out += [
+            "## Scaling (bare loop, ZeRO-2)",
+            "",
+            f"1 rank: {s['samples_per_s_1_rank']:.2f} samples/s "
+            f"({s['samples_per_s_1_rank_1_thread']:.2f} with 1 thread); 2 ranks: "
+            f"{s['samples_per_s_2_ranks']:.2f} samples/s (x{s['speedup']:.2f}). {s['note']}.",
+            "",
+        ]
+    g = r.get("gpu_paper")
+    if g:
+        out += [
+            "## The GPU picture on paper (ESTIMATE, not measured)",
+            "",
+            f"SDXL, 1024^2, batch 8, one 24 GB RTX 4090. zerotuner would choose "
+            f"**{g['choice']['label']}**: {g['device_bytes'] / GiB:.1f} GiB on the GPU "
+            f"(seed measured 13,102 MiB = 12.8 GiB with ZeRO-2 + CPU offload).",
+            "",
+            "| part of a step | estimated s |",
+            "|---|---|",
+        ]
+        for k, v in g["step_parts_seconds"].items():
+            out.append(f"| {k} | {v:.2f} |")
+        out += [
+            f"| **step** | **{g['step_seconds']:.1f}** (seed measured 8 s) |",
+            "",
+            f"Assumptions: {g['assumptions']['gpu_bf16_tflops']} bf16 TFLOPS at "
+            f"{g['assumptions']['mfu']:.0%} utilisation, "
+            f"{g['flops']['step'] / 1e12:.0f} TFLOP per step (counted on the meta device), "
+            f"PCIe {g['assumptions']['pcie_bytes_per_s'] / 1e9:.0f} GB/s, CPU Adam as "
+            f"measured here per core x {g['assumptions']['host_cores']} cores.",
+            "",
+        ]
+    return "\n".join(out) + "\n"
+
+
+def write(results: dict[str, Any], folder: Path) -> tuple[Path, Path]:
+    folder.mkdir(parents=True, exist_ok=True)
+    stem = results["date"] + ("-smoke" if results["smoke"] else "")
+    js = folder / f"{stem}.json"
+    md = folder / f"{stem}.md"
+    js.write_text(json.dumps(results, indent=2, default=str) + "\n")
+    md.write_text(markdown(results))
+    return js, md

@@ -1,0 +1,309 @@
+"""The measurements. Each returns a plain dict for the results JSON."""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from bench import disk, runs
+
+MODEL_STATE_PARTS = {  # plan parts that are model states held in this rank's memory
+    "device.params", "device.grads", "device.optimizer", "device.gathered_params",
+    "device.buckets", "host_per_rank.params", "host_per_rank.optimizer",
+    "host_per_rank.fp32_grads", "host_per_rank.optimizer_swap_buffers",
+    "host_per_rank.param_swap_buffers",
+}  # fmt: skip
+
+
+@dataclass
+class Bench:
+    """Where a bench run keeps its files and how big it is."""
+
+    root: Path  # scratch: model, runs, offload files (on the disk being measured)
+    model: Path
+    data: Path
+    steps: int  # optimizer steps per timed run
+    warmup: int  # steps skipped before "steady state"
+    pairs: int  # A B pairs in the overhead comparison
+    disk_mib: int
+    smoke: bool = False
+
+    def work(self, name: str) -> Path:
+        return self.root / "runs" / name
+
+
+def median(values: list[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+def steady(seconds: list[float], warmup: int) -> list[float]:
+    return seconds[warmup:] if len(seconds) > warmup else seconds[-1:]
+
+
+# --- effective configs and plans from zerotuner's own preflight --------------------------------
+
+
+def preflight_for(b: Bench, **settings: Any) -> tuple[Any, dict[str, float]]:
+    """zerotuner's preflight in this process with the bench's ZT_* (timed: settings, probe,
+    plan), exactly as `zerotuner train` calls it."""
+    from zerotuner.hardware import probe
+    from zerotuner.preflight import preflight
+    from zerotuner.settings import load_settings
+
+    env = runs.zt_env(b.work("preflight"), b.model, b.data, steps=b.steps, **settings)
+    Path(env["ZT_OFFLOAD_DIR"]).mkdir(parents=True, exist_ok=True)
+    saved = {k: v for k, v in os.environ.items() if k.startswith("ZT_")}
+    for k in saved:
+        del os.environ[k]
+    os.environ.update(env)
+    try:
+        t0 = time.perf_counter()
+        s = load_settings()
+        t1 = time.perf_counter()
+        hardware = probe(s.device)
+        t2 = time.perf_counter()
+        pre = preflight(s, hardware=hardware)
+        t3 = time.perf_counter()
+    finally:
+        for k in env:
+            os.environ.pop(k, None)
+        os.environ.update(saved)
+    return pre, {"settings": t1 - t0, "probe": t2 - t1, "plan": t3 - t2}
+
+
+# --- harness overhead and time to first step ---------------------------------------------------
+
+
+def overhead(b: Bench) -> dict[str, Any]:
+    """zerotuner train (A) vs the bare loop (B), interleaved A B A B, ZeRO-2 on 2 ranks."""
+    a_runs, b_runs = [], []
+    config: dict | None = None
+    for i in range(b.pairs):
+        env = runs.zt_env(b.work(f"overhead-a{i}"), b.model, b.data, steps=b.steps,
+                          zero_stage=2, offload_optimizer="none")  # fmt: skip
+        a = runs.run_product(b.work(f"overhead-a{i}"), env)
+        config = config or a.deepspeed
+        a_runs.append(a)
+        b_runs.append(runs.run_bare(b.work(f"overhead-b{i}"), b.model, config, steps=b.steps))
+    a_steady = [s for r in a_runs for s in steady([x["step_seconds"] for x in r.steps], b.warmup)]
+    b_steady = [s for r in b_runs for s in steady(r.rank0["step_seconds"], b.warmup)]
+    pairs = [
+        median(steady([x["step_seconds"] for x in a.steps], b.warmup))
+        / median(steady(bb.rank0["step_seconds"], b.warmup))
+        for a, bb in zip(a_runs, b_runs, strict=True)
+    ]
+    return {
+        "setup": "ZeRO-2, 2 ranks, fp32, micro-batch 2, no offload, same DeepSpeed config",
+        "steps_per_run": b.steps,
+        "warmup_steps_skipped": b.warmup,
+        "order": [f"{x}{i}" for i in range(b.pairs) for x in "AB"],
+        "zerotuner_step_seconds": [[x["step_seconds"] for x in r.steps] for r in a_runs],
+        "bare_step_seconds": [r.rank0["step_seconds"] for r in b_runs],
+        "zerotuner_median_s": median(a_steady),
+        "bare_median_s": median(b_steady),
+        "overhead_ratio": median(a_steady) / median(b_steady),
+        "pair_ratios": pairs,
+        "deepspeed_config": config,
+        "_runs": (a_runs, b_runs),
+    }
+
+
+def first_step(b: Bench, over: dict[str, Any], split: dict[str, float]) -> dict[str, Any]:
+    """Entrypoint start -> first finished step, by phase; the first run (cold feature cache)
+    and the last (warm), next to the bare loop's."""
+    a_runs, b_runs = over.pop("_runs")
+
+    def product(r: runs.ProductRun) -> dict[str, float]:
+        m, step1 = r.marks, r.steps[0]
+        step1_start = step1["timestamp"] - step1["step_seconds"]
+        entry = m["planned"] - r.spawned
+        phases = {
+            "interpreter+imports": entry - sum(split.values()),
+            "settings": split["settings"],
+            "probe": split["probe"],
+            "plan (preflight: model shape, plan, normalize)": split["plan"],
+            "job file + offload dir": m["launching"] - m["planned"],
+            "launch (torchrun, rank imports, process group)": m["loading"] - m["launching"],
+            "model load": m["caching"] - m["loading"],
+            "cache (latents + text embeddings)": m["cached"] - m["caching"],
+            "engine init (deepspeed.initialize, resume check)": step1_start - m["cached"],
+            "first step": step1["step_seconds"],
+        }
+        return {"total_s": step1["timestamp"] - r.spawned, "phases_s": phases}
+
+    def bare(r: runs.BareRun) -> dict[str, float]:
+        t = r.rank0["times"]
+        phases = {
+            "launch (torchrun)": t["process_start"] - r.spawned,
+            "imports": t["imported"] - t["process_start"],
+            "process group": t["distributed"] - t["imported"],
+            "model load": t["model_loaded"] - t["distributed"],
+            "engine init (deepspeed.initialize)": t["engine_ready"] - t["model_loaded"],
+            "first step": t["first_step"] - t["engine_ready"],
+        }
+        return {"total_s": t["first_step"] - r.spawned, "phases_s": phases}
+
+    return {
+        "zerotuner_cold_cache": product(a_runs[0]),
+        "zerotuner_warm_cache": product(a_runs[-1]),
+        "bare": bare(b_runs[0]),
+        "note": "settings/probe/plan timed in the bench process with the same ZT_* "
+        "(same functions); the rest from the run's log timestamps and steps.jsonl",
+        "_bare": b_runs[-1],
+    }
+
+
+# --- planner accuracy ---------------------------------------------------------------------------
+
+COMBOS = (  # (stage, offload_optimizer, offload_param)
+    (0, "none", "none"), (1, "none", "none"), (2, "none", "none"), (3, "none", "none"),
+    (2, "cpu", "none"), (3, "cpu", "cpu"), (3, "nvme", "nvme"),
+)  # fmt: skip
+
+
+def planner(b: Bench, stage2_bare: runs.BareRun | None) -> dict[str, Any]:
+    """Predicted (the chosen plan row's parts) vs measured bytes of live tensors per rank after
+    the first step, and swap file bytes for NVMe; same config as zerotuner would use."""
+    rows = []
+    for stage, opt, param in COMBOS if not b.smoke else COMBOS[2:3]:
+        pre, _ = preflight_for(b, zero_stage=stage, offload_optimizer=opt, offload_param=param)
+        row = pre.plan.choice
+        config = pre.normalized.config
+        name = f"z{stage}-{opt}-{param}"
+        if (stage, opt, param) == (2, "none", "none") and stage2_bare is not None:
+            run = stage2_bare
+        else:
+            try:
+                run = runs.run_bare(b.work(f"planner-{name}"), b.model, config, steps=1)
+            except RuntimeError as error:  # keep the other rows; say what failed
+                rows.append({"zero_stage": stage, "offload_optimizer": opt,
+                             "offload_param": param, "error": str(error)})  # fmt: skip
+                continue
+        predicted = sum(v for k, v in row.parts.items() if k in MODEL_STATE_PARTS)
+        measured = [r["memory"]["tensor_bytes"] for r in run.ranks]
+        disk_pred = sum(v for k, v in row.parts.items() if k.startswith("disk_per_rank."))
+        disk_meas = run.rank0["offload_files_bytes"]
+        rows.append({
+            "zero_stage": stage, "offload_optimizer": opt, "offload_param": param,
+            "predicted_bytes_per_rank": predicted,
+            "measured_bytes_per_rank": measured,
+            "error_percent": 100 * (predicted - max(measured)) / max(measured),
+            "predicted_parts": {k: v for k, v in row.parts.items() if k in MODEL_STATE_PARTS},
+            "predicted_disk_bytes_per_rank": disk_pred or None,
+            "measured_disk_bytes_per_rank": None if disk_meas is None
+            else disk_meas / run.rank0["world_size"],
+            "rss_bytes_per_rank": [r["memory"]["rss_bytes"] for r in run.ranks],
+        })  # fmt: skip
+    return {
+        "what": "model-state bytes per rank: plan parts (params, grads, optimizer, buckets, "
+        "gathered params, swap buffers) vs bytes of all distinct live tensor storages on each "
+        "rank after step 1 (bare loop, same config; CPU accelerator, so 'device' = host)",
+        "rows": rows,
+    }
+
+
+# --- NVMe offload -------------------------------------------------------------------------------
+
+
+def nvme(b: Bench) -> dict[str, Any]:
+    """ZeRO-3 with optimizer and params on NVMe: swap bytes and rates while training vs dd,
+    DeepSpeed's aio handle swept over the aio settings, then a run with the best ones."""
+    from zerotuner.deepspeed_config import AIO_DEFAULTS
+
+    offload_root = b.root / "runs"
+    offload_root.mkdir(parents=True, exist_ok=True)
+    raw = disk.dd_throughput(offload_root / "dd", b.disk_mib)
+    grid = disk.GRID if not b.smoke else {k: v[:1] for k, v in disk.GRID.items()}
+    sweep = disk.aio_sweep(offload_root / "aio", min(b.disk_mib, 256), grid)
+    best = disk.best_aio(sweep)
+    device = runs.disk_of(offload_root)
+
+    def train(name: str, aio: dict | None) -> dict[str, Any]:
+        settings = {"zero_stage": 3, "offload_optimizer": "nvme", "offload_param": "nvme"}
+        if aio:
+            import json
+
+            settings["deepspeed_config"] = json.dumps({"aio": aio})
+        env = runs.zt_env(b.work(name), b.model, b.data, steps=b.steps, **settings)
+        r = runs.run_product(b.work(name), env, disk=device, monitor_io=True)
+        steps = r.steps[b.warmup :] if len(r.steps) > b.warmup + 1 else r.steps[-1:]
+        start = steps[0]["timestamp"] - steps[0]["step_seconds"]
+        end = steps[-1]["timestamp"]
+        read, written = r.io.between(start, end)
+        busy = r.io.busy_seconds(start, end)
+        seconds = end - start
+        return {
+            "aio": r.deepspeed.get("aio"),
+            "step_seconds": [x["step_seconds"] for x in r.steps],
+            "median_step_s": median([x["step_seconds"] for x in steps]),
+            "window_s": seconds,
+            "read_bytes_per_step": read / len(steps),
+            "written_bytes_per_step": written / len(steps),
+            "read_bytes_per_s_of_training": read / seconds,
+            "write_bytes_per_s_of_training": written / seconds,
+            "disk_busy_s": busy,
+            "bytes_per_s_while_disk_busy": (read + written) / busy if busy else None,
+        }
+
+    default_run = train("nvme-default", None)
+    tuned_aio = {k: best[k] for k in disk.GRID}
+    same = all(AIO_DEFAULTS[k] == v for k, v in tuned_aio.items())
+    tuned_run = None
+    if not (same or b.smoke):
+        try:
+            tuned_run = train("nvme-tuned", tuned_aio)
+        except RuntimeError as error:
+            tuned_run = {"error": str(error), "aio": tuned_aio}
+    aio_default_row = next(
+        (r for r in sweep if all(r[k] == AIO_DEFAULTS[k] for k in disk.GRID)), None
+    )
+    return {
+        "offload_disk": device,
+        "raw_o_direct_dd": raw,
+        "aio_sweep": sweep,
+        "aio_defaults_now": {k: AIO_DEFAULTS[k] for k in disk.GRID},
+        "aio_default_in_sweep": aio_default_row,
+        "aio_recommended": best,
+        "training_default_aio": default_run,
+        "training_recommended_aio": tuned_run,
+        "ratio_training_read_to_dd": default_run["read_bytes_per_s_of_training"]
+        / raw["read_bytes_per_s"],
+        "ratio_training_write_to_dd": default_run["write_bytes_per_s_of_training"]
+        / raw["write_bytes_per_s"],
+        "ratio_aio_default_to_dd": None if aio_default_row is None else {
+            "read": aio_default_row["read_bytes_per_s"] / raw["read_bytes_per_s"],
+            "write": aio_default_row["write_bytes_per_s"] / raw["write_bytes_per_s"],
+        },
+    }  # fmt: skip
+
+
+# --- scaling ------------------------------------------------------------------------------------
+
+
+def scaling(b: Bench, config: dict, two: runs.BareRun) -> dict[str, Any]:
+    """Samples/s of the bare loop on 1 rank (all cores) vs 2 ranks (one core each), ZeRO-2."""
+    cores = os.cpu_count() or 1
+    one = runs.run_bare(b.work("scaling-1"), b.model, config, steps=b.steps, world=1)
+    one_1t = runs.run_bare(
+        b.work("scaling-1-1t"), b.model, config, steps=b.steps, world=1, threads=1
+    )
+
+    def rate(r: runs.BareRun) -> float:
+        return r.rank0["samples_per_step"] / median(steady(r.rank0["step_seconds"], b.warmup))
+
+    return {
+        "micro_batch_per_rank": config["train_micro_batch_size_per_gpu"],
+        "samples_per_s_1_rank": rate(one),
+        "samples_per_s_1_rank_1_thread": rate(one_1t),
+        "samples_per_s_2_ranks": rate(two),
+        "speedup": rate(two) / rate(one),
+        "speedup_vs_1_thread": rate(two) / rate(one_1t),
+        "step_seconds_1_rank": one.rank0["step_seconds"],
+        "step_seconds_1_rank_1_thread": one_1t.rank0["step_seconds"],
+        "note": f"{cores} cores: 1 rank runs {cores} threads (zerotuner's rule: cores // ranks), "
+        "2 ranks 1 thread each; the gradient all-reduce goes through gloo on the same cores",
+    }
