@@ -90,7 +90,7 @@ def zero2(tmp_path_factory, demo_dir: Path, shared_cache: Path):
     tmp = tmp_path_factory.mktemp("zero2")
     proc, output = train(
         tmp, demo_dir, shared_cache, stage=2, steps=STEPS, checkpoint_every_steps=8,
-        validation_prompts=[PROMPT],
+        validation_prompts=[PROMPT], ema="true",
     )  # fmt: skip
     assert_ok(proc, tmp)
     return tmp, output, proc
@@ -135,7 +135,7 @@ def test_loss_falls_on_demo_data(zero2) -> None:
 
 def test_resume_continues_at_next_step_with_same_weights(zero2, tmp_path, demo_dir, shared_cache):
     """A run stopped after its step-8 checkpoint and restarted ends exactly where the
-    uninterrupted run did: weights, optimizer, LR schedule, data order and noise all resume.
+    uninterrupted run did: weights, optimizer, LR schedule, EMA, data order and noise resume.
     The restart also finds every latent in the cache and never runs the VAE."""
     _, full, _ = zero2
     stopped = tmp_path / "output"
@@ -149,7 +149,7 @@ def test_resume_continues_at_next_step_with_same_weights(zero2, tmp_path, demo_d
 
     proc, output = train(
         tmp_path, demo_dir, shared_cache, stage=2, steps=STEPS, output=stopped,
-        checkpoint_every_steps=8,
+        checkpoint_every_steps=8, ema="true",
     )  # fmt: skip
     assert_ok(proc, tmp_path)
     assert "resumed from" in proc.stderr + proc.stdout
@@ -157,6 +157,7 @@ def test_resume_continues_at_next_step_with_same_weights(zero2, tmp_path, demo_d
     assert [s["step"] for s in steps] == list(range(1, STEPS + 1))
     assert [s["loss"] for s in steps[8:]] == [s["loss"] for s in expected[8:]]
     assert_same_weights(unet_weights(output / "final"), unet_weights(full / "final"))
+    assert_same_weights(unet_weights(output / "final-ema"), unet_weights(full / "final-ema"))
     cache = tk.read_json(output / "run" / "cache.json")
     assert cache["latents_encoded"] == 0 and cache["latents_reused"] == 64
     assert cache["texts_encoded"] == 0
