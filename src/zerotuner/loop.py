@@ -9,7 +9,6 @@ uninterrupted run would have drawn, with no RNG state to carry in checkpoints.
 from __future__ import annotations
 
 import json
-import logging
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -20,8 +19,6 @@ import torch
 import torch.nn.functional as F
 
 from zerotuner.records import Sink, StepRecord
-
-log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)

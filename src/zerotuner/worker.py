@@ -277,6 +277,7 @@ class Run:
         self.engine_, _, _, _ = deepspeed.initialize(
             model=unet, model_parameters=params, config=config
         )
+        log.info("DeepSpeed engine ready (ZeRO-%d)", self.engine_.zero_optimization_stage())
         if self.rank == 0:  # the entrypoint logs it; the run folder keeps it
             _write_json(self.run_dir / "deepspeed.json", config)
         self.start_step = 0
