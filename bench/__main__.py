@@ -28,6 +28,10 @@ def main(argv: list[str] | None = None) -> int:
         "--scratch", type=Path, default=None,
         help="working folder on the disk to measure (default: a temp dir under .cache/)",
     )  # fmt: skip
+    parser.add_argument(
+        "--merge", action="store_true",
+        help="with --only: replace just these suites in today's results file",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s bench: %(message)s")
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -47,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     try:
         log.info("writing the bench model in %s", root)
-        paths = write_bench_model(root / "demo")
+        paths = write_bench_model(root / "demo", small=args.smoke)
         results["model"] = {"unet_params": unet_parameters(paths.model)}
         b = suites.Bench(
             root=root, model=paths.model, data=paths.data,
@@ -82,6 +86,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         results["load_end"] = report.load()
         results["wall_seconds"] = time.time() - started
+        if args.only and args.merge:
+            results = report.merged(results, args.out)
         js, md = report.write(results, args.out)
         log.info("wrote %s and %s", js, md)
         if args.scratch is None:

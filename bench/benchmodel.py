@@ -16,21 +16,24 @@ from zerotuner.demo import DemoPaths, _latent_scaling_factor, write_demo
 RESOLUTION = 64  # the smallest ZT_RESOLUTION allowed
 VAE_BLOCKS = (32, 64, 64)  # latent scale 2 ** 2 = 4: 16x16 latents at 64 px
 UNET_BLOCKS = (128, 256, 512)
+# --smoke: the same layout at ~4M parameters, so a check of the harness takes seconds per step.
+SMOKE_BLOCKS, SMOKE_LAYERS = (32, 64, 128), 1
 TEXT_DIM = 32 + 32  # the demo's two text encoders, concatenated
 POOLED_DIM = 32
 TIME_DIM = 16  # with 8 the bucket (params // 10) is odd and ZeRO-1/2 refuse it (see report)
 
 
-def unet_config(sample_size: int = RESOLUTION // 4) -> dict:
+def unet_config(sample_size: int = RESOLUTION // 4, *, small: bool = False) -> dict:
+    blocks = SMOKE_BLOCKS if small else UNET_BLOCKS
     return {
         "sample_size": sample_size,
         "in_channels": 4,
         "out_channels": 4,
-        "block_out_channels": UNET_BLOCKS,
-        "layers_per_block": 2,
+        "block_out_channels": blocks,
+        "layers_per_block": SMOKE_LAYERS if small else 2,
         "down_block_types": ("DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"),
         "up_block_types": ("CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"),
-        "attention_head_dim": (4, 8, 16),
+        "attention_head_dim": tuple(c // 32 for c in blocks),
         "cross_attention_dim": TEXT_DIM,
         "use_linear_projection": True,
         "norm_num_groups": 32,
@@ -40,7 +43,7 @@ def unet_config(sample_size: int = RESOLUTION // 4) -> dict:
     }
 
 
-def write_bench_model(dir: Path, *, seed: int = 0) -> DemoPaths:
+def write_bench_model(dir: Path, *, seed: int = 0, small: bool = False) -> DemoPaths:
     """DIR/model (the pipeline) and DIR/data (the demo's 64 images); idempotent."""
     import torch
     from diffusers import AutoencoderKL, UNet2DConditionModel
@@ -59,7 +62,7 @@ def write_bench_model(dir: Path, *, seed: int = 0) -> DemoPaths:
     vae.register_to_config(scaling_factor=_latent_scaling_factor(vae, paths.data))
     vae.save_pretrained(paths.model / "vae", safe_serialization=True)
     torch.manual_seed(seed + 11)
-    unet = UNet2DConditionModel(**unet_config())
+    unet = UNet2DConditionModel(**unet_config(small=small))
     unet.save_pretrained(paths.model / "unet", safe_serialization=True)
     return paths
 

@@ -65,6 +65,12 @@ def markdown(r: dict[str, Any]) -> str:
         + (" (SMOKE: tiny sizes, numbers meaningless)." if r["smoke"] else "."),
         "",
     ]
+    for rerun in r.get("reruns", []):
+        out += [
+            f"Re-run later ({rerun['started_utc']}, load {rerun['load_start']} -> "
+            f"{rerun['load_end']}): {', '.join(rerun['suites'])}.",
+            "",
+        ]
     o = r.get("overhead")
     if o:
         out += [
@@ -77,8 +83,28 @@ def markdown(r: dict[str, Any]) -> str:
             f"**overhead_ratio = {o['overhead_ratio']:.3f}** (target <= 1.03); per A/B pair: "
             + ", ".join(f"{x:.3f}" for x in o["pair_ratios"])
             + f"; order {' '.join(o['order'])}, first {o['warmup_steps_skipped']} steps of each "
-            "run skipped.", "",
+            "run skipped. zerotuner's s/step is the interval between consecutive steps.jsonl "
+            "timestamps (sinks and per-step checks included; its step_seconds field alone: "
+            f"{o.get('zerotuner_median_step_seconds_field_s', float('nan')):.3f} s).", "",
         ]  # fmt: skip
+    prof = r.get("overhead_profile")
+    if prof:
+        out += [
+            "Where the training loop's time goes (py-spy, all ranks, waits included; "
+            "`python -m bench.profile`):",
+            "",
+            "| bucket | % of loop samples |",
+            "|---|---|",
+        ]
+        for k, v in sorted(prof["percent"].items(), key=lambda kv: -kv[1]):
+            out.append(f"| {k} | {v:.1f} |")
+        out += [
+            "",
+            f"Harness share (everything but DeepSpeed forward/backward/step): "
+            f"**{prof['harness_percent']:.1f}%** of {prof['samples_in_training_loop']} "
+            "samples.",
+            "",
+        ]
     t = r.get("first_step")
     if t:
         out += [
@@ -203,6 +229,25 @@ def markdown(r: dict[str, Any]) -> str:
             "",
         ]
     return "\n".join(out) + "\n"
+
+
+def merged(new: dict[str, Any], folder: Path) -> dict[str, Any]:
+    """Today's results file with the suites in `new` replaced (their own machine/load noted)."""
+    stem = new["date"] + ("-smoke" if new["smoke"] else "")
+    path = folder / f"{stem}.json"
+    if not path.exists():
+        return new
+    old = json.loads(path.read_text())
+    suites = ("overhead", "first_step", "planner", "nvme", "scaling", "gpu_paper")
+    for key in suites:
+        if key in new:
+            old[key] = new[key]
+    old.setdefault("reruns", []).append(
+        {"suites": [k for k in suites if k in new], "started_utc": new["started_utc"],
+         "load_start": new["load_start"], "load_end": new.get("load_end"),
+         "wall_seconds": new.get("wall_seconds")}
+    )  # fmt: skip
+    return old
 
 
 def write(results: dict[str, Any], folder: Path) -> tuple[Path, Path]:

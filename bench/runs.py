@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -21,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
+EXIT_SIGNAL = 143  # zerotuner's exit after a graceful stop (SIGTERM)
 BIN = Path(sys.executable).parent
 TIMEOUT = 900
 
@@ -162,9 +164,16 @@ MARKS = {  # log text -> the moment it marks (the first line containing it)
 
 
 def run_product(
-    work: Path, env: dict[str, str], *, disk: str | None = None, monitor_io: bool = False
+    work: Path,
+    env: dict[str, str],
+    *,
+    disk: str | None = None,
+    monitor_io: bool = False,
+    stop_after: int | None = None,
 ) -> ProductRun:
-    """`zerotuner train` as a user runs it (the console script), to the end."""
+    """`zerotuner train` as a user runs it (the console script), to the end; or, with
+    `stop_after`, SIGTERM once that many steps are in steps.jsonl (the product's graceful
+    stop: a committed checkpoint and exit 143, no final export)."""
     work.mkdir(parents=True, exist_ok=True)
     full = base_env() | env
     spawned = time.time()
@@ -175,6 +184,10 @@ def run_product(
     io = IoMonitor(proc.pid, disk=disk) if monitor_io else None
     if io:
         io.start()
+    if stop_after:
+        threading.Thread(
+            target=_stop_after, args=(proc, Path(env["ZT_OUTPUT_DIR"]), stop_after), daemon=True
+        ).start()
     out, _ = proc.communicate(timeout=TIMEOUT)
     ended = time.time()
     if io:
@@ -189,9 +202,18 @@ def run_product(
     ds = json.loads(ds_file.read_text()) if ds_file.exists() else {}
     run = ProductRun(spawned, ended, proc.returncode, out, steps, ds, io)
     run.marks = log_marks(out)
-    if proc.returncode != 0:
+    if proc.returncode != (EXIT_SIGNAL if stop_after else 0):
         raise RuntimeError(f"zerotuner train exited {proc.returncode}; log in {work}/train.log")
     return run
+
+
+def _stop_after(proc: subprocess.Popen, output: Path, steps: int) -> None:
+    steps_file = output / "run" / "steps.jsonl"
+    while proc.poll() is None:
+        if steps_file.exists() and len(steps_file.read_text().splitlines()) >= steps:
+            proc.send_signal(signal.SIGTERM)
+            return
+        time.sleep(0.2)
 
 
 def log_marks(log: str) -> dict[str, float]:

@@ -44,6 +44,16 @@ def steady(seconds: list[float], warmup: int) -> list[float]:
     return seconds[warmup:] if len(seconds) > warmup else seconds[-1:]
 
 
+def intervals(steps: list[dict]) -> list[float]:
+    """Seconds from one step's end to the next's (steps.jsonl timestamps): unlike the
+    step_seconds field, this includes the sinks and after_step (stop check, EMA, ...) work.
+    The first entry is step 1's own step_seconds."""
+    if not steps:
+        return []
+    ts = [x["timestamp"] for x in steps]
+    return [steps[0]["step_seconds"], *(b - a for a, b in zip(ts, ts[1:], strict=False))]
+
+
 # --- effective configs and plans from zerotuner's own preflight --------------------------------
 
 
@@ -89,10 +99,11 @@ def overhead(b: Bench) -> dict[str, Any]:
         config = config or a.deepspeed
         a_runs.append(a)
         b_runs.append(runs.run_bare(b.work(f"overhead-b{i}"), b.model, config, steps=b.steps))
-    a_steady = [s for r in a_runs for s in steady([x["step_seconds"] for x in r.steps], b.warmup)]
+    a_steady = [s for r in a_runs for s in steady(intervals(r.steps), b.warmup)]
+    a_inside = [s for r in a_runs for s in steady([x["step_seconds"] for x in r.steps], b.warmup)]
     b_steady = [s for r in b_runs for s in steady(r.rank0["step_seconds"], b.warmup)]
     pairs = [
-        median(steady([x["step_seconds"] for x in a.steps], b.warmup))
+        median(steady(intervals(a.steps), b.warmup))
         / median(steady(bb.rank0["step_seconds"], b.warmup))
         for a, bb in zip(a_runs, b_runs, strict=True)
     ]
@@ -102,6 +113,8 @@ def overhead(b: Bench) -> dict[str, Any]:
         "warmup_steps_skipped": b.warmup,
         "order": [f"{x}{i}" for i in range(b.pairs) for x in "AB"],
         "zerotuner_step_seconds": [[x["step_seconds"] for x in r.steps] for r in a_runs],
+        "zerotuner_step_intervals": [intervals(r.steps) for r in a_runs],
+        "zerotuner_median_step_seconds_field_s": median(a_inside),
         "bare_step_seconds": [r.rank0["step_seconds"] for r in b_runs],
         "zerotuner_median_s": median(a_steady),
         "bare_median_s": median(b_steady),
@@ -228,8 +241,11 @@ def nvme(b: Bench) -> dict[str, Any]:
             import json
 
             settings["deepspeed_config"] = json.dumps({"aio": aio})
-        env = runs.zt_env(b.work(name), b.model, b.data, steps=b.steps, **settings)
-        r = runs.run_product(b.work(name), env, disk=device, monitor_io=True)
+        # SIGTERM after the last timed step: the final export at ZeRO-3 with the optimizer on
+        # NVMe swaps the whole optimizer partition in once per tensor (minutes; see README).
+        env = runs.zt_env(b.work(name), b.model, b.data, steps=b.steps + 50, **settings)
+        r = runs.run_product(b.work(name), env, disk=device, monitor_io=True, stop_after=b.steps)
+        r.steps = r.steps[: b.steps]
         steps = r.steps[b.warmup :] if len(r.steps) > b.warmup + 1 else r.steps[-1:]
         start = steps[0]["timestamp"] - steps[0]["step_seconds"]
         end = steps[-1]["timestamp"]

@@ -1,0 +1,90 @@
+"""The bench harness must not rot: its parsers against real inputs, and one smoke run.
+
+No timing assertions: benchmarks measure, tests only check that the harness still runs end
+to end against the product (log lines, steps.jsonl, deepspeed.json) and reports every part.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # bench/ is a top-level package beside src/, not installed
+
+from bench import disk, runs  # noqa: E402
+from bench.bare import held_tensor_bytes  # noqa: E402
+
+
+def test_held_tensor_bytes_counts_each_storage_once():
+    before = held_tensor_bytes()
+    block = torch.zeros(1_000_000, dtype=torch.float32)
+    views = [block[:10], block.view(1000, 1000)]  # share the storage: no extra bytes
+    grown = held_tensor_bytes() - before
+    assert 4_000_000 <= grown < 4_100_000
+    del block, views
+
+
+def test_log_marks_read_the_products_timestamps():
+    log = (
+        "2026-11-22 10:39:46,668 INFO zerotuner.train: plan:\n"
+        "  ZeRO-2 ...\n"
+        "2026-11-22 10:39:46,674 INFO zerotuner.train: launching 2 rank(s) on node 0 of 1\n"
+        "2026-11-22 10:39:56,267 INFO [rank 0] zerotuner.progress: phase: loading\n"
+        "2026-11-22 10:39:58,569 INFO [rank 0] zerotuner.progress: phase: caching\n"
+        "2026-11-22 10:39:59,471 INFO [rank 0] zerotuner.worker: cache: 64 latents encoded\n"
+        "2026-11-22 10:40:59,000 INFO [rank 0] zerotuner.progress: phase: loading\n"
+    )
+    marks = runs.log_marks(log)
+    assert set(marks) == {"planned", "launching", "loading", "caching", "cached"}
+    assert round(marks["loading"] - marks["planned"], 3) == 9.599  # the first "loading"
+
+
+def test_best_aio_weighs_read_and_write():
+    rows = [
+        {"block_size": 1, "queue_depth": 8, "intra_op_parallelism": 1,
+         "read_bytes_per_s": 10.0, "write_bytes_per_s": 1.0},
+        {"block_size": 2, "queue_depth": 8, "intra_op_parallelism": 1,
+         "read_bytes_per_s": 4.0, "write_bytes_per_s": 4.0},
+    ]  # fmt: skip
+    assert disk.best_aio(rows)["block_size"] == 2
+
+
+@pytest.mark.slow
+def test_smoke_run_writes_results_and_table(tmp_path):
+    """`python -m bench --smoke`: zerotuner train and the bare loop once each on a tiny UNet,
+    the planner row for ZeRO-2, then the JSON and the markdown table."""
+    out = tmp_path / "results"
+    done = subprocess.run(
+        [sys.executable, "-m", "bench", "--smoke", "--only", "overhead", "planner",
+         "--out", str(out), "--scratch", str(tmp_path / "scratch")],
+        cwd=REPO, capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    (js,) = out.glob("*-smoke.json")
+    results = json.loads(js.read_text())
+    assert math.isfinite(results["overhead"]["overhead_ratio"])
+    for side in ("zerotuner_cold_cache", "bare"):
+        phases = results["first_step"][side]["phases_s"]
+        assert "first step" in phases and all(math.isfinite(v) for v in phases.values())
+    (row,) = results["planner"]["rows"]
+    assert row["measured_bytes_per_rank"][0] > 0 and row["predicted_bytes_per_rank"] > 0
+    table = js.with_suffix(".md").read_text()
+    assert "overhead_ratio" in table and "Time to first step" in table
+    assert results["machine"]["torch"] in table
+
+
+@pytest.mark.slow
+def test_gpu_paper_estimate_is_marked_and_complete():
+    from bench.paper import headline
+
+    estimate = headline(adam={"elements_per_s": 1e9, "threads": 1})
+    assert "ESTIMATE" in estimate
+    assert estimate["choice"]["zero_stage"] in (0, 1, 2, 3)
+    assert estimate["step_seconds"] > 0 and estimate["flops"]["forward_per_image"] > 1e12
