@@ -16,6 +16,8 @@ from pathlib import Path
 import pytest
 from test_normalize import SEED_NVME, SEED_STAGE2
 
+from zerotuner.launch import free_port
+
 HERE = Path(__file__).parent
 
 CASES = [
@@ -59,7 +61,7 @@ def test_deepspeed_initializes_and_steps_with_every_normalized_config(world, tmp
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(HERE.parent / "src")}
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={world}",
-         "--master_port=0", str(HERE / "ds_accept.py"), str(path)],
+         f"--master_port={free_port()}", str(HERE / "ds_accept.py"), str(path)],
         env=env, capture_output=True, text=True, timeout=900,
     )  # fmt: skip
     outcomes = [line for line in proc.stdout.splitlines() if line.startswith(("OK ", "FAIL "))]

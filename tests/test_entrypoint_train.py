@@ -10,21 +10,16 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import time
 from pathlib import Path
 
 import pytest
 
+from zerotuner.launch import free_port
+
 REPO = Path(__file__).resolve().parents[1]
 ENTRYPOINT = str(REPO / "entrypoint")
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def demo_env(demo_dir: Path, out: Path, **overrides: str) -> dict[str, str]:

@@ -10,9 +10,11 @@ itself exits 1 for every kind of failure).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -119,8 +121,8 @@ def resolve_topology(settings: Any, hardware: Hardware, environ: Mapping[str, st
     elif "PET_MASTER_PORT" in pet:
         master_port = _int(pet["PET_MASTER_PORT"], "PET_MASTER_PORT")
     else:
-        # One node: port 0 lets torchrun's store take a free port, so two jobs on one host
-        # (tests, host networking) never collide on 29500.
+        # One node: 0 = a free port chosen at launch, so two jobs on one host (tests, host
+        # networking) never collide on 29500.
         master_port = DEFAULT_MASTER_PORT if nnodes > 1 else 0
 
     if settings.num_processes is not None:
@@ -140,6 +142,12 @@ def resolve_topology(settings: Any, hardware: Hardware, environ: Mapping[str, st
         raise ConfigError(f"node rank {node_rank} is outside 0..{nnodes - 1} (ZT_NNODES={nnodes})")
     source = ", ".join(dict.fromkeys(sources)) or "single node"
     return Topology(nnodes, node_rank, nproc, master_addr, master_port, source)
+
+
+def free_port(host: str = LOCALHOST) -> int:
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
 
 
 def torchrun_command(
@@ -322,6 +330,9 @@ def launch(
     torchrun gets `grace_seconds` to let ranks save after SIGTERM; we wait a little longer so
     torchrun's own teardown runs first.
     """
+    if topology.master_port == 0:
+        # torchrun's static rendezvous cannot use port 0 itself: take a free one now.
+        topology = dataclasses.replace(topology, master_port=free_port(topology.master_addr))
     argv = torchrun_command(topology, module=module, shutdown_timeout=int(grace_seconds))
     env = worker_env(
         os.environ if environ is None else environ,
