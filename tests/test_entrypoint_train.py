@@ -91,7 +91,9 @@ def test_sigterm_to_the_entrypoint_reaches_the_ranks_and_exits_143(demo_dir, tmp
     pointer = tmp_path / "output" / "checkpoints" / "latest"
     assert pointer.is_file(), out[-3000:]
     assert pointer.read_text().strip().endswith(f"step-{last}")
-    assert "Traceback" not in out
+    # torchrun itself prints a SignalException traceback when it is told to stop; the ranks
+    # and the entrypoint print none.
+    assert out.count("Traceback") == out.count("SignalException: Process"), out[-3000:]
 
 
 def run_entrypoint(env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
