@@ -93,6 +93,7 @@ class EMA:
         for name, param in iter_full_named_parameters(module):
             if self.shadow is not None:
                 shadow = self.shadow[name]
+                # sync: a device-to-host copy of every weight each step (the EMA is on the CPU)
                 shadow.lerp_(param.detach().float().cpu(), 1.0 - decay)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
