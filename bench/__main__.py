@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
         )  # fmt: skip
         _, split = suites.preflight_for(b, zero_stage=2, offload_optimizer="none")
         over = bare2 = None
-        if wanted & {"overhead", "planner", "scaling"}:
+        if wanted & {"overhead", "scaling"}:
             log.info("overhead: zerotuner train vs the bare loop, interleaved")
             over = suites.overhead(b)
             a_runs, b_runs = over["_runs"]

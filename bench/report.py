@@ -130,9 +130,9 @@ def markdown(r: dict[str, Any]) -> str:
         out += [
             "## Planner accuracy (model-state bytes per rank)",
             "",
-            "| ZeRO | optimizer | params | predicted MB | measured MB (ranks) | error | "
-            "disk predicted MB | disk measured MB |",
-            "|---|---|---|---|---|---|---|---|",
+            "| ZeRO | optimizer | params | predicted MB | measured MB, end of backward (ranks) "
+            "| error | after the step MB | disk predicted MB | disk measured MB |",
+            "|---|---|---|---|---|---|---|---|---|",
         ]
         for row in p["rows"]:
             if "error" in row:
@@ -145,10 +145,18 @@ def markdown(r: dict[str, Any]) -> str:
                 f"| {row['zero_stage']} | {row['offload_optimizer']} | {row['offload_param']} "
                 f"| {_mb(row['predicted_bytes_per_rank'])} | "
                 f"{' / '.join(_mb(x) for x in row['measured_bytes_per_rank'])} | "
-                f"{row['error_percent']:+.0f}% | {_mb(row['predicted_disk_bytes_per_rank'])} | "
+                f"{row['error_percent']:+.0f}% | "
+                + " / ".join(_mb(x) for x in row.get("measured_after_step_bytes_per_rank", []))
+                + f" | {_mb(row['predicted_disk_bytes_per_rank'])} | "
                 f"{_mb(row['measured_disk_bytes_per_rank'])} |"
             )
-        out += ["", "Measured: all distinct live tensor storages on the rank after step 1.", ""]
+        out += [
+            "",
+            "Measured: all distinct live tensor storages on the rank at the end of a backward "
+            "pass (gradients held, activations freed) and after the optimizer step. Error = "
+            "(predicted - measured) / measured: + means the planner overestimates.",
+            "",
+        ]
     n = r.get("nvme")
     if n:
         raw, d = n["raw_o_direct_dd"], n["training_default_aio"]

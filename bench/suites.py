@@ -191,19 +191,21 @@ def planner(b: Bench, stage2_bare: runs.BareRun | None) -> dict[str, Any]:
             run = stage2_bare
         else:
             try:
-                run = runs.run_bare(b.work(f"planner-{name}"), b.model, config, steps=1)
+                run = runs.run_bare(b.work(f"planner-{name}"), b.model, config, steps=2)
             except RuntimeError as error:  # keep the other rows; say what failed
                 rows.append({"zero_stage": stage, "offload_optimizer": opt,
                              "offload_param": param, "error": str(error)})  # fmt: skip
                 continue
         predicted = sum(v for k, v in row.parts.items() if k in MODEL_STATE_PARTS)
-        measured = [r["memory"]["tensor_bytes"] for r in run.ranks]
+        measured = [r["memory"]["after_backward_bytes"] for r in run.ranks]
+        after_step = [r["memory"]["tensor_bytes"] for r in run.ranks]
         disk_pred = sum(v for k, v in row.parts.items() if k.startswith("disk_per_rank."))
         disk_meas = run.rank0["offload_files_bytes"]
         rows.append({
             "zero_stage": stage, "offload_optimizer": opt, "offload_param": param,
             "predicted_bytes_per_rank": predicted,
             "measured_bytes_per_rank": measured,
+            "measured_after_step_bytes_per_rank": after_step,
             "error_percent": 100 * (predicted - max(measured)) / max(measured),
             "predicted_parts": {k: v for k, v in row.parts.items() if k in MODEL_STATE_PARTS},
             "predicted_disk_bytes_per_rank": disk_pred or None,
@@ -214,7 +216,9 @@ def planner(b: Bench, stage2_bare: runs.BareRun | None) -> dict[str, Any]:
     return {
         "what": "model-state bytes per rank: plan parts (params, grads, optimizer, buckets, "
         "gathered params, swap buffers) vs bytes of all distinct live tensor storages on each "
-        "rank after step 1 (bare loop, same config; CPU accelerator, so 'device' = host)",
+        "rank at the end of step 2's backward, before the optimizer step (gradients held, "
+        "activations freed), and after step 1 (gradients freed); bare loop, same config; "
+        "CPU accelerator, so 'device' = host",
         "rows": rows,
     }
 
