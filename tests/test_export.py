@@ -89,3 +89,26 @@ def test_export_command_exit_codes(demo_dir, trained_state, tmp_path, capsys) ->
     ckpt = fake_stage0_checkpoint(tmp_path / "step-5", trained_state, demo_dir / "model")
     assert main(["export", str(ckpt), str(tmp_path / "out")]) == 0
     assert (tmp_path / "out" / UNET_FILE).is_file()
+
+
+def test_resume_considers_only_committed_checkpoints(tmp_path: Path) -> None:
+    from zerotuner.checkpoint import _rotate, _write_atomic, committed_checkpoints, find_resume
+
+    root = tmp_path / "checkpoints"
+    for step in (2, 4, 6):
+        (root / f"step-{step}").mkdir(parents=True)
+    for step in (2, 4):  # step-6 crashed mid-save: no manifest
+        (root / f"step-{step}" / "zerotuner.json").write_text(json.dumps({"step": step}))
+    assert find_resume("never", tmp_path) is None
+    assert find_resume("auto", tmp_path) == root / "step-4"  # no pointer: newest committed
+    _write_atomic(root / "latest", "step-6")  # a pointer to an uncommitted save is ignored
+    assert find_resume("auto", tmp_path) == root / "step-4"
+    _write_atomic(root / "latest", "step-2")
+    assert find_resume("auto", tmp_path) == root / "step-2"
+    assert find_resume(str(root / "step-4"), tmp_path) == root / "step-4"
+    with pytest.raises(ConfigError, match="ZT_RESUME=.*step-6: not a committed"):
+        find_resume(str(root / "step-6"), tmp_path)
+    assert find_resume("auto", tmp_path / "fresh") is None
+    _rotate(root, keep=1, current="step-4")
+    assert committed_checkpoints(root) == [root / "step-4"]
+    assert (root / "step-6").exists(), "rotation deletes committed checkpoints only"
