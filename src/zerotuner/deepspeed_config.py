@@ -559,12 +559,18 @@ def _aio(ctx: _Context) -> None:
 
 
 def _deepspeed_accepts(cfg: dict[str, Any], n: Notes) -> None:
-    """DeepSpeed's own config parser, as a last check (world size 1: batch was checked above)."""
+    """DeepSpeed's own config parser, as a last check (the batch arithmetic was checked above).
+
+    DeepSpeed checks the batch against the process group's size when one exists (inside a
+    rank), else against 1; the probe copy is sized to match.
+    """
+    from deepspeed import comm
     from deepspeed.runtime.config import DeepSpeedConfig
 
     probe = copy.deepcopy(cfg)
+    world = comm.get_world_size() if comm.is_initialized() else 1
     probe["train_batch_size"] = (
-        probe["train_micro_batch_size_per_gpu"] * probe["gradient_accumulation_steps"]
+        probe["train_micro_batch_size_per_gpu"] * probe["gradient_accumulation_steps"] * world
     )
     ds_logger = logging.getLogger("DeepSpeed")
     level = ds_logger.level
