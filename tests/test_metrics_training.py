@@ -27,7 +27,12 @@ HANG_TIMEOUT = 4
 
 def rank_processes(entrypoint: subprocess.Popen) -> list[psutil.Process]:
     children = psutil.Process(entrypoint.pid).children(recursive=True)
-    return [p for p in children if "zerotuner.worker" in " ".join(p.cmdline())]
+    # torchrun's workers run `-m zerotuner.worker`; torch's `pt_elastic` helper shares the cmdline.
+    return [
+        p
+        for p in children
+        if "zerotuner.worker" in " ".join(p.cmdline()) and p.name() != "pt_elastic"
+    ]
 
 
 def wait_until(predicate, what: str, proc: subprocess.Popen, timeout: float = 600):

@@ -389,3 +389,13 @@ def test_no_warmup_starts_at_the_peak(setting):
         assert params["warmup_min_ratio"] == 1.0
     else:
         assert params["warmup_min_lr"] == params["warmup_max_lr"] == 1e-4
+
+
+def test_bucket_sizes_are_aligned_even_for_odd_parameter_counts():
+    odd = ModelShape("sdxl", 95_481_092, 1_000_001, 0, 1024, "odd")  # // 10 is odd
+    r = normalize(
+        {}, settings=Settings(), hardware=CPU, shape=odd, world_size=2,
+        decisions=Decisions(2),
+    )  # fmt: skip
+    zero = r.config["zero_optimization"]
+    assert zero["reduce_bucket_size"] % 8 == 0 and zero["allgather_bucket_size"] % 8 == 0

@@ -24,6 +24,7 @@ from zerotuner.optimizers import (
     canonical_scheduler,
     valid_optimizer_names,
 )
+from zerotuner.plan import bucket as plan_bucket
 from zerotuner.settings import Settings, env_name
 
 # Keys DeepSpeed wants as whole numbers; users write 1e8, "2", 5e8.
@@ -51,7 +52,6 @@ AIO_DEFAULTS = {
 }
 MIN_NVME_OPTIMIZER_BUFFERS = 4  # DeepSpeed's pipelined optimizer swapper needs four
 DEFAULT_PARAM_BUFFERS = 5
-MAX_BUCKET = 500_000_000  # DeepSpeed's default bucket size, in elements
 
 
 @dataclass(frozen=True)
@@ -414,7 +414,7 @@ def _precision(ctx: _Context, hardware: Hardware) -> str:
 
 def _bucket_sizes(shape: ModelShape) -> dict[str, int]:
     """accelerate's "auto" uses hidden_size**2; UNets have none, so use the real tensors."""
-    bucket = int(min(MAX_BUCKET, max(shape.largest_param, shape.unet_params // 10)))
+    bucket = plan_bucket(shape)
     return {
         "reduce_bucket_size": bucket,
         "allgather_bucket_size": bucket,

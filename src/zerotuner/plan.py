@@ -167,7 +167,8 @@ def estimate(
     psi = shape.unet_params
     n = world_size
     p_bytes = 4 if precision == "no" else 2
-    o_bytes = 8 if precision == "no" else 12
+    # DeepSpeed keeps an fp32 master partition at stage >= 1 even without mixed precision.
+    o_bytes = 8 if precision == "no" and stage == 0 else 12
     g32 = 4  # fp32 grads the offloaded optimizer steps with
     dev: dict[str, int] = {}
     host_rank: dict[str, int] = {}  # per rank on this node
@@ -247,8 +248,10 @@ def estimate(
 
 
 def bucket(shape: ModelShape) -> int:
-    """Bucket elements as normalize sets them (DeepSpeed's 5e8, capped by the model)."""
-    return int(min(MAX_BUCKET, max(shape.largest_param, shape.unet_params // 10)))
+    """ZeRO bucket size in elements: a tenth of the model, at least its largest tensor, at most
+    DeepSpeed's default 5e8; a multiple of 8, as DeepSpeed asserts alignment on it."""
+    size = int(min(MAX_BUCKET, max(shape.largest_param, shape.unet_params // 10)))
+    return -(-size // 8) * 8
 
 
 def capacity(hardware: Hardware, offload_disk_free: int | None) -> Capacity:
