@@ -108,7 +108,8 @@ class _DirUsage:
         self._value: tuple[int, int, int] | None = None
 
     def read(self) -> tuple[int, int, int] | None:
-        """(used, free, size) in bytes; None while the directory does not exist."""
+        """(used, free, size) in bytes. A directory not made yet holds 0 bytes; free and size
+        are then its nearest existing parent's (where it will be created)."""
         with self._lock:
             if time.monotonic() - self._at > self._max_age:
                 self._value = self._measure()
@@ -116,10 +117,12 @@ class _DirUsage:
             return self._value
 
     def _measure(self) -> tuple[int, int, int] | None:
-        if not self.path.is_dir():
+        existing = next((p for p in (self.path, *self.path.parents) if p.is_dir()), None)
+        if existing is None:
             return None
-        usage = shutil.disk_usage(self.path)
-        return _allocated_bytes(self.path), usage.free, usage.total
+        usage = shutil.disk_usage(existing)
+        used = _allocated_bytes(self.path) if existing == self.path else 0
+        return used, usage.free, usage.total
 
 
 def _allocated_bytes(root: Path) -> int:
