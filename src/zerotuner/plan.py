@@ -304,6 +304,7 @@ def make_plan(
     offload_disk_free: int | None = None,
     mixed_precision: str = "auto",
     ranks_per_node: int | None = None,
+    require_fit: bool = True,
 ) -> Plan:
     """Estimate every option; choose the fastest that fits. Pinned values are kept.
 
@@ -381,11 +382,15 @@ def make_plan(
                 f"; {best.label()} would fit with {gib(need)} GiB free on an NVMe volume at "
                 "ZT_OFFLOAD_DIR"
             )
-        raise EnvironmentUnfit(
+        message = (
             f"nothing fits{pins}: closest is {closest.label()}, which needs "
             f"{'; '.join(closest.short)}{hint}; use more or larger GPUs, more host memory, a "
             "smaller ZT_TRAIN_BATCH_SIZE or ZT_RESOLUTION, or offload to NVMe"
         )
+        if require_fit:
+            raise EnvironmentUnfit(message)
+        # `zerotuner config` on a laptop: show the config for the closest option, and why.
+        return Plan(tuple(rows), closest, (f"this machine cannot run it: {message}",), inputs)
     choice = fitting[0]
     return Plan(tuple(rows), choice, tuple(_reasons(choice, rows, cap, precision)), inputs)
 

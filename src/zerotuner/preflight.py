@@ -87,8 +87,14 @@ def hub_cache_dir(settings: Settings) -> Path:
 
 
 def preflight(
-    settings: Settings, *, hardware: Hardware, topology: Topology | None = None
+    settings: Settings,
+    *,
+    hardware: Hardware,
+    topology: Topology | None = None,
+    require_fit: bool = True,
 ) -> Preflight:
+    """`require_fit=False` (the `config` command): when nothing fits this machine, plan the
+    closest option anyway and say so, so a config can be checked before renting GPUs."""
     inputs = read_user_inputs(settings)
     settings = apply_implied_settings(settings, inputs)
     require_supported(hardware)
@@ -105,6 +111,7 @@ def preflight(
         world_size=world,
         ranks_per_node=topology.nproc_per_node,
         offload_disk_free=free_bytes_at(settings.offload_dir),
+        require_fit=require_fit,
     )
     decisions = decisions_from(plan)
     normalized = normalize(
@@ -116,7 +123,9 @@ def preflight(
         decisions=decisions,
         source=inputs.source,
     )
+    unfit = () if require_fit or plan.choice.fits else (Note("warning", plan.reasons[0]),)
     notes = (
+        *unfit,
         Note("info", f"model family {model.family} ({model.reason}); UNet {shape.source}"),
         *inputs.notes.notes,
         *normalized.notes,
@@ -136,6 +145,7 @@ def plan_for(
     world_size: int,
     ranks_per_node: int,
     offload_disk_free: int | None,
+    require_fit: bool = True,
 ) -> Plan:
     """The planner's choice for these settings, keeping what the user pinned (env or raw JSON)."""
     user = pins(settings, base)
@@ -153,6 +163,7 @@ def plan_for(
         ema=settings.ema,
         offload_disk_free=offload_disk_free,
         mixed_precision=settings.mixed_precision,
+        require_fit=require_fit,
     )
 
 

@@ -19,7 +19,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     settings = load_settings()
-    result = preflight(settings, hardware=probe(settings.device))
+    result = preflight(settings, hardware=probe(settings.device), require_fit=False)
     shown = {"change", "warning"} | ({"info"} if args.explain else set())
     for note in result.notes:
         if note.level in shown:
