@@ -183,3 +183,29 @@ def read_steps(output: Path) -> list[dict]:
 
 def read_json(path: Path) -> Any:
     return json.loads(path.read_text())
+
+
+def train(
+    tmp: Path, demo: Path, cache: Path, *, stage: int, steps: int, world: int = 2,
+    output: Path | None = None, offload_optimizer: str = "none", offload_param: str = "none",
+    **settings: Any,
+) -> tuple[subprocess.CompletedProcess[str], Path]:  # fmt: skip
+    """A whole run of the tiny demo on `world` CPU ranks; `settings` become ZT_* variables."""
+    output = output or tmp / "output"
+    config = ds_config(
+        stage, world=world, steps=steps, offload_optimizer=offload_optimizer,
+        offload_param=offload_param, nvme_dir=tmp / "nvme",
+    )  # fmt: skip
+    job = write_job(tmp / "job.json", model=demo / "model", deepspeed=config, world=world)
+    env = settings_env(
+        model=demo / "model", data=demo / "data", output=output, cache=cache, max_steps=steps,
+        log_every_steps=1, **settings,
+    )  # fmt: skip
+    return run_ranks(tmp, env, job_file=job, world=world), output
+
+
+def assert_ok(proc: subprocess.CompletedProcess[str], tmp: Path, world: int = 2) -> None:
+    codes = {rank: s["exit_code"] for rank, s in statuses(tmp).items()}
+    assert proc.returncode == 0 and codes == dict.fromkeys(range(world), 0), (
+        f"rc={proc.returncode} statuses={codes}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    )

@@ -158,29 +158,42 @@ def _world() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
-def _check_topology(manifest: dict[str, Any], path: Path, *, stage: int, world: int) -> None:
-    """DeepSpeed loads a checkpoint only into the layout that saved it (ZeRO 1 and 2 share
-    one). Say so plainly instead of failing deep inside DeepSpeed."""
+def same_layout(manifest: dict[str, Any], *, stage: int, world: int) -> bool:
+    """DeepSpeed loads a checkpoint natively only into the layout that saved it (ZeRO 1 and 2
+    share one); anything else goes through zerotuner.universal."""
     saved_stage, saved_world = int(manifest["zero_stage"]), int(manifest["world_size"])
-    same_layout = saved_stage == stage or {saved_stage, stage} == {1, 2}
-    if same_layout and saved_world == world:
-        return
-    raise ConfigError(
-        f"ZT_RESUME: {path} was saved with ZeRO-{saved_stage} on {saved_world} rank(s); this run "
-        f"is ZeRO-{stage} on {world}: resuming across ZeRO stages or world sizes is not "
-        "supported yet. Set ZT_ZERO_STAGE/ZT_NUM_PROCESSES to match, ZT_RESUME=never, or "
-        "`zerotuner export` the checkpoint and train from the export"
-    )
+    stages_match = saved_stage == stage or {saved_stage, stage} == {1, 2}
+    return stages_match and saved_world == world
+
+
+def _load_other_topology(
+    engine: Any, path: Path, manifest: dict[str, Any], *, stage: int, world: int
+) -> None:
+    from zerotuner import universal
+
+    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    if rank == 0:
+        log.info(
+            "resuming %s (ZeRO-%s on %s rank(s)) as ZeRO-%d on %d: converting once to %s/",
+            path, manifest["zero_stage"], manifest["world_size"], stage, world, universal.FOLDER,
+        )  # fmt: skip
+        names = [n for n, p in engine.module.named_parameters() if p.requires_grad]
+        universal.convert(path, names)
+    _barrier()
+    universal.load_into(engine, path / universal.FOLDER, rank=rank)
 
 
 def load(engine: Any, path: Path) -> Resumed:
     """Weights, optimizer and LR schedule into the engine; the rest returned (every rank)."""
     manifest = read_manifest(path)
     assert manifest is not None
-    _check_topology(manifest, path, stage=engine.zero_optimization_stage(), world=_world())
-    loaded, _ = engine.load_checkpoint(str(path.parent), tag=path.name)
-    if loaded is None:
-        raise ConfigError(f"ZT_RESUME: DeepSpeed could not load the checkpoint {path}")
+    stage, world = engine.zero_optimization_stage(), _world()
+    if same_layout(manifest, stage=stage, world=world):
+        loaded, _ = engine.load_checkpoint(str(path.parent), tag=path.name)
+        if loaded is None:
+            raise ConfigError(f"ZT_RESUME: DeepSpeed could not load the checkpoint {path}")
+    else:
+        _load_other_topology(engine, path, manifest, stage=stage, world=world)
     ema_file = path / EMA_FILE
     ema = load_file(str(ema_file)) if ema_file.is_file() else None
     return Resumed(

@@ -17,15 +17,18 @@ GATHER_GROUP = 64  # parameters gathered at once under ZeRO-3: bounds the peak m
 
 
 @contextmanager
-def full_parameters(module: torch.nn.Module, params: list[torch.nn.Parameter]) -> Iterator[None]:
-    """Make `params` whole on every rank for the duration (a no-op below ZeRO-3).
+def full_parameters(
+    module: torch.nn.Module, params: list[torch.nn.Parameter], *, modifier_rank: int | None = None
+) -> Iterator[None]:
+    """Make `params` whole on every rank for the duration (a no-op below ZeRO-3); with
+    `modifier_rank`, that rank's changes are kept (re-partitioned) on exit.
 
     Every rank must enter it: the gather is a collective.
     """
     if any(hasattr(p, "ds_id") for p in params):
         import deepspeed
 
-        with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
+        with deepspeed.zero.GatheredParameters(params, modifier_rank=modifier_rank):
             yield
     else:
         yield
