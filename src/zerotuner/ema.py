@@ -57,7 +57,11 @@ def full_state_dict(module: torch.nn.Module, *, rank: int) -> dict[str, torch.Te
 
     state: dict[str, torch.Tensor] | None = {} if rank == 0 else None
     named = list(module.named_parameters())
-    masters = [safe_get_full_fp32_param(p) for _, p in named]
+    z3 = getattr(named[0][1], "_z3_optimizer", None) if named else None
+    if z3 is not None and getattr(z3, "swap_optimizer", False):
+        masters = _swapped_zero3_masters(z3, [p for _, p in named])
+    else:
+        masters = [safe_get_full_fp32_param(p) for _, p in named]
     if all(m is not None for m in masters):
         if state is not None:
             state.update(
@@ -74,6 +78,31 @@ def full_state_dict(module: torch.nn.Module, *, rank: int) -> dict[str, torch.Te
         for name, buffer in module.named_buffers():
             state[name] = buffer.detach().float().cpu().clone()
     return state
+
+
+def _swapped_zero3_masters(z3, params: list[torch.nn.Parameter]) -> list[torch.Tensor | None]:
+    """The full fp32 masters under ZeRO-3 with the optimizer on NVMe, one sub-group at a time.
+
+    safe_get_full_fp32_param swaps a parameter's whole optimizer sub-group (master and both
+    Adam moments) in from NVMe for every single tensor: for a 95M-parameter UNet that read
+    ~400 GB. Here each sub-group is read once and all its parameters are gathered from it.
+    Uses ZeRO-3 internals (DeepSpeed 0.19): the optimizer's own per-parameter path, grouped.
+    """
+    index = {id(p): i for i, p in enumerate(params)}
+    masters: list[torch.Tensor | None] = [None] * len(params)
+    for group_id, group in enumerate(z3.fp16_groups):
+        swapped = z3._swappable_optimizer_subgroup(group_id)
+        if swapped:
+            z3._optimizer_states_and_gradient_swap_in(group_id)
+        flat = z3.fp32_partitioned_groups_flat[group_id]
+        for param in group:
+            _, offset, count = z3.grad_position[z3.get_param_id(param)]
+            full = z3._fp32_state_allgather(param, flat.narrow(0, offset, count))
+            if id(param) in index:
+                masters[index[id(param)]] = full
+        if swapped:
+            z3._release_swap_buffers(group_id)
+    return masters
 
 
 class EMA:
