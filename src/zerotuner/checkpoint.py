@@ -12,6 +12,8 @@ pipeline whose frozen parts complete the exported folder.
 
 from __future__ import annotations
 
+import errno
+import hashlib
 import json
 import logging
 import os
@@ -26,7 +28,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
-from zerotuner.errors import ConfigError
+from zerotuner.errors import ConfigError, EnvironmentUnfit
 
 log = logging.getLogger(__name__)
 
@@ -86,24 +88,71 @@ def save(
     if rank == 0 and (root / tag).exists():
         shutil.rmtree(root / tag)  # an uncommitted leftover of a crashed save
     _barrier()
-    engine.save_checkpoint(
-        str(root), tag=tag, client_state={"zerotuner_step": step}, save_latest=False
-    )
-    if rank == 0 and ema is not None:
-        save_file(ema, str(root / tag / EMA_FILE))
-    _barrier()
-    if rank == 0:
-        files = {
-            str(p.relative_to(root / tag)): p.stat().st_size
-            for p in sorted((root / tag).rglob("*"))
-            if p.is_file()
-        }
-        manifest = {**meta, "step": step, "ema_updates": ema_updates, "files": files}
-        _write_atomic(root / tag / MANIFEST, json.dumps(manifest, indent=2, sort_keys=True))
-        _write_atomic(root / LATEST, tag)
-        _rotate(root, keep=keep, current=tag)
+    try:
+        engine.save_checkpoint(
+            str(root), tag=tag, client_state={"zerotuner_step": step}, save_latest=False
+        )
+        _test_hook("ZT_TEST_SLEEP_IN_SAVE")
+        if rank == 0 and ema is not None:
+            save_file(ema, str(root / tag / EMA_FILE))
+        _barrier()
+        if rank == 0:
+            paths = [p for p in sorted((root / tag).rglob("*")) if p.is_file()]
+            name = {p: str(p.relative_to(root / tag)) for p in paths}
+            manifest = {
+                **meta,
+                "step": step,
+                "ema_updates": ema_updates,
+                "files": {name[p]: p.stat().st_size for p in paths},
+                "sha256": {name[p]: _sha256(p) for p in paths},
+            }
+            _write_atomic(root / tag / MANIFEST, json.dumps(manifest, indent=2, sort_keys=True))
+            _write_atomic(root / LATEST, tag)
+            _rotate(root, keep=keep, current=tag)
+    except Exception as error:
+        if not (_disk_full(error) or _nearly_full(root)):
+            raise
+        shutil.rmtree(root / tag, ignore_errors=True)  # never committed: free what it took
+        previous = find_resume("auto", output_dir)
+        raise EnvironmentUnfit(
+            f"ZT_OUTPUT_DIR={output_dir}: no space left on the device while saving checkpoint "
+            f"{tag}; the last committed checkpoint ({previous.name if previous else 'none'}) is "
+            "intact and resumes on restart: free space on that volume or lower ZT_CHECKPOINTS_KEEP"
+        ) from None
     _barrier()
     return time.perf_counter() - started
+
+
+def _disk_full(error: BaseException) -> bool:
+    """torch.save reports ENOSPC as a RuntimeError from its zip writer, not an OSError."""
+    while error is not None:
+        if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        text = str(error)
+        if "No space left" in text or "failed writing file" in text or "file write failed" in text:
+            return True
+        error = error.__cause__ or error.__context__
+    return False
+
+
+def _nearly_full(root: Path) -> bool:
+    """torch's zip writer may report a short write only as "unexpected pos": look at the disk."""
+    try:
+        return shutil.disk_usage(root).free < 64 * 2**20
+    except OSError:
+        return False
+
+
+def _test_hook(name: str) -> None:
+    """Fault tests stretch a save to kill a rank inside it (a number of seconds)."""
+    seconds = os.environ.get(name)  # test-only: not a setting
+    if seconds:
+        time.sleep(float(seconds))
+
+
+def _sha256(path: Path) -> str:
+    with path.open("rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def _rotate(root: Path, *, keep: int, current: str) -> None:
@@ -123,6 +172,24 @@ def read_manifest(path: Path) -> dict[str, Any] | None:
         return json.loads((path / MANIFEST).read_text())
     except (OSError, ValueError):
         return None
+
+
+def verify(path: Path) -> str | None:
+    """Why the committed checkpoint at `path` cannot be trusted (None: every file the manifest
+    lists is there with its size and hash)."""
+    manifest = read_manifest(path)
+    if manifest is None:
+        return f"no readable {MANIFEST}"
+    hashes = manifest.get("sha256", {})
+    for name, size in manifest.get("files", {}).items():
+        file = path / name
+        if not file.is_file():
+            return f"{name} is missing"
+        if file.stat().st_size != size:
+            return f"{name} has {file.stat().st_size} bytes, the manifest says {size}"
+        if name in hashes and _sha256(file) != hashes[name]:
+            return f"{name} is corrupt (sha256 differs from the manifest)"
+    return None
 
 
 def committed_checkpoints(root: Path) -> list[Path]:
@@ -145,13 +212,32 @@ def find_resume(resume: str, output_dir: Path) -> Path | None:
         return path
     root = checkpoints_dir(output_dir)
     pointer = root / LATEST
-    if pointer.is_file():
-        tag = pointer.read_text().strip()
-        if read_manifest(root / tag) is not None:
-            return root / tag
+    tag = pointer.read_text().strip() if pointer.is_file() else None
+    if tag and read_manifest(root / tag) is None:
         log.warning("checkpoints/latest names %r, which is not committed: looking further", tag)
-    committed = committed_checkpoints(root)
-    return max(committed, key=_step_of) if committed else None
+    # the pointer's checkpoint first, then older ones newest first (an explicit ZT_RESUME of
+    # an old step makes newer leftovers of the earlier run stale: they come last)
+    newest_first = sorted(committed_checkpoints(root), key=_step_of, reverse=True)
+    limit = _step_of(root / tag) if tag and read_manifest(root / tag) else None
+    if limit is not None:
+        newest_first.sort(key=lambda p: (_step_of(p) > limit, -_step_of(p)))
+    for path in newest_first:
+        problem = _verified(path)
+        if problem is None:
+            return path
+        log.warning("skipping checkpoint %s: %s; trying the one before", path, problem)
+    return None
+
+
+_VERIFIED: dict[tuple[str, int], str | None] = {}
+
+
+def _verified(path: Path) -> str | None:
+    """verify() once per process and manifest (every rank asks more than once at start)."""
+    key = (str(path), (path / MANIFEST).stat().st_mtime_ns)
+    if key not in _VERIFIED:
+        _VERIFIED[key] = verify(path)
+    return _VERIFIED[key]
 
 
 def _world() -> int:
