@@ -399,3 +399,8 @@ def test_bucket_sizes_are_aligned_even_for_odd_parameter_counts():
     )  # fmt: skip
     zero = r.config["zero_optimization"]
     assert zero["reduce_bucket_size"] % 8 == 0 and zero["allgather_bucket_size"] % 8 == 0
+
+
+def test_an_auto_zerotuner_cannot_fill_is_an_error():
+    (problem,) = problems(base={"stage": "auto"})  # a misplaced key: DeepSpeed would ignore it
+    assert problem.startswith("stage='auto' has no value zerotuner can fill")

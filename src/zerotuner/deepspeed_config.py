@@ -145,6 +145,7 @@ def normalize(
     # zerotuner's own progress log replaces DeepSpeed's periodic step print.
     cfg.setdefault("steps_per_print", settings.max_steps + 1)
     cfg.setdefault("wall_clock_breakdown", False)
+    _no_auto_left(cfg, "", n)
     n.raise_problems()
     _deepspeed_accepts(cfg, n)
     n.raise_problems()
@@ -215,6 +216,15 @@ def _coerce_numbers(tree: Any, prefix: str, n: Notes) -> None:
                 tree[key] = False
             else:
                 n.error(f"{path}={value!r}: expected true or false")
+
+
+def _no_auto_left(tree: Any, prefix: str, n: Notes) -> None:
+    """Every "auto" zerotuner knows was filled above; one left is a key it cannot fill."""
+    if isinstance(tree, dict):
+        for key, value in tree.items():
+            _no_auto_left(value, f"{prefix}{key}.", n)
+    elif tree == "auto":
+        n.error(f"{prefix.rstrip('.')}='auto' has no value zerotuner can fill; set it or remove it")
 
 
 def _known(value: Any) -> int | None:
@@ -319,9 +329,6 @@ def _optimizer(ctx: _Context) -> None:
     for key, value in OPTIMIZER_DEFAULTS[name].items():
         if params.get(key) in (None, "auto"):
             params[key] = value
-    for key, value in params.items():
-        if value == "auto":
-            n.error(f"optimizer.params.{key}='auto' has no value zerotuner can fill; set it")
 
 
 def _optimizer_runs_here(ctx: _Context, hardware: Hardware) -> None:
@@ -380,9 +387,6 @@ def _scheduler(ctx: _Context) -> None:
     if name == "WarmupCosineLR":
         params.setdefault("warmup_min_ratio", 0.0)
         params.setdefault("cos_min_ratio", 0.01)
-    for key, value in params.items():
-        if value == "auto":
-            n.error(f"scheduler.params.{key}='auto' has no value zerotuner can fill; set it")
 
 
 def _precision(ctx: _Context, hardware: Hardware) -> str:
