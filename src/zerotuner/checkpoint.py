@@ -2,9 +2,11 @@
 
 Every rank saves its shards with `save_latest=False`; after a barrier rank 0 writes the
 manifest `step-N/zerotuner.json` (step, world size, ZeRO stage, base model, data position,
-files with sizes) and then moves the pointer `checkpoints/latest` by write-temp, fsync, rename.
-A checkpoint without a manifest was never committed and is never resumed from. Old
-checkpoints are deleted (by rank 0) only after the new one is committed.
+files with sizes and sha256) and then moves the pointer `checkpoints/latest` by write-temp,
+fsync, rename. A checkpoint without a manifest was never committed and is never resumed from;
+one whose files no longer match it is skipped for the one before. Old checkpoints are deleted
+(by rank 0) only after the new one is committed. A checkpoint saved on another world size or
+ZeRO stage resumes through zerotuner.universal.
 
 The manifest also makes a checkpoint self-contained for `zerotuner export`: it names the base
 pipeline whose frozen parts complete the exported folder.
