@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from zerotuner.demo import DemoPaths, _latent_scaling_factor, write_demo
+from zerotuner.demo import DemoPaths, _latent_scaling_factor, _vae, write_demo
 
 RESOLUTION = 64  # the smallest ZT_RESOLUTION allowed
 VAE_BLOCKS = (32, 64, 64)  # latent scale 2 ** 2 = 4: 16x16 latents at 64 px
@@ -46,19 +46,10 @@ def unet_config(sample_size: int = RESOLUTION // 4, *, small: bool = False) -> d
 def write_bench_model(dir: Path, *, seed: int = 0, small: bool = False) -> DemoPaths:
     """DIR/model (the pipeline) and DIR/data (the demo's 64 images); idempotent."""
     import torch
-    from diffusers import AutoencoderKL, UNet2DConditionModel
+    from diffusers import UNet2DConditionModel
 
     paths = write_demo(Path(dir), seed=seed, family="sdxl")
-    torch.manual_seed(seed + 10)
-    vae = AutoencoderKL(
-        block_out_channels=VAE_BLOCKS,
-        down_block_types=("DownEncoderBlock2D",) * len(VAE_BLOCKS),
-        up_block_types=("UpDecoderBlock2D",) * len(VAE_BLOCKS),
-        latent_channels=4,
-        layers_per_block=1,
-        norm_num_groups=32,
-        sample_size=RESOLUTION,
-    )
+    vae = _vae(seed + 10, blocks=VAE_BLOCKS, sample_size=RESOLUTION)
     vae.register_to_config(scaling_factor=_latent_scaling_factor(vae, paths.data))
     vae.save_pretrained(paths.model / "vae", safe_serialization=True)
     torch.manual_seed(seed + 11)

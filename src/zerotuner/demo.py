@@ -183,19 +183,20 @@ def _text_config(vocab_size: int, hidden: int, *, layers: int = 2, heads: int = 
     )
 
 
-def _vae(seed: int):
+def _vae(seed: int, *, blocks: tuple[int, ...] = VAE_BLOCKS, sample_size: int = DEMO_RESOLUTION):
+    """A tiny AutoencoderKL: each block after the first halves the image (the latent scale)."""
     import torch
     from diffusers import AutoencoderKL
 
     torch.manual_seed(seed)
     return AutoencoderKL(
-        block_out_channels=VAE_BLOCKS,
-        down_block_types=("DownEncoderBlock2D",) * len(VAE_BLOCKS),
-        up_block_types=("UpDecoderBlock2D",) * len(VAE_BLOCKS),
+        block_out_channels=blocks,
+        down_block_types=("DownEncoderBlock2D",) * len(blocks),
+        up_block_types=("UpDecoderBlock2D",) * len(blocks),
         latent_channels=4,
         layers_per_block=1,
         norm_num_groups=32,
-        sample_size=DEMO_RESOLUTION,
+        sample_size=sample_size,
     )
 
 
