@@ -246,3 +246,11 @@ def test_accelerate_bad_precision_is_an_error(monkeypatch, tmp_path):
     monkeypatch.setenv("ZT_ACCELERATE_CONFIG", str(path))
     with pytest.raises(ConfigError, match="mixed_precision='fp8': expected no, fp16 or bf16"):
         read_user_inputs(load_settings())
+
+
+def test_config_file_keys_that_are_not_text_are_an_error(monkeypatch, tmp_path):
+    path = tmp_path / "zerotuner.yaml"
+    path.write_text("?\n")  # YAML for {None: None}
+    monkeypatch.setenv("ZT_CONFIG_FILE", str(path))
+    (line,) = error_lines()
+    assert "setting names must be text" in line

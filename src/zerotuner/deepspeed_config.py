@@ -9,11 +9,11 @@ the config with the list of everything it changed and why. All problems are rais
 from __future__ import annotations
 
 import copy
-import logging
 import math
 from dataclasses import dataclass
 from typing import Any
 
+from zerotuner.config_values import coerce_numbers, deepspeed_accepts, is_number, no_auto_left
 from zerotuner.families import ModelShape
 from zerotuner.hardware import Hardware, auto_precision
 from zerotuner.notes import Note, Notes
@@ -27,21 +27,6 @@ from zerotuner.optimizers import (
 from zerotuner.plan import bucket as plan_bucket
 from zerotuner.settings import Settings, env_name
 
-# Keys DeepSpeed wants as whole numbers; users write 1e8, "2", 5e8.
-INT_KEYS = {
-    "stage", "reduce_bucket_size", "allgather_bucket_size", "stage3_prefetch_bucket_size",
-    "stage3_param_persistence_threshold", "stage3_max_live_parameters",
-    "stage3_max_reuse_distance", "sub_group_size", "buffer_size", "buffer_count", "max_in_cpu",
-    "block_size", "queue_depth", "intra_op_parallelism", "train_batch_size",
-    "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "steps_per_print",
-    "warmup_num_steps", "total_num_steps", "initial_scale_power", "loss_scale_window",
-    "hysteresis", "min_loss_scale",
-}  # fmt: skip
-BOOL_KEYS = {
-    "pin_memory", "overlap_comm", "contiguous_gradients", "reduce_scatter", "allgather_partitions",
-    "single_submit", "overlap_events", "use_gds", "enabled", "fast_init",
-    "stage3_gather_16bit_weights_on_model_save", "round_robin_gradients",
-}  # fmt: skip
 NVME_PLACEHOLDERS = ("", "none", "null", "auto", "/path/to", "/local_nvme", "/nvme")
 AIO_DEFAULTS = {
     "block_size": 1 << 20,
@@ -85,7 +70,7 @@ def pins(settings: Settings, base: dict[str, Any]) -> Pins:
     stage: int | None = None
     if settings.zero_stage != "auto":
         stage = int(settings.zero_stage)
-    elif isinstance(zero, dict) and _is_number(zero.get("stage")):
+    elif isinstance(zero, dict) and is_number(zero.get("stage")):
         stage = int(float(zero["stage"]))
     return Pins(
         zero_stage=stage,
@@ -134,7 +119,7 @@ def normalize(
     cfg = copy.deepcopy(base) if isinstance(base, dict) else {}
     n = Notes()
     ctx = _Context(cfg, settings, n, source or "the DeepSpeed config")
-    _coerce_numbers(cfg, "", n)
+    coerce_numbers(cfg, "", n)
     _batch(ctx, world_size)
     _optimizer(ctx)
     _scheduler(ctx)
@@ -145,9 +130,9 @@ def normalize(
     # zerotuner's own progress log replaces DeepSpeed's periodic step print.
     cfg.setdefault("steps_per_print", settings.max_steps + 1)
     cfg.setdefault("wall_clock_breakdown", False)
-    _no_auto_left(cfg, "", n)
+    no_auto_left(cfg, "", n)
     n.raise_problems()
-    _deepspeed_accepts(cfg, n)
+    deepspeed_accepts(cfg, n)
     n.raise_problems()
     return Normalized(cfg, tuple(n.notes), precision)
 
@@ -177,54 +162,6 @@ class _Context:
             tree[path[-1]] = value
             self.n.info(f"{dotted}={value!r} from {env_name(field)}")
         return tree[path[-1]]
-
-
-def _is_number(value: Any) -> bool:
-    if isinstance(value, bool):
-        return False
-    if isinstance(value, int | float):
-        return math.isfinite(value)
-    if isinstance(value, str):
-        try:
-            return math.isfinite(float(value))
-        except ValueError:
-            return False
-    return False
-
-
-def _coerce_numbers(tree: Any, prefix: str, n: Notes) -> None:
-    """1e8 -> 100000000, "2" -> 2, "true" -> True, for the keys DeepSpeed types strictly."""
-    if not isinstance(tree, dict):
-        return
-    for key, value in list(tree.items()):
-        path = f"{prefix}{key}"
-        if isinstance(value, dict):
-            _coerce_numbers(value, f"{path}.", n)
-        elif value == "auto" or value is None:
-            continue
-        elif key in INT_KEYS:
-            number = float(value) if _is_number(value) else None
-            if number is None or not number.is_integer() or number < 0:
-                n.error(f"{path}={value!r}: expected a whole number >= 0")
-            elif not isinstance(value, int) or isinstance(value, bool):
-                tree[key] = int(number)
-        elif key in BOOL_KEYS and isinstance(value, str):
-            word = value.strip().lower()
-            if word in ("true", "1", "yes", "on"):
-                tree[key] = True
-            elif word in ("false", "0", "no", "off"):
-                tree[key] = False
-            else:
-                n.error(f"{path}={value!r}: expected true or false")
-
-
-def _no_auto_left(tree: Any, prefix: str, n: Notes) -> None:
-    """Every "auto" zerotuner knows was filled above; one left is a key it cannot fill."""
-    if isinstance(tree, dict):
-        for key, value in tree.items():
-            _no_auto_left(value, f"{prefix}{key}.", n)
-    elif tree == "auto":
-        n.error(f"{prefix.rstrip('.')}='auto' has no value zerotuner can fill; set it or remove it")
 
 
 def _known(value: Any) -> int | None:
@@ -317,7 +254,7 @@ def _optimizer(ctx: _Context) -> None:
     params = dict(params)
     if "max_grad_norm" in params:
         clip = params.pop("max_grad_norm")
-        if cfg.get("gradient_clipping") in (None, "auto") and _is_number(clip):
+        if cfg.get("gradient_clipping") in (None, "auto") and is_number(clip):
             cfg["gradient_clipping"] = float(clip)
         n.warn(
             f"optimizer.params.max_grad_norm={clip!r} is not a DeepSpeed optimizer parameter: "
@@ -560,29 +497,3 @@ def _aio(ctx: _Context) -> None:
         if aio.get(key) in (None, "auto"):
             aio[key] = value
     ctx.cfg["aio"] = aio
-
-
-def _deepspeed_accepts(cfg: dict[str, Any], n: Notes) -> None:
-    """DeepSpeed's own config parser, as a last check (the batch arithmetic was checked above).
-
-    DeepSpeed checks the batch against the process group's size when one exists (inside a
-    rank), else against 1; the probe copy is sized to match.
-    """
-    from deepspeed import comm
-    from deepspeed.runtime.config import DeepSpeedConfig
-
-    probe = copy.deepcopy(cfg)
-    world = comm.get_world_size() if comm.is_initialized() else 1
-    probe["train_batch_size"] = (
-        probe["train_micro_batch_size_per_gpu"] * probe["gradient_accumulation_steps"] * world
-    )
-    ds_logger = logging.getLogger("DeepSpeed")
-    level = ds_logger.level
-    ds_logger.setLevel(logging.WARNING)
-    try:
-        DeepSpeedConfig(probe)
-    except Exception as exc:  # DeepSpeed raises many types; all mean "config rejected"
-        lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-        n.error("DeepSpeed rejects the config: " + "; ".join(lines[:4]))
-    finally:
-        ds_logger.setLevel(level)

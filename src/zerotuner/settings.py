@@ -238,6 +238,8 @@ class ConfigFileSource(PydanticBaseSettingsSource):
         known = set(self.settings_cls.model_fields) | {"hf_token"}
         out: dict[str, Any] = {}
         for key, value in data.items():
+            if not isinstance(key, str):
+                raise ConfigError(f"{path}: setting names must be text, got {key!r}")
             name = key.lower().removeprefix(ENV_PREFIX.lower())
             if name not in known:
                 hint = did_you_mean(name, known)
