@@ -207,6 +207,7 @@ WORKER = textwrap.dedent(
         dist.all_reduce(total)
         (out / f"sum-{rank}").write_text(f"{int(total.item())} {os.environ['WORLD_SIZE']}")
         write_rank_status(rank, 0)
+        dist.destroy_process_group()  # as the worker does: gloo may abort at exit otherwise
         sys.exit(0)
     (out / f"ready-{rank}").write_text(str(os.getpid()))
     while True:

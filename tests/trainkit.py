@@ -18,6 +18,7 @@ from zerotuner.job import Job
 
 REPO = Path(__file__).resolve().parents[1]
 RUN_TIMEOUT = 600  # seconds; a 2-rank tiny run takes well under a minute
+SHUTDOWN_TIMEOUT = 120  # seconds torchrun gives ranks after SIGTERM (launch() passes the grace)
 
 
 def free_port() -> int:
@@ -154,7 +155,8 @@ def rank_command(
     }
     cmd = [
         sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={world}",
-        f"--master_port={free_port()}", "-m", "zerotuner.worker",
+        f"--master_port={free_port()}", f"--shutdown-timeout={SHUTDOWN_TIMEOUT}",
+        "-m", "zerotuner.worker",
     ]  # fmt: skip
     return cmd, full
 

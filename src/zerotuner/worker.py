@@ -445,7 +445,18 @@ def train(settings: Settings, job: Job, *, sinks: Sequence[Sink] | None = None) 
         for sink in sinks or ():
             sink.close()
         write_rank_status(rank, code, message)
+        if code in (EXIT_OK, EXIT_SIGNAL):  # every rank got here together: leave in step
+            _leave_group()
     return code
+
+
+def _leave_group() -> None:
+    """Destroy the process group before exit: a gloo group left to the interpreter's
+    teardown can abort the process (SIGABRT) when a peer has already gone."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def _quiet_libraries() -> None:
