@@ -15,6 +15,7 @@ pipeline whose frozen parts complete the exported folder.
 from __future__ import annotations
 
 import errno
+import functools
 import hashlib
 import json
 import logging
@@ -22,6 +23,7 @@ import os
 import re
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,7 +32,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
-from zerotuner.errors import ConfigError, EnvironmentUnfit
+from zerotuner.errors import ConfigError, EnvironmentUnfit, ZeroTunerError
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +58,30 @@ class Resumed:
 def _barrier() -> None:
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
+
+
+def _on_rank0(rank: int, work: Callable[[], None]) -> None:
+    """`work` on rank 0, its outcome shared: if it fails, every rank raises (our own error
+    classes as they are), so no rank waits at a barrier for one that has gone."""
+    error: Exception | None = None
+    if rank == 0:
+        try:
+            work()
+        except Exception as caught:  # noqa: BLE001 - shared, then raised again
+            error = caught
+    if dist.is_available() and dist.is_initialized():
+        outcome: tuple[type[Exception], str] | None = None
+        if isinstance(error, ZeroTunerError):
+            outcome = (type(error), str(error))
+        elif error is not None:
+            outcome = (RuntimeError, f"rank 0 failed: {type(error).__name__}: {error}")
+        shared = [outcome]
+        dist.broadcast_object_list(shared, src=0)
+        if rank != 0 and shared[0] is not None:
+            kind, text = shared[0]
+            error = kind(text)
+    if error is not None:
+        raise error
 
 
 def _write_atomic(path: Path, text: str) -> None:
@@ -95,22 +121,11 @@ def save(
             str(root), tag=tag, client_state={"zerotuner_step": step}, save_latest=False
         )
         _test_hook("ZT_TEST_SLEEP_IN_SAVE")
-        if rank == 0 and ema is not None:
-            save_file(ema, str(root / tag / EMA_FILE))
-        _barrier()
-        if rank == 0:
-            paths = [p for p in sorted((root / tag).rglob("*")) if p.is_file()]
-            name = {p: str(p.relative_to(root / tag)) for p in paths}
-            manifest = {
-                **meta,
-                "step": step,
-                "ema_updates": ema_updates,
-                "files": {name[p]: p.stat().st_size for p in paths},
-                "sha256": {name[p]: _sha256(p) for p in paths},
-            }
-            _write_atomic(root / tag / MANIFEST, json.dumps(manifest, indent=2, sort_keys=True))
-            _write_atomic(root / LATEST, tag)
-            _rotate(root, keep=keep, current=tag)
+        _barrier()  # every shard is written
+        commit = functools.partial(
+            _commit, root, step, meta, ema=ema, ema_updates=ema_updates, keep=keep
+        )
+        _on_rank0(rank, commit)
     except Exception as error:
         if not (_disk_full(error) or _nearly_full(root)):
             raise
@@ -123,6 +138,34 @@ def save(
         ) from None
     _barrier()
     return time.perf_counter() - started
+
+
+def _commit(
+    root: Path,
+    step: int,
+    meta: dict[str, Any],
+    *,
+    ema: dict[str, torch.Tensor] | None,
+    ema_updates: int,
+    keep: int,
+) -> None:
+    """EMA weights, the manifest, the pointer, then rotation: what makes a saved step
+    resumable (rank 0, after every rank saved its shards)."""
+    tag = f"step-{step}"
+    if ema is not None:
+        save_file(ema, str(root / tag / EMA_FILE))
+    paths = [p for p in sorted((root / tag).rglob("*")) if p.is_file()]
+    name = {p: str(p.relative_to(root / tag)) for p in paths}
+    manifest = {
+        **meta,
+        "step": step,
+        "ema_updates": ema_updates,
+        "files": {name[p]: p.stat().st_size for p in paths},
+        "sha256": {name[p]: _sha256(p) for p in paths},
+    }
+    _write_atomic(root / tag / MANIFEST, json.dumps(manifest, indent=2, sort_keys=True))
+    _write_atomic(root / LATEST, tag)
+    _rotate(root, keep=keep, current=tag)
 
 
 def _disk_full(error: BaseException) -> bool:
@@ -265,9 +308,8 @@ def _load_other_topology(
             "resuming %s (ZeRO-%s on %s rank(s)) as ZeRO-%d on %d: converting once to %s/",
             path, manifest["zero_stage"], manifest["world_size"], stage, world, universal.FOLDER,
         )  # fmt: skip
-        names = [n for n, p in engine.module.named_parameters() if p.requires_grad]
-        universal.convert(path, names)
-    _barrier()
+    names = [n for n, p in engine.module.named_parameters() if p.requires_grad]
+    _on_rank0(rank, lambda: universal.convert(path, names))
     universal.load_into(engine, path / universal.FOLDER, rank=rank)
 
 
@@ -275,8 +317,13 @@ def load(engine: Any, path: Path) -> Resumed:
     """Weights, optimizer and LR schedule into the engine; the rest returned (every rank)."""
     manifest = read_manifest(path)
     assert manifest is not None
+    from zerotuner.universal import SWAPPED
+
     stage, world = engine.zero_optimization_stage(), _world()
-    if same_layout(manifest, stage=stage, world=world):
+    # DeepSpeed's own load of an NVMe-offloaded optimizer copies the swap files back but not
+    # the learning rate or Adam's step count and moments: those checkpoints take our path
+    nvme = engine.zero_nvme_offload_optimizer() or (path / SWAPPED).is_dir()
+    if same_layout(manifest, stage=stage, world=world) and not nvme:
         loaded, _ = engine.load_checkpoint(str(path.parent), tag=path.name)
         if loaded is None:
             raise ConfigError(f"ZT_RESUME: DeepSpeed could not load the checkpoint {path}")

@@ -14,8 +14,9 @@ stage 0. So the bridge is ours, in two halves:
   ZeRO-0), then the optimizer step count, LR schedule and engine counters.
 
 Everything carries over: weights, fp32 masters, both Adam moments, the step count (Adam's bias
-correction), the LR schedule. Not carried: an fp16 loss scale (it re-warms) and ZeRO-0 fp16
-checkpoints (FP16_Optimizer's layout): refused with one line.
+correction), the LR schedule, also into a ZeRO-3 run whose optimizer lives on NVMe. Not
+carried: an fp16 loss scale (it re-warms) and ZeRO-0 fp16 checkpoints (FP16_Optimizer's
+layout): refused with one line.
 """
 
 from __future__ import annotations
@@ -24,7 +25,9 @@ import argparse
 import contextlib
 import io
 import logging
+import math
 import os
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -39,6 +42,7 @@ FOLDER = "universal"
 COMMON = "common.pt"
 DONE = "complete"
 MOMENTS = ("exp_avg", "exp_avg_sq")
+SWAPPED = "offloaded_tensors"  # DeepSpeed's copy of an NVMe-offloaded optimizer's swap files
 GROUP = 64  # parameters set at once (ZeRO-3 gathers them): bounds the peak memory
 
 
@@ -78,8 +82,12 @@ def convert(path: Path, names: list[str]) -> Path:
 def _ds_to_universal(path: Path, out: Path) -> None:
     from deepspeed.checkpoint import ds_to_universal
 
+    source = path
+    if (path / SWAPPED).is_dir():
+        source = out.with_name(f"{out.name}.input")
+        _unswap(path, source)
     args = argparse.Namespace(
-        input_folder=str(path),
+        input_folder=str(source),
         output_folder=str(out),
         num_extract_workers=1,
         num_merge_workers=1,
@@ -88,8 +96,58 @@ def _ds_to_universal(path: Path, out: Path) -> None:
         inject_missing_state=True,  # our tags carry no `latest`/iteration files
     )
     chatter = io.StringIO()  # progress bars and prints: not for a training log
-    with contextlib.redirect_stdout(chatter), contextlib.redirect_stderr(chatter):
-        ds_to_universal.main(args)
+    try:
+        with contextlib.redirect_stdout(chatter), contextlib.redirect_stderr(chatter):
+            ds_to_universal.main(args)
+    finally:
+        if source != path:
+            shutil.rmtree(source, ignore_errors=True)
+
+
+def _unswap(path: Path, staging: Path) -> None:
+    """With the optimizer on NVMe, DeepSpeed saves each swapped sub-group as empty placeholders
+    in the optim_states files and copies the swap files themselves to
+    offloaded_tensors/rankNN/ (`<first>_<last>.tensor.swp` for the fp32 master, `exp_avg-...`
+    and `exp_avg_sq-...` for the moments). `staging` gets optim_states files with those
+    tensors put back (what ds_to_universal reads) and links to the model states."""
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir()
+    states = _model_states(path)
+    world = int(states["dp_world_size"])
+    numels = [  # each sub-group's partition on one rank: ceil(numel / world) per parameter
+        sum(math.ceil(shape.numel() / world) for shape in group.values())
+        for group in states["param_shapes"]
+    ]
+    for file in path.glob("*model_states.pt"):
+        (staging / file.name).symlink_to(file.resolve())
+    for file in sorted(path.glob("*optim_states.pt")):
+        rank = int(re.search(r"zero_pp_rank_(\d+)_", file.name).group(1))
+        folder = path / SWAPPED / f"rank{rank:02d}"
+        masters = sorted(  # sub-groups in order (moments: "<key>-<first>_<last>")
+            (p.name.removesuffix(".tensor.swp") for p in folder.glob("[0-9]*_*.tensor.swp")),
+            key=lambda stem: int(stem.split("_")[0]),
+        )
+        state = torch.load(file, map_location="cpu", weights_only=False)
+        optimizer = state["optimizer_state_dict"]
+        flats = optimizer["fp32_flat_groups"]
+        empty = [i for i, flat in enumerate(flats) if flat.numel() == 0 and numels[i] > 0]
+        if len(empty) != len(masters):
+            raise ConfigError(
+                f"ZT_RESUME: {path}: rank {rank}'s NVMe swap files ({len(masters)}) do not match "
+                f"its offloaded optimizer groups ({len(empty)}); resume it on the topology that "
+                "saved it, or set ZT_RESUME=never"
+            )
+        for group, stem in zip(empty, masters, strict=True):
+            flats[group] = _raw(folder / f"{stem}.tensor.swp", numels[group])
+            moments = optimizer["optimizer_state_dict"]["state"][group]
+            for key in MOMENTS:
+                moments[key] = _raw(folder / f"{key}-{stem}.tensor.swp", numels[group])
+        torch.save(state, staging / file.name)
+
+
+def _raw(path: Path, numel: int) -> torch.Tensor:
+    """The first `numel` fp32 values of a swap file (the rest is I/O alignment padding)."""
+    return torch.from_file(str(path), size=numel, dtype=torch.float32).clone()
 
 
 def _from_torch_optimizer(states: dict[str, Any], names: list[str], out: Path) -> None:
@@ -135,7 +193,9 @@ def load_into(engine: Any, folder: Path, *, rank: int) -> int:
             f"missing, e.g. {missing[0]}); set ZT_MODEL to the model it was trained from"
         )
     base = _base_optimizer(engine)
-    _ensure_state(engine, base, step)
+    swapped = bool(getattr(engine.optimizer, "swap_optimizer", False))
+    if not swapped:
+        _ensure_state(engine, base, step)
     for start in range(0, len(named), GROUP):
         group = named[start : start + GROUP]
         values = {n: _read(folder, n, "fp32") for n, _ in group}
@@ -143,6 +203,8 @@ def load_into(engine: Any, folder: Path, *, rank: int) -> int:
             for name, param in group:
                 if rank == 0 or not hasattr(param, "ds_id"):
                     param.data.copy_(values[name].view_as(param.data))
+        if swapped:
+            continue  # masters and moments below, one swap per sub-group
         for name, param in group:
             zero = hasattr(param, "ds_id") or hasattr(param, "_hp_mapping")
             if zero:
@@ -157,6 +219,8 @@ def load_into(engine: Any, folder: Path, *, rank: int) -> int:
                     state = base.state[param]
                     state[key] = moment.view_as(param.data).to(param.dtype).clone()
                     state["step"] = step
+    if swapped:
+        _set_swapped(engine.optimizer, named, folder, step)
     _set_step(base, step)
     scheduler = engine.lr_scheduler
     if scheduler is not None and common["lr_scheduler"] is not None:
@@ -184,12 +248,6 @@ def _ensure_state(engine: Any, base: Any, step: int) -> None:
         flat = flat or getattr(wrapper, attribute, None)
     if flat is None:
         return  # ZeRO-0 fp32: a plain optimizer, its state is set per parameter
-    if getattr(wrapper, "swap_optimizer", False):
-        raise ConfigError(
-            "ZT_RESUME: moving a checkpoint to another ZeRO stage or number of ranks with the "
-            "optimizer offloaded to NVMe (ZT_OFFLOAD_OPTIMIZER=nvme) is not supported yet; "
-            "resume on the saved topology, or use ZT_OFFLOAD_OPTIMIZER=cpu for this first resume"
-        )
     for tensor in flat:
         state = base.state[tensor]
         for key in MOMENTS:
@@ -198,6 +256,36 @@ def _ensure_state(engine: Any, base: Any, step: int) -> None:
     link = getattr(wrapper, "_lazy_init_hp_params_optimizer_state", None)
     if link is not None:
         link()
+
+
+def _set_swapped(wrapper: Any, named: list[tuple[str, Any]], folder: Path, step: int) -> None:
+    """ZeRO-3 with the optimizer on NVMe: each sub-group's fp32 master and moments live in swap
+    files. Swap a sub-group in once, write every parameter's slice, swap it out (DeepSpeed's
+    safe_set_full_* would swap the whole sub-group per parameter and per moment)."""
+    members: dict[int, list[tuple[str, Any, int, int]]] = {}
+    for name, param in named:
+        group, offset, count = wrapper.grad_position[wrapper.get_param_id(param)]
+        members.setdefault(group, []).append((name, param, offset, count))
+    base = wrapper.optimizer
+    for group, params in sorted(members.items()):
+        flat = wrapper.fp32_partitioned_groups_flat[group]
+        swapped = wrapper._swappable_optimizer_subgroup(group)  # small ones stay in memory
+        if swapped:
+            wrapper._optimizer_states_and_gradient_swap_in(group)
+        state = base.state[flat]  # empty before the first step: Adam creates it lazily
+        for key in MOMENTS:
+            state.setdefault(key, torch.zeros_like(flat))  # swapped out with the rest
+        state.setdefault("step", step)
+        for name, param, offset, count in params:
+            first = count * wrapper._get_param_partition_rank(param)  # this rank's slice
+            for key, target in (("fp32", flat), *((k, state[k]) for k in MOMENTS)):
+                value = _read(folder, name, key, missing_ok=key != "fp32")
+                if value is None:
+                    continue
+                piece = value.flatten()[first : first + count]  # the last slice is padded
+                target.data.narrow(0, offset, piece.numel()).copy_(piece)
+        if swapped:
+            wrapper._optimizer_states_and_gradient_swap_out(group)
 
 
 def _read(folder: Path, name: str, key: str, *, missing_ok: bool = False) -> torch.Tensor | None:
