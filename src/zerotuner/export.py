@@ -4,21 +4,20 @@ A folder is the base pipeline's frozen parts (VAE, text encoders, tokenizers, sc
 model_index.json) copied as they are, plus the trained UNet written with save_pretrained in
 safetensors. It is built next to the destination and renamed into place, so a reader never
 sees half an export. Checkpoints are consolidated with DeepSpeed's own tools: zero_to_fp32 for
-ZeRO 1-3 (any world size), the module state for stage 0.
+ZeRO 1-3 (any world size; an NVMe-offloaded optimizer's swap files put back first), the
+module state for stage 0.
 """
 
 from __future__ import annotations
 
 import logging
-import math
-import re
 import shutil
 import tempfile
 from pathlib import Path
 
-import numpy as np
 import torch
 
+from zerotuner import universal
 from zerotuner.checkpoint import EMA_FILE, read_manifest
 from zerotuner.errors import ConfigError
 
@@ -67,47 +66,12 @@ def checkpoint_unet_state(checkpoint: Path, *, ema: bool = False) -> dict[str, t
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
     with tempfile.TemporaryDirectory() as tmp:
-        readable = _with_nvme_partitions(checkpoint, Path(tmp)) or checkpoint
+        readable = checkpoint
+        if (checkpoint / universal.SWAPPED).is_dir():  # the optimizer was on NVMe
+            readable = Path(tmp) / checkpoint.name
+            universal.unswap(checkpoint, readable)
         state = get_fp32_state_dict_from_zero_checkpoint(str(readable.parent), tag=readable.name)
     return {k: v.float() for k, v in state.items()}
-
-
-def _with_nvme_partitions(checkpoint: Path, tmp: Path) -> Path | None:
-    """ZeRO-3 with the optimizer on NVMe keeps each rank's fp32 master partitions in swap
-    files (offloaded_tensors/rankNN/<first>_<last>.tensor.swp, one per sub-group of
-    parameter ids, padded for aligned I/O) and leaves `fp32_flat_groups` empty in the
-    optim-states files that zero_to_fp32 reads. Write a copy of the checkpoint with them
-    filled in; None when the checkpoint has no such files."""
-    offloaded = checkpoint / "offloaded_tensors"
-    if not offloaded.is_dir():
-        return None
-    from deepspeed.utils.zero_to_fp32 import zero3_partitioned_param_info
-
-    staging = tmp / checkpoint.name
-    staging.mkdir()
-    model_files = sorted(checkpoint.glob("zero_pp_rank_*_mp_rank_00_model_states.pt"))
-    world = len(model_files)
-    shapes = torch.load(model_files[0], map_location="cpu", weights_only=False)["param_shapes"]
-    sizes = [
-        zero3_partitioned_param_info(math.prod(shape), world)[0]
-        for group in shapes
-        for shape in group.values()
-    ]  # per parameter id, in the order DeepSpeed numbered them
-    for path in model_files:
-        (staging / path.name).symlink_to(path)
-    for rank in range(world):
-        name = f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
-        states = torch.load(checkpoint / name, map_location="cpu", weights_only=False)
-        swaps = [p for p in (offloaded / f"rank{rank:02d}").glob("*.tensor.swp")]
-        swaps = [p for p in swaps if re.fullmatch(r"\d+_\d+\.tensor\.swp", p.name)]
-        parts = []
-        for swap in sorted(swaps, key=lambda p: int(p.name.split("_")[0])):
-            first, last = (int(x) for x in swap.name.split(".")[0].split("_"))
-            numel = sum(sizes[first : last + 1])
-            parts.append(torch.from_numpy(np.fromfile(swap, dtype=np.float32, count=numel)))
-        states["optimizer_state_dict"]["fp32_flat_groups"] = parts
-        torch.save(states, staging / name)
-    return staging
 
 
 def export_checkpoint(

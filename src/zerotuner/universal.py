@@ -85,7 +85,7 @@ def _ds_to_universal(path: Path, out: Path) -> None:
     source = path
     if (path / SWAPPED).is_dir():
         source = out.with_name(f"{out.name}.input")
-        _unswap(path, source)
+        unswap(path, source)
     args = argparse.Namespace(
         input_folder=str(source),
         output_folder=str(out),
@@ -104,12 +104,13 @@ def _ds_to_universal(path: Path, out: Path) -> None:
             shutil.rmtree(source, ignore_errors=True)
 
 
-def _unswap(path: Path, staging: Path) -> None:
+def unswap(path: Path, staging: Path) -> None:
     """With the optimizer on NVMe, DeepSpeed saves each swapped sub-group as empty placeholders
     in the optim_states files and copies the swap files themselves to
     offloaded_tensors/rankNN/ (`<first>_<last>.tensor.swp` for the fp32 master, `exp_avg-...`
     and `exp_avg_sq-...` for the moments). `staging` gets optim_states files with those
-    tensors put back (what ds_to_universal reads) and links to the model states."""
+    tensors put back (what ds_to_universal and zero_to_fp32 read) and links to the model
+    states."""
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir()
     states = _model_states(path)
