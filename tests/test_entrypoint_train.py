@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import time
@@ -48,11 +49,25 @@ def steps_done(out: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def hub_cache(model: Path, hub: Path, repo: str) -> None:
+    """`model` as the Hugging Face cache holds a downloaded hub repository: what
+    snapshot_download finds offline, through the same code path as a real download."""
+    revision = "0" * 40
+    folder = hub / f"models--{repo.replace('/', '--')}"
+    shutil.copytree(model, folder / "snapshots" / revision)
+    (folder / "refs").mkdir()
+    (folder / "refs" / "main").write_text(revision)
+
+
 @pytest.mark.slow
 def test_two_entrypoints_on_localhost_train_together(demo_dir, tmp_path):
+    """Two nodes, one rank each, training a model named by its hub id (from the cache)."""
     port = str(free_port())
+    hub_cache(demo_dir / "model", tmp_path / "hf" / "hub", "zerotuner/tiny-sdxl")
     common = dict(ZT_NNODES="2", ZT_NUM_PROCESSES="1", ZT_MASTER_ADDR="127.0.0.1",
-                  ZT_MASTER_PORT=port, ZT_MAX_STEPS="4", ZT_CHECKPOINT_EVERY_STEPS="0")  # fmt: skip
+                  ZT_MASTER_PORT=port, ZT_MAX_STEPS="4", ZT_CHECKPOINT_EVERY_STEPS="0",
+                  ZT_MODEL="zerotuner/tiny-sdxl", HF_HOME=str(tmp_path / "hf"),
+                  HF_HUB_OFFLINE="1")  # fmt: skip
     nodes = [
         subprocess.Popen(
             [ENTRYPOINT, "train"],
@@ -66,6 +81,10 @@ def test_two_entrypoints_on_localhost_train_together(demo_dir, tmp_path):
     logs = [node.communicate(timeout=900)[0] for node in nodes]
     assert [node.returncode for node in nodes] == [0, 0], logs[0][-3000:] + logs[1][-3000:]
     assert "node 0 of 2 (world size 2" in logs[0] and "node 1 of 2 (world size 2" in logs[1]
+    # what was decided and why; the hub id was found in the cache, so nothing to download
+    assert "model family sdxl (detected from" in logs[0], logs[0][-3000:]
+    for line in ("plan:", "effective DeepSpeed config:", "phase: loading"):
+        assert line in logs[0], line
     assert [s["step"] for s in steps_done(tmp_path)] == [1, 2, 3, 4]
     effective = json.loads((tmp_path / "output" / "run" / "deepspeed.json").read_text())
     micro = effective["train_micro_batch_size_per_gpu"]

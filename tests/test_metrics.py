@@ -116,11 +116,10 @@ def exposition_problems(
     return problems
 
 
-def promtool_problems(text: str) -> list[str] | None:
-    """`promtool check metrics` findings; None when promtool is not installed."""
+def promtool_problems(text: str) -> list[str]:
+    """`promtool check metrics` findings (`make setup` installs promtool: its absence fails)."""
     promtool = shutil.which("promtool")
-    if promtool is None:
-        return None
+    assert promtool, "promtool is missing: `make setup` installs it (Debian package prometheus)"
     result = subprocess.run(
         [promtool, "check", "metrics"], input=text, capture_output=True, text=True, timeout=60
     )
@@ -276,10 +275,7 @@ def test_endpoint_with_two_real_ranks(tmp_path, monkeypatch):
         assert value(text, "zerotuner_samples_total", rank="0") == steps[0] * 8
         assert value(text, "zerotuner_offload_dir_used_bytes") >= 1_000_000
         assert value(text, "zerotuner_last_checkpoint_step", rank="0") == steps[0] // 20 * 20
-        lint = promtool_problems(text)
-        if lint is None:
-            pytest.skip("promtool not installed (Debian package prometheus)")
-        assert lint == []
+        assert promtool_problems(text) == []
 
         wait_for(lambda: scrape(url, "/healthz")[0] == 503, "/healthz to report the hang")
         status, body = scrape(url, "/healthz")
@@ -369,10 +365,7 @@ def test_cpu_device_memory_is_the_process_rss(tmp_path):
 
 
 def test_promtool_accepts_the_inprocess_exposition(tmp_path):
-    lint = promtool_problems(inprocess_exposition(tmp_path, cuda=True))
-    if lint is None:
-        pytest.skip("promtool not installed (Debian package prometheus)")
-    assert lint == []
+    assert promtool_problems(inprocess_exposition(tmp_path, cuda=True)) == []
 
 
 def test_exposition_problems_can_fail(tmp_path):

@@ -156,12 +156,14 @@ class Run:
 
     # --- loading ------------------------------------------------------------------------
     def load(self) -> None:
-        self.phase("loading")
         s, job = self.settings, self.job
         token = s.hf_token.get_secret_value() if s.hf_token else None
+        if not Path(job.model).expanduser().is_dir():
+            self.phase("downloading")  # a hub id: fetched, or found in the cache, per node
         if int(os.environ["LOCAL_RANK"]) == 0:  # one download per node
             self.source = model.resolve_model(job.model, cache_dir=s.cache_dir, token=token)
         _barrier()
+        self.phase("loading")
         if int(os.environ["LOCAL_RANK"]) != 0:
             self.source = model.resolve_model(job.model, cache_dir=s.cache_dir, token=token)
         self.components = model.load_components(
@@ -226,6 +228,7 @@ class Run:
             for i, item in enumerate(self.dataset.items)
         ]
         latents, texts = self.features.missing(self.items)
+        _barrier()  # every rank lists the same missing entries before any rank writes one
         my_latents = feature_cache.share(latents, self.rank, self.world)
         my_texts = feature_cache.share(texts, self.rank, self.world)
         if my_latents or my_texts:
