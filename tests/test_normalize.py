@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from zerotuner.deepspeed_config import Decisions, normalize, pins
@@ -404,3 +406,39 @@ def test_bucket_sizes_are_aligned_even_for_odd_parameter_counts():
 def test_an_auto_zerotuner_cannot_fill_is_an_error():
     (problem,) = problems(base={"stage": "auto"})  # a misplaced key: DeepSpeed would ignore it
     assert problem.startswith("stage='auto' has no value zerotuner can fill")
+
+
+# --- the seed's examples through the whole preflight (settings -> plan -> normalize) -------
+
+
+def preflighted(base: dict, hardware: Hardware = RTX4090, **env):
+    from zerotuner.preflight import preflight
+
+    settings = Settings(
+        model="stabilityai/stable-diffusion-xl-base-1.0", offload_dir="/offload",
+        deepspeed_config=json.dumps(base), **env,
+    )  # fmt: skip
+    return preflight(settings, hardware=hardware, require_fit=False)
+
+
+def test_seed_stage2_example_runs_the_preflight_dropping_param_offload_with_a_warning():
+    result = preflighted(SEED_STAGE2)
+    zero = result.normalized.config["zero_optimization"]
+    assert zero["stage"] == 2 and "offload_param" not in zero
+    warnings = [n.message for n in result.notes if n.level == "warning"]
+    assert any("offload_param.device cpu -> none: parameter offload needs ZeRO stage 3" in w
+               for w in warnings), warnings  # fmt: skip
+
+
+def test_a_raw_nvme_optimizer_below_stage3_plans_cpu_as_deepspeed_would():
+    base = {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "nvme"}}}
+    zero = preflighted(base).normalized.config["zero_optimization"]
+    assert zero["offload_optimizer"]["device"] == "cpu"
+
+
+def test_messages_name_raw_config_pins_by_their_deepspeed_key():
+    base = {"zero_optimization": {"stage": 0, "offload_optimizer": {"device": "cpu"}}}
+    result = preflighted(base, hardware=T4)  # 16 GB, ZeRO-0: SDXL cannot fit
+    closest = [n.message for n in result.notes if "cannot run it" in n.message]
+    assert closest and "zero_optimization.stage=0" in closest[0], result.notes
+    assert "ZT_ZERO_STAGE" not in closest[0]

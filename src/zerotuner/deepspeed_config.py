@@ -25,6 +25,7 @@ from zerotuner.optimizers import (
     valid_optimizer_names,
 )
 from zerotuner.plan import bucket as plan_bucket
+from zerotuner.plan import legal
 from zerotuner.settings import Settings, env_name
 
 NVME_PLACEHOLDERS = ("", "none", "null", "auto", "/path/to", "/local_nvme", "/nvme")
@@ -56,6 +57,7 @@ class Pins:
     zero_stage: int | None
     offload_optimizer: str | None
     offload_param: str | None
+    names: dict[str, str]  # where each pin came from: a ZT_* name or a DeepSpeed key
 
 
 @dataclass(frozen=True)
@@ -66,26 +68,41 @@ class Normalized:
 
 
 def pins(settings: Settings, base: dict[str, Any]) -> Pins:
+    """What the planner must keep. A raw config's offload that its own stage cannot run (the
+    seed's stage-2 example offloads parameters) is not a pin: normalize drops it, warning."""
     zero = base.get("zero_optimization") or {}
+    zero = zero if isinstance(zero, dict) else {}
+    names = {key: env_name(key) for key in ("zero_stage", "offload_optimizer", "offload_param")}
     stage: int | None = None
     if settings.zero_stage != "auto":
         stage = int(settings.zero_stage)
-    elif isinstance(zero, dict) and is_number(zero.get("stage")):
+    elif is_number(zero.get("stage")):
         stage = int(float(zero["stage"]))
-    return Pins(
-        zero_stage=stage,
-        offload_optimizer=_pinned_offload(settings.offload_optimizer, zero, "offload_optimizer"),
-        offload_param=_pinned_offload(settings.offload_param, zero, "offload_param"),
-    )
+        names["zero_stage"] = "zero_optimization.stage"
+    offloads: dict[str, str | None] = {}
+    for key in ("offload_optimizer", "offload_param"):
+        setting = getattr(settings, key)
+        section = zero.get(key)
+        device = section.get("device") if isinstance(section, dict) else None
+        if setting != "auto":
+            offloads[key] = setting
+        elif key == "offload_optimizer" and device == "nvme" and stage in (1, 2):
+            offloads[key] = "cpu"  # what DeepSpeed itself does below stage 3
+            names[key] = f"zero_optimization.{key}.device"
+        elif device in (None, "auto") or _illegal_at(stage, key, str(device).lower()):
+            offloads[key] = None
+        else:
+            offloads[key] = str(device).lower()
+            names[key] = f"zero_optimization.{key}.device"
+    return Pins(stage, offloads["offload_optimizer"], offloads["offload_param"], names)
 
 
-def _pinned_offload(setting: str, zero: Any, key: str) -> str | None:
-    if setting != "auto":
-        return setting
-    section = zero.get(key) if isinstance(zero, dict) else None
-    if isinstance(section, dict) and section.get("device") not in (None, "auto"):
-        return str(section["device"]).lower()
-    return None
+def _illegal_at(stage: int | None, key: str, device: str) -> str | None:
+    """Why ZeRO `stage` cannot offload `key` to `device` (None: it can, or no stage is set)."""
+    if stage is None or device == "none":
+        return None
+    optimizer, param = (device, "none") if key == "offload_optimizer" else ("none", device)
+    return legal(stage, optimizer, param)
 
 
 def resolve_precision(requested: str, hardware: Hardware, notes: Notes) -> str:
@@ -387,8 +404,8 @@ def _zero(ctx: _Context, d: Decisions, hardware: Hardware, shape: ModelShape) ->
     pin = hardware.accelerator == "cuda"
     optimizer = _offload_target(ctx, "offload_optimizer", d.offload_optimizer, stage)
     param = _offload_target(ctx, "offload_param", d.offload_param, stage)
-    _offload_section(ctx, zero, "offload_optimizer", optimizer, pin, shape)
-    _offload_section(ctx, zero, "offload_param", param, pin, shape)
+    _offload_section(ctx, zero, "offload_optimizer", optimizer, stage, pin, shape)
+    _offload_section(ctx, zero, "offload_param", param, stage, pin, shape)
     if "nvme" in (optimizer, param):
         _aio(ctx)
     elif "aio" in cfg:
@@ -428,18 +445,27 @@ def _offload_target(ctx: _Context, key: str, target: str, stage: int) -> str:
 
 
 def _offload_section(
-    ctx: _Context, zero: dict[str, Any], key: str, target: str, pin: bool, shape: ModelShape
+    ctx: _Context,
+    zero: dict[str, Any],
+    key: str,
+    target: str,
+    stage: int,
+    pin: bool,
+    shape: ModelShape,
 ) -> None:
     n, s = ctx.n, ctx.settings
     section = zero.get(key)
     section = dict(section) if isinstance(section, dict) else {}
+    device = section.get("device")
+    if device not in (None, "auto", target):
+        why = _illegal_at(stage, key, str(device).lower())
+        if why:  # the raw config's own stage cannot run it (pins() left it to the planner)
+            n.warn(f"zero_optimization.{key}.device {device} -> {target}: {why}")
+        else:
+            n.change(f"zero_optimization.{key}.device {device} -> {target}")
     if target == "none":
-        if section.get("device") not in (None, "none"):
-            n.change(f"zero_optimization.{key}.device {section['device']} -> none")
         zero.pop(key, None)
         return
-    if section.get("device") not in (None, "auto", target):
-        n.change(f"zero_optimization.{key}.device {section['device']} -> {target}")
     section["device"] = target
     if section.get("pin_memory") in (None, "auto"):
         section["pin_memory"] = pin

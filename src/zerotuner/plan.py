@@ -305,19 +305,25 @@ def make_plan(
     mixed_precision: str = "auto",
     ranks_per_node: int | None = None,
     require_fit: bool = True,
+    pin_names: dict[str, str] | None = None,
 ) -> Plan:
     """Estimate every option; choose the fastest that fits. Pinned values are kept.
 
     Raises ConfigError for an illegal pinned combination and EnvironmentUnfit (exit 3) when
-    nothing fits, naming the closest option and what it lacks.
+    nothing fits, naming the closest option and what it lacks. `pin_names`: where the pins came
+    from (a raw DeepSpeed key instead of the ZT_* name), for those messages.
     """
+    names = {
+        key: f"ZT_{key.upper()}"
+        for key in ("zero_stage", "offload_optimizer", "offload_param", "gradient_checkpointing")
+    } | (pin_names or {})
     if world_size < 1 or micro_batch < 1:
         raise ConfigError(f"world size {world_size} and micro batch {micro_batch} must be >= 1")
     ranks_per_node = ranks_per_node or world_size
     precision = resolve_precision(mixed_precision, hardware)
     on_cpu = hardware.accelerator == "cpu"
     cap = capacity(hardware, offload_disk_free)
-    _check_pins(zero_stage, offload_optimizer, offload_param)
+    _check_pins(zero_stage, offload_optimizer, offload_param, names)
     stages = [0, 1, 2, 3] if zero_stage == "auto" else [int(zero_stage)]
     ckpts = [False, True] if gradient_checkpointing == "auto" else [bool(gradient_checkpointing)]
 
@@ -349,8 +355,9 @@ def make_plan(
                 )
     if not rows:
         raise ConfigError(
-            f"ZT_ZERO_STAGE={zero_stage}, ZT_OFFLOAD_OPTIMIZER={offload_optimizer}, "
-            f"ZT_OFFLOAD_PARAM={offload_param}: no DeepSpeed option matches these pins"
+            f"{names['zero_stage']}={zero_stage}, {names['offload_optimizer']}="
+            f"{offload_optimizer}, {names['offload_param']}={offload_param}: no DeepSpeed option "
+            "matches these pins"
         )
     rows.sort(key=_table_order)
     inputs = {
@@ -372,7 +379,9 @@ def make_plan(
     fitting = sorted((r for r in rows if r.fits), key=_preference)
     if not fitting:
         closest = min(rows, key=lambda r: _overshoot(r, cap, on_cpu))
-        pins = _pin_text(zero_stage, offload_optimizer, offload_param, gradient_checkpointing)
+        pins = _pin_text(
+            names, zero_stage, offload_optimizer, offload_param, gradient_checkpointing
+        )
         hint = ""
         disk_only = [r for r in rows if r.short and all(s.startswith("disk") for s in r.short)]
         if disk_only:
@@ -395,7 +404,9 @@ def make_plan(
     return Plan(tuple(rows), choice, tuple(_reasons(choice, rows, cap, precision)), inputs)
 
 
-def _check_pins(zero_stage: Any, offload_optimizer: str, offload_param: str) -> None:
+def _check_pins(
+    zero_stage: Any, offload_optimizer: str, offload_param: str, names: dict[str, str]
+) -> None:
     if zero_stage == "auto":
         return
     stage = int(zero_stage)
@@ -406,19 +417,19 @@ def _check_pins(zero_stage: Any, offload_optimizer: str, offload_param: str) -> 
     )
     if why:
         raise ConfigError(
-            f"ZT_ZERO_STAGE={zero_stage} with ZT_OFFLOAD_OPTIMIZER={offload_optimizer}, "
-            f"ZT_OFFLOAD_PARAM={offload_param}: {why}"
+            f"{names['zero_stage']}={zero_stage} with {names['offload_optimizer']}="
+            f"{offload_optimizer}, {names['offload_param']}={offload_param}: {why}"
         )
 
 
-def _pin_text(stage: Any, opt: str, param: str, ckpt: Any) -> str:
+def _pin_text(names: dict[str, str], stage: Any, opt: str, param: str, ckpt: Any) -> str:
     pins = [
-        f"{name}={value}"
-        for name, value in (
-            ("ZT_ZERO_STAGE", stage),
-            ("ZT_OFFLOAD_OPTIMIZER", opt),
-            ("ZT_OFFLOAD_PARAM", param),
-            ("ZT_GRADIENT_CHECKPOINTING", ckpt),
+        f"{names[key]}={value}"
+        for key, value in (
+            ("zero_stage", stage),
+            ("offload_optimizer", opt),
+            ("offload_param", param),
+            ("gradient_checkpointing", ckpt),
         )
         if value != "auto"
     ]

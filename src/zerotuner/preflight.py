@@ -164,6 +164,7 @@ def plan_for(
         offload_disk_free=offload_disk_free,
         mixed_precision=settings.mixed_precision,
         require_fit=require_fit,
+        pin_names=user.names,
     )
 
 
