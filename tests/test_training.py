@@ -35,7 +35,7 @@ def shared_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def train(
     tmp: Path, demo: Path, cache: Path, *, stage: int, steps: int, data: Path | None = None,
     output: Path | None = None, world: int = 2, offload_optimizer: str = "none",
-    offload_param: str = "none", **settings,
+    offload_param: str = "none", family: str = "sdxl", **settings,
 ) -> tuple[subprocess.CompletedProcess[str], Path]:  # fmt: skip
     output = output or tmp / "output"
     checkpointing = settings.pop("gradient_checkpointing", False)  # Job decisions
@@ -45,7 +45,7 @@ def train(
         offload_param=offload_param, nvme_dir=tmp / "nvme", precision=precision,
     )  # fmt: skip
     job = tk.write_job(
-        tmp / "job.json", model=demo / "model", deepspeed=config, world=world,
+        tmp / "job.json", model=demo / "model", deepspeed=config, world=world, family=family,
         gradient_checkpointing=checkpointing, mixed_precision=precision,
     )  # fmt: skip
     env = tk.settings_env(
@@ -163,9 +163,15 @@ def test_resume_continues_at_next_step_with_same_weights(zero2, tmp_path, demo_d
     assert cache["texts_encoded"] == 0
 
 
-CONFIGS = {
-    "zero0": dict(stage=0),
-    "zero1-cpu-offload-bf16": dict(stage=1, offload_optimizer="cpu", mixed_precision="bf16"),
+CONFIGS = {  # SD 1.x and 2.x train here too, each with validation samples
+    "zero0-sd1": dict(stage=0, family="sd1", validation_prompts=[PROMPT]),
+    "zero1-cpu-offload-bf16-sd2": dict(
+        stage=1,
+        offload_optimizer="cpu",
+        mixed_precision="bf16",
+        family="sd2",
+        validation_prompts=[PROMPT],
+    ),  # fmt: skip
     "zero3-ema-samples-checkpointing": dict(
         stage=3, ema="true", validation_prompts=[PROMPT], gradient_checkpointing=True
     ),
@@ -174,8 +180,10 @@ CONFIGS = {
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_stage_trains_checkpoints_and_exports(name, tmp_path, demo_dir, shared_cache, zero2):
+def test_stage_trains_checkpoints_and_exports(name, tmp_path, request, shared_cache, zero2):
     config = dict(CONFIGS[name])
+    family = config.get("family", "sdxl")
+    demo_dir = request.getfixturevalue("demo_dir" if family == "sdxl" else f"{family}_demo_dir")
     proc, output = train(
         tmp_path, demo_dir, shared_cache, steps=SHORT, checkpoint_every_steps=2, **config
     )
