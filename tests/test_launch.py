@@ -328,6 +328,7 @@ def test_check_passes_on_the_demo(check_env, capsys, tmp_path):
         ({"ZT_DATA_DIR": "/nonexistent/data"}, "dataset", 2),
         ({"ZT_MODEL": "/nonexistent/model"}, "model", 2),
         ({"ZT_MODEL": "not a hub id!"}, "model", 2),
+        ({"ZT_MODEL": "someone/not-cached-sdxl"}, "model", 2),  # offline (conftest), not cached
         ({"ZT_NNODES": "2"}, "topology", 2),
         ({"ZT_ZERO_STAGE": "1", "ZT_OFFLOAD_PARAM": "cpu"}, "plan", 2),
         ({"ZT_TRAIN_BATCH_SIZE": "0"}, "settings", 2),
@@ -352,6 +353,21 @@ def test_check_busy_port_is_exit_3(check_env, capsys):
         code, out = _check(capsys)
     assert code == 3, out
     assert "in use" in out
+
+
+def test_check_busy_rendezvous_port_on_node_0_is_exit_3(check_env, capsys):
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        for key, value in dict(ZT_NNODES="2", ZT_NODE_RANK="0", ZT_MASTER_ADDR="127.0.0.1",
+                               ZT_MASTER_PORT=str(busy.getsockname()[1])).items():  # fmt: skip
+            check_env.setenv(key, value)
+        code, out = _check(capsys)
+    assert code == 3, out
+    assert any(line.startswith("FAIL") and " rendezvous port " in line for line in out.splitlines())
+    assert "ZT_MASTER_PORT=" in out and "in use" in out
 
 
 def test_check_validates_nvme_offload_without_cleaning(check_env, capsys, tmp_path):

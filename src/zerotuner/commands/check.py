@@ -103,6 +103,9 @@ def run(args: argparse.Namespace) -> int:
         c.skip("offload", "needs a plan to know what NVMe offload needs")
     c.run("output dir", lambda: _writable_dir(c.facts["settings"].output_dir, "ZT_OUTPUT_DIR"))
     c.run("metrics port", lambda: _port(c))
+    t = c.facts.get("topology")
+    if t is not None and t.nnodes > 1 and t.node_rank == 0 and t.master_port:
+        c.run("rendezvous port", lambda: _rendezvous_port(c))
     return _finish(c)
 
 
@@ -155,7 +158,7 @@ def _topology(c: Checks) -> str:
     )
 
 
-def _model(c: Checks) -> str:
+def _model(c: Checks) -> tuple[str, list[str]]:
     from zerotuner.families import model_shape, unet_config_path
     from zerotuner.preflight import resolve_model
 
@@ -176,11 +179,40 @@ def _model(c: Checks) -> str:
                 "point it at a diffusers pipeline folder"
             )
         where = f"local folder {source.local_dir}"
+        warnings = []
     else:
-        where = f"hub id {settings.model} (downloaded at train time)"
+        where, warnings = _hub_access(settings)
     shape = model_shape(source.family, source.local_dir)  # type: ignore[arg-type]
     c.facts["shape"] = shape
-    return f"{where}; {source.family} ({source.reason}); UNet {shape.unet_params / 1e6:.1f}M params"
+    detail = f"{where}; {source.family} ({source.reason}); UNet {shape.unet_params / 1e6:.1f}M"
+    return detail + " params", warnings
+
+
+def _hub_access(settings: Any) -> tuple[str, list[str]]:
+    """A hub id not in the cache: can this token read it? (Train downloads it.)"""
+    from huggingface_hub import HfApi, constants
+    from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError
+
+    name = f"ZT_MODEL={settings.model}"
+    if constants.HF_HUB_OFFLINE:
+        raise ConfigError(
+            f"{name}: not in the Hugging Face cache and HF_HUB_OFFLINE is set; download it "
+            "first (or unset HF_HUB_OFFLINE), or give a local pipeline folder"
+        )
+    token = settings.hf_token.get_secret_value() if settings.hf_token else None
+    try:
+        HfApi().model_info(settings.model, token=token, timeout=10)
+    except (RepositoryNotFoundError, GatedRepoError) as error:
+        raise ConfigError(
+            f"{name}: not a hub repository this token can read ({type(error).__name__}); "
+            "check the id and ZT_HF_TOKEN"
+        ) from None
+    except Exception as error:  # noqa: BLE001 - no network here is a warning, not a verdict
+        return f"hub id {settings.model}", [
+            f"could not reach the hub to check it ({type(error).__name__}); "
+            "train downloads it and fails there if it cannot"
+        ]
+    return f"hub id {settings.model} (readable; downloaded at train time)", []
 
 
 def _plan(c: Checks) -> str:
@@ -291,15 +323,25 @@ def _port(c: Checks) -> str:
     settings = c.facts["settings"]
     if settings.metrics_port == 0:
         return "metrics disabled (ZT_METRICS_PORT=0)"
-    family = socket.AF_INET6 if ":" in settings.metrics_host else socket.AF_INET
+    _bindable(settings.metrics_host, settings.metrics_port, "ZT_METRICS_PORT", "or 0 to disable")
+    return f"{settings.metrics_host}:{settings.metrics_port} free"
+
+
+def _rendezvous_port(c: Checks) -> str:
+    """Node 0 of a multi-node job hosts torchrun's rendezvous store on the master port."""
+    t = c.facts["topology"]
+    _bindable("0.0.0.0", t.master_port, "ZT_MASTER_PORT", "on node 0")
+    return f"{t.master_port} free on node 0 (the rendezvous store)"
+
+
+def _bindable(host: str, port: int, name: str, hint: str) -> None:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
-            s.bind((settings.metrics_host, settings.metrics_port))
+            s.bind((host, port))
         except OSError as exc:
             why = "in use" if exc.errno == errno.EADDRINUSE else exc.strerror
             raise EnvironmentUnfit(
-                f"ZT_METRICS_PORT={settings.metrics_port} on {settings.metrics_host}: {why}; "
-                "pick a free port or 0 to disable"
+                f"{name}={port} on {host}: {why}; pick a free port {hint}"
             ) from None
-    return f"{settings.metrics_host}:{settings.metrics_port} free"
