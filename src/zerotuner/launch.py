@@ -75,11 +75,14 @@ def _nnodes(value: str, name: str) -> int:
     return _int(value, name)
 
 
-def resolve_topology(settings: Any, hardware: Hardware, environ: Mapping[str, str]) -> Topology:
+def resolve_topology(
+    settings: Any, hardware: Hardware, environ: Mapping[str, str], *, rendezvous: bool = True
+) -> Topology:
     """Each value from the first source that has it: ZT_* settings, PET_*, Indexed Job, defaults.
 
     Kubeflow's own RANK/WORLD_SIZE count nodes, not processes: they are ignored (torchrun sets
-    the per-process values for the ranks).
+    the per-process values for the ranks). `rendezvous=False` (`plan`, `config`: only the world
+    size matters) lets a multi-node job without ZT_MASTER_ADDR through, with a placeholder.
     """
     sources = []
     pet = {k: v for k, v in environ.items() if k.startswith("PET_") and v.strip()}
@@ -110,7 +113,7 @@ def resolve_topology(settings: Any, hardware: Hardware, environ: Mapping[str, st
 
     master_addr = settings.master_addr or pet.get("PET_MASTER_ADDR")
     if master_addr is None:
-        if nnodes > 1:
+        if nnodes > 1 and rendezvous:
             raise ConfigError(
                 f"{nnodes} nodes need ZT_MASTER_ADDR (the host of node 0, e.g. "
                 "<job>-0.<service> for an Indexed Job with a headless Service)"

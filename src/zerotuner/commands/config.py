@@ -1,25 +1,53 @@
-"""`zerotuner config`: the normalized DeepSpeed JSON on stdout, every change on stderr."""
+"""`zerotuner config`: the normalized DeepSpeed JSON on stdout, every change on stderr.
+
+Exit 0 for a valid config, 2 for an invalid one: never 3. A machine that cannot run the job
+(no GPU for ZT_DEVICE=cuda, ROCm, MPS) is not a verdict on the config, so that is exit 2 with
+the way to check it anyway: describe the hardware it is for with the what-if flags.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
-from zerotuner.hardware import probe
+from zerotuner.commands import what_if
+from zerotuner.errors import ConfigError, EnvironmentUnfit
+from zerotuner.inputs import apply_implied_settings, read_user_inputs
 from zerotuner.preflight import preflight
 from zerotuner.settings import load_settings
+
+DESCRIBE = (
+    "to check the config for the hardware it is for, describe that: "
+    "`zerotuner config --gpus N --gpu-memory SIZE` (e.g. --gpus 1 --gpu-memory 24GiB)"
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--explain", action="store_true", help="also print every decision and its reason"
     )
+    # The offload volume is measured by preflight (ZT_OFFLOAD_DIR), so no --offload-disk.
+    what_if.add_arguments(parser, offload_disk=False)
 
 
 def run(args: argparse.Namespace) -> int:
-    settings = load_settings()
-    result = preflight(settings, hardware=probe(settings.device), require_fit=False)
+    from zerotuner.commands.plan import describe_hardware
+
+    settings = load_settings(**what_if.settings_overrides(args))
+    if what_if.is_described(args):  # DeepSpeed only parses the JSON: skip its device probe
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")  # (whose warning goes to stdout)
+    try:
+        hardware = what_if.hardware_for(args, settings)
+        launch = apply_implied_settings(settings, read_user_inputs(settings))
+        topology = what_if.topology_for(launch, hardware)
+        result = preflight(settings, hardware=hardware, topology=topology, require_fit=False)
+    except EnvironmentUnfit as error:
+        hint = "" if what_if.is_described(args) else f"; {DESCRIBE}"
+        raise ConfigError(f"{error}{hint}") from None
+    if what_if.is_described(args):
+        print(f"zerotuner: for described hardware: {describe_hardware(hardware)}", file=sys.stderr)
     shown = {"change", "warning"} | ({"info"} if args.explain else set())
     for note in result.notes:
         if note.level in shown:
