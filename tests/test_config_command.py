@@ -48,7 +48,7 @@ def test_a_job_this_machine_cannot_run_still_gets_its_config_and_a_warning(
     )  # fmt: skip
     assert code == 0
     assert json.loads(out)["train_batch_size"] == 8
-    assert "warning: this machine cannot run it" in err
+    assert "warning: the hardware planned for cannot run it" in err
 
 
 def test_invalid_settings_exit_2_with_one_line_and_nothing_on_stdout(monkeypatch, capsys, tmp_path):

@@ -399,7 +399,8 @@ def make_plan(
         if require_fit:
             raise EnvironmentUnfit(message)
         # `zerotuner config` on a laptop: show the config for the closest option, and why.
-        return Plan(tuple(rows), closest, (f"this machine cannot run it: {message}",), inputs)
+        unfit = f"the hardware planned for cannot run it: {message}"
+        return Plan(tuple(rows), closest, (unfit,), inputs)
     choice = fitting[0]
     return Plan(tuple(rows), choice, tuple(_reasons(choice, rows, cap, precision)), inputs)
 

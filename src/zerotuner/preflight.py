@@ -92,9 +92,12 @@ def preflight(
     hardware: Hardware,
     topology: Topology | None = None,
     require_fit: bool = True,
+    offload_disk_free: int | None | str = "measure",
 ) -> Preflight:
     """`require_fit=False` (the `config` command): when nothing fits this machine, plan the
-    closest option anyway and say so, so a config can be checked before renting GPUs."""
+    closest option anyway and say so, so a config can be checked before renting GPUs.
+    `offload_disk_free`: bytes free for NVMe offload (None: unknown); by default measured at
+    ZT_OFFLOAD_DIR."""
     inputs = read_user_inputs(settings)
     settings = apply_implied_settings(settings, inputs)
     require_supported(hardware)
@@ -110,7 +113,11 @@ def preflight(
         base=inputs.deepspeed,
         world_size=world,
         ranks_per_node=topology.nproc_per_node,
-        offload_disk_free=free_bytes_at(settings.offload_dir),
+        offload_disk_free=(
+            free_bytes_at(settings.offload_dir)
+            if offload_disk_free == "measure"
+            else offload_disk_free
+        ),
         require_fit=require_fit,
     )
     decisions = decisions_from(plan)

@@ -28,8 +28,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--explain", action="store_true", help="also print every decision and its reason"
     )
-    # The offload volume is measured by preflight (ZT_OFFLOAD_DIR), so no --offload-disk.
-    what_if.add_arguments(parser, offload_disk=False)
+    what_if.add_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -42,7 +41,10 @@ def run(args: argparse.Namespace) -> int:
         hardware = what_if.hardware_for(args, settings)
         launch = apply_implied_settings(settings, read_user_inputs(settings))
         topology = what_if.topology_for(launch, hardware)
-        result = preflight(settings, hardware=hardware, topology=topology, require_fit=False)
+        result = preflight(
+            settings, hardware=hardware, topology=topology, require_fit=False,
+            offload_disk_free=what_if.offload_disk_free(args, settings),
+        )  # fmt: skip
     except EnvironmentUnfit as error:
         hint = "" if what_if.is_described(args) else f"; {DESCRIBE}"
         raise ConfigError(f"{error}{hint}") from None

@@ -33,8 +33,7 @@ def parse_size(text: str, flag: str) -> int:
     return int(float(match.group(1)) * _UNITS[unit])
 
 
-def add_arguments(parser: argparse.ArgumentParser, *, offload_disk: bool = True) -> None:
-    """`offload_disk=False`: a command that measures the offload volume itself (`config`)."""
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     what_if = parser.add_argument_group("what-if (hardware described here instead of probed)")
     what_if.add_argument("--gpus", type=int, help="GPUs per node (0 = CPU accelerator)")
     what_if.add_argument("--gpu-memory", help="memory per GPU, e.g. 24GiB")
@@ -42,8 +41,7 @@ def add_arguments(parser: argparse.ArgumentParser, *, offload_disk: bool = True)
         "--host-memory", help="host RAM per node, e.g. 128GiB (default: this one's)"
     )
     what_if.add_argument("--nodes", type=int, help="nodes (ZT_NNODES)")
-    if offload_disk:
-        what_if.add_argument("--offload-disk", help="free NVMe offload space per node, e.g. 2TB")
+    what_if.add_argument("--offload-disk", help="free NVMe offload space per node, e.g. 2TB")
     what_if.add_argument(
         "--bf16", action=argparse.BooleanOptionalAction, default=None, help="GPUs support bf16"
     )
