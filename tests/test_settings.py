@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import json
 import textwrap
+from pathlib import Path
 
 import pytest
 
-from zerotuner.cli import check_unknown_env
+from zerotuner.cli import check_unknown_env, main
 from zerotuner.errors import ConfigError
 from zerotuner.inputs import apply_implied_settings, read_user_inputs
 from zerotuner.settings import Settings, load_settings, masked_dump
@@ -254,3 +255,114 @@ def test_config_file_keys_that_are_not_text_are_an_error(monkeypatch, tmp_path):
     monkeypatch.setenv("ZT_CONFIG_FILE", str(path))
     (line,) = error_lines()
     assert "setting names must be text" in line
+
+
+# --- the Hugging Face token: precedence of its sources, never printed -------------------------
+
+TOKENS = {"env": "hf_FromEnv1111", "config": "hf_FromConfig2222", "secrets": "hf_FromSecrets3333"}
+
+
+def token_sources(monkeypatch, tmp_path, sources, env_var="ZT_HF_TOKEN"):
+    """The token given by each of `sources`: env, the config file, a file in the secrets dir."""
+    monkeypatch.delenv("HF_TOKEN", raising=False)  # the developer's own
+    monkeypatch.setenv("ZT_SECRETS_DIR", str(tmp_path / "secrets"))
+    if "env" in sources:
+        monkeypatch.setenv(env_var, TOKENS["env"])
+    if "config" in sources:
+        (tmp_path / "zerotuner.yaml").write_text(f"hf_token: {TOKENS['config']}\nmax_steps: 5\n")
+        monkeypatch.setenv("ZT_CONFIG_FILE", str(tmp_path / "zerotuner.yaml"))
+    if "secrets" in sources:
+        (tmp_path / "secrets").mkdir()
+        (tmp_path / "secrets" / "hf_token").write_text(TOKENS["secrets"] + "\n")
+
+
+@pytest.mark.parametrize("env_var", ["ZT_HF_TOKEN", "HF_TOKEN"])
+@pytest.mark.parametrize(
+    ("sources", "winner"),
+    [
+        (("env", "config"), "env"),
+        (("env", "secrets"), "env"),
+        (("config", "secrets"), "config"),
+        (("env", "config", "secrets"), "env"),
+        (("secrets",), "secrets"),
+    ],
+    ids=lambda value: "+".join(value) if isinstance(value, tuple) else f"{value}-wins",
+)
+def test_hf_token_precedence_env_then_config_file_then_secrets_dir(
+    monkeypatch, tmp_path, sources, winner, env_var
+):
+    token_sources(monkeypatch, tmp_path, sources, env_var)
+    settings = load_settings()
+    assert settings.hf_token.get_secret_value() == TOKENS[winner]
+    assert settings.max_steps == (5 if "config" in sources else 1000)  # the rest still applies
+
+
+def test_run_secrets_is_the_default_secrets_dir(monkeypatch, tmp_path):
+    from zerotuner import settings as settings_module
+
+    assert Path("/run/secrets") == settings_module.DEFAULT_SECRETS_DIR
+    (tmp_path / "hf_token").write_text(TOKENS["secrets"])
+    monkeypatch.setattr(settings_module, "DEFAULT_SECRETS_DIR", tmp_path)  # not the machine's
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    assert load_settings().hf_token.get_secret_value() == TOKENS["secrets"]
+
+
+@pytest.mark.parametrize(
+    "sources", [("env",), ("config",), ("secrets",), ("env", "config", "secrets")], ids="+".join
+)
+def test_the_token_is_never_in_config_explain_output(
+    monkeypatch, capsys, caplog, tmp_path, sources
+):
+    token_sources(monkeypatch, tmp_path, sources)
+    monkeypatch.setenv("ZT_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("ZT_DEVICE", "cpu")
+    assert main(["config", "--explain"]) == 0
+    out, err = capsys.readouterr()
+    config = json.loads(out)  # the normalized DeepSpeed config
+    assert config["steps_per_print"] == (6 if "config" in sources else 1001)  # the file was read
+    for token in TOKENS.values():
+        assert token not in out + err + caplog.text
+        assert token not in json.dumps(config)
+
+
+def test_the_token_is_masked_in_an_invalid_token_error(monkeypatch, capsys, tmp_path):
+    (tmp_path / "zerotuner.yaml").write_text(f"hf_token: [{TOKENS['config']}]\n")
+    monkeypatch.setenv("ZT_CONFIG_FILE", str(tmp_path / "zerotuner.yaml"))
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    monkeypatch.setenv("ZT_DEVICE", "cpu")
+    assert main(["config", "--explain"]) == 2
+    out, err = capsys.readouterr()
+    assert err.strip() == "zerotuner: error: ZT_HF_TOKEN=***: expected a valid string"
+    assert TOKENS["config"] not in out + err
+
+
+def test_a_secret_file_that_is_not_text_is_an_error_without_its_bytes(monkeypatch, tmp_path):
+    (tmp_path / "hf_token").write_bytes(b"\xffhf_\xfe")
+    monkeypatch.setenv("ZT_SECRETS_DIR", str(tmp_path))
+    (line,) = error_lines()
+    assert line == f"{tmp_path / 'hf_token'}: not a UTF-8 text file"
+
+
+# --- paths the OS refuses are one clear line, not a traceback ---------------------------------
+
+
+@pytest.mark.parametrize("name", ["ZT_CONFIG_FILE", "ZT_SECRETS_DIR"])
+def test_a_path_too_long_for_the_os_is_a_config_error(monkeypatch, name):
+    monkeypatch.setenv(name, "/tmp/" + "x" * 5000)
+    (line,) = error_lines()
+    assert line.startswith(f"{name}=/tmp/xxx") and line.endswith(
+        "cannot read it: File name too long"
+    )
+
+
+@pytest.mark.parametrize("name", ["ZT_DEEPSPEED_CONFIG", "ZT_ACCELERATE_CONFIG"])
+def test_input_paths_the_os_refuses_are_config_errors(monkeypatch, tmp_path, name):
+    monkeypatch.setenv(name, "/tmp/" + "x" * 5000)
+    with pytest.raises(ConfigError, match=f"^{name}=/tmp/x+: cannot read it: File name too long$"):
+        read_user_inputs(load_settings())
+    config = tmp_path / "zerotuner.yaml"  # a NUL byte can only come from a file
+    config.write_text(f'{name.removeprefix("ZT_").lower()}: "/tmp/a\\0b"\n')
+    monkeypatch.delenv(name)
+    monkeypatch.setenv("ZT_CONFIG_FILE", str(config))
+    with pytest.raises(ConfigError, match=f"^{name}: the path contains a NUL byte$"):
+        read_user_inputs(load_settings())

@@ -7,6 +7,7 @@ user set explicitly win over both; `deepspeed_config.normalize` reports each ove
 
 from __future__ import annotations
 
+import contextlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,7 +16,7 @@ from typing import Any
 from zerotuner.errors import ConfigError
 from zerotuner.files import load_mapping, parse_json, read_text
 from zerotuner.notes import Notes
-from zerotuner.settings import Settings, env_name
+from zerotuner.settings import Settings, env_name, file_errors
 
 DS_SETTING = env_name("deepspeed_config")
 ACCELERATE_SETTING = env_name("accelerate_config")
@@ -72,17 +73,25 @@ def _read_deepspeed(value: str | dict[str, Any]) -> tuple[dict[str, Any], str]:
     text = value.strip()
     if text.startswith("{"):
         data, where = parse_json(text, source=DS_SETTING), f"{DS_SETTING} (inline JSON)"
-    else:
-        path = Path(text)
-        where = f"{DS_SETTING}={path}"
-        data = parse_json(read_text(path, setting=DS_SETTING), source=where)
+        if not isinstance(data, dict):
+            raise ConfigError(f"{where}: expected a JSON object, got {type(data).__name__}")
+        return data, where
+    path = Path(text)
+    return _read_deepspeed_file(path, setting=DS_SETTING), f"{DS_SETTING}={path}"
+
+
+def _read_deepspeed_file(path: Path, *, setting: str) -> dict[str, Any]:
+    where = f"{setting}={path}"
+    with file_errors(setting, path):
+        data = parse_json(read_text(path, setting=setting), source=where)
     if not isinstance(data, dict):
         raise ConfigError(f"{where}: expected a JSON object, got {type(data).__name__}")
-    return data, where
+    return data
 
 
 def _read_accelerate(path: Path, notes: Notes) -> tuple[dict[str, Any], dict[str, Any]]:
-    data = load_mapping(path, setting=ACCELERATE_SETTING)
+    with file_errors(ACCELERATE_SETTING, path):
+        data = load_mapping(path, setting=ACCELERATE_SETTING)
     where = f"{ACCELERATE_SETTING}={path}"
     kind = str(data.get("distributed_type", "DEEPSPEED")).upper()
     if kind != "DEEPSPEED":
@@ -92,11 +101,14 @@ def _read_accelerate(path: Path, notes: Notes) -> tuple[dict[str, Any], dict[str
         raise ConfigError(f"{where}: deepspeed_config must be a mapping")
     deepspeed: dict[str, Any] = {}
     config_file = ds_block.get("deepspeed_config_file")
-    if config_file and str(config_file).lower() not in ("none", "null", ""):
-        file = Path(config_file)
+    if config_file is not None and str(config_file).strip().lower() not in ("none", "null", ""):
+        setting = f"{where}: deepspeed_config.deepspeed_config_file"
+        if not isinstance(config_file, str):
+            raise ConfigError(f"{setting}={config_file!r}: expected the path of a DeepSpeed JSON")
+        file = Path(config_file.strip())
         if not file.is_absolute():
             file = path.parent / file
-        deepspeed, _ = _read_deepspeed(str(file))
+        deepspeed = _read_deepspeed_file(file, setting=setting)
         notes.info(f"{where}: DeepSpeed config read from {file}")
     for key, value in ds_block.items():
         if key == "deepspeed_config_file":
@@ -120,28 +132,68 @@ def _read_accelerate(path: Path, notes: Notes) -> tuple[dict[str, Any], dict[str
 
 
 def _accelerate_launch(data: dict[str, Any], where: str) -> dict[str, Any]:
-    """accelerate counts processes across all machines; zerotuner counts them per node."""
+    """accelerate counts processes across all machines; zerotuner counts them per node.
+
+    These values skip the settings' own validation (they fill settings the user did not set),
+    so each is checked here against what the setting accepts.
+    """
     implied: dict[str, Any] = {}
-    try:
-        machines = int(data.get("num_machines") or 1)
-        if "num_machines" in data:
-            implied["nnodes"] = machines
-        if data.get("num_processes"):
-            total = int(data["num_processes"])
-            if total % machines:
-                raise ConfigError(
-                    f"{where}: num_processes={total} is not divisible by num_machines={machines}"
-                )
-            implied["num_processes"] = total // machines
-        if data.get("machine_rank") is not None:
-            implied["node_rank"] = int(data["machine_rank"])
-        if data.get("main_process_port"):
-            implied["master_port"] = int(data["main_process_port"])
-    except (TypeError, ValueError) as exc:
-        raise ConfigError(f"{where}: expected whole numbers for process counts: {exc}") from None
-    if data.get("main_process_ip"):
-        implied["master_addr"] = str(data["main_process_ip"])
+    machines = _whole(data, "num_machines", where, low=1)
+    if machines is not None:
+        implied["nnodes"] = machines
+    total = _whole(data, "num_processes", where, low=1, unset=-1)  # -1: accelerate's "not set"
+    if total is not None:
+        if total % (machines or 1):
+            raise ConfigError(
+                f"{where}: num_processes={total} is not divisible by num_machines={machines}"
+            )
+        implied["num_processes"] = total // (machines or 1)
+    rank = _whole(data, "machine_rank", where, low=0)
+    if rank is not None:
+        if machines is not None and rank >= machines:
+            raise ConfigError(
+                f"{where}: machine_rank={rank} is outside 0..{machines - 1} "
+                f"(num_machines={machines})"
+            )
+        implied["node_rank"] = rank
+    port = _whole(data, "main_process_port", where, low=1, high=65535)
+    if port is not None:
+        implied["master_port"] = port
+    address = data.get("main_process_ip")
+    if address not in (None, ""):
+        if not isinstance(address, str) or not address.strip():
+            raise ConfigError(f"{where}: main_process_ip={address!r}: expected a host name or IP")
+        implied["master_addr"] = address.strip()
     return implied
+
+
+def _whole(
+    data: dict[str, Any],
+    key: str,
+    where: str,
+    *,
+    low: int,
+    high: int | None = None,
+    unset: int | None = None,
+) -> int | None:
+    """data[key] as a whole number in low..high; None when absent, null or `unset`."""
+    value = data.get(key)
+    if value is None:
+        return None
+    number: int | None = None
+    if isinstance(value, int) and not isinstance(value, bool):
+        number = value
+    elif isinstance(value, float) and value.is_integer():
+        number = int(value)
+    elif isinstance(value, str):
+        with contextlib.suppress(ValueError):  # "4" from a quoted YAML value
+            number = int(value.strip())
+    if number is not None and number == unset:
+        return None
+    if number is None or number < low or (high is not None and number > high):
+        valid = f"{low}..{high}" if high is not None else f">= {low}"
+        raise ConfigError(f"{where}: {key}={value!r}: expected a whole number {valid}")
+    return number
 
 
 def _set(tree: dict[str, Any], path: tuple[str, ...], value: Any) -> None:

@@ -7,8 +7,10 @@ The CLI help and the README settings table are generated from the descriptions h
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -221,8 +223,47 @@ def env_name(field: str) -> str:
     return ENV_PREFIX + field.upper()
 
 
+def source_key(name: str) -> str:
+    """The key the env source files a field's value under: its first alias when it has any.
+
+    The config file and the secrets dir must use the same key, so that their value merges
+    with the env's (lower precedence) instead of sitting beside it as an unknown setting.
+    """
+    alias = Settings.model_fields[name].validation_alias
+    if isinstance(alias, AliasChoices) and isinstance(alias.choices[0], str):
+        return alias.choices[0]
+    return alias if isinstance(alias, str) else name
+
+
+def field_of(key: str) -> str:
+    """The field a source key or an alias names (`zt_hf_token` -> `hf_token`)."""
+    for name, field in Settings.model_fields.items():
+        alias = field.validation_alias
+        choices = alias.choices if isinstance(alias, AliasChoices) else [alias]
+        if key == name or key.lower() in {c.lower() for c in choices if isinstance(c, str)}:
+            return name
+    return key
+
+
+def _is_secret(name: str) -> bool:
+    field = Settings.model_fields.get(name)
+    return field is not None and field.annotation == SecretStr | None
+
+
 def _path_from_env(name: str, default: Path) -> Path:
     return Path(os.environ.get(env_name(name)) or default)
+
+
+@contextlib.contextmanager
+def file_errors(setting: str, path: Path) -> Iterator[None]:
+    """A path the OS refuses (a name too long, a symlink loop, an I/O error, a NUL byte) as
+    one clear line: `files.read_text` names only the common cases."""
+    if "\x00" in str(path):
+        raise ConfigError(f"{setting}: the path contains a NUL byte")
+    try:
+        yield
+    except OSError as exc:
+        raise ConfigError(f"{setting}={path}: cannot read it: {exc.strerror or exc}") from None
 
 
 class ConfigFileSource(PydanticBaseSettingsSource):
@@ -230,11 +271,15 @@ class ConfigFileSource(PydanticBaseSettingsSource):
 
     def __call__(self) -> dict[str, Any]:
         path = _path_from_env("config_file", DEFAULT_CONFIG_FILE)
-        if not path.exists():
-            if env_name("config_file") in os.environ:
-                raise ConfigError(f"{env_name('config_file')}={path}: no such file")
+        setting = env_name("config_file")
+        with file_errors(setting, path):
+            exists = path.exists()
+        if not exists:
+            if setting in os.environ:
+                raise ConfigError(f"{setting}={path}: no such file")
             return {}
-        data = load_mapping(path, setting=env_name("config_file"))
+        with file_errors(setting, path):
+            data = load_mapping(path, setting=setting)
         known = set(self.settings_cls.model_fields) | {"hf_token"}
         out: dict[str, Any] = {}
         for key, value in data.items():
@@ -244,7 +289,7 @@ class ConfigFileSource(PydanticBaseSettingsSource):
             if name not in known:
                 hint = did_you_mean(name, known)
                 raise ConfigError(f"{path}: unknown setting '{key}'{hint}")
-            out[name] = value
+            out[source_key(name)] = value
         return out
 
     def get_field_value(self, field: Any, field_name: str) -> tuple[Any, str, bool]:
@@ -265,9 +310,14 @@ class SecretsDirSource(PydanticBaseSettingsSource):
                 continue
             for candidate in (name, name.upper(), env_name(name), env_name(name).lower()):
                 path = folder / candidate
-                if path.is_file():
-                    out[name] = path.read_text().strip()
-                    break
+                with file_errors(env_name("secrets_dir"), path):
+                    if not path.is_file():
+                        continue
+                    try:
+                        out[source_key(name)] = path.read_text(encoding="utf-8").strip()
+                    except UnicodeDecodeError:  # the message would show some of the bytes
+                        raise ConfigError(f"{path}: not a UTF-8 text file") from None
+                break
         return out
 
     def get_field_value(self, field: Any, field_name: str) -> tuple[Any, str, bool]:
@@ -306,7 +356,7 @@ def format_validation_error(error: ValidationError) -> list[str]:
     by_field: dict[str, tuple[Any, list[str]]] = {}
     for item in error.errors():
         loc = [str(p) for p in item.get("loc", ()) if not isinstance(p, int)]
-        field = loc[0] if loc else "?"
+        field = field_of(loc[0]) if loc else "?"
         if item.get("type") == "extra_forbidden":
             hint = did_you_mean(field, Settings.model_fields)
             by_field[field] = (None, [f"unknown setting{hint}"])
@@ -321,7 +371,7 @@ def format_validation_error(error: ValidationError) -> list[str]:
         if msgs and msgs[0].startswith("unknown setting"):
             lines.append(f"'{field}': {msgs[0]}")
             continue
-        shown = "***" if field == "hf_token" else repr(value)
+        shown = "***" if _is_secret(field) else repr(value)
         lines.append(f"{name}={shown}: expected {' or '.join(msgs)}")
     return lines
 
