@@ -283,11 +283,6 @@ OVERRIDES = [
         lambda c: c["bf16"]["enabled"], False, True,
         "ZT_MIXED_PRECISION=bf16 overrides",
         id="mixed_precision-no",
-        marks=pytest.mark.xfail(
-            strict=True,
-            reason="deepspeed_config._precision reports no override when the config disables "
-            "both bf16 and fp16 (the precision changes silently)",
-        ),
     ),
     pytest.param(
         "deepspeed_config:\n  zero_stage: 2\n  offload_optimizer_device: cpu\n",

@@ -124,6 +124,18 @@ def test_config_file_syntax_errors_give_line_and_column(monkeypatch, tmp_path, n
     assert where in line and str(path) in line
 
 
+@pytest.mark.parametrize("value", ["2020-13-01", "!!int hf_secret_value", "!!timestamp x"])
+def test_a_yaml_value_pyyaml_cannot_construct_is_one_line_without_the_value(
+    monkeypatch, tmp_path, value
+):
+    path = tmp_path / "c.yaml"
+    path.write_text(f"hf_token: {value}\n")
+    monkeypatch.setenv("ZT_CONFIG_FILE", str(path))
+    (line,) = error_lines()
+    assert "invalid YAML" in line and str(path) in line
+    assert "hf_secret_value" not in line
+
+
 def test_unknown_config_key_suggests_the_right_one(monkeypatch, tmp_path):
     path = tmp_path / "zerotuner.yaml"
     path.write_text("max_stepz: 7\n")

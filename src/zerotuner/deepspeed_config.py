@@ -105,16 +105,17 @@ def _illegal_at(stage: int | None, key: str, device: str) -> str | None:
     return legal(stage, optimizer, param)
 
 
-def resolve_precision(requested: str, hardware: Hardware, notes: Notes) -> str:
-    """auto: bf16 where the GPU has it, fp16 on older GPUs, fp32 on the CPU."""
+def resolve_precision(
+    requested: str, hardware: Hardware, notes: Notes, *, where: str | None = None
+) -> str:
+    """auto: bf16 where the GPU has it, fp16 on older GPUs, fp32 on the CPU. `where`: what
+    asked for it, when not ZT_MIXED_PRECISION (e.g. the DeepSpeed config's fp16 section)."""
     on_cpu = hardware.accelerator == "cpu"
     if requested == "auto":
         return auto_precision(hardware)
     if requested == "fp16" and on_cpu:
-        notes.error(
-            f"{env_name('mixed_precision')}=fp16: DeepSpeed's CPU accelerator has no fp16; "
-            "use bf16 or no"
-        )
+        asked = where or f"{env_name('mixed_precision')}=fp16"
+        notes.error(f"{asked}: DeepSpeed's CPU accelerator has no fp16; use bf16 or no")
     if requested == "bf16" and not on_cpu and not hardware.bf16:
         names = ", ".join(sorted({g.name for g in hardware.gpus})) or "this GPU"
         notes.warn(f"bf16 needs compute capability 8.0+ ({names} has less): using fp16")
@@ -350,16 +351,18 @@ def _precision(ctx: _Context, hardware: Hardware) -> str:
     if bf16.get("enabled") is True and fp16.get("enabled") is True:
         n.error(f"bf16 and fp16 are both enabled in {ctx.source}: enable at most one")
         return "no"
+    sections = [section for key, section in (("bf16", bf16), ("fp16", fp16)) if key in cfg]
     from_config = "bf16" if bf16.get("enabled") is True else "fp16" if fp16.get("enabled") else None
-    if "mixed_precision" in ctx.explicit or from_config is None:
-        requested = s.mixed_precision
-        if from_config and requested != from_config:
-            n.change(f"{env_name('mixed_precision')}={requested} overrides {from_config} in config")
-        elif from_config is None and ("bf16" in cfg or "fp16" in cfg) and requested == "auto":
-            requested = "no"  # the user's config disables both explicitly
+    if from_config is None and sections and all(x.get("enabled") is False for x in sections):
+        from_config = "no"  # the user's config disables both explicitly
+    where = None
+    if from_config is not None and "mixed_precision" not in ctx.explicit:
+        requested, where = from_config, f"{from_config}.enabled in {ctx.source}"
     else:
-        requested = from_config
-    precision = resolve_precision(requested, hardware, n)
+        requested = s.mixed_precision
+        if from_config is not None and requested != from_config:
+            n.change(f"{env_name('mixed_precision')}={requested} overrides {from_config} in config")
+    precision = resolve_precision(requested, hardware, n, where=where)
     cfg["bf16"] = {**bf16, "enabled": precision == "bf16"}
     fp16_section = {**fp16, "enabled": precision == "fp16"}
     if precision == "fp16":

@@ -30,6 +30,12 @@ def parse_yaml(text: str, *, source: str) -> Any:
         raise ConfigError(f"{source}: invalid YAML{where}: {exc.problem or exc}") from None
     except yaml.YAMLError as exc:
         raise ConfigError(f"{source}: invalid YAML: {exc}") from None
+    except (ValueError, TypeError, AttributeError):  # a tag or date PyYAML cannot construct
+        # (its message would quote the value, which may be a secret)
+        raise ConfigError(
+            f"{source}: invalid YAML: a tagged or date value cannot be read (e.g. `!!int x`, "
+            "2020-13-01); quote it to make it text"
+        ) from None
 
 
 def parse_toml(text: str, *, source: str) -> Any:
