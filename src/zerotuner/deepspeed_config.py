@@ -465,7 +465,8 @@ def _offload_section(
         if why:  # the raw config's own stage cannot run it (pins() left it to the planner)
             n.warn(f"zero_optimization.{key}.device {device} -> {target}: {why}")
         else:
-            n.change(f"zero_optimization.{key}.device {device} -> {target}")
+            why = env_name(key) if key in ctx.explicit else "the planner's choice"
+            n.change(f"zero_optimization.{key}.device {device} -> {target} ({why})")
     if target == "none":
         zero.pop(key, None)
         return
