@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
         b = suites.Bench(
             root=root, model=paths.model, data=paths.data,
             steps=3 if args.smoke else 14, warmup=1 if args.smoke else 3,
-            pairs=1 if args.smoke else 2, disk_mib=64 if args.smoke else 1024,
+            pairs=1 if args.smoke else 4, disk_mib=64 if args.smoke else 1024,
             smoke=args.smoke,
         )  # fmt: skip
         _, split = suites.preflight_for(b, zero_stage=2, offload_optimizer="none")
