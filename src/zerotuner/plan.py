@@ -195,6 +195,8 @@ def estimate(
         target = host_rank if offload_optimizer == "cpu" else disk_rank
         target["optimizer"] = o_bytes * psi // n
         target["fp32_grads"] = g32 * psi // n
+        if stage == 3:  # reduced 16-bit grad partitions wait on the host for the step
+            host_rank["grad_partitions"] = p_bytes * psi // n
         if offload_optimizer == "nvme":  # pinned fp32 buffers of one sub-group each
             group = min(SUB_GROUP_NVME, max(psi // n, shape.largest_param))
             host_rank["optimizer_swap_buffers"] = OPTIMIZER_NVME_BUFFERS * group * 4
