@@ -14,7 +14,8 @@ from bench import disk, runs
 MODEL_STATE_PARTS = {  # plan parts that are model states held in this rank's memory
     "device.params", "device.grads", "device.optimizer", "device.gathered_params",
     "device.buckets", "host_per_rank.params", "host_per_rank.optimizer",
-    "host_per_rank.fp32_grads", "host_per_rank.optimizer_swap_buffers",
+    "host_per_rank.fp32_grads", "host_per_rank.grad_partitions",
+    "host_per_rank.optimizer_swap_buffers",
     "host_per_rank.param_swap_buffers",
 }  # fmt: skip
 
