@@ -6,10 +6,11 @@ import json
 
 import pytest
 
-from zerotuner.deepspeed_config import Decisions, normalize, pins
+from zerotuner.deepspeed_config import Decisions, normalize
 from zerotuner.errors import ConfigError
 from zerotuner.families import ModelShape
 from zerotuner.hardware import GPU, GiB, Hardware, cpu_only
+from zerotuner.pins import pins
 from zerotuner.settings import Settings
 
 SDXL = ModelShape("sdxl", 2_567_463_684, 29_491_200, 0, 1024, "built-in sdxl config")

@@ -24,8 +24,8 @@ from zerotuner.optimizers import (
     canonical_scheduler,
     valid_optimizer_names,
 )
+from zerotuner.pins import illegal_at
 from zerotuner.plan import bucket as plan_bucket
-from zerotuner.plan import legal
 from zerotuner.settings import Settings, env_name
 
 NVME_PLACEHOLDERS = ("", "none", "null", "auto", "/path/to", "/local_nvme", "/nvme")
@@ -51,58 +51,10 @@ class Decisions:
 
 
 @dataclass(frozen=True)
-class Pins:
-    """Choices the user made (by setting or in the raw config) that the planner must keep."""
-
-    zero_stage: int | None
-    offload_optimizer: str | None
-    offload_param: str | None
-    names: dict[str, str]  # where each pin came from: a ZT_* name or a DeepSpeed key
-
-
-@dataclass(frozen=True)
 class Normalized:
     config: dict[str, Any]
     notes: tuple[Note, ...]
     mixed_precision: str  # bf16 | fp16 | no, as written into the config
-
-
-def pins(settings: Settings, base: dict[str, Any]) -> Pins:
-    """What the planner must keep. A raw config's offload that its own stage cannot run (the
-    seed's stage-2 example offloads parameters) is not a pin: normalize drops it, warning."""
-    zero = base.get("zero_optimization") or {}
-    zero = zero if isinstance(zero, dict) else {}
-    names = {key: env_name(key) for key in ("zero_stage", "offload_optimizer", "offload_param")}
-    stage: int | None = None
-    if settings.zero_stage != "auto":
-        stage = int(settings.zero_stage)
-    elif is_number(zero.get("stage")):
-        stage = int(float(zero["stage"]))
-        names["zero_stage"] = "zero_optimization.stage"
-    offloads: dict[str, str | None] = {}
-    for key in ("offload_optimizer", "offload_param"):
-        setting = getattr(settings, key)
-        section = zero.get(key)
-        device = section.get("device") if isinstance(section, dict) else None
-        if setting != "auto":
-            offloads[key] = setting
-        elif key == "offload_optimizer" and device == "nvme" and stage in (1, 2):
-            offloads[key] = "cpu"  # what DeepSpeed itself does below stage 3
-            names[key] = f"zero_optimization.{key}.device"
-        elif device in (None, "auto") or _illegal_at(stage, key, str(device).lower()):
-            offloads[key] = None
-        else:
-            offloads[key] = str(device).lower()
-            names[key] = f"zero_optimization.{key}.device"
-    return Pins(stage, offloads["offload_optimizer"], offloads["offload_param"], names)
-
-
-def _illegal_at(stage: int | None, key: str, device: str) -> str | None:
-    """Why ZeRO `stage` cannot offload `key` to `device` (None: it can, or no stage is set)."""
-    if stage is None or device == "none":
-        return None
-    optimizer, param = (device, "none") if key == "offload_optimizer" else ("none", device)
-    return legal(stage, optimizer, param)
 
 
 def resolve_precision(
@@ -461,7 +413,7 @@ def _offload_section(
     section = dict(section) if isinstance(section, dict) else {}
     device = section.get("device")
     if device not in (None, "auto", target):
-        why = _illegal_at(stage, key, str(device).lower())
+        why = illegal_at(stage, key, str(device).lower())
         if why:  # the raw config's own stage cannot run it (pins() left it to the planner)
             n.warn(f"zero_optimization.{key}.device {device} -> {target}: {why}")
         else:

@@ -16,6 +16,7 @@ from typing import Any
 from zerotuner.errors import ConfigError, EnvironmentUnfit
 from zerotuner.families import ModelShape
 from zerotuner.hardware import GiB, Hardware, auto_precision
+from zerotuner.pins import check_pins, legal, pin_text
 
 # DESIGN.md: SDXL U-Net activations at 1024^2, bf16, per image. They scale with pixels and
 # with the width of the first block (320 in SDXL, SD1 and SD2), not with the parameter count:
@@ -54,17 +55,6 @@ OFFLOADS: tuple[tuple[str, str], ...] = (
     ("cpu", "nvme"),
     ("nvme", "nvme"),
 )
-
-
-def legal(stage: int, optimizer: str, param: str) -> str | None:
-    """Why DeepSpeed cannot run this combination, or None."""
-    if stage == 0 and optimizer != "none":
-        return "optimizer offload needs ZeRO stage >= 1"
-    if param != "none" and stage != 3:
-        return "parameter offload needs ZeRO stage 3"
-    if optimizer == "nvme" and stage != 3:
-        return "NVMe optimizer offload needs ZeRO stage 3 (below it DeepSpeed silently uses cpu)"
-    return None
 
 
 @dataclass(frozen=True)
@@ -325,7 +315,7 @@ def make_plan(
     precision = resolve_precision(mixed_precision, hardware)
     on_cpu = hardware.accelerator == "cpu"
     cap = capacity(hardware, offload_disk_free)
-    _check_pins(zero_stage, offload_optimizer, offload_param, names)
+    check_pins(zero_stage, offload_optimizer, offload_param, names)
     stages = [0, 1, 2, 3] if zero_stage == "auto" else [int(zero_stage)]
     ckpts = [False, True] if gradient_checkpointing == "auto" else [bool(gradient_checkpointing)]
 
@@ -381,9 +371,7 @@ def make_plan(
     fitting = sorted((r for r in rows if r.fits), key=_preference)
     if not fitting:
         closest = min(rows, key=lambda r: _overshoot(r, cap, on_cpu))
-        pins = _pin_text(
-            names, zero_stage, offload_optimizer, offload_param, gradient_checkpointing
-        )
+        pins = pin_text(names, zero_stage, offload_optimizer, offload_param, gradient_checkpointing)
         hint = ""
         disk_only = [r for r in rows if r.short and all(s.startswith("disk") for s in r.short)]
         if disk_only:
@@ -405,38 +393,6 @@ def make_plan(
         return Plan(tuple(rows), closest, (unfit,), inputs)
     choice = fitting[0]
     return Plan(tuple(rows), choice, tuple(_reasons(choice, rows, cap, precision)), inputs)
-
-
-def _check_pins(
-    zero_stage: Any, offload_optimizer: str, offload_param: str, names: dict[str, str]
-) -> None:
-    if zero_stage == "auto":
-        return
-    stage = int(zero_stage)
-    why = legal(
-        stage,
-        "none" if offload_optimizer == "auto" else offload_optimizer,
-        "none" if offload_param == "auto" else offload_param,
-    )
-    if why:
-        raise ConfigError(
-            f"{names['zero_stage']}={zero_stage} with {names['offload_optimizer']}="
-            f"{offload_optimizer}, {names['offload_param']}={offload_param}: {why}"
-        )
-
-
-def _pin_text(names: dict[str, str], stage: Any, opt: str, param: str, ckpt: Any) -> str:
-    pins = [
-        f"{names[key]}={value}"
-        for key, value in (
-            ("zero_stage", stage),
-            ("offload_optimizer", opt),
-            ("offload_param", param),
-            ("gradient_checkpointing", ckpt),
-        )
-        if value != "auto"
-    ]
-    return f" with {', '.join(pins)}" if pins else ""
 
 
 def _stage_preference(row: Estimate) -> int:

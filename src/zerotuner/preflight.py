@@ -11,7 +11,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from zerotuner.deepspeed_config import Decisions, Normalized, normalize, pins
+from zerotuner.deepspeed_config import Decisions, Normalized, normalize
 from zerotuner.errors import ConfigError
 from zerotuner.families import ModelShape, detect_family, model_shape
 from zerotuner.hardware import Hardware, require_supported
@@ -19,6 +19,7 @@ from zerotuner.inputs import UserInputs, apply_implied_settings, read_user_input
 from zerotuner.launch import Topology, resolve_topology
 from zerotuner.notes import Note
 from zerotuner.offload import free_bytes_at
+from zerotuner.pins import pins
 from zerotuner.plan import Plan, make_plan
 from zerotuner.settings import Settings, env_name
 
