@@ -135,6 +135,7 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"rank-{rank}.json").write_text(json.dumps(result, indent=2))
     dist.barrier()
+    dist.destroy_process_group()  # gloo left to interpreter teardown can abort the exit
 
 
 def _swap_bytes(config: dict) -> int | None:

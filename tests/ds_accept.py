@@ -80,6 +80,7 @@ def main() -> int:
         dist.barrier()
         if rank == 0:
             print(outcome, flush=True)
+    dist.destroy_process_group()  # gloo left to interpreter teardown can abort the exit
     return 1 if failed else 0
 
 

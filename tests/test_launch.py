@@ -170,7 +170,7 @@ def test_exit_code_mapping(code, ranks, signalled, expected):
 
 WORKER = textwrap.dedent(
     """
-    import os, signal, sys, time
+    import atexit, os, signal, sys, time
     from pathlib import Path
     import torch.distributed as dist
     from zerotuner.records import write_rank_status
@@ -178,6 +178,8 @@ WORKER = textwrap.dedent(
     mode, rank = os.environ["TEST_MODE"], int(os.environ["RANK"])
     out = Path(os.environ["TEST_OUT"])
     dist.init_process_group("gloo")
+    # as the worker does: a gloo group left to interpreter teardown can abort the exit
+    atexit.register(dist.destroy_process_group)
     dist.barrier()
 
     def stop(signum, frame):
@@ -207,7 +209,6 @@ WORKER = textwrap.dedent(
         dist.all_reduce(total)
         (out / f"sum-{rank}").write_text(f"{int(total.item())} {os.environ['WORLD_SIZE']}")
         write_rank_status(rank, 0)
-        dist.destroy_process_group()  # as the worker does: gloo may abort at exit otherwise
         sys.exit(0)
     (out / f"ready-{rank}").write_text(str(os.getpid()))
     while True:
