@@ -1,0 +1,125 @@
+"""Cloud GPU rentals: the RunPod template, the vast.ai and Lambda launch scripts, and the RunPod
+start script run for real (exit code passed through, root dropped, keep-alive, SIGTERM).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import signal
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+from test_deploy import METRICS_PORT, REPO, run
+
+from zerotuner.errors import EXIT_CONFIG
+
+
+def test_runpod_template_exposes_metrics_and_persists_to_the_volume() -> None:
+    template = json.loads((REPO / "config/cloud/runpod/template.json").read_text())
+    assert template["volumeMountPath"] == "/workspace"
+    assert f"{METRICS_PORT}/http" in template["ports"]
+    assert template["imageName"].endswith(":runpod")  # the root-start variant (see Dockerfile)
+    assert template["env"]["HF_HOME"].startswith(template["env"]["ZT_CACHE_DIR"])
+    vast = (REPO / "config/cloud/vastai/create-instance.sh").read_text()
+    assert f"-p {METRICS_PORT}:{METRICS_PORT}" in vast and "--args train" in vast
+
+
+def test_docker_run_script_sets_what_training_needs() -> None:
+    words = shlex.split((REPO / "config/cloud/lambda/run.sh").read_text(), comments=True)
+    for flag in ("--gpus", "--shm-size", "--stop-timeout"):
+        assert flag in words
+    assert "memlock=-1" in words
+    assert f"{METRICS_PORT}:{METRICS_PORT}" in words
+
+
+# --- the RunPod start script, run for real ----------------------------------------------------
+
+FAKE_ENTRYPOINT = """#!/bin/sh
+# Stands in for /app/entrypoint: records who ran it, then behaves as told.
+id -u > "$MARKS/uid"
+trap 'echo term > "$MARKS/signal"; exit 143' TERM
+case "$1" in
+  fail) exit 2 ;;
+  done) exit 0 ;;
+  wait) echo started > "$MARKS/started"; while :; do sleep 1; done ;;
+esac
+"""
+
+
+def _wait_for(path: Path, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        assert time.monotonic() < deadline, f"{path.name} never appeared"
+        time.sleep(0.05)
+
+
+@pytest.fixture
+def runpod_root():
+    # A world-traversable folder: as root the script drops to uid 1000 before running it.
+    with tempfile.TemporaryDirectory() as root:
+        root_path = Path(root)
+        root_path.chmod(0o777)
+        entry = root_path / "entrypoint"
+        entry.write_text(FAKE_ENTRYPOINT)
+        entry.chmod(0o755)
+        marks = root_path / "marks"
+        marks.mkdir(mode=0o777)
+        marks.chmod(0o777)
+        env = {
+            **{k: v for k, v in os.environ.items() if not k.startswith("ZT_")},
+            "ZEROTUNER_ENTRYPOINT": str(entry),
+            "MARKS": str(marks),
+            "ZT_OUTPUT_DIR": f"{root}/workspace/output",
+            "ZT_OFFLOAD_DIR": f"{root}/workspace/offload",
+            "ZT_CACHE_DIR": f"{root}/workspace/cache",
+            "HF_HOME": f"{root}/workspace/cache/huggingface",
+            "TORCH_EXTENSIONS_DIR": f"{root}/workspace/cache/torch_extensions",
+        }
+        yield root_path, marks, env
+
+
+START = REPO / "config/cloud/runpod/start.sh"
+
+
+def test_runpod_start_passes_the_exit_code_and_drops_root(runpod_root) -> None:
+    root, marks, env = runpod_root
+    result = run("sh", START, "fail", env=env)
+    assert result.returncode == EXIT_CONFIG, result.stderr
+    if os.geteuid() == 0:
+        assert (marks / "uid").read_text().strip() == "1000"
+        for folder in ("output", "offload", "cache", "cache/huggingface"):
+            assert (root / "workspace" / folder).stat().st_uid == 1000
+
+
+def test_runpod_keep_alive_stays_up_then_stops_on_sigterm(runpod_root) -> None:
+    _, marks, env = runpod_root
+    proc = subprocess.Popen(
+        ["sh", str(START), "done"],
+        env={**env, "ZEROTUNER_KEEP_ALIVE": "1"},
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        line = proc.stderr.readline()  # printed once zerotuner exited and the pod stays up
+        assert "stays up" in line and proc.poll() is None
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0  # zerotuner's own status
+    finally:
+        proc.kill()
+
+
+def test_runpod_keep_alive_forwards_sigterm_to_a_running_zerotuner(runpod_root) -> None:
+    _, marks, env = runpod_root
+    proc = subprocess.Popen(["sh", str(START), "wait"], env={**env, "ZEROTUNER_KEEP_ALIVE": "1"})
+    try:
+        _wait_for(marks / "started")
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 143
+        assert (marks / "signal").read_text().strip() == "term"
+    finally:
+        proc.kill()
