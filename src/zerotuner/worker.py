@@ -129,10 +129,14 @@ class StopRequest:
         """True on every rank if any rank was signalled (a collective: call on all ranks)."""
         import torch.distributed as dist
 
-        flag = torch.tensor([0 if self.signum is None else self.signum], dtype=torch.int32)
+        flag = torch.tensor([self.signum or 0], dtype=torch.int32)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
-        self.signum = self.signum or int(flag.item()) or None  # sync: one int per step
-        return self.signum is not None
+        # Decide on the reduced value only: a signal handled after the all_reduce returned
+        # must wait for the next step, or this rank stops while its peers train on.
+        agreed = int(flag.item())  # sync: one int per step
+        if agreed:
+            self.signum = agreed
+        return bool(agreed)
 
 
 class Run:
