@@ -15,7 +15,7 @@ from pathlib import Path
 from bench import report, runs, suites
 from bench.benchmodel import unet_parameters, write_bench_model
 
-SUITES = ("overhead", "planner", "nvme", "scaling", "gpu_paper")
+SUITES = ("overhead", "planner", "nvme", "scaling", "stops", "gpu_paper")
 log = logging.getLogger("bench")
 
 
@@ -79,6 +79,9 @@ def main(argv: list[str] | None = None) -> int:
         if "nvme" in wanted:
             log.info("NVMe offload vs the raw disk")
             results["nvme"] = suites.nvme(b)
+        if "stops" in wanted:
+            log.info("stops: SIGTERM at random moments")
+            results["stops"] = suites.stops(b, trials=1 if args.smoke else 10)
         if "gpu_paper" in wanted:
             from bench.paper import headline
 

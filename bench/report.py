@@ -224,6 +224,26 @@ def markdown(r: dict[str, Any]) -> str:
             f"{s['samples_per_s_2_ranks']:.2f} samples/s (x{s['speedup']:.2f}). {s['note']}.",
             "",
         ]
+    st = r.get("stops")
+    if st:
+        out += [
+            "## Stopping (SIGTERM at a random moment, ZeRO-2, 2 ranks)",
+            "",
+            f"**{st['survived']} of {st['trials']}** trials exited 143 with the last finished "
+            f"step committed; {st['steps_lost']} steps lost in all. Signal to exit: median "
+            f"{_s(st['signal_to_exit_median_s'])} s, max {_s(st['signal_to_exit_max_s'])} s "
+            f"(a step takes {_s(st['median_step_s'])} s; the rest is the save, the commit and "
+            "the ranks' exit).",
+            "",
+            "| signal after step (+ s) | exit | last step | committed | signal to exit s |",
+            "|---|---|---|---|---|",
+        ]
+        for x in st["rows"]:
+            out.append(
+                f"| {x['signal_after_steps']} (+{x['signal_delay_s']:.2f}) | {x['exit_code']} "
+                f"| {x['last_step']} | {x['committed_step']} | {_s(x['signal_to_exit_s'])} |"
+            )
+        out.append("")
     g = r.get("gpu_paper")
     if g:
         out += [
@@ -258,7 +278,7 @@ def merged(new: dict[str, Any], folder: Path) -> dict[str, Any]:
     if not path.exists():
         return new
     old = json.loads(path.read_text())
-    suites = ("overhead", "first_step", "planner", "nvme", "scaling", "gpu_paper")
+    suites = ("overhead", "first_step", "planner", "nvme", "scaling", "stops", "gpu_paper")
     for key in suites:
         if key in new:
             old[key] = new[key]

@@ -152,6 +152,7 @@ class ProductRun:
     deepspeed: dict
     io: IoMonitor | None = None
     marks: dict[str, float] = field(default_factory=dict)
+    signalled: float | None = None  # when SIGTERM was sent (stop_after)
 
 
 MARKS = {  # log text -> the moment it marks (the first line containing it)
@@ -170,10 +171,13 @@ def run_product(
     disk: str | None = None,
     monitor_io: bool = False,
     stop_after: int | None = None,
+    stop_delay: float = 0.0,
+    check: bool = True,
 ) -> ProductRun:
     """`zerotuner train` as a user runs it (the console script), to the end; or, with
-    `stop_after`, SIGTERM once that many steps are in steps.jsonl (the product's graceful
-    stop: a committed checkpoint and exit 143, no final export)."""
+    `stop_after`, SIGTERM `stop_delay` seconds after that many steps are in steps.jsonl (the
+    product's graceful stop: a committed checkpoint and exit 143, no final export). Raises on
+    any other exit code unless `check` is false."""
     work.mkdir(parents=True, exist_ok=True)
     full = base_env() | env
     spawned = time.time()
@@ -184,9 +188,11 @@ def run_product(
     io = IoMonitor(proc.pid, disk=disk) if monitor_io else None
     if io:
         io.start()
+    signalled: dict[str, float] = {}
     if stop_after:
+        output = Path(env["ZT_OUTPUT_DIR"])
         threading.Thread(
-            target=_stop_after, args=(proc, Path(env["ZT_OUTPUT_DIR"]), stop_after), daemon=True
+            target=_stop_after, args=(proc, output, stop_after, stop_delay, signalled), daemon=True
         ).start()
     out, _ = proc.communicate(timeout=TIMEOUT)
     ended = time.time()
@@ -202,16 +208,22 @@ def run_product(
     ds = json.loads(ds_file.read_text()) if ds_file.exists() else {}
     run = ProductRun(spawned, ended, proc.returncode, out, steps, ds, io)
     run.marks = log_marks(out)
-    if proc.returncode != (EXIT_SIGNAL if stop_after else 0):
+    run.signalled = signalled.get("at")
+    if check and proc.returncode != (EXIT_SIGNAL if stop_after else 0):
         raise RuntimeError(f"zerotuner train exited {proc.returncode}; log in {work}/train.log")
     return run
 
 
-def _stop_after(proc: subprocess.Popen, output: Path, steps: int) -> None:
+def _stop_after(
+    proc: subprocess.Popen, output: Path, steps: int, delay: float, signalled: dict
+) -> None:
     steps_file = output / "run" / "steps.jsonl"
     while proc.poll() is None:
         if steps_file.exists() and len(steps_file.read_text().splitlines()) >= steps:
-            proc.send_signal(signal.SIGTERM)
+            time.sleep(delay)
+            if proc.poll() is None:
+                signalled["at"] = time.time()
+                proc.send_signal(signal.SIGTERM)
             return
         time.sleep(0.2)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 import statistics
 import time
 from dataclasses import dataclass
@@ -336,4 +337,45 @@ def scaling(b: Bench, config: dict, two: runs.BareRun) -> dict[str, Any]:
         "step_seconds_1_rank_1_thread": one_1t.rank0["step_seconds"],
         "note": f"{cores} cores: 1 rank runs {cores} threads (zerotuner's rule: cores // ranks), "
         "2 ranks 1 thread each; the gradient all-reduce goes through gloo on the same cores",
+    }
+
+
+# --- stops --------------------------------------------------------------------------------------
+
+
+def stops(b: Bench, trials: int) -> dict[str, Any]:
+    """SIGTERM at a random moment of a ZeRO-2 run on 2 ranks (after 2-4 steps, plus 0-3 s):
+    does it exit 143 with the last finished step committed, and how long from the signal to
+    the exit (the budget ZT_STOP_GRACE_SECONDS and Kubernetes' grace period must cover)."""
+    rng = random.Random(0)
+    rows = []
+    for trial in range(trials):
+        work = b.work(f"stop-{trial}")
+        env = runs.zt_env(work, b.model, b.data, steps=10_000, zero_stage=2)
+        env["ZT_STOP_GRACE_SECONDS"] = "120"  # a stop that hangs ends as a failed trial
+        after, delay = rng.randint(2, 4), round(rng.uniform(0, 3), 2)
+        r = runs.run_product(work, env, stop_after=after, stop_delay=delay, check=False)
+        pointer = Path(env["ZT_OUTPUT_DIR"]) / "checkpoints" / "latest"
+        committed = int(pointer.read_text().rsplit("-", 1)[1]) if pointer.exists() else None
+        last = r.steps[-1]["step"] if r.steps else 0
+        rows.append({
+            "signal_after_steps": after,
+            "signal_delay_s": delay,
+            "exit_code": r.code,
+            "last_step": last,
+            "committed_step": committed,
+            "steps_lost": None if committed is None else last - committed,
+            "signal_to_exit_s": None if r.signalled is None else r.ended - r.signalled,
+            "median_step_s": median([x["step_seconds"] for x in r.steps]),
+        })  # fmt: skip
+    survived = [x for x in rows if x["exit_code"] == runs.EXIT_SIGNAL and x["steps_lost"] == 0]
+    exits = [x["signal_to_exit_s"] for x in survived]
+    return {
+        "trials": trials,
+        "survived": len(survived),
+        "steps_lost": sum(x["steps_lost"] or 0 for x in rows),
+        "signal_to_exit_median_s": median(exits),
+        "signal_to_exit_max_s": max(exits, default=float("nan")),
+        "median_step_s": median([x["median_step_s"] for x in rows]),
+        "rows": rows,
     }

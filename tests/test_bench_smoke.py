@@ -59,10 +59,10 @@ def test_best_aio_weighs_read_and_write():
 @pytest.mark.slow
 def test_smoke_run_writes_results_and_table(tmp_path):
     """`python -m bench --smoke`: zerotuner train and the bare loop once each on a tiny UNet,
-    the planner row for ZeRO-2, then the JSON and the markdown table."""
+    the planner row for ZeRO-2, one SIGTERM trial, then the JSON and the markdown table."""
     out = tmp_path / "results"
     done = subprocess.run(
-        [sys.executable, "-m", "bench", "--smoke", "--only", "overhead", "planner",
+        [sys.executable, "-m", "bench", "--smoke", "--only", "overhead", "planner", "stops",
          "--out", str(out), "--scratch", str(tmp_path / "scratch")],
         cwd=REPO, capture_output=True, text=True, timeout=900,
     )  # fmt: skip
@@ -75,8 +75,10 @@ def test_smoke_run_writes_results_and_table(tmp_path):
         assert "first step" in phases and all(math.isfinite(v) for v in phases.values())
     (row,) = results["planner"]["rows"]
     assert row["measured_bytes_per_rank"][0] > 0 and row["predicted_bytes_per_rank"] > 0
+    (stop,) = results["stops"]["rows"]
+    assert (stop["exit_code"], stop["committed_step"]) == (143, stop["last_step"]), stop
     table = js.with_suffix(".md").read_text()
-    assert "overhead_ratio" in table and "Time to first step" in table
+    assert "overhead_ratio" in table and "Time to first step" in table and "Stopping" in table
     assert results["machine"]["torch"] in table
 
 
