@@ -8,6 +8,7 @@ built-in config of its family, so planning works on a laptop with nothing downlo
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -72,6 +73,15 @@ class ModelShape:
     source: str  # "built-in sdxl config" or the config file it was counted from
     base_channels: int = 320  # block_out_channels[0]: activation memory scales with it
     vae_channels: int = 128  # the VAE's block_out_channels[0]: so does encoding's memory
+
+
+# A hub model's files the planner reads (a few KB): the pipeline index and each part's config.
+HUB_CONFIG_FILES = ("model_index.json", "*/config.json")
+
+
+def hub_cache_dir(cache_dir: Path) -> Path:
+    """Where hub downloads go: HF_HOME's hub folder, else ZT_CACHE_DIR/huggingface/hub."""
+    return Path(os.environ.get("HF_HOME") or cache_dir / "huggingface") / "hub"
 
 
 def detect_family(model_dir: Path) -> Family:

@@ -33,6 +33,7 @@ class Job:
     node_rank: int = 0
     master_addr: str = "127.0.0.1"
     master_port: int = 29500
+    revision: str | None = None  # a hub model's commit, as the entrypoint read its configs
     deepspeed: dict[str, Any] = field(default_factory=dict)
     notes: tuple[str, ...] = ()  # what was decided and why, for the log
 

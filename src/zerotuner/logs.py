@@ -134,8 +134,15 @@ def setup_logging(
         for old in list(library.handlers):
             library.removeHandler(old)
         library.propagate = True
+    quiet_http_logs()
     logging.captureWarnings(True)
     return handler
+
+
+def quiet_http_logs() -> None:
+    """The hub client's HTTP libraries log one INFO line per request: warnings only."""
+    for name in ("httpx", "httpx2"):
+        logging.getLogger(name).setLevel(logging.WARNING)
 
 
 def format_duration(seconds: float) -> str:

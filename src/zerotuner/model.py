@@ -9,7 +9,6 @@ distribution: deepspeed.initialize is called in worker.py.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -17,6 +16,7 @@ from typing import Any
 import torch
 
 from zerotuner.errors import ConfigError
+from zerotuner.families import hub_cache_dir
 
 # A diffusers pipeline's own files only: hub repos also hold single-file checkpoints and fp16
 # variants (SDXL base: ~20 GB more) that diffusers does not read here.
@@ -38,7 +38,9 @@ def train_dtype(mixed_precision: str) -> torch.dtype:
     return DTYPES[mixed_precision]
 
 
-def resolve_model(model: str, *, cache_dir: Path, token: str | None = None) -> Path:
+def resolve_model(
+    model: str, *, cache_dir: Path, token: str | None = None, revision: str | None = None
+) -> Path:
     """A local folder as is; a hub id downloaded once into the HF cache (HF_HOME or cache_dir).
 
     Call it on one rank per node first, then on the others after a barrier, so only one
@@ -57,11 +59,11 @@ def resolve_model(model: str, *, cache_dir: Path, token: str | None = None) -> P
         RepositoryNotFoundError,
     )
 
-    hub_cache = None if os.environ.get("HF_HOME") else cache_dir / "huggingface" / "hub"
     try:
         path = snapshot_download(
-            model, cache_dir=hub_cache, token=token, allow_patterns=list(HUB_FILES)
-        )
+            model, cache_dir=hub_cache_dir(cache_dir), token=token, revision=revision,
+            allow_patterns=list(HUB_FILES),
+        )  # fmt: skip
     except (RepositoryNotFoundError, GatedRepoError, HFValidationError) as exc:
         raise ConfigError(
             f"ZT_MODEL={model}: not a hub repository this token can read "

@@ -8,12 +8,18 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from zerotuner.deepspeed_config import Decisions, Normalized, normalize
 from zerotuner.errors import ConfigError
-from zerotuner.families import ModelShape, detect_family, model_shape
+from zerotuner.families import (
+    HUB_CONFIG_FILES,
+    ModelShape,
+    detect_family,
+    hub_cache_dir,
+    model_shape,
+)
 from zerotuner.hardware import Hardware, require_supported
 from zerotuner.inputs import UserInputs, apply_implied_settings, read_user_inputs
 from zerotuner.launch import Topology, resolve_topology
@@ -29,8 +35,15 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class ModelSource:
     family: str
-    local_dir: Path | None  # a folder holding the pipeline, when one is on disk
+    local_dir: Path | None  # a folder holding the pipeline (or a hub model's configs) on disk
     reason: str
+    hub_id: str | None = None  # a hub model: the ranks download it (once per node)
+    revision: str | None = None  # the hub commit whose configs were read: the ranks load it
+
+    @property
+    def job_model(self) -> str:
+        """What the ranks load: a local folder, or the hub id (with `revision`)."""
+        return self.hub_id or str(self.local_dir)
 
 
 @dataclass(frozen=True)
@@ -49,22 +62,32 @@ class Preflight:
 
 
 def resolve_model(settings: Settings) -> ModelSource:
-    """A local folder, a hub id already in the cache, or a hub id judged by its name."""
+    """A local folder; or a hub id, judged by its configs (from the cache, else fetched: a few
+    KB, the weights are the ranks' job), or by its name when the hub cannot be reached."""
     local = Path(settings.model).expanduser()
-    if not local.exists():
-        local = _cached_snapshot(settings) or local
+    hub_id = revision = None
+    unreachable = "not cached"
+    if not local.exists() and not settings.model.startswith(("/", ".", "~")):
+        snapshot = _cached_snapshot(settings)
+        if snapshot is None:
+            snapshot, unreachable = _fetch_configs(settings)
+        if snapshot is not None:
+            local, hub_id, revision = snapshot, settings.model, snapshot.name
     if local.is_dir():
+        source = ModelSource("", local, "", hub_id, revision)
         if settings.model_family != "auto":
-            return ModelSource(settings.model_family, local, f"{env_name('model_family')}")
-        return ModelSource(detect_family(local), local, f"detected from {local}")
+            return replace(source, family=settings.model_family, reason=env_name("model_family"))
+        where = f"its configs at commit {revision[:12]}" if revision else str(local)
+        return replace(source, family=detect_family(local), reason=f"detected from {where}")
     if settings.model_family != "auto":
-        return ModelSource(settings.model_family, None, env_name("model_family"))
+        return ModelSource(settings.model_family, None, env_name("model_family"), settings.model)
     looks_local = settings.model.startswith(("/", ".", "~")) or settings.model.count("/") > 1
     if looks_local:
         raise ConfigError(f"{env_name('model')}={settings.model}: no such folder")
     name = settings.model.lower()
     family = "sdxl" if "xl" in name else "sd2" if "-2" in name or "v2" in name else "sd1"
-    return ModelSource(family, None, f"guessed from the hub id {settings.model!r} (not cached)")
+    reason = f"guessed from the hub id {settings.model!r} ({unreachable})"
+    return ModelSource(family, None, reason, settings.model)
 
 
 def _cached_snapshot(settings: Settings) -> Path | None:
@@ -74,17 +97,39 @@ def _cached_snapshot(settings: Settings) -> Path | None:
 
     try:
         hit = try_to_load_from_cache(
-            settings.model, "model_index.json", cache_dir=str(hub_cache_dir(settings))
+            settings.model, "model_index.json", cache_dir=str(hub_cache_dir(settings.cache_dir))
         )
     except HFValidationError:  # not a hub id at all: the caller reports the missing folder
         return None
     return Path(hit).parent if isinstance(hit, str) else None
 
 
-def hub_cache_dir(settings: Settings) -> Path:
-    """Where diffusers keeps downloads: HF_HOME's hub folder, else ZT_CACHE_DIR/huggingface."""
-    home = os.environ.get("HF_HOME") or str(settings.cache_dir / "huggingface")
-    return Path(home) / "hub"
+def _fetch_configs(settings: Settings) -> tuple[Path | None, str]:
+    """The hub model's config files into the HF cache: (snapshot folder, "") or (None, why not).
+
+    A repository this token cannot read is the user's to fix (ConfigError); a hub that cannot
+    be reached leaves the family to the id's name and the download to the ranks."""
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import GatedRepoError, HFValidationError, RepositoryNotFoundError
+
+    if constants.HF_HUB_OFFLINE:
+        return None, "not cached; HF_HUB_OFFLINE is set"
+    token = settings.hf_token.get_secret_value() if settings.hf_token else None
+    try:
+        path = snapshot_download(
+            settings.model, cache_dir=str(hub_cache_dir(settings.cache_dir)), token=token,
+            allow_patterns=list(HUB_CONFIG_FILES), etag_timeout=10,
+        )  # fmt: skip
+    except HFValidationError:
+        return None, "not a hub id"
+    except (RepositoryNotFoundError, GatedRepoError) as error:
+        raise ConfigError(
+            f"{env_name('model')}={settings.model}: not a hub repository this token can read "
+            f"({type(error).__name__}); check the id and {env_name('hf_token')}"
+        ) from None
+    except Exception as error:  # noqa: BLE001 - no network: the ranks try again and say why
+        return None, f"not cached; the hub could not be reached: {type(error).__name__}"
+    return Path(path), ""
 
 
 def preflight(

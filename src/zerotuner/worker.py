@@ -164,12 +164,18 @@ class Run:
         token = s.hf_token.get_secret_value() if s.hf_token else None
         if not Path(job.model).expanduser().is_dir():
             self.phase("downloading")  # a hub id: fetched, or found in the cache, per node
+
+        def resolve() -> Path:
+            return model.resolve_model(
+                job.model, cache_dir=s.cache_dir, token=token, revision=job.revision
+            )
+
         if int(os.environ["LOCAL_RANK"]) == 0:  # one download per node
-            self.source = model.resolve_model(job.model, cache_dir=s.cache_dir, token=token)
+            self.source = resolve()
         _barrier()
         self.phase("loading")
         if int(os.environ["LOCAL_RANK"]) != 0:
-            self.source = model.resolve_model(job.model, cache_dir=s.cache_dir, token=token)
+            self.source = resolve()
         self.components = model.load_components(
             self.source,
             job.family,

@@ -178,7 +178,7 @@ def _model(c: Checks) -> tuple[str, list[str]]:
                 f"ZT_MODEL={settings.model}: no unet/config.json (or config.json) in that folder; "
                 "point it at a diffusers pipeline folder"
             )
-        where = f"local folder {source.local_dir}"
+        where = f"hub id {source.hub_id}" if source.hub_id else f"local folder {source.local_dir}"
         warnings = []
     else:
         where, warnings = _hub_access(settings)

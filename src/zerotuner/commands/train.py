@@ -123,7 +123,8 @@ def job_from(pre: Preflight) -> Job:
     d, t = pre.decisions, pre.topology
     return Job(
         family=pre.model.family,
-        model=str(pre.model.local_dir or pre.settings.model),
+        model=pre.model.job_model,
+        revision=pre.model.revision,
         resolution=pre.resolution,
         zero_stage=d.zero_stage,
         offload_optimizer=d.offload_optimizer,
