@@ -115,6 +115,29 @@ def test_sigterm_to_the_entrypoint_reaches_the_ranks_and_exits_143(demo_dir, tmp
     assert out.count("Traceback") == out.count("SignalException: Process"), out[-3000:]
 
 
+@pytest.mark.slow
+def test_sigterm_before_training_exits_143_once_caching_ends(demo_dir, tmp_path):
+    """Signalled while loading (a hub download, or caching a large dataset, takes long): the
+    ranks finish caching, which a restart reuses, and stop before the engine and step 1."""
+    env = demo_env(demo_dir, tmp_path, ZT_MAX_STEPS="10000")
+    proc = subprocess.Popen(
+        [ENTRYPOINT, "train"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True, start_new_session=True,
+    )  # fmt: skip
+    seen = []
+    for line in proc.stdout:
+        seen.append(line)
+        if "phase: loading" in line:
+            proc.send_signal(signal.SIGTERM)
+            break
+    out = "".join(seen) + proc.communicate(timeout=300)[0]
+    assert proc.returncode == 143, out[-3000:]
+    assert "stopped by SIGTERM before training: exit 143" in out, out[-3000:]
+    assert steps_done(tmp_path) == []
+    assert not (tmp_path / "output" / "checkpoints" / "latest").exists()
+    assert json.loads((tmp_path / "output" / "run" / "cache.json").read_text())["latents_encoded"]
+
+
 def run_entrypoint(env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
     return subprocess.run([ENTRYPOINT, *args], env=env, capture_output=True, text=True, timeout=300)
 

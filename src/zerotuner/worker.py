@@ -96,16 +96,19 @@ def _write_json(path: Path, payload: Any) -> None:
 
 
 class Stopped(Exception):
-    """The ranks agreed to stop on a signal and committed a checkpoint at `step`."""
+    """The ranks agreed to stop on a signal and committed a checkpoint at `step` (None: they
+    stopped before training, with nothing new to save)."""
 
-    def __init__(self, step: int, signal_name: str) -> None:
-        super().__init__(f"stopped by {signal_name} after committing checkpoint step-{step}")
+    def __init__(self, step: int | None, signal_name: str) -> None:
+        done = f"after committing checkpoint step-{step}" if step else "before training"
+        super().__init__(f"stopped by {signal_name} {done}")
         self.step = step
 
 
 class StopRequest:
     """SIGTERM/SIGINT ask every rank to stop at the next step boundary, after a committed
-    checkpoint; a second signal ends the process at once (the last committed checkpoint is
+    checkpoint (or, when it comes during download or caching, once caching ends, with nothing
+    to save); a second signal ends the process at once (the last committed checkpoint is
     never touched by a half save). Ranks agree over a gloo group (also beside NCCL)."""
 
     def __init__(self) -> None:
@@ -440,13 +443,16 @@ def train(settings: Settings, job: Job, *, sinks: Sequence[Sink] | None = None) 
         run = Run(settings, job, sinks=sinks, rank=rank, world=world)
         run.load()
         run.cache()
+        if run.stop.agreed():  # signalled while downloading or caching: no step to save yet
+            raise Stopped(None, run.stop.name)
         run.engine()
         run.train()
         run.finish()
         code, message = EXIT_OK, f"finished at step {settings.max_steps}"
     except Stopped as stopped:
         code, message = EXIT_SIGNAL, str(stopped)
-        log.warning("%s: exit %d, a restart resumes at step %d", stopped, code, stopped.step + 1)
+        resumes = f"at step {stopped.step + 1}" if stopped.step else "where this one started"
+        log.warning("%s: exit %d, a restart resumes %s", stopped, code, resumes)
     except ZeroTunerError as error:
         code, message = error.exit_code, str(error)
         for line in error.problems:
