@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import sys
 import textwrap
 import threading
@@ -283,6 +284,26 @@ def test_second_signal_kills_every_rank_at_once(tmp_path):
     assert len(pids) == 2
     for pid in pids:
         assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == "zombie"
+
+
+@pytest.mark.slow
+def test_a_signal_just_before_torchrun_starts_reaches_torchrun(tmp_path, monkeypatch):
+    """SIGTERM after the launcher decided to start torchrun but before torchrun exists: it is
+    held and sent on, so torchrun (in a session of its own) is not left running alone."""
+    real_popen = subprocess.Popen
+    started: list[subprocess.Popen] = []
+
+    def popen_after_a_signal(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGTERM)  # Python runs the handler right here
+        started.append(real_popen(*args, **kwargs))
+        return started[-1]
+
+    monkeypatch.setattr(subprocess, "Popen", popen_after_a_signal)
+    code, out = _launch(tmp_path, "sigterm")
+    (torchrun,) = started
+    # torchrun got it while starting up (before its own handlers): it ended, no rank began
+    assert torchrun.returncode == -signal.SIGTERM
+    assert code == 1 and not list(out.glob("ready-*"))
 
 
 # --- zerotuner check: the dry run of everything train validates -------------------------------

@@ -266,12 +266,23 @@ def run_ranks(
     for stale in status_dir.glob("rank-*.json"):
         stale.unlink()  # an earlier run's statuses must not decide this run's exit code
 
-    proc = subprocess.Popen(argv, env=dict(env), start_new_session=True)
-    state: dict[str, Any] = {"signals": 0, "deadline": None, "known": set()}
+    # The handlers go in before torchrun starts: a signal in between must reach it, not end
+    # this process and leave torchrun (in a session of its own) running.
+    state: dict[str, Any] = {"signals": 0, "deadline": None, "known": set(), "pending": None}
+    proc: subprocess.Popen | None = None
+
+    def act(signum: int) -> None:
+        """Forward the first signal to torchrun; the second kills the whole tree."""
+        assert proc is not None
+        state["known"] |= _descendants(proc.pid)
+        if state["signals"] == 1:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(proc.pid, signum)
+        else:
+            _kill_all(proc, state["known"])
 
     def on_signal(signum: int, _frame: Any) -> None:
         state["signals"] += 1
-        state["known"] |= _descendants(proc.pid)
         if state["signals"] == 1:
             log.warning(
                 "%s: asking the ranks to checkpoint and stop (%.0f s; again to kill now)",
@@ -279,14 +290,18 @@ def run_ranks(
                 grace_seconds,
             )
             state["deadline"] = time.monotonic() + grace_seconds
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(proc.pid, signum)
         else:
             log.warning("second signal: killing every rank now")
-            _kill_all(proc, state["known"])
+        if proc is None:
+            state["pending"] = signum  # acted on as soon as torchrun exists
+        else:
+            act(signum)
 
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
+        proc = subprocess.Popen(argv, env=dict(env), start_new_session=True)
+        if state["pending"] is not None:
+            act(state["pending"])
         while True:
             try:
                 code = proc.wait(timeout=0.5)
