@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import time
@@ -162,6 +163,42 @@ def test_sigkill_inside_a_save_resumes_from_the_previous_commit(
     assert steps[-2:] == [3, 4]
     _same_step2_and_close_final(output, reference)
     print("fault: SIGKILL in save survived, lost 2 steps (resumed at step-2)")
+
+
+@pytest.mark.slow
+def test_a_save_replacing_a_committed_step_keeps_it_until_the_new_one_commits(
+    tmp_path, demo_dir, cache, reference
+) -> None:
+    """ZT_RESUME=never over an earlier run's output saves step-2 again: the committed step-2
+    waits aside, so a rank killed inside the new save loses nothing; the next start puts the
+    old step-2 back, byte for byte."""
+    output = tmp_path / "output"
+    shutil.copytree(reference, output)
+    step2 = output / "checkpoints" / "step-2"
+    before = read_manifest(step2)
+    proc, _ = _start(
+        tmp_path, demo_dir, cache, stage=2, steps=2, resume="never",
+        extra_env={"ZT_TEST_SLEEP_IN_SAVE": "4"},
+    )  # fmt: skip
+    aside = output / "checkpoints" / ".step-2.replaced"
+    try:
+        _wait(proc, tmp_path, lambda: aside.is_dir() and any(step2.glob("*optim_states.pt")),
+              "the new step-2 shards")  # fmt: skip
+        os.kill(_children(proc.pid)[-1], signal.SIGKILL)
+        proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode != 0 and read_manifest(step2) is None
+    assert read_manifest(aside) == before
+
+    restart = tmp_path / "restart"
+    restart.mkdir()
+    again, _ = tk.train(restart, demo_dir, cache, stage=2, steps=4, output=output)
+    tk.assert_ok(again, restart)
+    assert "restored" in again.stdout + again.stderr and not aside.exists()
+    assert read_manifest(step2) == before and verify(step2) is None
+    print("fault: SIGKILL in a save replacing a committed step survived, lost 0 checkpoints")
 
 
 @pytest.mark.slow

@@ -5,8 +5,10 @@ manifest `step-N/zerotuner.json` (step, world size, ZeRO stage, base model, data
 files with sizes and sha256) and then moves the pointer `checkpoints/latest` by write-temp,
 fsync, rename. A checkpoint without a manifest was never committed and is never resumed from;
 one whose files no longer match it is skipped for the one before. Old checkpoints are deleted
-(by rank 0) only after the new one is committed. A checkpoint saved on another world size or
-ZeRO stage resumes through zerotuner.universal.
+(by rank 0) only after the new one is committed; so is a committed step-N that a new save of
+step N replaces (`ZT_RESUME=never`, or an older step resumed over a longer run's output): it
+waits in `.step-N.replaced` and is put back if the new save never commits. A checkpoint saved
+on another world size or ZeRO stage resumes through zerotuner.universal.
 
 The manifest also makes a checkpoint self-contained for `zerotuner export`: it names the base
 pipeline whose frozen parts complete the exported folder.
@@ -113,8 +115,8 @@ def save(
     started = time.perf_counter()
     root = checkpoints_dir(output_dir)
     tag = f"step-{step}"
-    if rank == 0 and (root / tag).exists():
-        shutil.rmtree(root / tag)  # an uncommitted leftover of a crashed save
+    if rank == 0:
+        _set_aside(root, tag)
     _barrier()
     try:
         engine.save_checkpoint(
@@ -129,7 +131,13 @@ def save(
     except Exception as error:
         if not (_disk_full(error) or _nearly_full(root)):
             raise
-        shutil.rmtree(root / tag, ignore_errors=True)  # never committed: free what it took
+        # Never committed: free what it took. A committed step-N it was replacing goes back
+        # by rank 0 alone (here, or at the next start): another rank's delete could race it.
+        if rank == 0:
+            shutil.rmtree(root / tag, ignore_errors=True)
+            restore_set_aside(output_dir)
+        elif not _aside(root, tag).exists():
+            shutil.rmtree(root / tag, ignore_errors=True)
         previous = find_resume("auto", output_dir)
         raise EnvironmentUnfit(
             f"ZT_OUTPUT_DIR={output_dir}: no space left on the device while saving checkpoint "
@@ -165,7 +173,40 @@ def _commit(
     }
     _write_atomic(root / tag / MANIFEST, json.dumps(manifest, indent=2, sort_keys=True))
     _write_atomic(root / LATEST, tag)
+    shutil.rmtree(_aside(root, tag), ignore_errors=True)  # replaced: the new step-N is safe
     _rotate(root, keep=keep, current=tag)
+
+
+def _aside(root: Path, tag: str) -> Path:
+    return root / f".{tag}.replaced"
+
+
+def _set_aside(root: Path, tag: str) -> None:
+    """Before step-N is saved (rank 0): an uncommitted leftover of a crashed save goes; a
+    committed step-N is renamed aside, to be deleted only once its replacement commits."""
+    path = root / tag
+    if not path.exists():
+        return
+    if read_manifest(path) is None:
+        shutil.rmtree(path)
+        return
+    shutil.rmtree(_aside(root, tag), ignore_errors=True)  # an older aside of a committed save
+    path.rename(_aside(root, tag))
+    log.warning("keeping the committed %s aside until the new %s commits", tag, tag)
+
+
+def restore_set_aside(output_dir: Path) -> None:
+    """Put back each committed step-N whose replacement never committed (rank 0, before
+    anything looks for a checkpoint to resume)."""
+    root = checkpoints_dir(output_dir)
+    for aside in sorted(root.glob(".step-*.replaced")) if root.is_dir() else ():
+        original = root / aside.name[1 : -len(".replaced")]
+        if read_manifest(original) is not None:
+            shutil.rmtree(aside)  # the replacement committed; only the clean-up was missed
+            continue
+        shutil.rmtree(original, ignore_errors=True)  # the half-written replacement
+        aside.rename(original)
+        log.warning("restored %s: the save that was replacing it did not commit", original)
 
 
 def _disk_full(error: BaseException) -> bool:

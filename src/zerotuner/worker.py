@@ -297,6 +297,9 @@ class Run:
         if self.rank == 0:  # the entrypoint logs it; the run folder keeps it
             _write_json(self.run_dir / "deepspeed.json", config)
         self.start_step = 0
+        if self.rank == 0:
+            checkpoint.restore_set_aside(self.settings.output_dir)
+        _barrier()
         resume = checkpoint.find_resume(self.settings.resume, self.settings.output_dir)
         resumed = checkpoint.load(self.engine_, resume) if resume else None
         if resumed:
