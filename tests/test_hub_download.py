@@ -81,8 +81,8 @@ def test_a_token_the_hub_refuses_is_exit_2_naming_the_setting(demo_dir, tmp_path
     assert result.returncode == 2, result.stderr[-3000:]
     errors = [line for line in result.stderr.splitlines() if "error:" in line]
     assert errors == [
-        f"zerotuner: error: ZT_MODEL={REPO_ID}: not a hub repository this token can read "
-        "(RepositoryNotFoundError); check the id and ZT_HF_TOKEN"
+        f"zerotuner: error: ZT_MODEL={REPO_ID}: no such local folder, and not a hub repository "
+        "this token can read (RepositoryNotFoundError); check the id and ZT_HF_TOKEN"
     ]
     assert "Traceback" not in result.stderr and TOKEN not in result.stderr
 

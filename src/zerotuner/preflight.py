@@ -124,8 +124,9 @@ def _fetch_configs(settings: Settings) -> tuple[Path | None, str]:
         return None, "not a hub id"
     except (RepositoryNotFoundError, GatedRepoError) as error:
         raise ConfigError(
-            f"{env_name('model')}={settings.model}: not a hub repository this token can read "
-            f"({type(error).__name__}); check the id and {env_name('hf_token')}"
+            f"{env_name('model')}={settings.model}: no such local folder, and not a hub "
+            f"repository this token can read ({type(error).__name__}); check the id and "
+            f"{env_name('hf_token')}"
         ) from None
     except Exception as error:  # noqa: BLE001 - no network: the ranks try again and say why
         return None, f"not cached; the hub could not be reached: {type(error).__name__}"
