@@ -1,4 +1,4 @@
-"""The ranks' stop agreement (worker.StopRequest) over a real two-rank gloo group.
+"""The ranks' stop agreement (stop.StopRequest) over a real two-rank gloo group.
 
 The signal is timed by the rank itself: `SIGNAL_AT` says when rank 1 sends itself SIGTERM,
 before its Nth agreement, or inside it, after the all_reduce returned but before the result is
@@ -22,7 +22,7 @@ RANK = textwrap.dedent(
     """
     import json, os, signal, sys
     import torch.distributed as dist
-    from zerotuner.worker import StopRequest
+    from zerotuner.stop import StopRequest
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()
