@@ -8,7 +8,6 @@ environment exits 3, each with one line and no traceback.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import signal
 import subprocess
@@ -16,30 +15,9 @@ import time
 from pathlib import Path
 
 import pytest
+from trainkit import ENTRYPOINT, entrypoint_env
 
 from zerotuner.launch import free_port
-
-REPO = Path(__file__).resolve().parents[1]
-ENTRYPOINT = str(REPO / "entrypoint")
-
-
-def demo_env(demo_dir: Path, out: Path, **overrides: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("ZT_")}
-    env.update(
-        ZT_DEVICE="cpu",
-        ZT_MODEL=str(demo_dir / "model"),
-        ZT_DATA_DIR=str(demo_dir / "data"),
-        ZT_OUTPUT_DIR=str(out / "output"),
-        ZT_CACHE_DIR=str(out / "cache"),
-        ZT_OFFLOAD_DIR=str(out / "offload"),
-        ZT_CONFIG_FILE=str(REPO / "config" / "demo.yaml"),
-        ZT_METRICS_PORT="0",
-        ZT_VALIDATION_PROMPTS="[]",
-        ZT_LOG_EVERY_STEPS="1",
-        OMP_NUM_THREADS="1",
-    )
-    env.update(overrides)
-    return env
 
 
 def steps_done(out: Path) -> list[dict]:
@@ -71,7 +49,7 @@ def test_two_entrypoints_on_localhost_train_together(demo_dir, tmp_path):
     nodes = [
         subprocess.Popen(
             [ENTRYPOINT, "train"],
-            env=demo_env(demo_dir, tmp_path, ZT_NODE_RANK=str(rank), **common),
+            env=entrypoint_env(demo_dir, tmp_path, ZT_NODE_RANK=str(rank), **common),
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
@@ -94,7 +72,7 @@ def test_two_entrypoints_on_localhost_train_together(demo_dir, tmp_path):
 
 @pytest.mark.slow
 def test_sigterm_to_the_entrypoint_reaches_the_ranks_and_exits_143(demo_dir, tmp_path):
-    env = demo_env(demo_dir, tmp_path, ZT_MAX_STEPS="10000", ZT_CHECKPOINT_EVERY_STEPS="0")
+    env = entrypoint_env(demo_dir, tmp_path, ZT_MAX_STEPS="10000", ZT_CHECKPOINT_EVERY_STEPS="0")
     proc = subprocess.Popen(
         [ENTRYPOINT, "train"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
         text=True, start_new_session=True,
@@ -119,7 +97,7 @@ def test_sigterm_to_the_entrypoint_reaches_the_ranks_and_exits_143(demo_dir, tmp
 def test_sigterm_before_training_exits_143_once_caching_ends(demo_dir, tmp_path):
     """Signalled while loading (a hub download, or caching a large dataset, takes long): the
     ranks finish caching, which a restart reuses, and stop before the engine and step 1."""
-    env = demo_env(demo_dir, tmp_path, ZT_MAX_STEPS="10000")
+    env = entrypoint_env(demo_dir, tmp_path, ZT_MAX_STEPS="10000")
     proc = subprocess.Popen(
         [ENTRYPOINT, "train"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
         text=True, start_new_session=True,
@@ -143,7 +121,7 @@ def run_entrypoint(env: dict[str, str], *args: str) -> subprocess.CompletedProce
 
 
 def test_a_config_error_exits_2_with_one_line(demo_dir, tmp_path):
-    result = run_entrypoint(demo_env(demo_dir, tmp_path, ZT_ZERO_STAGE="7"), "train")
+    result = run_entrypoint(entrypoint_env(demo_dir, tmp_path, ZT_ZERO_STAGE="7"), "train")
     assert result.returncode == 2
     errors = [line for line in result.stderr.splitlines() if "error:" in line]
     assert errors == ["zerotuner: error: ZT_ZERO_STAGE=7: expected 'auto' or 0, 1, 2 or 3"]
@@ -151,7 +129,7 @@ def test_a_config_error_exits_2_with_one_line(demo_dir, tmp_path):
 
 
 def test_an_unfit_environment_exits_3(demo_dir, tmp_path):
-    result = run_entrypoint(demo_env(demo_dir, tmp_path, ZT_DEVICE="cuda"), "train")
+    result = run_entrypoint(entrypoint_env(demo_dir, tmp_path, ZT_DEVICE="cuda"), "train")
     assert result.returncode == 3, result.stderr[-2000:]
     assert "Traceback" not in result.stderr
     assert any(line.startswith("zerotuner: error: ") for line in result.stderr.splitlines())

@@ -7,16 +7,14 @@ The repo is the tiny SDXL under a name that does not say XL, as fine-tunes are o
 
 from __future__ import annotations
 
-import os
 import socket
 import subprocess
 from pathlib import Path
 
 import pytest
 from fakehub import SHA, FakeHub
+from trainkit import ENTRYPOINT, entrypoint_env
 
-REPO = Path(__file__).resolve().parents[1]
-ENTRYPOINT = str(REPO / "entrypoint")
 REPO_ID = "acme/juggernaut-x"
 TOKEN = "hf_fakehubtoken123456"
 CONFIGS = {
@@ -29,25 +27,10 @@ CONFIGS = {
 
 
 def hub_env(demo_dir: Path, out: Path, endpoint: str, **overrides: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("ZT_", "HF_"))}
-    env.update(
-        ZT_DEVICE="cpu",
-        ZT_MODEL=REPO_ID,
-        ZT_HF_TOKEN=TOKEN,
-        ZT_DATA_DIR=str(demo_dir / "data"),
-        ZT_OUTPUT_DIR=str(out / "output"),
-        ZT_CACHE_DIR=str(out / "cache"),  # the HF cache goes under it: empty
-        ZT_OFFLOAD_DIR=str(out / "offload"),
-        ZT_CONFIG_FILE=str(REPO / "config" / "demo.yaml"),
-        ZT_METRICS_PORT="0",
-        ZT_VALIDATION_PROMPTS="[]",
-        OMP_NUM_THREADS="1",
-        HF_ENDPOINT=endpoint,
-        HF_HUB_OFFLINE="0",
-        HF_HUB_DISABLE_TELEMETRY="1",
-    )
-    env.update(overrides)
-    return env
+    """The demo's environment naming the hub repo, online against `endpoint`."""
+    online = dict(ZT_MODEL=REPO_ID, ZT_HF_TOKEN=TOKEN, HF_ENDPOINT=endpoint,
+                  HF_HUB_OFFLINE="0", HF_HUB_DISABLE_TELEMETRY="1")  # fmt: skip
+    return entrypoint_env(demo_dir, out, **(online | overrides))
 
 
 def zerotuner(env: dict[str, str], *args: str, timeout: int = 120) -> subprocess.CompletedProcess:

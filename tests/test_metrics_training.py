@@ -16,8 +16,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import psutil
 import pytest
-from test_entrypoint_train import ENTRYPOINT, demo_env, steps_done
+from test_entrypoint_train import steps_done
 from test_metrics import exposition_problems, promtool_problems, scrape, value
+from trainkit import ENTRYPOINT, entrypoint_env
 
 from zerotuner.launch import free_port
 
@@ -50,7 +51,7 @@ def wait_until(predicate, what: str, proc: subprocess.Popen, timeout: float = 60
 def test_metrics_during_real_training(demo_dir, tmp_path):
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    env = demo_env(
+    env = entrypoint_env(
         demo_dir, tmp_path, ZT_METRICS_PORT=str(port), ZT_METRICS_HOST="127.0.0.1",
         ZT_HANG_TIMEOUT_SECONDS=str(HANG_TIMEOUT), ZT_MAX_STEPS="60",
         ZT_CHECKPOINT_EVERY_STEPS="0", HF_TOKEN=SECRET,

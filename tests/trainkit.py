@@ -17,6 +17,7 @@ from typing import Any
 from zerotuner.job import Job
 
 REPO = Path(__file__).resolve().parents[1]
+ENTRYPOINT = str(REPO / "entrypoint")
 RUN_TIMEOUT = 600  # seconds; a 2-rank tiny run takes well under a minute
 SHUTDOWN_TIMEOUT = 120  # seconds torchrun gives ranks after SIGTERM (launch() passes the grace)
 
@@ -211,3 +212,25 @@ def assert_ok(proc: subprocess.CompletedProcess[str], tmp: Path, world: int = 2)
     assert proc.returncode == 0 and codes == dict.fromkeys(range(world), 0), (
         f"rc={proc.returncode} statuses={codes}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     )
+
+
+def entrypoint_env(demo_dir: Path, out: Path, **overrides: str) -> dict[str, str]:
+    """The environment of `./entrypoint train` on the demo: no ZT_*/HF_* of the caller's,
+    offline unless an override says otherwise, every output under `out`."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("ZT_", "HF_"))}
+    env.update(
+        ZT_DEVICE="cpu",
+        ZT_MODEL=str(demo_dir / "model"),
+        ZT_DATA_DIR=str(demo_dir / "data"),
+        ZT_OUTPUT_DIR=str(out / "output"),
+        ZT_CACHE_DIR=str(out / "cache"),
+        ZT_OFFLOAD_DIR=str(out / "offload"),
+        ZT_CONFIG_FILE=str(REPO / "config" / "demo.yaml"),
+        ZT_METRICS_PORT="0",
+        ZT_VALIDATION_PROMPTS="[]",
+        ZT_LOG_EVERY_STEPS="1",
+        OMP_NUM_THREADS="1",
+        HF_HUB_OFFLINE="1",
+    )
+    env.update(overrides)
+    return env

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from zerotuner.deepspeed_config import Decisions, Normalized, normalize
@@ -74,11 +74,12 @@ def resolve_model(settings: Settings) -> ModelSource:
         if snapshot is not None:
             local, hub_id, revision = snapshot, settings.model, snapshot.name
     if local.is_dir():
-        source = ModelSource("", local, "", hub_id, revision)
         if settings.model_family != "auto":
-            return replace(source, family=settings.model_family, reason=env_name("model_family"))
-        where = f"its configs at commit {revision[:12]}" if revision else str(local)
-        return replace(source, family=detect_family(local), reason=f"detected from {where}")
+            family, reason = settings.model_family, env_name("model_family")
+        else:
+            where = f"its configs at commit {revision[:12]}" if revision else str(local)
+            family, reason = detect_family(local), f"detected from {where}"
+        return ModelSource(family, local, reason, hub_id, revision)
     if settings.model_family != "auto":
         return ModelSource(settings.model_family, None, env_name("model_family"), settings.model)
     looks_local = settings.model.startswith(("/", ".", "~")) or settings.model.count("/") > 1

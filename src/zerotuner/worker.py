@@ -36,13 +36,13 @@ from zerotuner.stop import Stopped, StopRequest
 log = logging.getLogger("zerotuner.worker")
 
 
-def build_sinks(settings: Settings, job: Job, *, rank: int) -> list[Sink]:
-    """Every consumer of step records on this rank: the one place sinks plug in."""
+def build_sinks(settings: Settings, job: Job, *, rank: int, resume: Path | None) -> list[Sink]:
+    """Every consumer of step records on this rank: the one place sinks plug in. `resume`:
+    the checkpoint this run continues from (its step starts the progress count)."""
     from zerotuner.logs import ProgressSink
     from zerotuner.metrics import PrometheusSink
 
     device = "cpu" if job.device == "cpu" else f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
-    resume = checkpoint.find_resume(settings.resume, settings.output_dir)
     start = int((checkpoint.read_manifest(resume) or {}).get("step", 0)) if resume else 0
     sinks: list[Sink] = [
         PrometheusSink(
@@ -236,7 +236,7 @@ class Run:
         return load
 
     # --- engine and resume ----------------------------------------------------------------
-    def engine(self) -> None:
+    def engine(self, resume: Path | None) -> None:
         import deepspeed
 
         config = dict(self.job.deepspeed)
@@ -249,10 +249,6 @@ class Run:
         if self.rank == 0:  # the entrypoint logs it; the run folder keeps it
             _write_json(self.run_dir / "deepspeed.json", config)
         self.start_step = 0
-        if self.rank == 0:
-            checkpoint.restore_set_aside(self.settings.output_dir)
-        _barrier()
-        resume = checkpoint.find_resume(self.settings.resume, self.settings.output_dir)
         resumed = checkpoint.load(self.engine_, resume) if resume else None
         if resumed:
             self.start_step = resumed.step
@@ -393,14 +389,18 @@ def train(settings: Settings, job: Job, *, sinks: Sequence[Sink] | None = None) 
     rank, code, message = int(os.environ.get("RANK", "0")), EXIT_FAILURE, ""
     try:
         rank, world = init_distributed(job)
+        if rank == 0:  # before anything looks for a checkpoint to resume
+            checkpoint.restore_set_aside(settings.output_dir)
+        _barrier()
+        resume = checkpoint.find_resume(settings.resume, settings.output_dir)  # hashes files
         if sinks is None:
-            sinks = build_sinks(settings, job, rank=rank)
+            sinks = build_sinks(settings, job, rank=rank, resume=resume)
         run = Run(settings, job, sinks=sinks, rank=rank, world=world)
         run.load()
         run.cache()
         if run.stop.agreed():  # signalled while downloading or caching: no step to save yet
             raise Stopped(None, run.stop.name)
-        run.engine()
+        run.engine(resume)
         run.train()
         run.finish()
         code, message = EXIT_OK, f"finished at step {settings.max_steps}"
