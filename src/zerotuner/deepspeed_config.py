@@ -26,7 +26,7 @@ from zerotuner.optimizers import (
 )
 from zerotuner.pins import illegal_at
 from zerotuner.plan import bucket as plan_bucket
-from zerotuner.settings import Settings, env_name
+from zerotuner.settings import Settings, env_name, precision_name
 
 NVME_PLACEHOLDERS = ("", "none", "null", "auto", "/path/to", "/local_nvme", "/nvme")
 AIO_DEFAULTS = {
@@ -67,7 +67,7 @@ def resolve_precision(
         return auto_precision(hardware)
     if requested == "fp16" and on_cpu:
         asked = where or f"{env_name('mixed_precision')}=fp16"
-        notes.error(f"{asked}: DeepSpeed's CPU accelerator has no fp16; use bf16 or no")
+        notes.error(f"{asked}: DeepSpeed's CPU accelerator has no fp16; use bf16, or no (fp32)")
     if requested == "bf16" and not on_cpu and not hardware.bf16:
         names = ", ".join(sorted({g.name for g in hardware.gpus})) or "this GPU"
         notes.warn(f"bf16 needs compute capability 8.0+ ({names} has less): using fp16")
@@ -321,7 +321,7 @@ def _precision(ctx: _Context, hardware: Hardware) -> str:
         fp16_section.setdefault("loss_scale", 0)  # dynamic loss scaling
         fp16_section.setdefault("initial_scale_power", 16)
     cfg["fp16"] = fp16_section
-    n.info(f"mixed precision: {precision}")
+    n.info(f"precision: {precision_name(precision)}")
     return precision
 
 

@@ -223,6 +223,11 @@ def env_name(field: str) -> str:
     return ENV_PREFIX + field.upper()
 
 
+def precision_name(value: str) -> str:
+    """How a precision reads in text: the setting's `no` (no mixed precision) is fp32."""
+    return "fp32" if value == "no" else value
+
+
 def source_key(name: str) -> str:
     """The key the env source files a field's value under: its first alias when it has any.
 

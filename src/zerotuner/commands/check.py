@@ -244,6 +244,7 @@ def _plan(c: Checks) -> str:
 def _normalize(c: Checks) -> tuple[str, list[str]]:
     from zerotuner.deepspeed_config import normalize
     from zerotuner.preflight import decisions_from
+    from zerotuner.settings import precision_name
 
     inputs = c.facts["inputs"]
     result = normalize(
@@ -257,7 +258,8 @@ def _normalize(c: Checks) -> tuple[str, list[str]]:
     )
     warnings = [str(n) for n in result.notes if n.level in ("warning", "change")]
     batch = result.config.get("train_batch_size")
-    return f"valid (train_batch_size {batch}, {result.mixed_precision})", warnings
+    precision = precision_name(result.mixed_precision)
+    return f"valid (train_batch_size {batch}, {precision})", warnings
 
 
 def _dataset(c: Checks) -> tuple[str, list[str]]:

@@ -14,6 +14,7 @@ from zerotuner.commands import what_if
 from zerotuner.hardware import Hardware
 from zerotuner.plan import Plan, gib
 from zerotuner.preflight import plan_for
+from zerotuner.settings import precision_name
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -75,7 +76,8 @@ def render(plan: Plan, hardware: Hardware) -> str:
     lines = [
         f"hardware: {describe_hardware(hardware)}",
         f"job: {i['family']} UNet {i['unet_params'] / 1e9:.3f}B params, {i['resolution']} px, "
-        f"micro batch {i['micro_batch']}, world size {i['world_size']}, {i['precision']}",
+        f"micro batch {i['micro_batch']}, world size {i['world_size']}, "
+        f"{precision_name(i['precision'])}",
         "",
         f"{'stage':>5}  {'optimizer':<9}  {'params':<6}  {'ckpt':<4}  "
         f"{'device GiB':>10}  {'host GiB':>8}  {'disk GiB':>8}  fits",
