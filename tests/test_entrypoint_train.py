@@ -88,9 +88,8 @@ def test_sigterm_to_the_entrypoint_reaches_the_ranks_and_exits_143(demo_dir, tmp
     pointer = tmp_path / "output" / "checkpoints" / "latest"
     assert pointer.is_file(), out[-3000:]
     assert pointer.read_text().strip().endswith(f"step-{last}")
-    # torchrun itself prints a SignalException traceback when it is told to stop; the ranks
-    # and the entrypoint print none.
-    assert out.count("Traceback") == out.count("SignalException: Process"), out[-3000:]
+    # a requested stop is no crash: no traceback from torchrun, the ranks or the entrypoint
+    assert "Traceback" not in out, out[-3000:]
 
 
 @pytest.mark.slow

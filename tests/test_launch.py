@@ -120,7 +120,7 @@ def test_torchrun_command_is_static_and_complete():
     topo = Topology(2, 1, 4, "10.0.0.5", 12345, "x")
     argv = torchrun_command(topo, shutdown_timeout=120, python="/py")
     assert argv == [
-        "/py", "-m", "torch.distributed.run", "--nnodes=2", "--node-rank=1",
+        "/py", "-m", "zerotuner.torchrun", "--nnodes=2", "--node-rank=1",
         "--nproc-per-node=4", "--master-addr=10.0.0.5", "--master-port=12345",
         "--rdzv-backend=static", "--max-restarts=0", "--shutdown-timeout=120",
         "-m", "zerotuner.worker",
@@ -264,16 +264,21 @@ def _launch(tmp_path: Path, mode: str, *, signals: int = 0, grace: float = 30) -
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("mode", "expected"), [("ok", 0), ("config", 2), ("crash", 1)])
-def test_run_ranks_maps_rank_outcomes(tmp_path, mode, expected):
+def test_run_ranks_maps_rank_outcomes(tmp_path, capfd, mode, expected):
     code, _ = _launch(tmp_path, mode)
     assert code == expected
+    # a real failure keeps the rank's own traceback
+    assert ("RuntimeError: boom" in capfd.readouterr().err) == (mode == "crash")
 
 
 @pytest.mark.slow
-def test_sigterm_reaches_every_rank_which_saves_and_exits_143(tmp_path):
+def test_sigterm_reaches_every_rank_which_saves_and_exits_143(tmp_path, capfd):
     code, out = _launch(tmp_path, "sigterm", signals=1)
     assert code == 143
     assert sorted(p.name for p in out.glob("saved-*")) == ["saved-0", "saved-1"]
+    # a requested stop is no crash: torchrun prints no traceback of its SignalException
+    err = capfd.readouterr().err
+    assert "Traceback" not in err and "Sending process" in err, err[-3000:]
 
 
 @pytest.mark.slow

@@ -4,7 +4,8 @@ One entrypoint runs per node. It works out where it sits in the job (explicit `Z
 settings, else Kubeflow's `PET_*`, else an Indexed Job's completion index, else one node),
 starts torchrun in its own process group, forwards SIGTERM/SIGINT so ranks can checkpoint,
 and maps the outcome to the public exit codes from the statuses the ranks wrote (torchrun
-itself exits 1 for every kind of failure).
+itself exits 1 for every kind of failure). torchrun runs as `zerotuner.torchrun`, which ends a
+requested stop without torchrun's traceback.
 """
 
 from __future__ import annotations
@@ -160,7 +161,8 @@ def torchrun_command(
     shutdown_timeout: int | None = None,
     python: str = sys.executable,
 ) -> list[str]:
-    """`python -m torch.distributed.run` with a static rendezvous at node 0.
+    """torchrun (`zerotuner.torchrun`: no traceback on a requested stop) with a static
+    rendezvous at node 0.
 
     `shutdown_timeout`: seconds torchrun lets ranks finish after SIGTERM before SIGKILL (its
     default is 30, too short to save an SDXL checkpoint).
@@ -168,7 +170,7 @@ def torchrun_command(
     argv = [
         python,
         "-m",
-        "torch.distributed.run",
+        "zerotuner.torchrun",
         f"--nnodes={topology.nnodes}",
         f"--node-rank={topology.node_rank}",
         f"--nproc-per-node={topology.nproc_per_node}",

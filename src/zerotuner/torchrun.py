@@ -1,0 +1,28 @@
+"""torchrun as the launcher runs it: `python -m zerotuner.torchrun ARGS` = `torchrun ARGS`.
+
+On SIGTERM/SIGINT torchrun's agent raises `SignalException` from its signal handler, passes
+the signal to the ranks, waits for them (`--shutdown-timeout`) and re-raises, so a requested
+stop ends in a Python traceback that reads as a crash. torch documents the exception as one
+for the caller to handle: here it ends the process with the shell's code for that signal
+(128 + signum), and the ranks' own statuses say whether they saved. Every other failure,
+a rank's included, propagates untouched.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from torch.distributed.elastic.multiprocessing.api import SignalException
+from torch.distributed.run import main as torchrun_main
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        torchrun_main(argv)
+    except SignalException as stop:
+        return 128 + int(stop.sigval)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
