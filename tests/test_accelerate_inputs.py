@@ -314,16 +314,26 @@ def test_the_accelerate_value_is_used_unless_a_setting_overrides_it_and_says_so(
 
 
 @pytest.mark.parametrize("key", ["offload_optimizer", "offload_param"])
-def test_accelerate_nvme_paths_are_replaced_by_the_offload_dir_and_reported(
+def test_an_accelerate_nvme_path_is_the_offload_dir_and_an_explicit_other_one_is_exit_2(
     monkeypatch, capsys, tmp_path, key
 ):
-    block = (
-        f"deepspeed_config:\n  zero_stage: 3\n  {key}_device: nvme\n  {key}_nvme_path: /mnt/fast\n"
-    )
-    config, err = run_config(monkeypatch, capsys, tmp_path, block)
-    offload = str(tmp_path / "offload")
-    assert (zero(config)[key]["device"], zero(config)[key]["nvme_path"]) == ("nvme", offload)
-    assert f"change: zero_optimization.{key}.nvme_path /mnt/fast -> {offload}" in err
+    swap = tmp_path / "fast"
+    block = f"deepspeed_config:\n  zero_stage: 3\n  {key}_device: nvme\n  {key}_nvme_path: {swap}\n"
+    config, err = run_config(monkeypatch, capsys, tmp_path, block, ZT_OFFLOAD_DIR=str(swap))
+    assert (zero(config)[key]["device"], zero(config)[key]["nvme_path"]) == ("nvme", str(swap))
+    assert "nvme_path" not in err  # one folder, named twice: nothing to say
+    monkeypatch.delenv("ZT_OFFLOAD_DIR")  # the setting left at its default: the path wins
+    assert main(["config", "--explain"]) == 0
+    out, err = capsys.readouterr()
+    assert zero(json.loads(out))[key]["nvme_path"] == str(swap)
+    assert f"ZT_OFFLOAD_DIR={swap} from {key}_nvme_path in ZT_ACCELERATE_CONFIG=" in err
+    monkeypatch.setenv("ZT_OFFLOAD_DIR", str(tmp_path / "offload"))  # both explicit, differing
+    assert main(["config"]) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    (line,) = err.splitlines()
+    assert f"ZT_OFFLOAD_DIR={tmp_path / 'offload'} and {key}_nvme_path in" in line
+    assert f"({swap}) name different NVMe offload folders" in line
 
 
 def test_zero3_save_16bit_model_false_is_turned_on_with_a_change(monkeypatch, capsys, tmp_path):

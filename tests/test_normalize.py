@@ -288,11 +288,22 @@ def test_nvme_path_placeholders_are_replaced(placeholder):
     assert r.config["zero_optimization"]["offload_optimizer"]["nvme_path"] == "/offload"
 
 
-def test_a_real_nvme_path_is_redirected_to_the_volume_with_a_note():
+def test_a_real_nvme_path_other_than_the_offload_dir_is_refused_not_redirected():
+    # inputs.py makes a real nvme_path the offload dir before normalize; one that still
+    # differs here was set against an explicit ZT_OFFLOAD_DIR: never swap where neither said.
     base = {"zero_optimization": {"offload_param": {"device": "nvme", "nvme_path": "/mnt/x"}}}
-    r = run(base, stage=3, param="nvme")
-    assert r.config["zero_optimization"]["offload_param"]["nvme_path"] == "/offload"
-    assert any("/mnt/x -> /offload" in m for m in messages(r, "change"))
+    with pytest.raises(ConfigError) as info:
+        run(base, stage=3, param="nvme")
+    assert info.value.problems == [
+        "ZT_OFFLOAD_DIR=/offload and zero_optimization.offload_param.nvme_path in test.json "
+        "(/mnt/x) name different NVMe offload folders: unset ZT_OFFLOAD_DIR, or set it and "
+        "nvme_path to the same folder"
+    ]
+    same = {"zero_optimization": {"offload_param": {"device": "nvme", "nvme_path": "/offload/"}}}
+    assert (
+        run(same, stage=3, param="nvme").config["zero_optimization"]["offload_param"]["nvme_path"]
+        == "/offload"
+    )
 
 
 @pytest.mark.parametrize("value", ["1e8", 1e8, "100000000", 100000000.0])

@@ -11,12 +11,14 @@ from __future__ import annotations
 import copy
 import math
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from zerotuner.config_values import coerce_numbers, deepspeed_accepts, is_number, no_auto_left
 from zerotuner.families import ModelShape
 from zerotuner.hardware import Hardware, auto_precision
 from zerotuner.notes import Note, Notes
+from zerotuner.offload_path import NvmePath, conflict, is_placeholder, same_folder
 from zerotuner.optimizers import (
     ONE_BIT,
     REFUSED,
@@ -28,7 +30,6 @@ from zerotuner.pins import illegal_at
 from zerotuner.plan import bucket as plan_bucket
 from zerotuner.settings import Settings, env_name, precision_name
 
-NVME_PLACEHOLDERS = ("", "none", "null", "auto", "/path/to", "/local_nvme", "/nvme")
 AIO_DEFAULTS = {
     "block_size": 1 << 20,
     "queue_depth": 8,
@@ -453,16 +454,14 @@ def _offload_section(
 
 
 def _nvme_path(ctx: _Context, key: str, section: dict[str, Any], offload_dir: str) -> None:
+    """The swap goes to the job's one offload dir, which a real nvme_path already decided
+    (offload_path); a real path that differs from it here was never resolved: refused."""
     current = section.get("nvme_path")
-    text = str(current).strip() if current is not None else ""
-    placeholder = text.lower() in NVME_PLACEHOLDERS or text.startswith("/path/to")
-    if current is not None and not placeholder and text.rstrip("/") != offload_dir.rstrip("/"):
-        ctx.n.change(
-            f"zero_optimization.{key}.nvme_path {text} -> {offload_dir}: NVMe swap goes to "
-            f"{env_name('offload_dir')}, the volume the entrypoint prepares"
-        )
-    elif placeholder and current is not None:
-        ctx.n.info(f"zero_optimization.{key}.nvme_path placeholder {text!r} -> {offload_dir}")
+    if current is not None and is_placeholder(current):
+        ctx.n.info(f"zero_optimization.{key}.nvme_path placeholder {current!r} -> {offload_dir}")
+    elif current is not None and not same_folder(str(current), offload_dir):
+        where = f"zero_optimization.{key}.nvme_path in {ctx.source}"
+        ctx.n.error(conflict(Path(offload_dir), NvmePath(Path(str(current)), where)))
     section["nvme_path"] = offload_dir
 
 

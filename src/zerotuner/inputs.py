@@ -16,6 +16,7 @@ from typing import Any
 from zerotuner.errors import ConfigError
 from zerotuner.files import load_mapping, parse_json, read_text
 from zerotuner.notes import Notes
+from zerotuner.offload_path import NvmePath, resolve_offload_dir, user_nvme_path
 from zerotuner.settings import Settings, env_name, file_errors
 
 DS_SETTING = env_name("deepspeed_config")
@@ -46,6 +47,7 @@ class UserInputs:
     source: str | None  # where it came from, for messages
     settings: dict[str, Any] = field(default_factory=dict)  # implied by the accelerate file
     notes: Notes = field(default_factory=Notes)
+    nvme: NvmePath | None = None  # a real nvme_path: the offload dir, unless ZT_OFFLOAD_DIR says
 
 
 def read_user_inputs(settings: Settings) -> UserInputs:
@@ -53,17 +55,21 @@ def read_user_inputs(settings: Settings) -> UserInputs:
     deepspeed: dict[str, Any] = {}
     sources = []
     implied: dict[str, Any] = {}
+    layers = []  # each file's DeepSpeed dict and how its nvme_path keys read in a message
     if settings.accelerate_config is not None:
         accel_ds, implied = _read_accelerate(settings.accelerate_config, notes)
         deepspeed = accel_ds
         sources.append(f"{ACCELERATE_SETTING}={settings.accelerate_config}")
+        layers.append((accel_ds, f"{{key}}_nvme_path in {sources[-1]}"))
     if settings.deepspeed_config is not None:
         raw, where = _read_deepspeed(settings.deepspeed_config)
         if deepspeed:
             notes.info(f"{DS_SETTING} is applied over the accelerate config's DeepSpeed fields")
         deepspeed = _merge(deepspeed, raw)
         sources.append(where)
-    return UserInputs(deepspeed, " + ".join(sources) or None, implied, notes)
+        layers.append((raw, f"zero_optimization.{{key}}.nvme_path in {where}"))
+    source = " + ".join(sources) or None
+    return UserInputs(deepspeed, source, implied, notes, user_nvme_path(layers))
 
 
 def _read_deepspeed(value: str | dict[str, Any]) -> tuple[dict[str, Any], str]:
@@ -213,11 +219,13 @@ def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
 
 
 def apply_implied_settings(settings: Settings, inputs: UserInputs) -> Settings:
-    """Launch values from the accelerate file fill settings the user did not set."""
+    """Launch values from the accelerate file fill settings the user did not set, and a real
+    nvme_path is the offload dir: every later step reads these settings, never the files."""
     update = {k: v for k, v in inputs.settings.items() if k not in settings.model_fields_set}
     for key in sorted(set(inputs.settings) - set(update)):
         inputs.notes.change(
             f"{env_name(key)}={getattr(settings, key)!r} overrides the accelerate config's "
             f"{key}={inputs.settings[key]!r}"
         )
-    return settings.model_copy(update=update) if update else settings
+    settings = settings.model_copy(update=update) if update else settings
+    return resolve_offload_dir(settings, inputs.nvme, inputs.notes)

@@ -141,13 +141,16 @@ def preflight(
     topology: Topology | None = None,
     require_fit: bool = True,
     offload_disk_free: int | None | str = "measure",
+    inputs: UserInputs | None = None,
 ) -> Preflight:
     """`require_fit=False` (the `config` command): when nothing fits this machine, plan the
     closest option anyway and say so, so a config can be checked before renting GPUs.
     `offload_disk_free`: bytes free for NVMe offload (None: unknown); by default measured at
-    ZT_OFFLOAD_DIR."""
-    inputs = read_user_inputs(settings)
-    settings = apply_implied_settings(settings, inputs)
+    ZT_OFFLOAD_DIR. `inputs`: the user's files, already applied to `settings` by the caller
+    (apply_implied_settings), so that the offload dir it used before preflight is this one."""
+    if inputs is None:
+        inputs = read_user_inputs(settings)
+        settings = apply_implied_settings(settings, inputs)
     require_supported(hardware)
     model = resolve_model(settings)
     shape = model_shape(model.family, model.local_dir)  # type: ignore[arg-type]

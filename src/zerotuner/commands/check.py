@@ -97,7 +97,9 @@ def run(args: argparse.Namespace) -> int:
         c.run("dataset", lambda: _dataset(c))
     else:
         c.skip("dataset", "zerotuner.data is not available")
-    if "plan" in c.facts or c.facts["settings"].offload_device:
+    if "inputs" not in c.facts:  # their nvme_path may name the offload folder
+        c.skip("offload", "the config files above must read first")
+    elif "plan" in c.facts or c.facts["settings"].offload_device:
         c.run("offload", lambda: _offload(c))
     else:
         c.skip("offload", "needs a plan to know what NVMe offload needs")
@@ -134,7 +136,10 @@ def _inputs(c: Checks) -> str:
     inputs = read_user_inputs(c.facts["settings"])
     c.facts["settings"] = apply_implied_settings(c.facts["settings"], inputs)
     c.facts["inputs"] = inputs
-    return f"DeepSpeed/accelerate input: {inputs.source or 'none (built from settings)'}"
+    detail = f"DeepSpeed/accelerate input: {inputs.source or 'none (built from settings)'}"
+    if inputs.nvme is not None:
+        detail += f"; NVMe offload folder {c.facts['settings'].offload_dir} (its nvme_path)"
+    return detail
 
 
 def _hardware(c: Checks) -> tuple[str, list[str]]:

@@ -39,11 +39,12 @@ def run(args: argparse.Namespace) -> int:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")  # (whose warning goes to stdout)
     try:
         hardware = what_if.hardware_for(args, settings)
-        launch = apply_implied_settings(settings, read_user_inputs(settings))
-        topology = what_if.topology_for(launch, hardware)
+        inputs = read_user_inputs(settings)
+        settings = apply_implied_settings(settings, inputs)
+        topology = what_if.topology_for(settings, hardware)
         result = preflight(
             settings, hardware=hardware, topology=topology, require_fit=False,
-            offload_disk_free=what_if.offload_disk_free(args, settings),
+            offload_disk_free=what_if.offload_disk_free(args, settings), inputs=inputs,
         )  # fmt: skip
     except EnvironmentUnfit as error:
         hint = "" if what_if.is_described(args) else f"; {DESCRIBE}"

@@ -18,6 +18,7 @@ from pathlib import Path
 from zerotuner.commands.plan import render
 from zerotuner.errors import EXIT_OK, ZeroTunerError
 from zerotuner.hardware import probe
+from zerotuner.inputs import UserInputs, apply_implied_settings, read_user_inputs
 from zerotuner.job import Job
 from zerotuner.launch import launch, resolve_topology
 from zerotuner.logs import setup_logging
@@ -34,13 +35,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     settings = load_settings()
+    inputs = read_user_inputs(settings)
+    # Before anything uses a folder: a real nvme_path in the user's files is the offload dir
+    # the metrics watch, the device is mounted at, and preflight plans and checks.
+    settings = apply_implied_settings(settings, inputs)
     token = settings.hf_token.get_secret_value() if settings.hf_token else None
     setup_logging(rank=0, log_format=settings.log_format, secrets=[token])
     with ExitStack() as stack:
         server = _start_metrics(settings, stack)
         code = 1
         try:
-            code = _train(settings, server, stack)
+            code = _train(settings, inputs, server, stack)
         except ZeroTunerError as error:
             code = error.exit_code
             raise
@@ -70,7 +75,7 @@ def _start_metrics(settings: Settings, stack: ExitStack):  # noqa: ANN202 - opti
     return server
 
 
-def _train(settings: Settings, server, stack: ExitStack) -> int:  # noqa: ANN001
+def _train(settings: Settings, inputs: UserInputs, server, stack: ExitStack) -> int:  # noqa: ANN001
     hardware = probe(settings.device)
     for warning in hardware.warnings:
         log.warning("%s", warning)
@@ -81,7 +86,7 @@ def _train(settings: Settings, server, stack: ExitStack) -> int:  # noqa: ANN001
                 settings.offload_device, settings.offload_dir, allow_format=settings.offload_format
             )
         )
-    pre = preflight(settings, hardware=hardware, topology=topology)
+    pre = preflight(settings, hardware=hardware, topology=topology, inputs=inputs)
     _log_decisions(pre)
     choice = pre.plan.choice
     if "nvme" in (choice.offload_optimizer, choice.offload_param):
