@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from zerotuner.commands.plan import describe_hardware
+from zerotuner.driver import CUDA12_BUILD, Driver, driver_problem, driver_warnings
 from zerotuner.errors import ConfigError, EnvironmentUnfit
 from zerotuner.hardware import (
     CudaDevice,
@@ -17,6 +19,7 @@ from zerotuner.hardware import (
     host_memory,
     join_gpus,
     probe,
+    probe_facts,
     require_supported,
 )
 
@@ -181,6 +184,9 @@ def test_probe_path_with_fake_cuda_and_nvml(monkeypatch):
     monkeypatch.setattr(
         pynvml, "nvmlDeviceGetPciInfo", lambda h: types.SimpleNamespace(busId=host_gpus[h][2])
     )
+    monkeypatch.setattr(pynvml, "nvmlSystemGetDriverVersion", lambda: b"580.65.06")
+    monkeypatch.setattr(pynvml, "nvmlSystemGetCudaDriverVersion", lambda: 13000)
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
     env = {"NVIDIA_DRIVER_CAPABILITIES": "compute,utility", "NVIDIA_VISIBLE_DEVICES": "1"}
     hw = probe("auto", env, ops=False)
     assert hw.accelerator == "cuda"
@@ -188,5 +194,147 @@ def test_probe_path_with_fake_cuda_and_nvml(monkeypatch):
         (B, 70 * GiB, "0000:02:00.0", True)
     ]
     assert hw.driver_capabilities == "compute,utility"
-    assert calls == ["init", "shutdown"]
+    assert calls == ["init", "shutdown"] * 2  # devices, then the driver
+    assert hw.driver == Driver("580.65.06", (13, 0), gpus=2) and hw.image_cuda == (13, 0)
     assert any("10.0 GiB in use" in w for w in hw.warnings)
+
+
+# --- the driver floor: the host's driver against the CUDA this image's PyTorch is built for ----
+
+OLD = Driver("550.54.15", (12, 4), gpus=2)  # R550: CUDA 12.4
+NEW = Driver("580.65.06", (13, 0), gpus=2)
+
+
+@pytest.mark.parametrize(
+    ("driver", "image", "refused"),
+    [
+        (NEW, (13, 0), None),
+        (Driver("590.44.01", (13, 1), 1), (13, 0), None),
+        (OLD, (13, 0), "driver >= 580"),
+        (Driver("575.57.08", (12, 9), 1), (13, 0), "driver >= 580"),
+        (OLD, (12, 8), None),  # minor-version compatibility: any 12.x driver >= 525.60.13
+        (Driver("525.60.13", (12, 0), 1), (12, 8), None),
+        (Driver("525.60.11", (12, 0), 1), (12, 8), "driver >= 525.60.13"),
+        (Driver("470.256.02", (11, 4), 1), (12, 8), "driver >= 525.60.13"),
+    ],
+)
+def test_driver_floor_follows_the_cuda_major_of_the_wheel(driver, image, refused):
+    problem = driver_problem(driver, image, torch_sees_gpus=False)
+    assert (problem is None) is (refused is None), problem
+    if refused:
+        assert refused in problem and driver.version in problem
+
+
+def test_a_driver_below_the_floor_is_one_line_naming_both_versions_and_the_way_out():
+    line = driver_problem(OLD, (13, 0), torch_sees_gpus=False)
+    assert line == (
+        "NVIDIA driver 550.54.15 supports CUDA up to 12.4; this image's PyTorch is built for "
+        "CUDA 13.0 (driver >= 580): use a host whose driver is >= 580, or the CUDA 12 image "
+        f"({CUDA12_BUILD})"
+    )
+    assert "\n" not in line
+    # A driver too old for CUDA 12 as well is not sent to the CUDA 12 image.
+    ancient = driver_problem(Driver("470.256.02", (11, 4), 1), (13, 0), torch_sees_gpus=False)
+    assert "CUDA 12 image" not in ancient and ">= 580" in ancient
+
+
+def test_no_verdict_without_the_facts_or_when_pytorch_already_runs_the_gpus():
+    assert driver_problem(None, (13, 0), torch_sees_gpus=False) is None  # no NVML
+    assert driver_problem(OLD, None, torch_sees_gpus=False) is None  # CPU build of PyTorch
+    assert driver_problem(Driver("550.54.15", (12, 4), 0), (13, 0), torch_sees_gpus=False) is None
+    # Forward compatibility on a data-centre GPU: PyTorch found the GPU, so it runs.
+    assert driver_problem(OLD, (13, 0), torch_sees_gpus=True) is None
+    [note] = driver_warnings(OLD, (13, 0), torch_sees_gpus=True)
+    assert "forward compatibility" in note and "550.54.15" in note
+    [note] = driver_warnings(OLD, (12, 8), torch_sees_gpus=True)
+    assert "minor-version compatibility" in note
+    assert driver_warnings(NEW, (13, 0), torch_sees_gpus=True) == []
+
+
+def test_a_driver_that_suffices_but_cuda_failed_anyway_says_why():
+    line = driver_problem(
+        OLD, (12, 8), torch_sees_gpus=False,
+        cuda_error="Error 804: forward compatibility was attempted on non supported HW",
+    )  # fmt: skip
+    assert "NVML sees 2 GPU(s) with driver 550.54.15" in line and "Error 804" in line
+    assert "ZT_DEVICE=cpu" in line
+
+
+@pytest.mark.parametrize("device", ["auto", "cuda"])
+def test_a_gpu_host_below_the_floor_is_exit_3_not_a_cpu_fallback(device):
+    facts = good_facts(cuda=(), nvml=None, driver=OLD, image_cuda=(13, 0))
+    with pytest.raises(EnvironmentUnfit, match=r"^NVIDIA driver 550\.54\.15 supports") as info:
+        describe(facts, device)
+    assert info.value.exit_code == 3
+    assert describe(facts, "cpu").accelerator == "cpu"  # asked for the CPU: no verdict
+
+
+def test_a_healthy_host_reports_its_driver_and_the_wheels_cuda():
+    hw = describe(good_facts(driver=NEW, image_cuda=(13, 0)))
+    assert hw.driver == NEW and hw.image_cuda == (13, 0) and hw.warnings == ()
+    assert "NVIDIA driver 580.65.06 (CUDA 13.0), PyTorch for CUDA 13.0" in describe_hardware(hw)
+
+
+CUDA_TOO_OLD = (
+    "CUDA initialization: The NVIDIA driver on your system is too old (found version 12040). "
+    "Please update your GPU driver by downloading and installing a new version from the URL: "
+    "http://www.nvidia.com/Download/index.aspx (Triggered internally at "
+    "/pytorch/c10/cuda/CUDAFunctions.cpp:119.)"
+)
+
+
+@pytest.fixture
+def old_driver_host(monkeypatch):
+    """A host with two GPUs on driver 550 under an image whose PyTorch is built for CUDA 13.0:
+    torch.cuda says no GPU (with its warning), NVML still reports the driver."""
+    import warnings
+
+    import pynvml
+    import torch
+
+    import zerotuner.hardware
+
+    def is_available():
+        warnings.warn(CUDA_TOO_OLD, UserWarning, stacklevel=2)
+        return False
+
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    monkeypatch.setattr(torch.cuda, "is_available", is_available)
+    monkeypatch.setattr(pynvml, "nvmlInit", lambda: None)
+    monkeypatch.setattr(pynvml, "nvmlShutdown", lambda: None)
+    monkeypatch.setattr(pynvml, "nvmlSystemGetDriverVersion", lambda: "550.54.15")
+    monkeypatch.setattr(pynvml, "nvmlSystemGetCudaDriverVersion", lambda: 12040)
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetCount", lambda: 2)
+    monkeypatch.setattr(zerotuner.hardware, "_ds_ops", lambda *a: OPS_OK)  # not what is tested
+    for key, value in {"ZT_DEVICE": "auto", "ZT_METRICS_PORT": "0"}.items():
+        monkeypatch.setenv(key, value)
+    return monkeypatch
+
+
+EXPECTED_LINE = "NVIDIA driver 550.54.15 supports CUDA up to 12.4; this image's PyTorch is built"
+
+
+def test_probe_reads_the_driver_from_nvml_when_cuda_cannot_start(old_driver_host):
+    facts = probe_facts("auto", {})
+    assert facts.cuda == () and facts.image_cuda == (13, 0)
+    assert facts.driver == Driver("550.54.15", (12, 4), gpus=2)
+    assert facts.cuda_error.startswith("The NVIDIA driver on your system is too old")
+    with pytest.raises(EnvironmentUnfit, match=EXPECTED_LINE):
+        probe("auto", {})
+
+
+def test_check_and_train_exit_3_with_the_driver_line(old_driver_host, capsys, tmp_path):
+    from zerotuner import cli
+
+    for key in ("ZT_OUTPUT_DIR", "ZT_CACHE_DIR", "ZT_OFFLOAD_DIR"):
+        old_driver_host.setenv(key, str(tmp_path / key.lower()))
+    assert cli.main(["check"]) == 3
+    out = capsys.readouterr().out
+    [fail] = [line for line in out.splitlines() if line.startswith("FAIL")]
+    assert fail.split()[1] == "hardware" and EXPECTED_LINE in fail
+
+    assert cli.main(["train"]) == 3  # before any rank starts: the probe is the first step
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if "error:" in line]
+    assert len(errors) == 1 and EXPECTED_LINE in errors[0]
+    assert "Traceback" not in err and not (tmp_path / "zt_output_dir").exists()

@@ -14,10 +14,19 @@ import os
 import resource
 import shutil
 import sys
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from zerotuner.driver import (
+    Driver,
+    cuda_init_error,
+    driver_problem,
+    driver_warnings,
+    image_cuda,
+    probe_driver,
+)
 from zerotuner.errors import ConfigError, EnvironmentUnfit
 
 Accelerator = Literal["cuda", "cpu", "rocm", "mps"]
@@ -76,6 +85,8 @@ class Hardware:
     driver_capabilities: str | None = None  # NVIDIA_DRIVER_CAPABILITIES as the container sees it
     ops: tuple[OpStatus, ...] = ()  # DeepSpeed ops; empty = not probed
     libaio: bool | None = None  # None = not probed
+    driver: Driver | None = None  # NVML's view; None = no NVML or not probed
+    image_cuda: tuple[int, int] | None = None  # the CUDA PyTorch is built for; None = CPU build
 
     @property
     def device_count(self) -> int:
@@ -153,6 +164,9 @@ class Facts:
     environ: dict[str, str] = field(default_factory=dict)  # the NVIDIA_* variables only
     ops: tuple[OpStatus, ...] = ()
     libaio: bool | None = None
+    driver: Driver | None = None  # NVML's driver, probed even when CUDA cannot start
+    image_cuda: tuple[int, int] | None = None  # torch.version.cuda
+    cuda_error: str | None = None  # why PyTorch could not start CUDA, when it said so
 
 
 # --- decisions (pure) -------------------------------------------------------------------------
@@ -267,8 +281,22 @@ def diagnose(facts: Facts, accelerator: Accelerator, gpus: tuple[GPU, ...]) -> l
 
 
 def describe(facts: Facts, device_setting: str = "auto") -> Hardware:
+    """Raises EnvironmentUnfit (exit 3) when the host's GPUs cannot run this image's CUDA:
+    a GPU host must not fall back to the CPU unasked."""
+    if device_setting != "cpu":
+        problem = driver_problem(
+            facts.driver,
+            facts.image_cuda,
+            torch_sees_gpus=bool(facts.cuda),
+            cuda_error=facts.cuda_error,
+        )
+        if problem:
+            raise EnvironmentUnfit(problem)
     accelerator = choose_accelerator(device_setting, facts)
     gpus = join_gpus(facts.cuda, facts.nvml) if accelerator == "cuda" else ()
+    found = diagnose(facts, accelerator, gpus)
+    if accelerator == "cuda":
+        found += driver_warnings(facts.driver, facts.image_cuda, torch_sees_gpus=True)
     return Hardware(
         accelerator=accelerator,
         gpus=gpus,
@@ -276,10 +304,12 @@ def describe(facts: Facts, device_setting: str = "auto") -> Hardware:
         cpu_count=facts.cpu_count,
         shm_bytes=facts.shm_bytes,
         memlock_bytes=facts.memlock_bytes,
-        warnings=tuple(diagnose(facts, accelerator, gpus)),
+        warnings=tuple(found),
         driver_capabilities=facts.environ.get("NVIDIA_DRIVER_CAPABILITIES"),
         ops=facts.ops,
         libaio=facts.libaio,
+        driver=facts.driver if accelerator == "cuda" else None,
+        image_cuda=facts.image_cuda if accelerator == "cuda" else None,
     )
 
 
@@ -306,7 +336,8 @@ def probe(device_setting: str = "auto", environ: Any = None, *, ops: bool = True
 
 
 def probe_facts(device_setting: str, environ: Any, *, ops: bool = True) -> Facts:
-    cuda, hip, mps = ((), False, False) if device_setting == "cpu" else _torch_devices()
+    gpu = device_setting != "cpu"
+    cuda, hip, mps, cuda_error = _torch_devices() if gpu else ((), False, False, None)
     accelerator = "cuda" if cuda and not hip else "cpu"
     return Facts(
         cuda=cuda,
@@ -321,15 +352,23 @@ def probe_facts(device_setting: str, environ: Any, *, ops: bool = True) -> Facts
         environ={k: v for k, v in environ.items() if k.startswith("NVIDIA_")},
         ops=_ds_ops(accelerator, environ) if ops else (),
         libaio=ctypes.util.find_library("aio") is not None,
+        driver=probe_driver() if gpu and not hip else None,
+        image_cuda=image_cuda() if gpu and not hip else None,
+        cuda_error=cuda_error,
     )
 
 
-def _torch_devices() -> tuple[tuple[CudaDevice, ...], bool, bool]:
+def _torch_devices() -> tuple[tuple[CudaDevice, ...], bool, bool, str | None]:
     import torch
 
     hip = bool(getattr(torch.version, "hip", None))
     devices = []
-    if torch.cuda.is_available():
+    # A driver too old for the wheel makes is_available() False with only a warning: keep why.
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        available = torch.cuda.is_available()
+    cuda_error = None if available else cuda_init_error([str(w.message) for w in caught])
+    if available:
         for i in range(torch.cuda.device_count()):
             props = torch.cuda.get_device_properties(i)
             uuid = str(getattr(props, "uuid", "") or "")
@@ -340,7 +379,7 @@ def _torch_devices() -> tuple[tuple[CudaDevice, ...], bool, bool]:
             )
     mps_backend = getattr(torch.backends, "mps", None)
     mps = bool(mps_backend and mps_backend.is_available())
-    return tuple(devices), hip and bool(devices), mps
+    return tuple(devices), hip and bool(devices), mps, cuda_error
 
 
 def _nvml_devices() -> tuple[NvmlDevice, ...] | None:

@@ -11,6 +11,7 @@ import json
 from typing import Any
 
 from zerotuner.commands import what_if
+from zerotuner.driver import describe_driver
 from zerotuner.hardware import Hardware
 from zerotuner.plan import Plan, gib
 from zerotuner.preflight import plan_for
@@ -68,6 +69,8 @@ def describe_hardware(hardware: Hardware) -> str:
         names = sorted({g.name for g in hardware.gpus})
         head = f"{len(hardware.gpus)} x {', '.join(names)} {gib(hardware.min_device_memory)} GiB"
         head += " (bf16)" if hardware.bf16 else " (no bf16)"
+        if hardware.driver or hardware.image_cuda:
+            head += f"; {describe_driver(hardware.driver, hardware.image_cuda)}"
     return f"{head}; host {gib(hardware.host_memory)} GiB; {hardware.cpu_count} CPUs"
 
 
