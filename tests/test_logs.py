@@ -8,13 +8,16 @@ import logging
 import subprocess
 import sys
 import textwrap
+import warnings
 
 import pytest
 
 from zerotuner.logs import (
     ProgressSink,
+    demote_known_noise,
     format_duration,
     mask,
+    rank_level,
     secret_values,
     setup_logging,
 )
@@ -149,6 +152,91 @@ def test_a_rank_process_logs_through_the_real_deepspeed_logger(tmp_path):
         ("DeepSpeed", "warning from deepspeed HF-***")
     ]
     assert "info from deepspeed" not in result.stdout + result.stderr
+
+
+# What the libraries print in a normal run, word for word, and what they may print that matters.
+NOTICES = [
+    ("DeepSpeed", "Attempting to get learning rate from scheduler before it has started"),
+    ("transformers.utils.import_utils", "`CLIPImageProcessor` requires torchvision (not "
+     "installed); falling back to `CLIPImageProcessorPil` for backward compatibility."),
+    ("torch.utils.cpp_extension", "No CUDA runtime is found, using CUDA_HOME='/usr/local/cuda'"),
+    ("matplotlib.font_manager", "generated new fontManager"),
+]  # fmt: skip
+DEPRECATED_GATHER = (
+    "`torch.distributed.all_gather_into_tensor` is deprecated. Please use "
+    "`torch.distributed.all_gather_single` instead."
+)
+RELEVANT = [
+    ("DeepSpeed", "Gradient overflow. Skipping step, loss scale: 65536"),
+    ("transformers.utils.import_utils", "tokenizer requires sentencepiece (not installed)"),
+    ("torch.utils.cpp_extension", "Error building extension 'cpu_adam'"),
+]
+
+
+def _emit_all() -> None:
+    for name, text in NOTICES + RELEVANT:
+        logging.getLogger(name).warning("%s", text)
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.warn(DEPRECATED_GATHER, FutureWarning, stacklevel=1)
+        warnings.warn("`upcast_vae` is deprecated and will be removed", FutureWarning, stacklevel=1)
+        warnings.warn("the dataset has 3 images", UserWarning, stacklevel=1)
+
+
+@pytest.mark.parametrize("level", [None, logging.WARNING])
+def test_known_third_party_notices_are_held_back_and_the_rest_shows(level):
+    out = io.StringIO()
+    setup_logging(rank=0, world_size=2, level=level, stream=out)
+    _emit_all()
+    text = out.getvalue()
+    for _, notice in NOTICES:
+        assert notice not in text
+    assert "all_gather_into_tensor" not in text
+    for name, relevant in RELEVANT:
+        assert f"WARNING [rank 0] {name}: {relevant}" in text
+    assert "FutureWarning: `upcast_vae` is deprecated" in text
+    assert "UserWarning: the dataset has 3 images" in text
+
+
+def test_debug_level_shows_the_held_back_notices():
+    out = io.StringIO()
+    setup_logging(rank=1, world_size=2, level=rank_level("debug", 1), stream=out)
+    _emit_all()
+    text = out.getvalue()
+    for name, notice in NOTICES:
+        assert f"DEBUG [rank 1] {name}: {notice}" in text
+    assert "DEBUG [rank 1] py.warnings: " in text and DEPRECATED_GATHER in text
+    for name, relevant in RELEVANT:
+        assert f"WARNING [rank 1] {name}: {relevant}" in text
+
+
+def test_notices_printed_before_logging_is_set_up_are_held_back(monkeypatch, tmp_path):
+    """At import time the libraries' own handlers (no level of their own) or basicConfig's
+    would print them: the real cpp_extension notice of the CUDA image on a host with no GPU."""
+    import torch
+    from torch.utils import cpp_extension
+
+    monkeypatch.setenv("CUDA_HOME", str(tmp_path))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # the host has no GPU
+    own = io.StringIO()
+    library = logging.getLogger("torch.utils.cpp_extension")
+    monkeypatch.setattr(library, "handlers", [logging.StreamHandler(own)])
+    monkeypatch.setattr(library, "filters", [])  # as in a fresh process
+    logging.getLogger().setLevel(logging.INFO)
+    cpp_extension._find_cuda_home()
+    assert "No CUDA runtime is found" in own.getvalue()  # what a user saw
+    own.seek(0)
+    own.truncate()
+    demote_known_noise()
+    cpp_extension._find_cuda_home()
+    library.warning("Error building extension 'cpu_adam'")
+    assert own.getvalue() == "Error building extension 'cpu_adam'\n"
+
+
+def test_log_levels_per_rank():
+    assert [rank_level("info", r) for r in (0, 1)] == [logging.INFO, logging.WARNING]
+    assert [rank_level("debug", r) for r in (0, 1)] == [logging.DEBUG, logging.DEBUG]
+    assert [rank_level("warning", r) for r in (0, 1)] == [logging.WARNING, logging.WARNING]
 
 
 def test_progress_lines_without_a_terminal():

@@ -127,6 +127,17 @@ def test_zero2_trains_checkpoints_samples_and_exports(zero2, demo_dir: Path) -> 
     assert_same_weights(unet_weights(out), final)
 
 
+def test_the_log_holds_back_third_party_notices(zero2) -> None:
+    """Each rank's log of a normal run (validation included) has none of the notices that say
+    nothing about the job (they are DEBUG lines: ZT_LOG_LEVEL=debug)."""
+    log = zero2[2].stdout + zero2[2].stderr
+    assert "DeepSpeed engine ready" in log and "samples: 1 image(s)" in log
+    notices = ("Attempting to get learning rate", "requires torchvision", "all_gather_into_tensor",
+               "No CUDA runtime is found", "fontManager")  # fmt: skip
+    for notice in notices:
+        assert notice not in log, notice
+
+
 def test_loss_falls_on_demo_data(zero2) -> None:
     losses = [s["loss"] for s in tk.read_steps(zero2[1])]
     first, last = sum(losses[:4]) / 4, sum(losses[-4:]) / 4

@@ -13,7 +13,7 @@ import sys
 
 from zerotuner import __version__
 from zerotuner.errors import ConfigError, ZeroTunerError
-from zerotuner.logs import quiet_http_logs
+from zerotuner.logs import demote_known_noise, quiet_http_logs
 from zerotuner.settings import unknown_env_names
 
 log = logging.getLogger("zerotuner")
@@ -66,6 +66,7 @@ def check_unknown_env() -> None:
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     quiet_http_logs()
+    demote_known_noise()
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command is None:

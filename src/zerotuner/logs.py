@@ -6,6 +6,10 @@
 - DeepSpeed, transformers and diffusers install their own handlers; `setup_logging` routes
   them through ours so their lines get the same format, rank filter and masking. Call it after
   importing them (a library imported later brings its handler back).
+- `ZT_LOG_LEVEL`: `info` (rank 0 INFO, other ranks WARNING), `debug` or `warning` (every rank).
+- A few third-party messages that say nothing about the user's job (`KNOWN_NOISE`, matched by
+  logger and message) are logged at DEBUG, where they arise: `demote_known_noise` runs before
+  the libraries are imported, so those printed at import time are caught too.
 - Every known secret value (HF_TOKEN and friends, plus any passed in) is replaced by `***` in
   the final text of every line, tracebacks included.
 - `ProgressSink` (a `records.Sink`, rank 0 only): a tqdm bar on a terminal; otherwise one line
@@ -42,6 +46,24 @@ SECRET_ENV_NAMES = (
 MIN_SECRET_LENGTH = 4  # masking "a" or "1" everywhere would wreck the log and protect nothing
 ADOPTED_LOGGERS = ("DeepSpeed", "transformers", "diffusers", "torch.distributed")
 MASK = "***"
+LOG_LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING}
+
+# Known third-party messages that concern no user's job, by logger and a fragment of the
+# message: logged at DEBUG, not WARNING. Every other message of these loggers keeps its level.
+KNOWN_NOISE: dict[str, tuple[str, ...]] = {
+    # The engine reads the LR once before the scheduler's first step.
+    "DeepSpeed": ("Attempting to get learning rate from scheduler before it has started",),
+    # Pipelines name CLIP/Siglip image processors; their PIL versions serve (no torchvision).
+    "transformers.utils.import_utils": ("requires torchvision (not installed)",),
+    # The CUDA image on a host without a GPU (ZT_DEVICE=cpu): nothing needs the CUDA runtime.
+    "torch.utils.cpp_extension": ("No CUDA runtime is found",),
+    # DeepSpeed's ZeRO collectives call the deprecated name, once per rank; DeepSpeed's to fix.
+    "py.warnings": ("FutureWarning: `torch.distributed.all_gather_into_tensor` is deprecated",),
+    # First start of a fresh container: matplotlib builds its font cache for the loss plot.
+    "matplotlib.font_manager": ("generated new fontManager",),
+}
+# Libraries whose DEBUG lines are per-file internals (PNG chunks, font scoring): INFO at most.
+CHATTY_LOGGERS = ("PIL", "matplotlib")
 
 
 def secret_values(
@@ -58,6 +80,38 @@ def mask(text: str, secrets: Iterable[str]) -> str:
     for secret in secrets:
         text = text.replace(secret, MASK)
     return text
+
+
+class _Demote(logging.Filter):
+    """Lowers a known message to DEBUG. A logger's filter runs before any handler's level test,
+    so the lowered record reaches only a DEBUG log, whatever handlers the library added."""
+
+    def __init__(self, fragments: tuple[str, ...]) -> None:
+        super().__init__()
+        self.fragments = fragments
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno > logging.DEBUG and any(f in record.getMessage() for f in self.fragments):
+            record.levelno, record.levelname = logging.DEBUG, "DEBUG"
+            # handlers with no level of their own (basicConfig's, transformers') would pass it
+            return logging.getLogger().isEnabledFor(logging.DEBUG)
+        return True
+
+
+def demote_known_noise() -> None:
+    """Put `KNOWN_NOISE` at DEBUG in this process (idempotent); call before importing the
+    libraries that print it."""
+    for name, fragments in KNOWN_NOISE.items():
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _Demote) for f in logger.filters):
+            logger.addFilter(_Demote(fragments))
+
+
+def rank_level(log_level: str, rank: int) -> int:
+    """The level of one rank's log for ZT_LOG_LEVEL: `info` keeps other ranks at WARNING (their
+    errors still show, their progress is rank 0's); `debug` and `warning` apply to every rank."""
+    level = LOG_LEVELS[log_level]
+    return max(level, logging.WARNING) if log_level == "info" and rank != 0 else level
 
 
 class TextFormatter(logging.Formatter):
@@ -134,7 +188,10 @@ def setup_logging(
         for old in list(library.handlers):
             library.removeHandler(old)
         library.propagate = True
+    for name in CHATTY_LOGGERS:
+        logging.getLogger(name).setLevel(max(level, logging.INFO))
     quiet_http_logs()
+    demote_known_noise()
     logging.captureWarnings(True)
     return handler
 

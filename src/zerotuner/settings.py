@@ -161,6 +161,11 @@ class Settings(BaseSettings):
         1800, gt=0, description="/healthz fails when no step finished for this long."
     )
     log_format: Literal["text", "json"] = Field("text", description="Log line format.")
+    log_level: Literal["debug", "info", "warning"] = Field(
+        "info",
+        description="`info`: progress from rank 0, warnings from every rank; `debug`: every "
+        "rank's debug lines, the third-party notices held back included.",
+    )
     log_every_steps: int = Field(10, ge=1, description="Progress line interval without a TTY.")
 
     # --- files and secrets ---------------------------------------------------------------------

@@ -445,7 +445,10 @@ def _quiet_libraries() -> None:
 
 def main() -> None:
     """torchrun's entry: settings, job, logging, then train(); exits with the rank's code."""
+    from zerotuner.logs import demote_known_noise, rank_level, setup_logging
+
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    demote_known_noise()  # before DeepSpeed's import, which may print some
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING)
     try:
         job = load_job()
@@ -457,13 +460,15 @@ def main() -> None:
             print(f"zerotuner: error: {line}", file=sys.stderr, flush=True)
         write_rank_status(rank, error.exit_code, str(error))
         sys.exit(error.exit_code)
+    level = rank_level(settings.log_level, rank)
+    logging.getLogger().setLevel(level)  # ZT_LOG_LEVEL=debug shows what the import prints too
     import deepspeed  # noqa: F401 - its logger must exist before ours adopts it
-
-    from zerotuner.logs import setup_logging
 
     _quiet_libraries()
     token = settings.hf_token.get_secret_value() if settings.hf_token else None
-    setup_logging(rank=rank, world_size=world, log_format=settings.log_format, secrets=[token])
+    setup_logging(
+        rank=rank, world_size=world, log_format=settings.log_format, level=level, secrets=[token]
+    )
     sys.exit(train(settings, job))
 
 
