@@ -192,3 +192,88 @@ def test_the_seed_placeholder_leaves_the_offload_dir_setting_in_charge(job_env, 
     nvme = json.loads(out)["zero_optimization"]["offload_param"]["nvme_path"]
     assert nvme == str(tmp_path / "offload")
     assert "nvme_path placeholder '/path/to/nvme'" in err
+
+
+# --- folders: nothing the job writes may sit in the training data (nor the data in them) -------
+
+
+def tree(root: Path) -> dict[str, int]:
+    return {str(p.relative_to(root)): p.lstat().st_size for p in sorted(root.rglob("*"))}
+
+
+OVERLAPS = {  # name: (settings relative to tmp_path, the line's start)
+    "output is data": ({"ZT_OUTPUT_DIR": "data"}, "ZT_OUTPUT_DIR={t}/data is ZT_DATA_DIR={t}/data"),
+    "output in data": (
+        {"ZT_OUTPUT_DIR": "data/run"},
+        "ZT_OUTPUT_DIR={t}/data/run is inside ZT_DATA_DIR={t}/data",
+    ),
+    "data in output": (
+        {"ZT_OUTPUT_DIR": "."},
+        "ZT_OUTPUT_DIR={t} holds ZT_DATA_DIR={t}/data",
+    ),
+    "cache in data": (
+        {"ZT_CACHE_DIR": "data/.cache"},
+        "ZT_CACHE_DIR={t}/data/.cache is inside ZT_DATA_DIR={t}/data",
+    ),
+    "offload in data": (
+        {"ZT_OFFLOAD_DIR": "data/swap"},
+        "ZT_OFFLOAD_DIR={t}/data/swap is inside ZT_DATA_DIR={t}/data",
+    ),
+    "output through a symlink": (
+        {"ZT_OUTPUT_DIR": "link/out"},
+        "ZT_OUTPUT_DIR={t}/link/out (-> {t}/data/out) is inside ZT_DATA_DIR={t}/data",
+    ),
+    "relative output in data": (
+        {"ZT_OUTPUT_DIR": "./data/../data/out"},
+        "ZT_OUTPUT_DIR=data/../data/out (-> {t}/data/out) is inside ZT_DATA_DIR={t}/data",
+    ),
+}
+
+
+@pytest.fixture
+def overlapping(job_env, demo_dir, tmp_path, request):
+    """The demo data copied to tmp_path/data, and folders set as the case says."""
+    import shutil
+
+    env, line = OVERLAPS[request.param]
+    shutil.copytree(demo_dir / "data", tmp_path / "data")
+    (tmp_path / "link").symlink_to(tmp_path / "data")
+    job_env.chdir(tmp_path)
+    job_env.setenv("ZT_DATA_DIR", str(tmp_path / "data"))
+    job_env.setenv("ZT_OUTPUT_DIR", str(tmp_path / "output"))
+    job_env.setenv("ZT_OFFLOAD_DIR", str(tmp_path / "offload"))
+    for key, value in env.items():
+        job_env.setenv(key, value if value.startswith("./") else str(tmp_path / value))
+    return line.format(t=tmp_path), tree(tmp_path)
+
+
+@pytest.mark.parametrize("overlapping", list(OVERLAPS), indirect=True)
+def test_check_refuses_folders_overlapping_the_data_with_one_line(overlapping, capsys, tmp_path):
+    expected, before = overlapping
+    code, out, err = run(capsys, "check")
+    assert code == 2, out + err
+    (line,) = [line for line in out.splitlines() if line.startswith("FAIL")]
+    assert line.startswith("FAIL folders") and expected in line, line
+    assert line.endswith("; give each its own folder")
+    assert tree(tmp_path) == before  # nothing created, cleaned or written
+
+
+@pytest.mark.parametrize("overlapping", ["output in data", "data in output"], indirect=True)
+def test_train_refuses_them_before_launching_and_touches_nothing(
+    overlapping, capsys, tmp_path, train_until_launch
+):
+    expected, before = overlapping
+    code, out, err = run(capsys, "train")
+    assert code == 2, out + err
+    (line,) = [line for line in err.splitlines() if "ZT_DATA_DIR" in line]
+    assert line.startswith("zerotuner: error: ") and expected in line
+    assert not train_until_launch
+    assert tree(tmp_path) == before
+
+
+def test_neighbouring_folders_and_data_inside_the_cache_are_fine(job_env, capsys, tmp_path):
+    job_env.setenv("ZT_OUTPUT_DIR", str(tmp_path / "data-output"))  # a prefix is not a parent
+    job_env.setenv("ZT_CACHE_DIR", "/")  # the cache may hold the data: nothing there is deleted
+    code, out, err = run(capsys, "check")
+    line = next(line for line in out.splitlines() if line[5:].startswith("folders "))
+    assert line.startswith("OK"), out + err

@@ -22,6 +22,7 @@ from zerotuner.families import (
 )
 from zerotuner.hardware import Hardware, require_supported
 from zerotuner.inputs import UserInputs, apply_implied_settings, read_user_inputs
+from zerotuner.job_folders import refuse_overlaps
 from zerotuner.launch import Topology, resolve_topology
 from zerotuner.notes import Note
 from zerotuner.offload import free_bytes_at
@@ -151,6 +152,7 @@ def preflight(
     if inputs is None:
         inputs = read_user_inputs(settings)
         settings = apply_implied_settings(settings, inputs)
+    refuse_overlaps(settings)
     require_supported(hardware)
     model = resolve_model(settings)
     shape = model_shape(model.family, model.local_dir)  # type: ignore[arg-type]

@@ -84,6 +84,7 @@ def run(args: argparse.Namespace) -> int:
     if not c.run("settings", lambda: _settings(c)):
         return c.exit_code()
     c.run("config files", lambda: _inputs(c))
+    c.run("folders", lambda: _folders(c))
     if not c.run("hardware", lambda: _hardware(c)):
         return _finish(c)
     c.run("topology", lambda: _topology(c))
@@ -140,6 +141,12 @@ def _inputs(c: Checks) -> str:
     if inputs.nvme is not None:
         detail += f"; NVMe offload folder {c.facts['settings'].offload_dir} (its nvme_path)"
     return detail
+
+
+def _folders(c: Checks) -> str:
+    from zerotuner.job_folders import refuse_overlaps
+
+    return refuse_overlaps(c.facts["settings"])
 
 
 def _hardware(c: Checks) -> tuple[str, list[str]]:
