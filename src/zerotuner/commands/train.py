@@ -22,7 +22,7 @@ from zerotuner.inputs import UserInputs, apply_implied_settings, read_user_input
 from zerotuner.job import Job
 from zerotuner.job_folders import refuse_overlaps
 from zerotuner.launch import launch, resolve_topology
-from zerotuner.logs import setup_logging
+from zerotuner.logs import rank_level, setup_logging
 from zerotuner.offload import mounted_offload_device, prepare_offload_dir
 from zerotuner.preflight import Preflight, preflight
 from zerotuner.settings import Settings, load_settings
@@ -42,7 +42,8 @@ def run(args: argparse.Namespace) -> int:
     settings = apply_implied_settings(settings, inputs)
     refuse_overlaps(settings)  # before the metrics, a mount or a scan touch any of them
     token = settings.hf_token.get_secret_value() if settings.hf_token else None
-    setup_logging(rank=0, log_format=settings.log_format, secrets=[token])
+    level = rank_level(settings.log_level, 0)
+    setup_logging(rank=0, log_format=settings.log_format, level=level, secrets=[token])
     with ExitStack() as stack:
         server = _start_metrics(settings, stack)
         code = 1
