@@ -61,7 +61,9 @@ class Settings(BaseSettings):
         Path("/cache"), description="Model downloads (HF_HOME) and the latent/embedding cache."
     )
     offload_dir: Path = Field(
-        Path("/offload"), description="NVMe offload swap directory (a fast local volume)."
+        Path("/offload"),
+        description="NVMe offload swap directory (a fast local volume). Unset, a real "
+        "`nvme_path` in the DeepSpeed/accelerate config is used instead; set, the two must agree.",
     )
     offload_device: str | None = Field(
         None, description="Block device to mount at the offload dir (needs a privileged container)."
