@@ -262,6 +262,13 @@ def test_precision_from_the_raw_config_is_kept_when_not_set():
     assert r.mixed_precision == "bf16"
 
 
+def test_precision_no_reads_as_fp32_in_the_notes():
+    off = {"bf16": {"enabled": False}, "fp16": {"enabled": False}}  # the config's own fp32
+    r = run(off, hardware=RTX4090, mixed_precision="bf16")
+    assert "ZT_MIXED_PRECISION=bf16 overrides fp32 in config" in messages(r, "change")
+    assert "precision: fp32" in messages(run(off, hardware=RTX4090), "info")
+
+
 def test_nvme_optimizer_below_stage3_becomes_cpu_with_a_warning():
     r = run({}, stage=2, opt="nvme")
     assert r.config["zero_optimization"]["offload_optimizer"]["device"] == "cpu"

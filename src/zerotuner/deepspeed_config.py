@@ -314,7 +314,8 @@ def _precision(ctx: _Context, hardware: Hardware) -> str:
     else:
         requested = s.mixed_precision
         if from_config is not None and requested != from_config:
-            n.change(f"{env_name('mixed_precision')}={requested} overrides {from_config} in config")
+            given = precision_name(from_config)
+            n.change(f"{env_name('mixed_precision')}={requested} overrides {given} in config")
     precision = resolve_precision(requested, hardware, n, where=where)
     cfg["bf16"] = {**bf16, "enabled": precision == "bf16"}
     fp16_section = {**fp16, "enabled": precision == "fp16"}
