@@ -3,7 +3,7 @@
 - Rank 0 logs INFO and up; other ranks WARNING and up, so errors from every rank still show.
   With more than one rank, each line carries the rank. `ZT_LOG_FORMAT=json` writes one JSON
   object per line (ts, level, rank, logger, msg, exc) for log pipelines.
-- DeepSpeed, transformers and diffusers install their own handlers; `setup_logging` routes
+- DeepSpeed, transformers, diffusers and torch install their own handlers; `setup_logging` routes
   them through ours so their lines get the same format, rank filter and masking. Call it after
   importing them (a library imported later brings its handler back).
 - `ZT_LOG_LEVEL`: `info` (rank 0 INFO, other ranks WARNING), `debug` or `warning` (every rank).
@@ -44,7 +44,8 @@ SECRET_ENV_NAMES = (
     "GOOGLE_APPLICATION_CREDENTIALS_JSON",
 )
 MIN_SECRET_LENGTH = 4  # masking "a" or "1" everywhere would wreck the log and protect nothing
-ADOPTED_LOGGERS = ("DeepSpeed", "transformers", "diffusers", "torch.distributed")
+# torch gives "torch" and "torch.distributed" handlers of their own (glog format) at import.
+ADOPTED_LOGGERS = ("DeepSpeed", "transformers", "diffusers", "torch", "torch.distributed")
 MASK = "***"
 LOG_LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING}
 
