@@ -4,10 +4,18 @@
 #   docker run --gpus all --shm-size 16g --ulimit memlock=-1 -p 9464:9464 \
 #     -v "$PWD/data:/data:ro" -v "$PWD/output:/output" zerotuner:latest
 #
-# Why these bases: torch==2.13.0 from PyPI (requirements.txt) is built against CUDA 13.0 (its
+# Why these bases: torch==2.13.0 (requirements.txt) is built against CUDA 13.0 by default (its
 # wheel requires cuda-toolkit 13.0.x), and torch.utils.cpp_extension refuses to compile
 # DeepSpeed's CUDA ops with an nvcc of another major version. Ubuntu 24.04 ships Python 3.12,
-# so no third-party PPA is needed. For byte-for-byte reproducible builds pin the digests, e.g.
+# so no third-party PPA is needed.
+#
+# NVIDIA driver floor: CUDA 13.x needs a driver >= 580. For hosts on an older driver (R525 to
+# R575, CUDA 12.x) build the CUDA 12 image; the torch wheel then comes from PyTorch's cu128 index:
+#   docker build --build-arg CUDA_VERSION=12.8.1 -t zerotuner:cuda12 .
+# CUDA_VERSION names the nvidia/cuda tag (12.8 or newer: older nvcc lacks the Blackwell targets
+# below); the build fails if PyTorch publishes no wheel for its CUDA. README "Which image".
+#
+# For byte-for-byte reproducible builds pin the digests, e.g.
 #   docker buildx imagetools inspect nvidia/cuda:13.0.1-devel-ubuntu24.04
 # and append @sha256:... to the two FROM lines (digests are not invented here: verify them).
 ARG CUDA_VERSION=13.0.1
@@ -41,8 +49,18 @@ COPY requirements.txt ./
 
 # DeepSpeed's setup.py imports torch to compile its ops, so torch (and ninja) go in first, at
 # the versions requirements.txt pins; setuptools because the build runs without isolation.
+# The torch wheel must be built for the base image's CUDA: PyTorch's index for it (cu130, cu128)
+# is searched beside PyPI, where pip prefers its build (2.13.0+cu128 sorts above 2.13.0), and the
+# check after it fails the build when they still differ. The later `pip install -r` keeps it:
+# ==2.13.0 accepts 2.13.0+cu128. At run time zerotuner reads torch.version.cuda for the floor.
+ARG CUDA_VERSION
+ARG TORCH_INDEX=https://download.pytorch.org/whl
 RUN grep -E '^(torch|ninja)==' requirements.txt > /tmp/build-requirements.txt \
-    && pip install -r /tmp/build-requirements.txt setuptools==84.2.1
+    && cuda="${CUDA_VERSION%.*}" \
+    && pip install --extra-index-url "${TORCH_INDEX}/cu${cuda%.*}${cuda#*.}" \
+        -r /tmp/build-requirements.txt setuptools==84.2.1 \
+    && python -c 'import sys, torch; built = torch.version.cuda; \
+sys.exit(None if built == sys.argv[1] else f"torch {torch.__version__} is built for CUDA {built}, the base image has {sys.argv[1]}")' "$cuda"
 
 # Ops compiled into the DeepSpeed install:
 #   cpu_adam (DeepSpeedCPUAdam for optimizer offload), async_io (NVMe offload via libaio),
@@ -131,6 +149,19 @@ ENV VIRTUAL_ENV=/opt/venv \
     CUDA_CACHE_PATH=/cache/nv/ComputeCache \
     NVIDIA_VISIBLE_DEVICES=all \
     NVIDIA_DRIVER_CAPABILITIES=compute,utility
+
+# NVIDIA's container runtime refuses to start the container on a driver that fails
+# NVIDIA_REQUIRE_CUDA (space-separated clauses are alternatives). The base image asks for its own
+# minor (cuda>=12.8); the wheels run on any driver of their major (minor-version compatibility),
+# so the first clause becomes the major's floor; the base's brand clauses after it (forward
+# compatibility on data-centre GPUs) stay. zerotuner's probe applies the same floor.
+ENV NVIDIA_REQUIRE_CUDA="cuda>=${CUDA_VERSION%%.*}.0 ${NVIDIA_REQUIRE_CUDA#* }"
+# A CUDA 12 build drops the forward-compatibility libraries: every 12.x driver runs it anyway,
+# and NVIDIA's runtime loads them whenever the driver is older than they are, which on a GPU
+# without forward-compatibility support (GeForce) ends CUDA with error 804.
+RUN case "$NVIDIA_REQUIRE_CUDA" in "cuda>=${CUDA_VERSION%%.*}.0 "*) ;; \
+        *) echo "unexpected NVIDIA_REQUIRE_CUDA=$NVIDIA_REQUIRE_CUDA" >&2; exit 1 ;; esac \
+    && if [ "${CUDA_VERSION%%.*}" -lt 13 ]; then rm -rf /usr/local/cuda-*/compat; fi
 
 WORKDIR /app
 
