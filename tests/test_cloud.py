@@ -123,3 +123,74 @@ def test_runpod_keep_alive_forwards_sigterm_to_a_running_zerotuner(runpod_root) 
         assert (marks / "signal").read_text().strip() == "term"
     finally:
         proc.kill()
+
+
+# --- the NVIDIA driver floor in the rental files ----------------------------------------------
+
+
+def _stub(bin_dir: Path, name: str, body: str) -> None:
+    path = bin_dir / name
+    path.write_text(f"#!/bin/sh\n{body}\n")
+    path.chmod(0o755)
+
+
+def _default_image_cuda() -> str:
+    """The default image's CUDA, major.0: the floor the rental filters must ask for."""
+    text = (REPO / "Dockerfile").read_text()
+    major = text.split("ARG CUDA_VERSION=", 1)[1].split(".", 1)[0]
+    return f"{major}.0"
+
+
+@pytest.mark.parametrize("image_cuda", [None, "12.0"])
+def test_vast_search_asks_for_a_driver_that_runs_the_image(tmp_path, image_cuda) -> None:
+    _stub(tmp_path, "vastai", 'printf "%s\\n" "$@" > "$ARGS"')
+    env = {**os.environ, "PATH": f"{tmp_path}:{os.environ['PATH']}", "ARGS": str(tmp_path / "a")}
+    if image_cuda:
+        env["IMAGE_CUDA"] = image_cuda
+    script = REPO / "config/cloud/vastai/search-offers.sh"
+    result = run("sh", script, "gpu_name=RTX_4090 num_gpus=1", env=env)
+    assert result.returncode == 0, result.stderr
+    verb, what, query, *_ = (tmp_path / "a").read_text().splitlines()
+    assert (verb, what) == ("search", "offers")
+    assert f"cuda_vers>={image_cuda or _default_image_cuda()}" in query.split()
+    assert "gpu_name=RTX_4090" in query.split()
+    assert "search-offers.sh" in (REPO / "config/cloud/vastai/create-instance.sh").read_text()
+
+
+def test_runpod_pods_are_limited_to_hosts_whose_driver_runs_the_image() -> None:
+    pod = json.loads((REPO / "config/cloud/runpod/pod.json").read_text())
+    allowed = pod["allowedCudaVersions"]  # RunPod's list of host CUDA versions (not a minimum)
+    floor = tuple(int(p) for p in _default_image_cuda().split("."))
+    assert _default_image_cuda() in allowed
+    assert all(tuple(int(p) for p in v.split(".")) >= floor for v in allowed)
+    template = json.loads((REPO / "config/cloud/runpod/template.json").read_text())
+    assert "driver >= 580" in template["readme"] and "pod.json" in template["readme"]
+
+
+@pytest.mark.parametrize(
+    ("driver", "min_driver", "runs"),
+    [("550.54.15", None, False), ("580.65.06", None, True), ("580", None, True),
+     ("575.57.08", None, False), ("550.54.15", "525.60.13", True), (None, None, True)],
+)  # fmt: skip
+def test_lambda_script_checks_the_driver_before_docker(tmp_path, driver, min_driver, runs) -> None:
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    _stub(bin_dir, "docker", 'echo "$@" > "$MARKS/docker"')
+    if driver:
+        _stub(bin_dir, "nvidia-smi", f"echo {driver}")
+    else:  # no nvidia-smi: nothing to read, the container's own check decides
+        _stub(bin_dir, "nvidia-smi", "exit 127")
+    env = {
+        **os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "MARKS": str(tmp_path),
+        "ROOT": str(tmp_path / "root"), "OFFLOAD": str(tmp_path / "offload"),
+    }  # fmt: skip
+    if min_driver:
+        env["MIN_DRIVER"] = min_driver
+    result = run("sh", REPO / "config/cloud/lambda/run.sh", cwd=REPO, env=env)
+    if runs:
+        assert result.returncode == 0, result.stderr
+        assert (tmp_path / "docker").read_text().split()[-2:] == ["zerotuner:latest", "train"]
+    else:
+        assert result.returncode == 3 and not (tmp_path / "docker").exists()
+        [line] = result.stderr.strip().splitlines()
+        assert f"NVIDIA driver {driver} is older than 580" in line

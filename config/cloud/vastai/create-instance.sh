@@ -1,7 +1,7 @@
 #!/bin/sh
 # Rent a vast.ai GPU and train in "entrypoint" launch mode: vast runs the image as built
 # (tini -> /app/entrypoint), with the arguments after --args as its command.
-#   vastai search offers 'gpu_name=RTX_4090 num_gpus=1 disk_space>=200 inet_down>=500'
+#   sh config/cloud/vastai/search-offers.sh 'gpu_name=RTX_4090 num_gpus=1'   (driver >= 580)
 #   IMAGE=ghcr.io/YOUR_ORG/zerotuner:latest sh config/cloud/vastai/create-instance.sh OFFER_ID
 # /output, /offload and /cache live on the instance disk (--disk, GB): they survive stopping
 # the instance, not destroying it. Copy results out with `vastai copy` before destroying.
