@@ -338,3 +338,54 @@ def test_check_and_train_exit_3_with_the_driver_line(old_driver_host, capsys, tm
     errors = [line for line in err.splitlines() if "error:" in line]
     assert len(errors) == 1 and EXPECTED_LINE in errors[0]
     assert "Traceback" not in err and not (tmp_path / "zt_output_dir").exists()
+
+
+# The same host for a fresh process: sitecustomize runs before the CLI and stands in for the
+# driver library and the wheel, exactly where the fixture above does.
+OLD_DRIVER_SITECUSTOMIZE = f"""
+import warnings
+
+import pynvml
+import torch
+
+import zerotuner.hardware
+
+
+def _is_available():
+    warnings.warn({CUDA_TOO_OLD!r}, UserWarning, stacklevel=2)
+    return False
+
+
+torch.version.cuda = "13.0"
+torch.cuda.is_available = _is_available
+pynvml.nvmlInit = pynvml.nvmlShutdown = lambda: None
+pynvml.nvmlSystemGetDriverVersion = lambda: "550.54.15"
+pynvml.nvmlSystemGetCudaDriverVersion = lambda: 12040
+pynvml.nvmlDeviceGetCount = lambda: 2
+zerotuner.hardware._ds_ops = lambda *a: ()
+"""
+
+
+@pytest.mark.slow  # a fresh CLI process (imports torch)
+def test_the_entrypoint_exits_3_with_one_line_on_an_old_driver(tmp_path):
+    import os
+    import subprocess
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "sitecustomize.py").write_text(OLD_DRIVER_SITECUSTOMIZE)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ZT_")}
+    env |= {
+        "PYTHONPATH": f"{tmp_path / 'site'}:{repo / 'src'}", "ZT_DEVICE": "auto",
+        "ZT_METRICS_PORT": "0", "ZT_OUTPUT_DIR": str(tmp_path / "output"),
+        "ZT_CACHE_DIR": str(tmp_path / "cache"), "ZT_OFFLOAD_DIR": str(tmp_path / "offload"),
+    }  # fmt: skip
+    result = subprocess.run(
+        [str(repo / "entrypoint")], env=env, capture_output=True, text=True, timeout=300
+    )  # no argument: train, as the image runs it
+    assert result.returncode == 3, result.stderr[-2000:]
+    errors = [line for line in result.stderr.splitlines() if "error:" in line]
+    assert len(errors) == 1 and EXPECTED_LINE in errors[0], result.stderr[-2000:]
+    assert "Traceback" not in result.stderr and "CUDA initialization" not in result.stderr
+    assert not (tmp_path / "output").exists()
