@@ -236,6 +236,9 @@ def test_a_driver_below_the_floor_is_one_line_naming_both_versions_and_the_way_o
     # A driver too old for CUDA 12 as well is not sent to the CUDA 12 image.
     ancient = driver_problem(Driver("470.256.02", (11, 4), 1), (13, 0), torch_sees_gpus=False)
     assert "CUDA 12 image" not in ancient and ">= 580" in ancient
+    # NVML reporting the forward-compatibility libraries' CUDA: the driver's number decides.
+    compat = driver_problem(Driver("570.124.06", (13, 0), 1), (13, 0), torch_sees_gpus=False)
+    assert compat.startswith("NVIDIA driver 570.124.06 is too old; this image's PyTorch is built")
 
 
 def test_no_verdict_without_the_facts_or_when_pytorch_already_runs_the_gpus():

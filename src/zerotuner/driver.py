@@ -83,10 +83,13 @@ def driver_problem(
         cuda12 = (12, 0)
         if image_cuda[0] > 12 and driver_runs(driver, cuda12):
             fixes += f", or the CUDA 12 image ({CUDA12_BUILD})"
-        return (
-            f"NVIDIA driver {driver.version} supports CUDA up to {_cuda_text(driver.cuda)}; "
-            f"this image's PyTorch is built for CUDA {need} ({at_least}): {fixes}"
-        )
+        # With forward-compatibility libraries loaded NVML may report their CUDA, not the driver's.
+        if driver.cuda is not None and driver.cuda < image_cuda:
+            head = f"NVIDIA driver {driver.version} supports CUDA up to {_cuda_text(driver.cuda)}"
+        else:
+            head = f"NVIDIA driver {driver.version} is too old"
+        return f"{head}; this image's PyTorch is built for CUDA {need} ({at_least}): {fixes}"
+
     if cuda_error:
         return (
             f"NVML sees {driver.gpus} GPU(s) with driver {driver.version} (CUDA "
