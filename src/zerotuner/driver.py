@@ -80,8 +80,7 @@ def driver_problem(
         floor = min_driver(image_cuda)
         at_least = f"driver >= {dotted(floor)}" if floor else f"a driver for CUDA {need}"
         fixes = f"use a host whose driver is >= {dotted(floor)}" if floor else "use a newer host"
-        cuda12 = (12, 0)
-        if image_cuda[0] > 12 and driver_runs(driver, cuda12):
+        if image_cuda[0] > 12 and driver_runs(driver, (12, 0)):
             fixes += f", or the CUDA 12 image ({CUDA12_BUILD})"
         # With forward-compatibility libraries loaded NVML may report their CUDA, not the driver's.
         if driver.cuda is not None and driver.cuda < image_cuda:
@@ -89,7 +88,6 @@ def driver_problem(
         else:
             head = f"NVIDIA driver {driver.version} is too old"
         return f"{head}; this image's PyTorch is built for CUDA {need} ({at_least}): {fixes}"
-
     if cuda_error:
         return (
             f"NVML sees {driver.gpus} GPU(s) with driver {driver.version} (CUDA "
