@@ -12,6 +12,8 @@ Each rank writes its exit status (records.write_rank_status): 0 done, 2 ConfigEr
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import logging
 import os
@@ -71,7 +73,17 @@ def init_distributed(job: Job) -> tuple[int, int]:
     os.environ.setdefault("MASTER_ADDR", job.master_addr)
     os.environ.setdefault("MASTER_PORT", str(job.master_port))
     if not dist.is_initialized():
-        deepspeed.init_distributed(dist_backend="gloo" if job.device == "cpu" else "nccl")
+        # On the CPU every rank prints "DeepSpeed ...shm_comm_op built successfully": a debug
+        # line, unless joining fails and what was printed may say why.
+        printed = io.StringIO()
+        failed = True
+        try:
+            with contextlib.redirect_stdout(printed):
+                deepspeed.init_distributed(dist_backend="gloo" if job.device == "cpu" else "nccl")
+            failed = False
+        finally:
+            if text := printed.getvalue().strip():
+                log.log(logging.WARNING if failed else logging.DEBUG, "%s", text)
     return dist.get_rank(), dist.get_world_size()
 
 
