@@ -11,6 +11,7 @@ import textwrap
 import warnings
 
 import pytest
+from PIL import Image
 
 from zerotuner.logs import (
     ProgressSink,
@@ -208,6 +209,11 @@ def test_debug_level_shows_the_held_back_notices():
     assert "DEBUG [rank 1] py.warnings: " in text and DEPRECATED_GATHER in text
     for name, relevant in RELEVANT:
         assert f"WARNING [rank 1] {name}: {relevant}" in text
+    # but not PIL's debug lines for every chunk of every image read
+    png = io.BytesIO()
+    Image.new("RGB", (2, 2)).save(png, format="PNG")
+    Image.open(png).load()
+    assert "STREAM" not in out.getvalue()
 
 
 def test_notices_printed_before_logging_is_set_up_are_held_back(monkeypatch, tmp_path):

@@ -50,7 +50,7 @@ MASK = "***"
 LOG_LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING}
 
 # Known third-party messages that concern no user's job, by logger and a fragment of the
-# message: logged at DEBUG, not WARNING. Every other message of these loggers keeps its level.
+# message: logged at DEBUG, not at their own level. Every other message keeps its level.
 KNOWN_NOISE: dict[str, tuple[str, ...]] = {
     # The engine reads the LR once before the scheduler's first step.
     "DeepSpeed": ("Attempting to get learning rate from scheduler before it has started",),
