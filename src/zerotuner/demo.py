@@ -184,20 +184,99 @@ def _text_config(vocab_size: int, hidden: int, *, layers: int = 2, heads: int = 
 
 
 def _vae(seed: int, *, blocks: tuple[int, ...] = VAE_BLOCKS, sample_size: int = DEMO_RESOLUTION):
-    """A tiny AutoencoderKL: each block after the first halves the image (the latent scale)."""
+    """A tiny AutoencoderKL that reconstructs the demo images by construction (see _exact_vae).
+
+    Each block after the first halves the image (the latent scale). The weights are set, not
+    trained: exact, deterministic and instant, so the samples show what the UNet learned.
+    """
     import torch
     from diffusers import AutoencoderKL
 
-    torch.manual_seed(seed)
-    return AutoencoderKL(
+    torch.manual_seed(seed)  # the weights off the signal path keep their (unused) random init
+    vae = AutoencoderKL(
         block_out_channels=blocks,
         down_block_types=("DownEncoderBlock2D",) * len(blocks),
         up_block_types=("UpDecoderBlock2D",) * len(blocks),
         latent_channels=4,
         layers_per_block=1,
-        norm_num_groups=32,
+        norm_num_groups=VAE_GROUPS,
         sample_size=sample_size,
     )
+    _exact_vae(vae)
+    return vae
+
+
+# Latent channels: R, G, B and their mean, read from the 2x2 (4x4, ...) average of the pixels.
+LATENT_FROM_RGB = ((1.0, 0.0, 0.0), (0.0, 1.0, 0.0), (0.0, 0.0, 1.0), (1 / 3, 1 / 3, 1 / 3))
+VAE_GROUPS = 16  # GroupNorm groups: the decoder's last 32 channels then pair up (see below)
+_SIGNAL = 1e-5  # scale of the colours inside the VAE: far below GroupNorm's eps (see below)
+
+
+def _exact_vae(vae) -> None:
+    """Set the weights so that encode = average pooling, decode = nearest upsampling.
+
+    Colour k travels as the channel pair (4k, 4k + 1) holding (+c, -c) * _SIGNAL; every other
+    channel is zero. Residual branches (resnet conv2, attention output) are zeroed, so the
+    blocks pass their input through; downsamplers average 2x2, upsamplers copy. The two
+    nonlinear steps are made exact: (1) each GroupNorm group holds (+c, -c) (mean 0) with
+    variance ~1e-10 against eps 1e-6, so it only scales by 1/sqrt(eps) (error < 1e-4); (2) the
+    SiLU after it is undone as silu(y) - silu(-y) = y by the next convolution.
+    """
+    import torch
+    from diffusers.models.attention_processor import Attention
+    from diffusers.models.resnet import Downsample2D, ResnetBlock2D, Upsample2D
+
+    to_latent = torch.tensor(LATENT_FROM_RGB)
+    to_rgb = torch.linalg.pinv(to_latent)  # least squares: the 4th channel is redundant
+    with torch.no_grad():
+        for module in vae.modules():
+            if isinstance(module, ResnetBlock2D):
+                module.conv2.weight.zero_(), module.conv2.bias.zero_()
+                if module.conv_shortcut is not None:
+                    _identity(module.conv_shortcut, tap=0)
+            elif isinstance(module, Attention):
+                module.to_out[0].weight.zero_(), module.to_out[0].bias.zero_()
+            elif isinstance(module, Downsample2D):
+                conv = module.conv
+                conv.weight.zero_(), conv.bias.zero_()
+                for c in range(conv.out_channels):
+                    conv.weight[c, c, :2, :2] = 0.25  # padding (0, 1, 0, 1), stride 2
+            elif isinstance(module, Upsample2D):
+                _identity(module.conv, tap=1)  # after nearest-neighbour interpolation
+        enc, dec = vae.encoder, vae.decoder
+        _pairs_in(enc.conv_in, torch.eye(3) * _SIGNAL)
+        _pairs_out(enc.conv_out, to_latent / _SIGNAL * enc.conv_norm_out.eps**0.5)
+        enc.conv_out.bias[4:] = -30.0  # log-variance at its floor: the latents are the mean
+        _identity(vae.quant_conv, tap=0)
+        _identity(vae.post_quant_conv, tap=0)
+        _pairs_in(dec.conv_in, to_rgb * _SIGNAL)
+        _pairs_out(dec.conv_out, torch.eye(3) / _SIGNAL * dec.conv_norm_out.eps**0.5)
+        for norm in (enc.conv_norm_out, dec.conv_norm_out):
+            norm.weight.fill_(1.0), norm.bias.zero_()
+
+
+def _identity(conv, *, tap: int) -> None:
+    conv.weight.zero_(), conv.bias.zero_()
+    for c in range(min(conv.in_channels, conv.out_channels)):
+        conv.weight[c, c, tap, tap] = 1.0
+
+
+def _pairs_in(conv, matrix) -> None:
+    """conv(x) puts +/- (matrix @ x) in the channel pairs (4k, 4k + 1), zero elsewhere."""
+    conv.weight.zero_(), conv.bias.zero_()
+    centre = conv.kernel_size[0] // 2
+    for k, row in enumerate(matrix):
+        conv.weight[4 * k, :, centre, centre] = row
+        conv.weight[4 * k + 1, :, centre, centre] = -row
+
+
+def _pairs_out(conv, matrix) -> None:
+    """conv(silu(y)) = matrix @ (y over the pairs): silu(y) - silu(-y) = y."""
+    conv.weight.zero_(), conv.bias.zero_()
+    centre = conv.kernel_size[0] // 2
+    for k in range(matrix.shape[1]):
+        conv.weight[: matrix.shape[0], 4 * k, centre, centre] = matrix[:, k]
+        conv.weight[: matrix.shape[0], 4 * k + 1, centre, centre] = -matrix[:, k]
 
 
 def _unet(
