@@ -6,6 +6,7 @@ so the ranks that tests launch as subprocesses inherit it too.
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 
@@ -20,6 +21,17 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")  # no GPU here: DeepSpeed's CPU a
 # DeepSpeed JIT-compiles cpu_adam / async_io once; keep them between sessions.
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(REPO / ".cache" / "torch_extensions"))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never download; fail fast if code tries
+
+
+@pytest.fixture(autouse=True)
+def _restore_root_logger():
+    """A test that runs the CLI in-process points the root logger at pytest's capture stream,
+    which is closed after that test: later tests would log into it ("--- Logging error ---")."""
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    yield
+    root.handlers[:] = handlers
+    root.setLevel(level)
 
 
 def _write(tmp_path_factory: pytest.TempPathFactory, family: str) -> Path:
