@@ -4,15 +4,18 @@ What a user would write by hand: load the UNet, `deepspeed.initialize` with the 
 zerotuner produced (OUTPUT/run/deepspeed.json), and loop forward / backward / step on batches
 already in memory (the same shapes zerotuner's cache yields). Nothing else: no sinks, no
 checkpoints, no signal handling, no data loading. Rank 0 writes step times and phase times;
-every rank writes the bytes of the tensors it holds after the first step (planner accuracy).
+every rank writes the peak of its live tensor bytes within step 2 (bench.peak) and the bytes
+of the tensors it holds after the first step (planner accuracy).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
+import resource
 import time
 from pathlib import Path
 
@@ -60,6 +63,8 @@ def main() -> None:
     import torch.nn.functional as F
     from diffusers import EulerDiscreteScheduler, UNet2DConditionModel
 
+    from bench.peak import PeakTracker
+
     times["imported"] = time.time()
     deepspeed.init_distributed(dist_backend="gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -98,23 +103,36 @@ def main() -> None:
 
     step_seconds, memory = [], {}
     for step in range(1, args.steps + 1):
+        # Step 2 runs under the peak tracker (step 1 stays a clean time-to-first-step, and
+        # every lazily built buffer exists by then); it slows that step, which no timing uses.
+        tracker = PeakTracker() if step == min(2, args.steps) else None
         started = time.perf_counter()
-        for _ in range(accumulation):
-            noise = torch.randn(batch["latents"].shape, generator=gen)
-            t = torch.randint(0, scheduler.config.num_train_timesteps, (micro,), generator=gen)
-            noisy = scheduler.add_noise(batch["latents"], noise, t)
-            pred = engine(
-                noisy, t, batch["prompt_embeds"],
-                added_cond_kwargs={"text_embeds": batch["text_embeds"],
-                                   "time_ids": batch["time_ids"]},
-            ).sample  # fmt: skip
-            loss = F.mse_loss(pred.float(), noise)
-            engine.backward(loss)
-            if step == min(2, args.steps) and "after_backward_bytes" not in memory:
-                # Model states at their peak: gradients (or their partitions) still held,
-                # activations freed. Step 2: step 1 must stay a clean time-to-first-step.
-                memory["after_backward_bytes"] = held_tensor_bytes()
-            engine.step()
+        with tracker or contextlib.nullcontext():
+            for _ in range(accumulation):
+                if tracker is not None:
+                    tracker.phase = "forward"
+                noise = torch.randn(batch["latents"].shape, generator=gen)
+                t = torch.randint(0, scheduler.config.num_train_timesteps, (micro,), generator=gen)
+                noisy = scheduler.add_noise(batch["latents"], noise, t)
+                pred = engine(
+                    noisy, t, batch["prompt_embeds"],
+                    added_cond_kwargs={"text_embeds": batch["text_embeds"],
+                                       "time_ids": batch["time_ids"]},
+                ).sample  # fmt: skip
+                loss = F.mse_loss(pred.float(), noise)
+                if tracker is not None:
+                    tracker.phase = "backward"
+                engine.backward(loss)
+                if tracker is not None and "after_backward_bytes" not in memory:
+                    # gradients (or their partitions) held, activations freed
+                    memory["after_backward_bytes"] = tracker.live
+                if tracker is not None:
+                    tracker.phase = "step"
+                engine.step()
+        if tracker is not None:
+            memory |= {"peak_bytes": tracker.peak, "peak_phase": tracker.peak_phase,
+                       "peak_op": tracker.peak_op, "peak_largest": tracker.peak_largest,
+                       "step_start_bytes": tracker.start}  # fmt: skip
         loss.item()
         step_seconds.append(time.perf_counter() - started)
         if step == 1:
@@ -131,6 +149,7 @@ def main() -> None:
         "times": times,
         "memory": memory,
         "offload_files_bytes": _swap_bytes(config),
+        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
     }
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"rank-{rank}.json").write_text(json.dumps(result, indent=2))

@@ -140,33 +140,46 @@ def markdown(r: dict[str, Any]) -> str:
     p = r.get("planner")
     if p:
         out += [
-            "## Planner accuracy (model-state bytes per rank)",
+            "## Planner accuracy (tensor bytes per rank, peak within a step)",
             "",
-            "| ZeRO | optimizer | params | predicted MB | measured MB, end of backward (ranks) "
-            "| error | after the step MB | disk predicted MB | disk measured MB |",
-            "|---|---|---|---|---|---|---|---|---|",
+            "| ZeRO | optimizer | params | planned MB | measured peak MB (ranks) | error "
+            "| peak in | end of backward MB | after the step MB | disk planned MB "
+            "| disk measured MB |",
+            "|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for row in p["rows"]:
             if "error" in row:
                 out.append(
                     f"| {row['zero_stage']} | {row['offload_optimizer']} | "
-                    f"{row['offload_param']} | failed: {row['error']} | | | | |"
+                    f"{row['offload_param']} | failed: {row['error']} | | | | | | | |"
                 )
                 continue
+            peaks = row.get("measured_peak_bytes_per_rank") or row["measured_bytes_per_rank"]
             out.append(
                 f"| {row['zero_stage']} | {row['offload_optimizer']} | {row['offload_param']} "
                 f"| {_mb(row['predicted_bytes_per_rank'])} | "
-                f"{' / '.join(_mb(x) for x in row['measured_bytes_per_rank'])} | "
-                f"{row['error_percent']:+.0f}% | "
+                f"{' / '.join(_mb(x) for x in peaks)} | {row['error_percent']:+.1f}% | "
+                f"{'/'.join(sorted(set(row.get('peak_phase', ['-']))))} | "
+                + " / ".join(
+                    _mb(x)
+                    for x in row.get(
+                        "measured_after_backward_bytes_per_rank",
+                        row.get("measured_bytes_per_rank", []),
+                    )
+                )
+                + " | "
                 + " / ".join(_mb(x) for x in row.get("measured_after_step_bytes_per_rank", []))
                 + f" | {_mb(row['predicted_disk_bytes_per_rank'])} | "
                 f"{_mb(row['measured_disk_bytes_per_rank'])} |"
             )
         out += [
             "",
-            "Measured: all distinct live tensor storages on the rank at the end of a backward "
-            "pass (gradients held, activations freed) and after the optimizer step. Error = "
-            "(predicted - measured) / measured: + means the planner overestimates.",
+            "Planned: the plan row's parts that are tensors of the training step (params, "
+            "grads, optimizer states, buckets, gathered params, swap buffers, activations). "
+            "Measured peak: the most live tensor bytes on the rank after any op of step 2 "
+            "(forward, backward, optimizer step), every storage tracked from allocation to "
+            "free (`bench/peak.py`). Error = (planned - measured) / measured: + means the "
+            "planner overestimates.",
             "",
         ]
     n = r.get("nvme")

@@ -12,13 +12,16 @@ from typing import Any
 
 from bench import disk, runs
 
-MODEL_STATE_PARTS = {  # plan parts that are model states held in this rank's memory
-    "device.params", "device.grads", "device.optimizer", "device.gathered_params",
-    "device.buckets", "host_per_rank.params", "host_per_rank.optimizer",
-    "host_per_rank.fp32_grads", "host_per_rank.grad_partitions",
-    "host_per_rank.optimizer_swap_buffers",
-    "host_per_rank.param_swap_buffers",
+NOT_TENSORS = {  # plan parts that are not tensors of the training step in a rank's memory
+    "device.caching_peak", "device.framework", "host_per_rank.process",
+    "host_per_rank.model_load", "host_per_rank.ema_once_per_node",
 }  # fmt: skip
+
+
+def tensor_parts(parts: dict[str, int]) -> dict[str, int]:
+    """The plan parts a rank holds as tensors while it trains (device and host: on the CPU
+    accelerator both are this process's memory); disk parts and fixed overheads left out."""
+    return {k: v for k, v in parts.items() if not k.startswith("disk_") and k not in NOT_TENSORS}
 
 
 @dataclass
@@ -190,8 +193,9 @@ COMBOS = (  # (stage, offload_optimizer, offload_param)
 
 
 def planner(b: Bench, stage2_bare: runs.BareRun | None) -> dict[str, Any]:
-    """Predicted (the chosen plan row's parts) vs measured bytes of live tensors per rank after
-    the first step, and swap file bytes for NVMe; same config as zerotuner would use."""
+    """Predicted (the chosen plan row's tensor parts) vs the measured peak of live tensor
+    bytes per rank within a step (bench.peak), and swap file bytes for NVMe; same config as
+    zerotuner would use."""
     rows = []
     for stage, opt, param in COMBOS if not b.smoke else COMBOS[2:3]:
         pre, _ = preflight_for(b, zero_stage=stage, offload_optimizer=opt, offload_param=param)
@@ -207,29 +211,35 @@ def planner(b: Bench, stage2_bare: runs.BareRun | None) -> dict[str, Any]:
                 rows.append({"zero_stage": stage, "offload_optimizer": opt,
                              "offload_param": param, "error": str(error)})  # fmt: skip
                 continue
-        predicted = sum(v for k, v in row.parts.items() if k in MODEL_STATE_PARTS)
-        measured = [r["memory"]["after_backward_bytes"] for r in run.ranks]
-        after_step = [r["memory"]["tensor_bytes"] for r in run.ranks]
+        parts = tensor_parts(row.parts)
+        predicted = sum(parts.values())
+        peaks = [r["memory"]["peak_bytes"] for r in run.ranks]
         disk_pred = sum(v for k, v in row.parts.items() if k.startswith("disk_per_rank."))
         disk_meas = run.rank0["offload_files_bytes"]
         rows.append({
             "zero_stage": stage, "offload_optimizer": opt, "offload_param": param,
             "predicted_bytes_per_rank": predicted,
-            "measured_bytes_per_rank": measured,
-            "measured_after_step_bytes_per_rank": after_step,
-            "error_percent": 100 * (predicted - max(measured)) / max(measured),
-            "predicted_parts": {k: v for k, v in row.parts.items() if k in MODEL_STATE_PARTS},
+            "measured_peak_bytes_per_rank": peaks,
+            "error_percent": 100 * (predicted - max(peaks)) / max(peaks),
+            "peak_phase": [r["memory"]["peak_phase"] for r in run.ranks],
+            "measured_step_start_bytes_per_rank": [
+                r["memory"]["step_start_bytes"] for r in run.ranks],
+            "measured_after_backward_bytes_per_rank": [
+                r["memory"]["after_backward_bytes"] for r in run.ranks],
+            "measured_after_step_bytes_per_rank": [r["memory"]["tensor_bytes"] for r in run.ranks],
+            "predicted_parts": parts,
             "predicted_disk_bytes_per_rank": disk_pred or None,
             "measured_disk_bytes_per_rank": None if disk_meas is None
             else disk_meas / run.rank0["world_size"],
             "rss_bytes_per_rank": [r["memory"]["rss_bytes"] for r in run.ranks],
+            "peak_rss_bytes_per_rank": [r.get("peak_rss_bytes") for r in run.ranks],
         })  # fmt: skip
     return {
-        "what": "model-state bytes per rank: plan parts (params, grads, optimizer, buckets, "
-        "gathered params, swap buffers) vs bytes of all distinct live tensor storages on each "
-        "rank at the end of step 2's backward, before the optimizer step (gradients held, "
-        "activations freed), and after step 1 (gradients freed); bare loop, same config; "
-        "CPU accelerator, so 'device' = host",
+        "what": "tensor bytes per rank: the plan row's parts that are tensors of the training "
+        "step (params, grads, optimizer, buckets, gathered params, swap buffers, activations; "
+        "not the fixed process overheads) vs the peak of live tensor bytes on each rank within "
+        "step 2 (forward, backward and optimizer step), tracked op by op (bench.peak); bare "
+        "loop, same config; CPU accelerator, so 'device' = host",
         "rows": rows,
     }
 

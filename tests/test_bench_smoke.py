@@ -20,6 +20,7 @@ sys.path.insert(0, str(REPO))  # bench/ is a top-level package beside src/, not 
 
 from bench import disk, runs  # noqa: E402
 from bench.bare import held_tensor_bytes  # noqa: E402
+from bench.peak import PeakTracker  # noqa: E402
 
 
 def test_held_tensor_bytes_counts_each_storage_once():
@@ -29,6 +30,28 @@ def test_held_tensor_bytes_counts_each_storage_once():
     grown = held_tensor_bytes() - before
     assert 4_000_000 <= grown < 4_100_000
     del block, views
+
+
+def test_peak_tracker_sees_what_lives_only_inside_a_step():
+    """The in-step peak counts a temporary freed before the step ends and the activations
+    autograd saves and frees in backward; a snapshot after backward sees neither."""
+    with PeakTracker() as p:
+        p.phase = "step"
+        scratch = torch.empty(5_000_000)  # 20 MB, freed at once
+        del scratch
+    assert p.live == p.start and p.peak - p.start == 20_000_000 and p.peak_phase == "step"
+
+    layer = torch.nn.Linear(1000, 1000, bias=False)  # 4 MB of weights
+    x = torch.randn(2000, 1000)  # 8 MB
+    with PeakTracker() as q:
+        q.phase = "forward"
+        loss = layer(layer(x).relu()).square().mean()  # saves two 8 MB activations
+        q.phase = "backward"
+        loss.backward()
+        del loss
+    assert q.live - q.start == 4_000_000  # only the weight's grad is left
+    assert q.peak - q.start >= 2 * 8_000_000 + 4_000_000
+    assert q.peak_phase in ("forward", "backward")
 
 
 def test_log_marks_read_the_products_timestamps():
@@ -74,7 +97,9 @@ def test_smoke_run_writes_results_and_table(tmp_path):
         phases = results["first_step"][side]["phases_s"]
         assert "first step" in phases and all(math.isfinite(v) for v in phases.values())
     (row,) = results["planner"]["rows"]
-    assert row["measured_bytes_per_rank"][0] > 0 and row["predicted_bytes_per_rank"] > 0
+    assert row["predicted_bytes_per_rank"] > 0
+    peak, after = row["measured_peak_bytes_per_rank"][0], row["measured_after_step_bytes_per_rank"]
+    assert peak > after[0] > 0  # the in-step peak holds more than what outlives the step
     (stop,) = results["stops"]["rows"]
     assert (stop["exit_code"], stop["committed_step"]) == (143, stop["last_step"]), stop
     table = js.with_suffix(".md").read_text()
