@@ -11,6 +11,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from zerotuner import lora
 from zerotuner.deepspeed_config import Decisions, Normalized, normalize
 from zerotuner.errors import ConfigError
 from zerotuner.families import (
@@ -153,9 +154,12 @@ def preflight(
         inputs = read_user_inputs(settings)
         settings = apply_implied_settings(settings, inputs)
     refuse_overlaps(settings)
+    lora.check_settings(settings)
     require_supported(hardware)
     model = resolve_model(settings)
     shape = model_shape(model.family, model.local_dir)  # type: ignore[arg-type]
+    if settings.training_type == "lora":
+        lora.check_model_targets(settings, model.family, model.local_dir)
     resolution = settings.resolution or shape.native_resolution
     topology = topology or resolve_topology(settings, hardware, os.environ)
     world = topology.world_size

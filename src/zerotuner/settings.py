@@ -106,6 +106,20 @@ class Settings(BaseSettings):
     random_flip: bool = Field(False, description="Flip images horizontally at random.")
     ema: bool = Field(False, description="Keep an EMA of the UNet weights (on the CPU).")
     ema_decay: float = Field(0.9999, gt=0, lt=1, description="EMA decay per step.")
+    training_type: Literal["full", "lora"] = Field(
+        "full", description="`full`: train the whole UNet; `lora`: train LoRA adapters on it."
+    )
+    lora_rank: int = Field(16, ge=1, description="LoRA rank (training type `lora`).")
+    lora_alpha: float | None = Field(
+        None, gt=0, description="LoRA alpha (scale = alpha / rank); empty = the rank."
+    )
+    lora_dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the LoRA path.")
+    lora_targets: str = Field(
+        "attention",
+        description="UNet modules that get adapters: `attention` (to_q, to_k, to_v, to_out.0, "
+        "as diffusers' SDXL LoRA example), `attention+ff` (also the feed-forward layers), or "
+        "a comma-separated list of module names.",
+    )
 
     # --- DeepSpeed ------------------------------------------------------------------------
     zero_stage: Auto | Literal[0, 1, 2, 3] = Field(

@@ -1,0 +1,271 @@
+"""LoRA adapters on the UNet (ZT_TRAINING_TYPE=lora), trained under DeepSpeed with peft.
+
+The base UNet is frozen (DeepSpeed casts it to the run's 16-bit dtype with the rest of the
+module, and no optimizer state exists for it); peft's LoRA layers are added with diffusers'
+`add_adapter`, and only their parameters reach `deepspeed.initialize` (fp32 masters, Adam
+moments). Under ZeRO-3 every parameter, frozen ones included, is a shard on each rank: the
+adapter is gathered (fp32 masters) before it is written, and a file that would be empty or of
+the wrong shapes (what `state_dict()` of a partitioned model yields) is refused.
+
+The output is `final/pytorch_lora_weights.safetensors` as diffusers' SDXL LoRA example writes
+it (`unet.`-prefixed keys, `save_lora_weights`), with the adapter's LoraConfig as metadata so
+that an alpha other than the rank survives `load_lora_weights`.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from zerotuner.errors import ConfigError
+from zerotuner.settings import Settings, env_name
+
+log = logging.getLogger(__name__)
+
+ADAPTER = "default"  # peft's adapter name inside the UNet
+ADAPTER_FILE = "pytorch_lora_weights.safetensors"
+ATTENTION = ("to_k", "to_q", "to_v", "to_out.0")  # diffusers' train_text_to_image_lora_sdxl
+PRESETS: dict[str, tuple[str, ...]] = {
+    "attention": ATTENTION,
+    "attention+ff": (*ATTENTION, "ff.net.0.proj", "ff.net.2"),
+}
+LORA_FIELDS = ("lora_rank", "lora_alpha", "lora_dropout", "lora_targets")
+# Settings a LoRA run cannot honour yet: what ZT_EMA would average is the whole UNet.
+FULL_ONLY = {"ema": "an EMA of the adapter is not supported yet"}
+LORA_LAYERS = (torch.nn.Linear, torch.nn.Conv2d)  # what peft can wrap in a diffusers UNet
+
+
+def check_settings(settings: Settings) -> None:
+    """The LoRA settings against the training type: one line per problem (exit 2)."""
+    problems = []
+    if settings.training_type == "full":
+        for name in LORA_FIELDS:
+            if name in settings.model_fields_set:
+                problems.append(
+                    f"{env_name(name)} is set but {env_name('training_type')}=full: set "
+                    f"{env_name('training_type')}=lora or unset {env_name(name)}"
+                )
+    else:
+        for name, why in FULL_ONLY.items():
+            if getattr(settings, name):
+                problems.append(
+                    f"{env_name(name)}={getattr(settings, name)}: {why} "
+                    f"({env_name('training_type')}=lora); unset it or train full"
+                )
+        try:
+            parse_targets(settings.lora_targets)
+        except ConfigError as error:
+            problems.extend(error.problems)
+    if problems:
+        raise ConfigError(problems[0], problems=problems)
+
+
+def parse_targets(value: str) -> tuple[str, ...]:
+    """A preset name, or module names separated by commas (order kept, duplicates dropped)."""
+    text = value.strip()
+    if text in PRESETS:
+        return PRESETS[text]
+    names = tuple(dict.fromkeys(n.strip() for n in text.split(",") if n.strip()))
+    if not names:
+        raise ConfigError(
+            f"{env_name('lora_targets')}={value!r}: expected a preset "
+            f"({', '.join(PRESETS)}) or comma-separated module names"
+        )
+    return names
+
+
+def alpha(settings: Settings) -> float:
+    return settings.lora_rank if settings.lora_alpha is None else settings.lora_alpha
+
+
+def _matches(module_name: str, target: str) -> bool:
+    """peft's rule for a list of target names: the whole name or a dotted suffix of it."""
+    return module_name == target or module_name.endswith("." + target)
+
+
+def short_names(module: torch.nn.Module) -> list[str]:
+    """The names a user can target: each wrappable layer's last part (two when the last is an
+    index, as in `to_out.0`), e.g. `to_q`, `proj_in`, `conv1`, `net.2`."""
+    found = set()
+    for name, child in module.named_modules():
+        if isinstance(child, LORA_LAYERS) and name:
+            parts = name.split(".")
+            found.add(".".join(parts[-2:]) if parts[-1].isdigit() and len(parts) > 1 else parts[-1])
+    return sorted(found)
+
+
+def check_targets(unet: torch.nn.Module, targets: Iterable[str]) -> None:
+    """Every target must name at least one Linear/Conv2d layer of this UNet."""
+    layers = [n for n, m in unet.named_modules() if isinstance(m, LORA_LAYERS)]
+    missing = [t for t in targets if not any(_matches(n, t) for n in layers)]
+    if missing:
+        raise ConfigError(
+            f"{env_name('lora_targets')}: no layer of this UNet is called "
+            f"{', '.join(missing)}; valid names: {', '.join(short_names(unet))} "
+            f"(or a preset: {', '.join(PRESETS)})"
+        )
+
+
+def check_model_targets(settings: Settings, family: str, model_dir: Path | None) -> None:
+    """check_targets before launch, on the UNet built from its config on the meta device (no
+    weights read; a hub model not yet fetched is checked against its family's config)."""
+    from accelerate import init_empty_weights
+    from diffusers import UNet2DConditionModel
+
+    from zerotuner.families import BUILTIN_UNET_CONFIGS, unet_config_path
+
+    path = unet_config_path(model_dir) if model_dir else None
+    if path is not None:
+        config = UNet2DConditionModel.load_config(str(path.parent))
+    else:
+        config = BUILTIN_UNET_CONFIGS[family]
+    with init_empty_weights():
+        unet = UNet2DConditionModel.from_config(config)
+    check_targets(unet, parse_targets(settings.lora_targets))
+
+
+def lora_config(settings: Settings) -> Any:
+    from peft import LoraConfig
+
+    return LoraConfig(
+        r=settings.lora_rank,
+        lora_alpha=alpha(settings),
+        lora_dropout=settings.lora_dropout,
+        init_lora_weights="gaussian",  # A random, B zero: training starts at the base model
+        target_modules=list(parse_targets(settings.lora_targets)),
+    )
+
+
+def add_adapter(unet: Any, settings: Settings) -> list[torch.nn.Parameter]:
+    """Freeze the base, add the adapter (fp32; DeepSpeed casts the module as configured) and
+    return the parameters the optimizer gets: the adapter's only."""
+    config = lora_config(settings)
+    check_targets(unet, config.target_modules)
+    unet.requires_grad_(False)
+    unet.add_adapter(config, adapter_name=ADAPTER)
+    named = [(n, p) for n, p in unet.named_parameters() if p.requires_grad]
+    if not named or any(".lora_" not in n for n, _ in named):
+        raise RuntimeError("peft left base parameters trainable or added no adapter")
+    total = sum(p.numel() for p in unet.parameters())
+    log.info(
+        "LoRA rank %d, alpha %g on %s: %d trainable of %d parameters",
+        config.r, config.lora_alpha, ",".join(sorted(config.target_modules)),
+        sum(p.numel() for _, p in named), total,
+    )  # fmt: skip
+    return [p for _, p in named]
+
+
+def metadata(settings: Settings) -> dict[str, Any]:
+    """The adapter's LoraConfig as diffusers stores it beside the weights (alpha, rank,
+    targets, dropout): `load_lora_weights` rebuilds the adapter from it."""
+    config = lora_config(settings).to_dict()
+    config["target_modules"] = sorted(config["target_modules"])  # a set: JSON needs a list
+    return config
+
+
+def shapes(module: torch.nn.Module) -> dict[str, tuple[int, ...]]:
+    """Every adapter parameter's full shape (under ZeRO-3 the tensor itself is a placeholder;
+    DeepSpeed keeps the real shape in `ds_shape`)."""
+    return {
+        name: tuple(getattr(p, "ds_shape", p.shape))
+        for name, p in module.named_parameters()
+        if p.requires_grad
+    }
+
+
+def adapter_state(module: torch.nn.Module, *, rank: int) -> dict[str, torch.Tensor] | None:
+    """The adapter's weights, whole and fp32 on the CPU, on rank 0 (None elsewhere), keyed by
+    the module's parameter names. A collective: every rank calls it.
+
+    With mixed precision the optimizer's fp32 masters are taken (safe_get_full_fp32_param,
+    which gathers them at ZeRO 1-3); without an optimizer mapping (ZeRO-0 in fp32) the
+    module's own weights, gathered first where they are partitioned."""
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    from zerotuner.ema import full_parameters
+
+    state: dict[str, torch.Tensor] | None = {} if rank == 0 else None
+    for name, param in module.named_parameters():
+        if not param.requires_grad:
+            continue
+        master = safe_get_full_fp32_param(param)
+        if master is None:
+            with full_parameters(module, [param]):
+                master = param.detach().float().cpu().clone()
+        if state is not None:
+            state[name] = master.detach().float().cpu().clone()
+    return state
+
+
+def check_adapter(state: dict[str, torch.Tensor], expected: dict[str, tuple[int, ...]]) -> None:
+    """Refuse an adapter that is empty, partial or of the wrong shapes (a ZeRO-3 shard or
+    placeholder saved as if it were the weight): no file beats a silently broken one."""
+    if not state or not expected:
+        raise RuntimeError("refusing to write an empty LoRA adapter (no adapter weights)")
+    if state.keys() != expected.keys():
+        missing = sorted(expected.keys() - state.keys())
+        extra = sorted(state.keys() - expected.keys())
+        raise RuntimeError(
+            f"refusing to write a partial LoRA adapter: missing {missing[:3]}, unexpected "
+            f"{extra[:3]}"
+        )
+    wrong = [
+        f"{name} {tuple(t.shape)} (expected {expected[name]})"
+        for name, t in state.items()
+        if tuple(t.shape) != expected[name] or t.numel() == 0
+    ]
+    if wrong:
+        raise RuntimeError(
+            f"refusing to write a LoRA adapter with wrong shapes: {'; '.join(wrong[:3])}"
+        )
+
+
+def peft_keys(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Module parameter names to peft's saved names: the adapter name leaves the key
+    (`...to_q.lora_A.default.weight` -> `...to_q.lora_A.weight`)."""
+    return {name.replace(f".{ADAPTER}.", "."): t for name, t in state.items()}
+
+
+def pipeline_class(family: str) -> Any:
+    """The pipeline whose `save_lora_weights` writes this family's layout."""
+    if family == "sdxl":
+        from diffusers import StableDiffusionXLPipeline
+
+        return StableDiffusionXLPipeline
+    from diffusers import StableDiffusionPipeline
+
+    return StableDiffusionPipeline
+
+
+def write_adapter(
+    family: str,
+    state: dict[str, torch.Tensor],
+    expected: dict[str, tuple[int, ...]],
+    adapter_metadata: dict[str, Any],
+    out: Path,
+) -> Path:
+    """`out/pytorch_lora_weights.safetensors` (diffusers layout, metadata included), built in
+    a folder beside `out` and renamed into place; refused when the adapter is not whole."""
+    from diffusers.utils import convert_state_dict_to_diffusers
+
+    check_adapter(state, expected)
+    layers = convert_state_dict_to_diffusers(peft_keys(state))
+    out = Path(out)
+    tmp = out.with_name(f".{out.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    pipeline_class(family).save_lora_weights(
+        tmp,
+        unet_lora_layers={k: v.contiguous() for k, v in layers.items()},
+        unet_lora_adapter_metadata=adapter_metadata,
+        weight_name=ADAPTER_FILE,
+    )
+    if out.exists():
+        shutil.rmtree(out)
+    tmp.rename(out)
+    return out
