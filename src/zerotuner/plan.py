@@ -179,24 +179,45 @@ def estimate(
     if offload_optimizer == "none":
         dev["grads"] = p_bytes * psi // (n if stage >= 2 else 1)
         dev["optimizer"] = o_bytes * psi // (n if stage >= 1 else 1)
+        if stage in (1, 2):
+            # The step flattens this rank's gradient partition into a new buffer (stage 1 at
+            # its end-of-backward reduce) and casts it to the fp32 master's dtype: a 16-bit
+            # flat copy plus its fp32 cast, or one fp32 copy (stage_1_and_2.py, step).
+            dev["flat_grad_partition"] = (p_bytes + (0 if p_bytes == 4 else 4)) * psi // n
     else:
         if stage == 1:
             dev["grads"] = p_bytes * psi  # reduced at the step, then copied to the host
         target = host_rank if offload_optimizer == "cpu" else disk_rank
         target["optimizer"] = o_bytes * psi // n
         target["fp32_grads"] = g32 * psi // n
+        if stage in (1, 2):
+            # stage_1_and_2.py with cpu_offload: a 16-bit copy of the partition on the host
+            # (param_buffer_of_bit16_for_cpu_offload_groups, the updated params go back to the
+            # device through it) and one largest-parameter gradient staging buffer each side.
+            host_rank["param_partition_copy"] = p_bytes * psi // n
+            host_rank["grad_staging"] = p_bytes * shape.largest_param
+            dev["grad_staging"] = p_bytes * shape.largest_param
         if stage == 3:  # reduced 16-bit grad partitions wait on the host for the step
             host_rank["grad_partitions"] = p_bytes * psi // n
         if offload_optimizer == "nvme":  # pinned fp32 buffers of one sub-group each
             group = min(SUB_GROUP_NVME, max(psi // n, shape.largest_param))
             host_rank["optimizer_swap_buffers"] = OPTIMIZER_NVME_BUFFERS * group * 4
+            # stage3.py: swapped sub-groups step with their fp32 gradient in one host buffer
+            # of the largest sub-group (gradient_buffer), kept for the whole run.
+            host_rank["subgroup_grad_buffer"] = group * 4
     if offload_param == "nvme":  # buffer_size as normalize sets it (holds the largest tensor)
         size = max(shape.largest_param, min(PARAM_BUFFER_MAX, psi // 8))
         host_rank["param_swap_buffers"] = PARAM_BUFFERS * size * p_bytes
 
-    # --- buckets: reduce (and all-gather below stage 3) in 16-bit ------------------------------
-    if stage >= 1 or n > 1:
-        dev["buckets"] = p_bytes * bucket(shape) * (1 if stage == 3 or stage == 0 else 2)
+    # --- buckets: gradients are reduced through flat buffers -----------------------------------
+    if stage == 0:
+        # The engine's all-reduce flattens the gradients into buckets of 5e8 elements, at any
+        # world size (engine.allreduce_no_retain): the whole gradient for models below that.
+        dev["buckets"] = p_bytes * min(psi, MAX_BUCKET)
+    else:
+        # One reduce_bucket_size buffer: the all-gather after the step writes into the flat
+        # params in place, and overlap_comm (the second, double buffer) is off below stage 3.
+        dev["buckets"] = p_bytes * bucket(shape)
 
     # --- activations ------------------------------------------------------------------------
     per_image = ACT_BYTES_PER_IMAGE_CHECKPOINTED if gradient_checkpointing else ACT_BYTES_PER_IMAGE
