@@ -306,3 +306,77 @@ def test_local_model_counts_its_frozen_encoders(demo_dir):
     assert frozen_params(model) == real > 0
     shape = model_shape("sdxl", model)
     assert shape.frozen_params == real and shape.source.endswith("unet/config.json")
+
+
+# --- the buffers DeepSpeed holds at the in-step peak (bench/peak.py measured them) -------------
+
+BENCH = ModelShape("sdxl", 95_505_668, 4_718_592, 1_032_839, 64, "bench", base_channels=128)
+
+
+def _parts(shape, **kw):
+    args = dict(
+        offload_optimizer="none", offload_param="none", gradient_checkpointing=False,
+        resolution=64, micro_batch=2, world_size=2, ranks_per_node=2, precision="no",
+        on_cpu=True, ema=False,
+    ) | kw  # fmt: skip
+    return estimate(shape, **args)[3]
+
+
+def test_zero_0_all_reduce_flattens_the_whole_gradient_up_to_5e8_elements():
+    # engine.allreduce_no_retain: one flat copy of every gradient per 5e8 elements, even on
+    # one rank; the planner once counted a tenth of the model here
+    psi = BENCH.unet_params
+    assert _parts(BENCH, stage=0)["device.buckets"] == 4 * psi
+    assert _parts(BENCH, stage=0, world_size=1, ranks_per_node=1)["device.buckets"] == 4 * psi
+    # SDXL's 2.6e9 parameters go through buckets of 5e8
+    big = _parts(SDXL, stage=0, precision="bf16", world_size=1, ranks_per_node=1)
+    assert big["device.buckets"] == 2 * min(PSI, 500_000_000)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_zero_1_2_hold_one_bucket_and_build_a_flat_grad_partition_at_the_step(stage):
+    psi, n = BENCH.unet_params, 2
+    fp32 = _parts(BENCH, stage=stage)
+    assert fp32["device.buckets"] == 4 * 9_550_568  # one reduce bucket (overlap_comm off)
+    assert fp32["device.flat_grad_partition"] == 4 * psi // n  # flat fp32 copy, no cast
+    bf16 = _parts(BENCH, stage=stage, precision="bf16")
+    assert bf16["device.flat_grad_partition"] == (2 + 4) * psi // n  # 16-bit flat + fp32 cast
+    assert "device.flat_grad_partition" not in _parts(BENCH, stage=stage, offload_optimizer="cpu")
+
+
+def test_cpu_optimizer_offload_keeps_a_16_bit_partition_copy_and_staging_on_the_host():
+    psi, big = BENCH.unet_params, BENCH.largest_param
+    for stage in (1, 2):
+        parts = _parts(BENCH, stage=stage, offload_optimizer="cpu", precision="bf16")
+        assert parts["host_per_rank.param_partition_copy"] == 2 * psi // 2
+        assert parts["host_per_rank.grad_staging"] == parts["device.grad_staging"] == 2 * big
+    stage3 = _parts(BENCH, stage=3, offload_optimizer="cpu", offload_param="cpu")
+    assert "host_per_rank.param_partition_copy" not in stage3  # stage3.py has no such copy
+
+
+def test_nvme_optimizer_steps_each_sub_group_with_an_fp32_gradient_buffer_in_memory():
+    parts = _parts(BENCH, stage=3, offload_optimizer="nvme", offload_param="nvme")
+    group = BENCH.unet_params // 2  # below the 1e8 sub-group size: the whole partition
+    assert parts["host_per_rank.subgroup_grad_buffer"] == 4 * group
+    assert parts["host_per_rank.optimizer_swap_buffers"] == 4 * 4 * group
+
+
+@pytest.mark.parametrize(
+    ("stage", "optimizer", "param", "measured"),
+    [  # peak live tensor bytes per rank, bench/results/2026-11-23.json (ranks' max)
+        (0, "none", "none", 1_910_000_000),
+        (1, "none", "none", 1_539_000_000),
+        (2, "none", "none", 1_346_000_000),
+        (3, "none", "none", 1_457_000_000),
+        (2, "cpu", "none", 1_495_000_000),
+        (3, "cpu", "cpu", 1_648_000_000),
+        (3, "nvme", "nvme", 1_887_000_000),
+    ],
+)
+def test_tensor_parts_match_the_measured_in_step_peak_within_10_percent(
+    stage, optimizer, param, measured
+):
+    skip = {"device.caching_peak", "device.framework", "host_per_rank.process"}
+    parts = _parts(BENCH, stage=stage, offload_optimizer=optimizer, offload_param=param)
+    planned = sum(v for k, v in parts.items() if not k.startswith("disk_") and k not in skip)
+    assert abs(planned - measured) / measured < 0.10
