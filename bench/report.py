@@ -182,6 +182,21 @@ def markdown(r: dict[str, Any]) -> str:
             "planner overestimates.",
             "",
         ]
+        h = p.get("host")
+        if h:
+            procs = ", ".join(
+                f"{x['command'].split()[-1] if x['command'] else '?'} {_mb(x['peak_rss_bytes'])}"
+                for x in h["peak_rss_by_process"][:4]
+            )
+            out += [
+                f"Host memory, {h['setup']}: planned **{h['planned_host_bytes'] / GiB:.2f} "
+                f"GiB**, measured peak of the process tree's summed RSS "
+                f"**{h['measured_peak_rss_sum_bytes'] / GiB:.2f} GiB** "
+                f"({h['error_percent_vs_rss']:+.0f}%; summed PSS "
+                f"{h['measured_peak_pss_sum_bytes'] / GiB:.2f} GiB). Peak RSS by process, MB: "
+                f"{procs}.",
+                "",
+            ]
     n = r.get("nvme")
     if n:
         raw, d = n["raw_o_direct_dd"], n["training_default_aio"]

@@ -130,6 +130,48 @@ class IoMonitor(threading.Thread):
         return (at(end) - at(start)) / 1000
 
 
+class MemoryMonitor(threading.Thread):
+    """Samples the memory of a process tree: the peak of the summed RSS and of the summed PSS
+    (shared library pages counted once across the processes, as the host pays them), and
+    each process's own peak RSS by its command line."""
+
+    def __init__(self, pid: int, every: float = 0.2) -> None:
+        super().__init__(daemon=True)
+        self.pid, self.every = pid, every
+        self.peak_rss = self.peak_pss = 0
+        self.per_process: dict[int, tuple[str, int]] = {}  # pid -> (command, peak RSS)
+        self._done = threading.Event()
+
+    def run(self) -> None:
+        import psutil
+
+        try:
+            root = psutil.Process(self.pid)
+        except psutil.NoSuchProcess:
+            return
+        while not self._done.is_set():
+            try:
+                procs = [root, *root.children(recursive=True)]
+            except psutil.NoSuchProcess:
+                break
+            rss = pss = 0
+            for proc in procs:
+                try:
+                    info = proc.memory_full_info()
+                    command = " ".join(proc.cmdline()[1:4])
+                except (psutil.NoSuchProcess, psutil.AccessDenied):
+                    continue
+                rss, pss = rss + info.rss, pss + info.pss
+                old = self.per_process.get(proc.pid, ("", 0))[1]
+                self.per_process[proc.pid] = (command, max(old, info.rss))
+            self.peak_rss, self.peak_pss = max(self.peak_rss, rss), max(self.peak_pss, pss)
+            self._done.wait(self.every)
+
+    def stop(self) -> None:
+        self._done.set()
+        self.join()
+
+
 def disk_of(path: Path) -> str | None:
     """The block device name (as in /proc/diskstats) holding `path`."""
     st = os.stat(path)
@@ -151,6 +193,7 @@ class ProductRun:
     steps: list[dict]
     deepspeed: dict
     io: IoMonitor | None = None
+    memory: MemoryMonitor | None = None
     marks: dict[str, float] = field(default_factory=dict)
     signalled: float | None = None  # when SIGTERM was sent (stop_after)
 
@@ -170,6 +213,7 @@ def run_product(
     *,
     disk: str | None = None,
     monitor_io: bool = False,
+    monitor_memory: bool = False,
     stop_after: int | None = None,
     stop_delay: float = 0.0,
     check: bool = True,
@@ -188,6 +232,9 @@ def run_product(
     io = IoMonitor(proc.pid, disk=disk) if monitor_io else None
     if io:
         io.start()
+    memory = MemoryMonitor(proc.pid) if monitor_memory else None
+    if memory:
+        memory.start()
     signalled: dict[str, float] = {}
     if stop_after:
         output = Path(env["ZT_OUTPUT_DIR"])
@@ -198,6 +245,8 @@ def run_product(
     ended = time.time()
     if io:
         io.stop()
+    if memory:
+        memory.stop()
     (work / "train.log").write_text(out)
     output = Path(env["ZT_OUTPUT_DIR"])
     steps_file = output / "run" / "steps.jsonl"
@@ -206,7 +255,7 @@ def run_product(
     )
     ds_file = output / "run" / "deepspeed.json"
     ds = json.loads(ds_file.read_text()) if ds_file.exists() else {}
-    run = ProductRun(spawned, ended, proc.returncode, out, steps, ds, io)
+    run = ProductRun(spawned, ended, proc.returncode, out, steps, ds, io, memory)
     run.marks = log_marks(out)
     run.signalled = signalled.get("at")
     if check and proc.returncode != (EXIT_SIGNAL if stop_after else 0):

@@ -14,7 +14,8 @@ from bench import disk, runs
 
 NOT_TENSORS = {  # plan parts that are not tensors of the training step in a rank's memory
     "device.caching_peak", "device.framework", "host_per_rank.process",
-    "host_per_rank.model_load", "host_per_rank.ema_once_per_node",
+    "host_per_rank.cuda_host_context", "host_per_rank.model_load",
+    "host_per_rank.ema_once_per_node",
 }  # fmt: skip
 
 
@@ -235,12 +236,47 @@ def planner(b: Bench, stage2_bare: runs.BareRun | None) -> dict[str, Any]:
             "peak_rss_bytes_per_rank": [r.get("peak_rss_bytes") for r in run.ranks],
         })  # fmt: skip
     return {
+        "host": None if b.smoke else host_memory(b),
         "what": "tensor bytes per rank: the plan row's parts that are tensors of the training "
         "step (params, grads, optimizer, buckets, gathered params, swap buffers, activations; "
         "not the fixed process overheads) vs the peak of live tensor bytes on each rank within "
         "step 2 (forward, backward and optimizer step), tracked op by op (bench.peak); bare "
         "loop, same config; CPU accelerator, so 'device' = host",
         "rows": rows,
+    }
+
+
+def host_memory(b: Bench) -> dict[str, Any]:
+    """The plan's host bytes for the tiny demo (`zerotuner demo`, ZeRO-2, 2 CPU ranks) vs the
+    peak memory of `zerotuner train`'s whole process tree while it trains: what the fixed
+    per-process overheads of the plan come down to when the model is small."""
+    from dataclasses import replace
+
+    from zerotuner.demo import write_demo
+
+    paths = write_demo(b.root / "tiny", seed=0, family="sdxl")
+    tiny = replace(b, model=paths.model, data=paths.data)
+    settings = {"zero_stage": 2, "offload_optimizer": "none", "offload_param": "none"}
+    pre, _ = preflight_for(tiny, **settings)
+    work = b.work("host-tiny-demo")
+    env = runs.zt_env(work, paths.model, paths.data, steps=6, **settings)
+    run = runs.run_product(work, env, monitor_memory=True)
+    mem = run.memory
+    assert mem is not None
+    fixed = {k: v for k, v in pre.plan.choice.parts.items() if k in NOT_TENSORS}
+    return {
+        "setup": "tiny demo UNet, ZeRO-2, 2 CPU ranks, fp32, micro-batch 2, 6 steps",
+        "planned_host_bytes": pre.plan.choice.host_bytes,
+        "planned_fixed_parts": fixed,
+        "measured_peak_rss_sum_bytes": mem.peak_rss,
+        "measured_peak_pss_sum_bytes": mem.peak_pss,
+        "error_percent_vs_rss": 100 * (pre.plan.choice.host_bytes - mem.peak_rss) / mem.peak_rss,
+        "peak_rss_by_process": sorted(
+            ({"command": c, "peak_rss_bytes": r} for c, r in mem.per_process.values()),
+            key=lambda x: -x["peak_rss_bytes"],
+        )[:6],
+        "note": "RSS sums count the shared library pages once per process (the safe side); "
+        "PSS splits them between the processes sharing them",
     }
 
 

@@ -380,3 +380,28 @@ def test_tensor_parts_match_the_measured_in_step_peak_within_10_percent(
     parts = _parts(BENCH, stage=stage, offload_optimizer=optimizer, offload_param=param)
     planned = sum(v for k, v in parts.items() if not k.startswith("disk_") and k not in skip)
     assert abs(planned - measured) / measured < 0.10
+
+
+def test_tiny_demo_host_plan_matches_what_its_processes_use():
+    """The tiny demo on 2 CPU ranks (ZeRO-2): its process tree peaked at 1.72 GiB summed RSS
+    (bench/results/2026-11-23: ranks 575 and 559 MiB, `zerotuner train` 404, torchrun 223);
+    the plan once said 4.5 GiB (2 GiB per rank, the CUDA-host figure, on the CPU path)."""
+    plan = make_plan(
+        TINY, cpu_only(24 * GiB), resolution=64, micro_batch=2, world_size=2, zero_stage=2
+    )
+    measured = 1.72 * GiB
+    assert abs(plan.choice.host_bytes - measured) / measured < 0.15
+
+
+def test_a_cuda_rank_adds_the_cuda_host_context_to_the_runtime():
+    kw = dict(
+        stage=2, offload_optimizer="none", offload_param="none", gradient_checkpointing=True,
+        resolution=1024, micro_batch=1, world_size=2, ranks_per_node=2, precision="bf16",
+        ema=False,
+    )  # fmt: skip
+    cpu = estimate(TINY, on_cpu=True, **kw)[3]
+    cuda = estimate(TINY, on_cpu=False, **kw)[3]
+    assert "host_per_rank.cuda_host_context" not in cpu
+    assert cuda["host_per_rank.process"] == cpu["host_per_rank.process"] < 1 * GiB
+    fixed = cuda["host_per_rank.process"] + cuda["host_per_rank.cuda_host_context"]
+    assert 1.5 * GiB < fixed < 2.5 * GiB  # a CUDA rank's host memory besides its tensors

@@ -31,12 +31,20 @@ REFERENCE_CHANNELS = 320
 VAE_ENCODE_BYTES = 3 * GiB
 REFERENCE_VAE_CHANNELS = 128
 
-CUDA_CONTEXT = 1 * GiB  # CUDA context, cuBLAS/cuDNN workspaces
-RANK_PROCESS = 2 * GiB  # one rank's Python + torch + DeepSpeed + diffusers, host RSS
-ENTRYPOINT_PROCESS = GiB // 2
-DEVICE_MARGIN = 0.10  # allocator fragmentation, spikes
-HOST_MARGIN = 0.10
-DISK_MARGIN = 0.10
+CUDA_CONTEXT = 1 * GiB  # device memory: CUDA context, cuBLAS/cuDNN workspaces
+# Host memory a process costs besides its tensors. Measured on the CPU path (bench, tiny demo,
+# 2 ranks, peak RSS): a rank (Python, torch, DeepSpeed, diffusers, gloo, the cpu_adam
+# extension, the feature cache) 575 MiB; `zerotuner train` 404 MiB; torchrun's agent 223 MiB.
+RANK_PROCESS = int(0.6 * GiB)
+ENTRYPOINT_PROCESS = int(0.4 * GiB)  # `zerotuner train`, once per node
+TORCHRUN_AGENT = int(0.25 * GiB)  # the elastic agent, once per node
+# On a CUDA host each rank also holds the driver's and libraries' host-side state (CUDA
+# runtime, cuBLAS/cuDNN/NCCL kernel images and host buffers): not measurable here; about
+# 1.7 GB more peak RSS once a CUDA tensor exists (pytorch/pytorch#113326, lazy module
+# loading on), so 1.5 GiB per rank, keeping a CUDA rank at ~2 GiB as before.
+CUDA_HOST_CONTEXT = int(1.5 * GiB)
+FIXED_HOST_PARTS = ("process", "cuda_host_context", "model_load")
+DEVICE_MARGIN = HOST_MARGIN = DISK_MARGIN = 0.10  # allocator fragmentation, spikes
 
 MAX_BUCKET = 500_000_000  # DeepSpeed's default bucket (elements), capped like normalize does
 STAGE3_MAX_LIVE = 1_000_000_000  # stage3_max_live_parameters default (elements)
@@ -238,15 +246,18 @@ def estimate(
         dev["caching_peak"] = caching - training
 
     host_rank["process"] = RANK_PROCESS
+    if not on_cpu:
+        host_rank["cuda_host_context"] = CUDA_HOST_CONTEXT
     # Every rank loads the full fp32 UNet (no zero.Init) before DeepSpeed partitions it; on the
     # CPU accelerator that copy becomes the "device" params, already counted.
     if not on_cpu:
         host_rank["model_load"] = 4 * psi
     # The loaded copy is gone (moved to the device, or became DeepSpeed's fp32 master) before
     # offloaded states fill the host.
-    offloaded = sum(v for k, v in host_rank.items() if k not in ("process", "model_load"))
-    per_rank_host = host_rank["process"] + max(offloaded, host_rank.get("model_load", 0))
-    host = ranks_per_node * per_rank_host + ENTRYPOINT_PROCESS
+    fixed = host_rank["process"] + host_rank.get("cuda_host_context", 0)
+    offloaded = sum(v for k, v in host_rank.items() if k not in FIXED_HOST_PARTS)
+    per_rank_host = fixed + max(offloaded, host_rank.get("model_load", 0))
+    host = ranks_per_node * per_rank_host + ENTRYPOINT_PROCESS + TORCHRUN_AGENT
     if ema:  # one fp32 shadow per node (rank 0 keeps it), on the CPU, not sharded by DeepSpeed
         host += 4 * psi
         host_rank["ema_once_per_node"] = 4 * psi
