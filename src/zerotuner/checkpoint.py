@@ -62,7 +62,7 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def _on_rank0(rank: int, work: Callable[[], None]) -> None:
+def on_rank0(rank: int, work: Callable[[], None]) -> None:
     """`work` on rank 0, its outcome shared: if it fails, every rank raises (our own error
     classes as they are), so no rank waits at a barrier for one that has gone."""
     error: Exception | None = None
@@ -127,7 +127,7 @@ def save(
         commit = functools.partial(
             _commit, root, step, meta, ema=ema, ema_updates=ema_updates, keep=keep
         )
-        _on_rank0(rank, commit)
+        on_rank0(rank, commit)
     except Exception as error:
         if not (_disk_full(error) or _nearly_full(root)):
             raise
@@ -350,7 +350,7 @@ def _load_other_topology(
             path, manifest["zero_stage"], manifest["world_size"], stage, world, universal.FOLDER,
         )  # fmt: skip
     names = [n for n, p in engine.module.named_parameters() if p.requires_grad]
-    _on_rank0(rank, lambda: universal.convert(path, names))
+    on_rank0(rank, lambda: universal.convert(path, names))
     universal.load_into(engine, path / universal.FOLDER, rank=rank)
 
 

@@ -92,5 +92,11 @@ def export_checkpoint(
             f"CKPT={checkpoint}: its base pipeline {base} is gone; pass --base with the "
             "pipeline folder the run trained from"
         )
+    if manifest.get("training_type") == "lora":
+        if ema:
+            raise ConfigError(f"CKPT={checkpoint}: a LoRA checkpoint has no EMA weights")
+        from zerotuner import lora
+
+        return lora.export_checkpoint(checkpoint, manifest, base, out)
     state = checkpoint_unet_state(checkpoint, ema=ema)
     return write_pipeline(base, state, out)

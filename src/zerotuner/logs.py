@@ -59,7 +59,13 @@ KNOWN_NOISE: dict[str, tuple[str, ...]] = {
     # The CUDA image on a host without a GPU (ZT_DEVICE=cpu): nothing needs the CUDA runtime.
     "torch.utils.cpp_extension": ("No CUDA runtime is found",),
     # DeepSpeed's ZeRO collectives call the deprecated name, once per rank; DeepSpeed's to fix.
-    "py.warnings": ("FutureWarning: `torch.distributed.all_gather_into_tensor` is deprecated",),
+    # (ZeRO-3 with frozen parameters, as in a LoRA run, reduce-scatters every step)
+    "py.warnings": (
+        "FutureWarning: `torch.distributed.all_gather_into_tensor` is deprecated",
+        "FutureWarning: `torch.distributed.reduce_scatter_tensor` is deprecated",
+    ),
+    # Validation samples of a LoRA run load a UNet-only adapter into the whole pipeline.
+    "diffusers.loaders.lora_base": ("No LoRA keys associated to CLIPTextModel",),
     # First start of a fresh container: matplotlib builds its font cache for the loss plot.
     "matplotlib.font_manager": ("generated new fontManager",),
 }

@@ -7,8 +7,8 @@ moments). Under ZeRO-3 every parameter, frozen ones included, is a shard on each
 adapter is gathered (fp32 masters) before it is written, and a file that would be empty or of
 the wrong shapes (what `state_dict()` of a partitioned model yields) is refused.
 
-The output is `final/pytorch_lora_weights.safetensors` as diffusers' SDXL LoRA example writes
-it (`unet.`-prefixed keys, `save_lora_weights`), with the adapter's LoraConfig as metadata so
+The output is `final/pytorch_lora_weights.safetensors` as diffusers' `save_lora_weights` writes
+it (`unet.`-prefixed peft keys), with the adapter's LoraConfig as metadata so
 that an alpha other than the rank survives `load_lora_weights`.
 """
 
@@ -66,11 +66,9 @@ def check_settings(settings: Settings) -> None:
 
 
 def parse_targets(value: str) -> tuple[str, ...]:
-    """A preset name, or module names separated by commas (order kept, duplicates dropped)."""
-    text = value.strip()
-    if text in PRESETS:
-        return PRESETS[text]
-    names = tuple(dict.fromkeys(n.strip() for n in text.split(",") if n.strip()))
+    """Presets and module names separated by commas (order kept, duplicates dropped)."""
+    items = [n.strip() for n in value.split(",") if n.strip()]
+    names = tuple(dict.fromkeys(n for item in items for n in PRESETS.get(item, (item,))))
     if not names:
         raise ConfigError(
             f"{env_name('lora_targets')}={value!r}: expected a preset "
@@ -130,14 +128,28 @@ def check_model_targets(settings: Settings, family: str, model_dir: Path | None)
 
 
 def lora_config(settings: Settings) -> Any:
+    return make_config(adapter_settings(settings))
+
+
+def adapter_settings(settings: Settings) -> dict[str, Any]:
+    """What defines the adapter, as the checkpoint manifest records it."""
+    return {
+        "rank": settings.lora_rank,
+        "alpha": alpha(settings),
+        "dropout": settings.lora_dropout,
+        "targets": list(parse_targets(settings.lora_targets)),
+    }
+
+
+def make_config(adapter: dict[str, Any]) -> Any:
     from peft import LoraConfig
 
     return LoraConfig(
-        r=settings.lora_rank,
-        lora_alpha=alpha(settings),
-        lora_dropout=settings.lora_dropout,
+        r=adapter["rank"],
+        lora_alpha=adapter["alpha"],
+        lora_dropout=adapter.get("dropout", 0.0),
         init_lora_weights="gaussian",  # A random, B zero: training starts at the base model
-        target_modules=list(parse_targets(settings.lora_targets)),
+        target_modules=list(adapter["targets"]),
     )
 
 
@@ -160,10 +172,10 @@ def add_adapter(unet: Any, settings: Settings) -> list[torch.nn.Parameter]:
     return [p for _, p in named]
 
 
-def metadata(settings: Settings) -> dict[str, Any]:
+def metadata(config: Any) -> dict[str, Any]:
     """The adapter's LoraConfig as diffusers stores it beside the weights (alpha, rank,
     targets, dropout): `load_lora_weights` rebuilds the adapter from it."""
-    config = lora_config(settings).to_dict()
+    config = config.to_dict()
     config["target_modules"] = sorted(config["target_modules"])  # a set: JSON needs a list
     return config
 
@@ -225,6 +237,29 @@ def check_adapter(state: dict[str, torch.Tensor], expected: dict[str, tuple[int,
         )
 
 
+def write_gathered(
+    module: torch.nn.Module,
+    *,
+    rank: int,
+    family: str,
+    expected: dict[str, tuple[int, ...]],
+    adapter_metadata: dict[str, Any],
+    out: Path,
+) -> bool:
+    """The engine's adapter gathered from every rank and written by rank 0 into `out` (a
+    collective; a refusal fails every rank, not only rank 0). True on rank 0."""
+    from zerotuner.checkpoint import on_rank0
+
+    state = adapter_state(module, rank=rank)
+
+    def write() -> None:
+        assert state is not None
+        write_adapter(family, state, expected, adapter_metadata, out)
+
+    on_rank0(rank, write)
+    return rank == 0
+
+
 def peft_keys(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Module parameter names to peft's saved names: the adapter name leaves the key
     (`...to_q.lora_A.default.weight` -> `...to_q.lora_A.weight`)."""
@@ -251,10 +286,11 @@ def write_adapter(
 ) -> Path:
     """`out/pytorch_lora_weights.safetensors` (diffusers layout, metadata included), built in
     a folder beside `out` and renamed into place; refused when the adapter is not whole."""
-    from diffusers.utils import convert_state_dict_to_diffusers
-
     check_adapter(state, expected)
-    layers = convert_state_dict_to_diffusers(peft_keys(state))
+    # peft's key names, as diffusers' newer LoRA examples save them: its older `lora.down` /
+    # `lora.up` names exist only for attention layers, and a file mixing both with conv or
+    # feed-forward targets loads without those layers
+    layers = peft_keys(state)
     out = Path(out)
     tmp = out.with_name(f".{out.name}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -269,3 +305,57 @@ def write_adapter(
         shutil.rmtree(out)
     tmp.rename(out)
     return out
+
+
+def manifest_entries(settings: Settings) -> dict[str, Any]:
+    """What a checkpoint's manifest records about the training type (and the adapter's
+    shape-defining settings), so that a resume cannot mix a LoRA and a full run."""
+    entries: dict[str, Any] = {"training_type": settings.training_type}
+    if settings.training_type == "lora":
+        entries["lora"] = adapter_settings(settings)
+    return entries
+
+
+def check_resume(manifest: dict[str, Any], settings: Settings, path: Path) -> None:
+    """Refuse (exit 2, one line) to resume a checkpoint of another training type, or a LoRA
+    checkpoint whose adapter has another rank or other targets. Alpha and dropout may change:
+    they do not change what the checkpoint holds."""
+    saved = manifest.get("training_type", "full")  # checkpoints from before LoRA were full
+    wanted = settings.training_type
+    fresh = f"set {env_name('resume')}=never or another {env_name('output_dir')} to start afresh"
+    if saved != wanted:
+        raise ConfigError(
+            f"{env_name('training_type')}={wanted}: the checkpoint to resume ({path}) is from "
+            f"a {saved} run; set {env_name('training_type')}={saved} to continue it, or {fresh}"
+        )
+    if wanted != "lora":
+        return
+    before, now = manifest.get("lora", {}), manifest_entries(settings)["lora"]
+    for key, setting in (("rank", "lora_rank"), ("targets", "lora_targets")):
+        if before.get(key) != now[key]:
+            shown = ",".join(before.get(key, [])) if key == "targets" else before.get(key)
+            raise ConfigError(
+                f"{env_name(setting)}={getattr(settings, setting)}: the checkpoint to resume "
+                f"({path}) has an adapter with {key} {shown}; set it back to continue, or {fresh}"
+            )
+
+
+def export_checkpoint(checkpoint: Path, manifest: dict[str, Any], base: Path, out: Path) -> Path:
+    """`zerotuner export` of a LoRA checkpoint: its adapter (consolidated from any stage and
+    world size) as `out/pytorch_lora_weights.safetensors`, checked against the shapes the
+    manifest's adapter has on the base UNet (built on the meta device)."""
+    from accelerate import init_empty_weights
+    from diffusers import UNet2DConditionModel
+
+    from zerotuner.export import checkpoint_unet_state
+
+    config = make_config(manifest["lora"])
+    with init_empty_weights():
+        unet = UNet2DConditionModel.from_config(
+            UNet2DConditionModel.load_config(base, subfolder="unet")
+        )
+    unet.requires_grad_(False)
+    unet.add_adapter(config, adapter_name=ADAPTER)
+    state = checkpoint_unet_state(checkpoint)
+    adapter = {name: t for name, t in state.items() if ".lora_" in name}
+    return write_adapter(manifest["family"], adapter, shapes(unet), metadata(config), out)

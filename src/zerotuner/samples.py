@@ -17,14 +17,26 @@ import torch
 log = logging.getLogger(__name__)
 
 
-def load_pipeline(base: Path, unet_state: dict[str, torch.Tensor], *, device: str) -> object:
+def load_pipeline(
+    base: Path,
+    unet_state: dict[str, torch.Tensor] | None,
+    *,
+    device: str,
+    lora_dir: Path | None = None,
+) -> object:
+    """`unet_state` None: the base UNet as saved; `lora_dir`: a LoRA adapter loaded on top."""
     from diffusers import DiffusionPipeline, UNet2DConditionModel
 
-    unet = UNet2DConditionModel.from_config(
-        UNet2DConditionModel.load_config(base, subfolder="unet")
-    )
-    unet.load_state_dict(unet_state)
-    pipe = DiffusionPipeline.from_pretrained(base, unet=unet, dtype=torch.float32)
+    parts = {}
+    if unet_state is not None:
+        unet = UNet2DConditionModel.from_config(
+            UNet2DConditionModel.load_config(base, subfolder="unet")
+        )
+        unet.load_state_dict(unet_state)
+        parts["unet"] = unet
+    pipe = DiffusionPipeline.from_pretrained(base, dtype=torch.float32, **parts)
+    if lora_dir is not None:
+        pipe.load_lora_weights(lora_dir)
     pipe.set_progress_bar_config(disable=True)
     return pipe.to(device)
 
@@ -35,7 +47,7 @@ def slug(prompt: str) -> str:
 
 def render(
     base: Path,
-    unet_state: dict[str, torch.Tensor],
+    unet_state: dict[str, torch.Tensor] | None,
     prompts: list[str],
     out_dir: Path,
     *,
@@ -43,9 +55,10 @@ def render(
     inference_steps: int,
     seed: int,
     device: str = "cpu",
+    lora_dir: Path | None = None,
 ) -> list[Path]:
     """One image per prompt, prompt i with seed + i, into out_dir (e.g. samples/step-N/)."""
-    pipe = load_pipeline(base, unet_state, device=device)
+    pipe = load_pipeline(base, unet_state, device=device, lora_dir=lora_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     written = []
     for i, prompt in enumerate(prompts):

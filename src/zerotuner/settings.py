@@ -118,7 +118,7 @@ class Settings(BaseSettings):
         "attention",
         description="UNet modules that get adapters: `attention` (to_q, to_k, to_v, to_out.0, "
         "as diffusers' SDXL LoRA example), `attention+ff` (also the feed-forward layers), or "
-        "a comma-separated list of module names.",
+        "module names and presets separated by commas.",
     )
 
     # --- DeepSpeed ------------------------------------------------------------------------

@@ -13,11 +13,13 @@ Each rank writes its exit status (records.write_rank_status): 0 done, 2 ConfigEr
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import json
 import logging
 import os
 import sys
+import tempfile
 import traceback
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict
@@ -27,7 +29,7 @@ from typing import Any
 import torch
 
 from zerotuner import cache as feature_cache
-from zerotuner import checkpoint, data, export, loop, model, samples
+from zerotuner import checkpoint, data, export, loop, lora, model, samples
 from zerotuner.ema import EMA, full_state_dict
 from zerotuner.errors import EXIT_FAILURE, EXIT_OK, EXIT_SIGNAL, ZeroTunerError
 from zerotuner.job import Job, load_job
@@ -253,7 +255,12 @@ class Run:
 
         config = dict(self.job.deepspeed)
         unet = self.components.unet
-        params = [p for p in unet.parameters() if p.requires_grad]
+        if self.settings.training_type == "lora":  # before ZeRO-3 partitions the UNet
+            params = lora.add_adapter(unet, self.settings)
+            self.adapter_shapes = lora.shapes(unet)
+            self.adapter_metadata = lora.metadata(lora.lora_config(self.settings))
+        else:
+            params = [p for p in unet.parameters() if p.requires_grad]
         self.engine_, _, _, _ = deepspeed.initialize(
             model=unet, model_parameters=params, config=config
         )
@@ -336,6 +343,7 @@ class Run:
             "world_size": self.world,
             "mixed_precision": job.mixed_precision,
             "position": asdict(self.position),
+            **lora.manifest_entries(s),
         }
         seconds = checkpoint.save(
             self.engine_,
@@ -353,18 +361,25 @@ class Run:
 
     def validate(self, step: int) -> None:
         self.phase("validating")
-        state = full_state_dict(self.engine_.module, rank=self.rank)  # collective
-        if state is not None:
-            samples.render(
-                self.source,
-                state,
-                self.settings.validation_prompts,
-                self.settings.output_dir / "samples" / f"step-{step}",
-                resolution=self.job.resolution,
-                inference_steps=self.settings.validation_inference_steps,
-                seed=self.settings.seed,
-                device=self.device,
-            )
+        s = self.settings
+        render = functools.partial(
+            samples.render,
+            self.source,
+            prompts=s.validation_prompts,
+            out_dir=s.output_dir / "samples" / f"step-{step}",
+            resolution=self.job.resolution,
+            inference_steps=s.validation_inference_steps,
+            seed=s.seed,
+            device=self.device,
+        )
+        if s.training_type == "lora":  # the base pipeline with the adapter as saved so far
+            with tempfile.TemporaryDirectory() as tmp:
+                if self._write_adapter(Path(tmp) / "adapter"):
+                    render(None, lora_dir=Path(tmp) / "adapter")
+        else:
+            state = full_state_dict(self.engine_.module, rank=self.rank)  # collective
+            if state is not None:
+                render(state)
         _barrier()
         self.phase("training")
 
@@ -377,6 +392,12 @@ class Run:
         if s.validation_prompts:
             self.validate(step)
         self.phase("exporting")
+        if s.training_type == "lora":
+            if self._write_adapter(s.output_dir / "final"):
+                self._loss_curve()
+                log.info("exported %s", s.output_dir / "final" / lora.ADAPTER_FILE)
+            _barrier()
+            return
         state = full_state_dict(self.engine_.module, rank=self.rank)  # collective
         if self.rank == 0:
             out = export.write_pipeline(self.source, state, s.output_dir / "final")
@@ -387,6 +408,12 @@ class Run:
             self._loss_curve()
             log.info("exported %s%s", out, " and final-ema" if self.ema else "")
         _barrier()
+
+    def _write_adapter(self, out: Path) -> bool:
+        return lora.write_gathered(
+            self.engine_.module, rank=self.rank, family=self.job.family,
+            expected=self.adapter_shapes, adapter_metadata=self.adapter_metadata, out=out,
+        )  # fmt: skip
 
     def _loss_curve(self) -> None:
         try:
@@ -401,10 +428,13 @@ def train(settings: Settings, job: Job, *, sinks: Sequence[Sink] | None = None) 
     rank, code, message = int(os.environ.get("RANK", "0")), EXIT_FAILURE, ""
     try:
         rank, world = init_distributed(job)
+        lora.check_settings(settings)  # preflight did too; a launcher of its own may not
         if rank == 0:  # before anything looks for a checkpoint to resume
             checkpoint.restore_set_aside(settings.output_dir)
         _barrier()
         resume = checkpoint.find_resume(settings.resume, settings.output_dir)  # hashes files
+        if resume:
+            lora.check_resume(checkpoint.read_manifest(resume) or {}, settings, resume)
         if sinks is None:
             sinks = build_sinks(settings, job, rank=rank, resume=resume)
         run = Run(settings, job, sinks=sinks, rank=rank, world=world)
