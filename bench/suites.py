@@ -275,7 +275,8 @@ def host_memory(b: Bench) -> dict[str, Any]:
             ({"command": c, "peak_rss_bytes": r} for c, r in mem.per_process.values()),
             key=lambda x: -x["peak_rss_bytes"],
         )[:6],
-        "note": "RSS sums count the shared library pages once per process (the safe side); "
+        "note": "RSS sums count shared library pages in every process that maps them (the safe "
+        "side); "
         "PSS splits them between the processes sharing them",
     }
 
