@@ -138,3 +138,26 @@ def test_sd1_and_sd2_demos_load_and_generate(family: str, request: pytest.Fixtur
     assert pipe.scheduler.config.prediction_type == expected
     image = _generate(pipe, "a blue square on a black background")
     assert image.shape == (DEMO_RESOLUTION, DEMO_RESOLUTION, 3)
+
+
+def test_validation_writes_base_vs_trained_side_by_side(demo_dir: Path, tmp_path: Path) -> None:
+    """The base row uses the same prompts and seeds: with the base weights it is the same image;
+    it is rendered once and reused by the next validation."""
+    from safetensors.torch import load_file
+
+    from zerotuner import samples
+
+    state = load_file(demo_dir / "model" / "unet" / "diffusion_pytorch_model.safetensors")
+    prompts = ["a red circle on a white background", "a blue square on a black background"]
+    how = dict(resolution=DEMO_RESOLUTION, inference_steps=2, seed=7)
+    written = samples.render(demo_dir / "model", state, prompts, tmp_path / "step-1", **how)
+
+    base = sorted((tmp_path / "base").glob("*.png"))
+    assert [p.name for p in base] == [p.name for p in written]
+    for ours, theirs in zip(base, written, strict=True):
+        assert Image.open(ours).tobytes() == Image.open(theirs).tobytes()
+    with Image.open(tmp_path / samples.COMPARISON) as sheet:
+        assert sheet.width > 2 * 4 * DEMO_RESOLUTION and sheet.height > 2 * 4 * DEMO_RESOLUTION
+    stamp = (tmp_path / "base" / "render.json").stat().st_mtime_ns
+    samples.render(demo_dir / "model", state, prompts, tmp_path / "step-2", **how)
+    assert (tmp_path / "base" / "render.json").stat().st_mtime_ns == stamp

@@ -106,6 +106,7 @@ def test_zero2_trains_checkpoints_samples_and_exports(zero2, demo_dir: Path) -> 
     assert (output / "run" / "deepspeed.json").is_file()
     assert (output / "run" / "loss.png").stat().st_size > 0
     assert list((output / "samples" / f"step-{STEPS}").glob("*.png"))
+    assert (output / "samples" / "base-vs-trained.png").stat().st_size > 0  # base vs trained
     checkpoints = output / "checkpoints"
     assert (checkpoints / "latest").read_text() == f"step-{STEPS}"
     for step in (8, STEPS):
