@@ -390,3 +390,34 @@ def test_export_writes_the_adapter_of_a_lora_checkpoint(zero3, tmp_path) -> None
     assert all(torch.equal(exported[k], final[k]) for k in final)
     with pytest.raises(ConfigError, match="has no EMA weights"):
         export_checkpoint(zero3 / "checkpoints" / f"step-{STEPS}", tmp_path / "ema", ema=True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("stage", "world"), [(2, 2), (3, 1)])
+def test_zero3_lora_resumes_on_another_stage_or_world_size(
+    zero3, tmp_path, demo_dir, lora_cache, stage, world
+) -> None:
+    """Through the universal checkpoint: on 2 ranks at ZeRO-2 the same samples are seen, so
+    the losses match the uninterrupted run's; on 1 rank the adapter carries on from step 8."""
+    stopped = tmp_path / "output"
+    (stopped / "checkpoints").mkdir(parents=True)
+    shutil.copytree(zero3 / "checkpoints" / "step-8", stopped / "checkpoints" / "step-8")
+    config = tk.ds_config(stage, world=world, steps=12, lr=LR)
+    job = tk.write_job(tmp_path / "job.json", model=demo_dir / "model", deepspeed=config,
+                       world=world)  # fmt: skip
+    env = tk.settings_env(
+        model=demo_dir / "model", data=demo_dir / "data", output=stopped, cache=lora_cache,
+        max_steps=12, training_type="lora", lora_rank=RANK, lora_alpha=ALPHA,
+        lora_targets=TARGETS, checkpoint_every_steps=0,
+    )  # fmt: skip
+    proc = tk.run_ranks(tmp_path, env, job_file=job, world=world)
+    tk.assert_ok(proc, tmp_path, world=world)
+    assert "converting once to universal" in proc.stdout + proc.stderr
+    losses = [s["loss"] for s in tk.read_steps(stopped)]
+    before = [s["loss"] for s in tk.read_steps(zero3)]
+    assert len(losses) == 4
+    if world == 2:
+        assert losses == pytest.approx(before[8:12], abs=1e-3)
+    else:  # a fresh adapter starts at the base model's loss
+        assert max(losses) < min(before[:4])
+    assert load_file(stopped / "final" / lora.ADAPTER_FILE)
