@@ -17,6 +17,7 @@ import json
 import os
 import resource
 import time
+import warnings
 from pathlib import Path
 
 STARTED = time.time()
@@ -24,16 +25,15 @@ STARTED = time.time()
 
 def held_tensor_bytes() -> int:
     """Bytes of every distinct tensor storage alive in this process (after a gc)."""
-    import torch
+    from bench.peak import storage_of
 
     gc.collect()
     storages: dict[int, int] = {}
-    for obj in gc.get_objects():
-        try:
-            if not isinstance(obj, torch.Tensor) or obj.device.type == "meta":
-                continue
-            storage = obj.untyped_storage()
-        except Exception:  # noqa: BLE001, S112 - half-built or exotic objects: not model state
+    with warnings.catch_warnings():  # isinstance on deprecated torch modules warns
+        warnings.simplefilter("ignore")
+        found = [s for s in map(storage_of, gc.get_objects()) if s is not None]
+    for storage in found:
+        if storage.device.type == "meta":
             continue
         ptr = storage.data_ptr()
         if ptr:

@@ -28,7 +28,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 
-def _storage(obj: object) -> torch.UntypedStorage | None:
+def storage_of(obj: object) -> torch.UntypedStorage | None:
     try:
         return obj.untyped_storage() if isinstance(obj, torch.Tensor) else None
     except Exception:  # noqa: BLE001 - half-built or exotic objects
@@ -78,7 +78,7 @@ class PeakTracker(TorchDispatchMode):
         seen: set[int] = set()  # data pointers: two storages over one buffer count once
         with warnings.catch_warnings():  # isinstance on deprecated torch modules warns
             warnings.simplefilter("ignore")
-            storages = [s for s in map(_storage, gc.get_objects()) if s is not None]
+            storages = [s for s in map(storage_of, gc.get_objects()) if s is not None]
         for storage in storages:
             ptr = storage.data_ptr()
             if ptr and ptr not in seen:
