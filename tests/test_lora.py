@@ -158,6 +158,13 @@ def test_an_adapter_written_loads_in_diffusers_with_its_alpha(demo_dir, tmp_path
     expected = unet_output(unet)
     assert not torch.allclose(loaded, base, atol=1e-3)
     torch.testing.assert_close(loaded, expected, rtol=1e-5, atol=1e-5)
+    # the kohya copy, converted by diffusers' own loader: the same UNet, the true alpha
+    assert {float(t) for k, t in load_file(out / lora.KOHYA_FILE).items() if "alpha" in k} == {
+        ALPHA
+    }
+    pipe = plain_pipeline(demo_dir)
+    pipe.load_lora_weights(out, weight_name=lora.KOHYA_FILE)
+    torch.testing.assert_close(unet_output(pipe.unet), expected, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize(
@@ -280,7 +287,11 @@ def test_zero3_adapter_loads_in_a_plain_pipeline_and_changes_it(zero3, demo_dir:
     pipe.load_lora_weights(zero3 / "final")
     layers = [m for m in pipe.unet.modules() if isinstance(m, LoraLayer)]
     assert layers and all(v == ALPHA / RANK for m in layers for v in m.scaling.values())
-    assert not torch.allclose(unet_output(pipe.unet), base, atol=1e-4)
+    loaded = unet_output(pipe.unet)
+    assert not torch.allclose(loaded, base, atol=1e-4)
+    kohya = plain_pipeline(demo_dir)
+    kohya.load_lora_weights(zero3 / "final", weight_name=lora.KOHYA_FILE)
+    torch.testing.assert_close(unet_output(kohya.unet), loaded, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.slow
@@ -388,6 +399,7 @@ def test_export_writes_the_adapter_of_a_lora_checkpoint(zero3, tmp_path) -> None
     final = load_file(zero3 / "final" / lora.ADAPTER_FILE)
     assert exported.keys() == final.keys()
     assert all(torch.equal(exported[k], final[k]) for k in final)
+    assert (out / lora.KOHYA_FILE).is_file()
     with pytest.raises(ConfigError, match="has no EMA weights"):
         export_checkpoint(zero3 / "checkpoints" / f"step-{STEPS}", tmp_path / "ema", ema=True)
 

@@ -9,7 +9,8 @@ the wrong shapes (what `state_dict()` of a partitioned model yields) is refused.
 
 The output is `final/pytorch_lora_weights.safetensors` as diffusers' `save_lora_weights` writes
 it (`unet.`-prefixed peft keys), with the adapter's LoraConfig as metadata so
-that an alpha other than the rank survives `load_lora_weights`.
+that an alpha other than the rank survives `load_lora_weights`; beside it the same adapter in
+the kohya key format (ComfyUI, A1111) with its true `.alpha` values.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import save_file
 
 from zerotuner.errors import ConfigError
 from zerotuner.settings import Settings, env_name
@@ -29,6 +31,8 @@ log = logging.getLogger(__name__)
 
 ADAPTER = "default"  # peft's adapter name inside the UNet
 ADAPTER_FILE = "pytorch_lora_weights.safetensors"
+# Not ending in ADAPTER_FILE: diffusers' `load_lora_weights(folder)` still picks the one above.
+KOHYA_FILE = "pytorch_lora_weights_kohya.safetensors"
 ATTENTION = ("to_k", "to_q", "to_v", "to_out.0")  # diffusers' train_text_to_image_lora_sdxl
 PRESETS: dict[str, tuple[str, ...]] = {
     "attention": ATTENTION,
@@ -266,6 +270,20 @@ def peft_keys(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {name.replace(f".{ADAPTER}.", "."): t for name, t in state.items()}
 
 
+def kohya(layers: dict[str, torch.Tensor], lora_alpha: float) -> dict[str, torch.Tensor]:
+    """The adapter in the kohya key format that ComfyUI, A1111 and diffusers read
+    (`lora_unet_<module>.lora_down.weight`, `.lora_up.weight`, `.alpha`), from peft keys.
+    diffusers' converter writes every `.alpha` as the rank: the true alpha is put back, so
+    the scale alpha / rank is the trained one."""
+    from diffusers.utils import convert_state_dict_to_kohya
+
+    converted = convert_state_dict_to_kohya({f"unet.{k}": v for k, v in layers.items()})
+    for key in converted:
+        if key.endswith(".alpha"):
+            converted[key] = torch.tensor(float(lora_alpha))
+    return {k: v.contiguous() for k, v in converted.items()}
+
+
 def pipeline_class(family: str) -> Any:
     """The pipeline whose `save_lora_weights` writes this family's layout."""
     if family == "sdxl":
@@ -301,6 +319,8 @@ def write_adapter(
         unet_lora_adapter_metadata=adapter_metadata,
         weight_name=ADAPTER_FILE,
     )
+    if adapter_metadata:
+        save_file(kohya(layers, adapter_metadata["lora_alpha"]), str(tmp / KOHYA_FILE))
     if out.exists():
         shutil.rmtree(out)
     tmp.rename(out)
