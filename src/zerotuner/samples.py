@@ -64,10 +64,13 @@ def render(
     seed: int,
     device: str = "cpu",
     lora_dir: Path | None = None,
+    guidance_scale: float | None = None,
     compare: bool = True,
 ) -> list[Path]:
     """One image per prompt, prompt i with seed + i, into out_dir (e.g. samples/step-N/);
-    then (compare) the side-by-side with the base model's images in out_dir's parent."""
+    then (compare) the side-by-side with the base model's images in out_dir's parent.
+    guidance_scale None: the pipeline's default (SDXL 5, SD 7.5)."""
+    extra = {} if guidance_scale is None else {"guidance_scale": guidance_scale}
     pipe = load_pipeline(base, unet_state, device=device, lora_dir=lora_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     written = []
@@ -79,6 +82,7 @@ def render(
             width=resolution,
             num_inference_steps=inference_steps,
             generator=generator,
+            **extra,
         ).images[0]
         path = out_dir / f"{i:02d}-{slug(prompt)}.png"
         image.save(path)
@@ -93,6 +97,7 @@ def render(
             base_images = _base_samples(
                 base, prompts, out_dir.parent / "base", resolution=resolution,
                 inference_steps=inference_steps, seed=seed, device=device,
+                guidance_scale=guidance_scale,
             )  # fmt: skip
             side_by_side(
                 [("base model", base_images), (out_dir.name.replace("-", " "), written)],

@@ -167,6 +167,9 @@ class Settings(BaseSettings):
     )
     validation_every_steps: int = Field(0, ge=0, description="Sample interval; 0 = end only.")
     validation_inference_steps: int = Field(20, ge=1, description="Denoising steps per sample.")
+    validation_guidance_scale: float | None = Field(
+        None, ge=0, description="Classifier-free guidance of the samples; empty = the pipeline's."
+    )
 
     # --- observability ----------------------------------------------------------------------------
     metrics_host: str = Field("0.0.0.0", description="Address the metrics endpoint binds.")

@@ -369,6 +369,7 @@ class Run:
             out_dir=s.output_dir / "samples" / f"step-{step}",
             resolution=self.job.resolution,
             inference_steps=s.validation_inference_steps,
+            guidance_scale=s.validation_guidance_scale,
             seed=s.seed,
             device=self.device,
         )
