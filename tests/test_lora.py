@@ -206,7 +206,8 @@ def lora_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def train(tmp: Path, demo: Path, cache: Path, *, stage: int, steps: int, **settings):
     output = settings.pop("output", tmp / "output")
-    config = tk.ds_config(stage, steps=steps, lr=LR)
+    offload = {k: settings.pop(k) for k in ("offload_optimizer", "offload_param") if k in settings}
+    config = tk.ds_config(stage, steps=steps, lr=LR, nvme_dir=tmp / "nvme", **offload)
     job = tk.write_job(tmp / "job.json", model=demo / "model", deepspeed=config)
     values = dict(training_type="lora", lora_rank=RANK, lora_alpha=ALPHA, lora_targets=TARGETS)
     env = tk.settings_env(
@@ -316,10 +317,19 @@ def test_zero3_validation_samples_use_the_adapter(zero3, demo_dir: Path, tmp_pat
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("stage", [0, 2])
-def test_lora_at_other_stages(stage, tmp_path, demo_dir: Path, lora_cache: Path) -> None:
+@pytest.mark.parametrize(
+    "offload",
+    [
+        {"stage": 0},
+        {"stage": 2},
+        {"stage": 2, "offload_optimizer": "cpu"},
+        {"stage": 3, "offload_optimizer": "nvme", "offload_param": "nvme"},
+    ],
+    ids=["zero0", "zero2", "zero2-cpu-offload", "zero3-nvme"],
+)
+def test_lora_at_other_stages(offload, tmp_path, demo_dir: Path, lora_cache: Path) -> None:
     proc, output = train(
-        tmp_path, demo_dir, lora_cache, stage=stage, steps=SHORT, checkpoint_every_steps=2
+        tmp_path, demo_dir, lora_cache, steps=SHORT, checkpoint_every_steps=2, **offload
     )
     tk.assert_ok(proc, tmp_path)
     assert_only_the_adapter_trained(output, demo_dir, SHORT)
