@@ -26,7 +26,7 @@ def run_config(monkeypatch, capsys, tmp_path, **env):
     monkeypatch.setenv("ZT_DEVICE", "cpu")
     for key, value in env.items():
         monkeypatch.setenv(key, value)
-    code = main(["config"])
+    code = main(["config", "--explain"])
     out, err = capsys.readouterr()
     return code, out, err
 
@@ -87,6 +87,7 @@ def test_valid_lora_settings_pass(monkeypatch, capsys, tmp_path, demo_dir, targe
         ZT_LORA_TARGETS=targets, ZT_LORA_RANK="4",
     )  # fmt: skip
     assert code == 0, err
+    assert f"LoRA rank 4, alpha 4 on {lora.parse_targets(targets)[0]}" in err
 
 
 def test_targets_default_to_diffusers_sdxl_example_and_alpha_to_the_rank():

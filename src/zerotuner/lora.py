@@ -25,6 +25,7 @@ import torch
 from safetensors.torch import save_file
 
 from zerotuner.errors import ConfigError
+from zerotuner.notes import Note
 from zerotuner.settings import Settings, env_name
 
 log = logging.getLogger(__name__)
@@ -67,6 +68,20 @@ def check_settings(settings: Settings) -> None:
             problems.extend(error.problems)
     if problems:
         raise ConfigError(problems[0], problems=problems)
+
+
+def notes(settings: Settings) -> list[Note]:
+    """What `config --explain` and `train` say about a LoRA run before it starts."""
+    if settings.training_type != "lora":
+        return []
+    targets = ",".join(parse_targets(settings.lora_targets))
+    return [
+        Note(
+            "info",
+            f"LoRA rank {settings.lora_rank}, alpha {alpha(settings):g} on {targets}; the plan "
+            "counts the whole UNet as trained, an upper bound of a LoRA run's memory",
+        )
+    ]
 
 
 def parse_targets(value: str) -> tuple[str, ...]:

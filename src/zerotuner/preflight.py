@@ -191,6 +191,7 @@ def preflight(
     notes = (
         *unfit,
         Note("info", f"model family {model.family} ({model.reason}); UNet {shape.source}"),
+        *lora.notes(settings),
         *inputs.notes.notes,
         *normalized.notes,
     )
