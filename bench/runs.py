@@ -66,17 +66,17 @@ def zt_env(work: Path, model: Path, data: Path, *, steps: int, **settings: Any) 
     return env
 
 
-class IoMonitor(threading.Thread):
-    """Samples the read/write bytes of a process tree (the ranks' swap I/O is O_DIRECT, so it
-    shows in /proc/PID/io as block I/O) with a wall-clock timestamp."""
+class TreeMonitor(threading.Thread):
+    """Calls `sample(processes)` every `every` seconds with a process and all its descendants,
+    until `stop()` or the process is gone."""
 
-    def __init__(self, pid: int, every: float = 0.25, disk: str | None = None) -> None:
+    def __init__(self, pid: int, every: float) -> None:
         super().__init__(daemon=True)
-        self.pid, self.every, self.disk = pid, every, disk
-        self.samples: list[tuple[float, int, int]] = []
-        self.busy: list[tuple[float, int]] = []  # (time, the disk's busy milliseconds)
-        self._last: dict[int, tuple[int, int]] = {}
+        self.pid, self.every = pid, every
         self._done = threading.Event()
+
+    def sample(self, procs: list) -> None:
+        raise NotImplementedError
 
     def run(self) -> None:
         import psutil
@@ -90,24 +90,41 @@ class IoMonitor(threading.Thread):
                 procs = [root, *root.children(recursive=True)]
             except psutil.NoSuchProcess:
                 break
-            for proc in procs:
-                try:
-                    io = proc.io_counters()
-                    self._last[proc.pid] = (io.read_bytes, io.write_bytes)
-                except (psutil.NoSuchProcess, psutil.AccessDenied):
-                    continue  # an exited process keeps its last sample
-            read = sum(r for r, _ in self._last.values())
-            written = sum(w for _, w in self._last.values())
-            self.samples.append((time.time(), read, written))
-            if self.disk:
-                counters = psutil.disk_io_counters(perdisk=True).get(self.disk)
-                if counters is not None:
-                    self.busy.append((time.time(), counters.busy_time))
+            self.sample(procs)
             self._done.wait(self.every)
 
     def stop(self) -> None:
         self._done.set()
         self.join()
+
+
+class IoMonitor(TreeMonitor):
+    """Samples the read/write bytes of a process tree (the ranks' swap I/O is O_DIRECT, so it
+    shows in /proc/PID/io as block I/O) with a wall-clock timestamp."""
+
+    def __init__(self, pid: int, every: float = 0.25, disk: str | None = None) -> None:
+        super().__init__(pid, every)
+        self.disk = disk
+        self.samples: list[tuple[float, int, int]] = []
+        self.busy: list[tuple[float, int]] = []  # (time, the disk's busy milliseconds)
+        self._last: dict[int, tuple[int, int]] = {}
+
+    def sample(self, procs: list) -> None:
+        import psutil
+
+        for proc in procs:
+            try:
+                io = proc.io_counters()
+                self._last[proc.pid] = (io.read_bytes, io.write_bytes)
+            except (psutil.NoSuchProcess, psutil.AccessDenied):
+                continue  # an exited process keeps its last sample
+        read = sum(r for r, _ in self._last.values())
+        written = sum(w for _, w in self._last.values())
+        self.samples.append((time.time(), read, written))
+        if self.disk:
+            counters = psutil.disk_io_counters(perdisk=True).get(self.disk)
+            if counters is not None:
+                self.busy.append((time.time(), counters.busy_time))
 
     def between(self, start: float, end: float) -> tuple[int, int]:
         """(read, written) bytes between two wall-clock times (nearest samples)."""
@@ -130,46 +147,30 @@ class IoMonitor(threading.Thread):
         return (at(end) - at(start)) / 1000
 
 
-class MemoryMonitor(threading.Thread):
+class MemoryMonitor(TreeMonitor):
     """Samples the memory of a process tree: the peak of the summed RSS and of the summed PSS
     (shared library pages counted once across the processes, as the host pays them), and
     each process's own peak RSS by its command line."""
 
     def __init__(self, pid: int, every: float = 0.2) -> None:
-        super().__init__(daemon=True)
-        self.pid, self.every = pid, every
+        super().__init__(pid, every)
         self.peak_rss = self.peak_pss = 0
         self.per_process: dict[int, tuple[str, int]] = {}  # pid -> (command, peak RSS)
-        self._done = threading.Event()
 
-    def run(self) -> None:
+    def sample(self, procs: list) -> None:
         import psutil
 
-        try:
-            root = psutil.Process(self.pid)
-        except psutil.NoSuchProcess:
-            return
-        while not self._done.is_set():
+        rss = pss = 0
+        for proc in procs:
             try:
-                procs = [root, *root.children(recursive=True)]
-            except psutil.NoSuchProcess:
-                break
-            rss = pss = 0
-            for proc in procs:
-                try:
-                    info = proc.memory_full_info()
-                    command = " ".join(proc.cmdline()[1:4])
-                except (psutil.NoSuchProcess, psutil.AccessDenied):
-                    continue
-                rss, pss = rss + info.rss, pss + info.pss
-                old = self.per_process.get(proc.pid, ("", 0))[1]
-                self.per_process[proc.pid] = (command, max(old, info.rss))
-            self.peak_rss, self.peak_pss = max(self.peak_rss, rss), max(self.peak_pss, pss)
-            self._done.wait(self.every)
-
-    def stop(self) -> None:
-        self._done.set()
-        self.join()
+                info = proc.memory_full_info()
+                command = " ".join(proc.cmdline()[1:4])
+            except (psutil.NoSuchProcess, psutil.AccessDenied):
+                continue
+            rss, pss = rss + info.rss, pss + info.pss
+            old = self.per_process.get(proc.pid, ("", 0))[1]
+            self.per_process[proc.pid] = (command, max(old, info.rss))
+        self.peak_rss, self.peak_pss = max(self.peak_rss, rss), max(self.peak_pss, pss)
 
 
 def disk_of(path: Path) -> str | None:

@@ -61,3 +61,22 @@ def sd1_demo_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def sd2_demo_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny SD 2.x-architecture pipeline (v-prediction, 1024-wide text states) (read-only)."""
     return _write(tmp_path_factory, "sd2")
+
+
+@pytest.fixture
+def demo_job_env(monkeypatch, demo_dir, tmp_path):
+    """The demo job on two CPU ranks for an in-process `zerotuner` command, every folder of its
+    own under tmp_path; returns the monkeypatch to change more settings with."""
+    env = {
+        "ZT_MODEL": str(demo_dir / "model"),
+        "ZT_DATA_DIR": str(demo_dir / "data"),
+        "ZT_OUTPUT_DIR": str(tmp_path / "output"),
+        "ZT_OFFLOAD_DIR": str(tmp_path / "offload"),
+        "ZT_CACHE_DIR": str(tmp_path / "cache"),
+        "ZT_DEVICE": "cpu",
+        "ZT_NUM_PROCESSES": "2",
+        "ZT_METRICS_PORT": "0",
+    }
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    return monkeypatch

@@ -16,23 +16,6 @@ import pytest
 from zerotuner import cli
 
 
-@pytest.fixture
-def job_env(monkeypatch, demo_dir, tmp_path):
-    """The demo job on two CPU ranks, every folder of its own under tmp_path."""
-    env = {
-        "ZT_MODEL": str(demo_dir / "model"),
-        "ZT_DATA_DIR": str(demo_dir / "data"),
-        "ZT_OUTPUT_DIR": str(tmp_path / "output"),
-        "ZT_CACHE_DIR": str(tmp_path / "cache"),
-        "ZT_DEVICE": "cpu",
-        "ZT_NUM_PROCESSES": "2",
-        "ZT_METRICS_PORT": "0",
-    }
-    for key, value in env.items():
-        monkeypatch.setenv(key, value)
-    return monkeypatch
-
-
 def run(capsys, *args: str) -> tuple[int, str, str]:
     code = cli.main(list(args))
     captured = capsys.readouterr()
@@ -42,8 +25,8 @@ def run(capsys, *args: str) -> tuple[int, str, str]:
 # --- precision: the setting's `no` reads as fp32 ------------------------------------------------
 
 
-def test_plan_and_check_say_fp32_not_a_bare_no(job_env, capsys):
-    job_env.setenv("ZT_MIXED_PRECISION", "no")
+def test_plan_and_check_say_fp32_not_a_bare_no(demo_job_env, capsys):
+    demo_job_env.setenv("ZT_MIXED_PRECISION", "no")
     code, out, err = run(capsys, "plan")
     assert code == 0, err
     (job,) = [line for line in out.splitlines() if line.startswith("job:")]
@@ -108,7 +91,7 @@ def metric(text: str, name: str) -> float | None:
 
 
 def test_a_real_nvme_path_is_the_offload_dir_config_check_and_train_use(
-    job_env, capsys, tmp_path, train_until_launch
+    demo_job_env, capsys, tmp_path, train_until_launch
 ):
     swap = tmp_path / "fastdisk" / "swap"
     stale = swap / "zero_stage_3" / "fp32params" / "rank0" / "0_param.tensor.swp"
@@ -116,8 +99,8 @@ def test_a_real_nvme_path_is_the_offload_dir_config_check_and_train_use(
     stale.write_bytes(b"x" * 4096)
     mine = swap / "notes.bin"  # the user's own file in their folder: never touched
     mine.write_bytes(os.urandom(2 << 20))
-    job_env.setenv("ZT_DEEPSPEED_CONFIG", str(nvme_config(tmp_path, offload_param=str(swap))))
-    job_env.delenv("ZT_OFFLOAD_DIR", raising=False)
+    demo_job_env.setenv("ZT_DEEPSPEED_CONFIG", str(nvme_config(tmp_path, offload_param=str(swap))))
+    demo_job_env.delenv("ZT_OFFLOAD_DIR", raising=False)
 
     code, out, err = run(capsys, "config", "--explain")
     assert code == 0, err
@@ -131,8 +114,8 @@ def test_a_real_nvme_path_is_the_offload_dir_config_check_and_train_use(
     assert line.startswith("OK") and f"{swap}: " in line and "O_DIRECT ok" in line, line
     assert stale.exists()  # check cleans nothing
 
-    job_env.setenv("ZT_METRICS_HOST", "127.0.0.1")
-    job_env.setenv("ZT_METRICS_PORT", str(free_port()))
+    demo_job_env.setenv("ZT_METRICS_HOST", "127.0.0.1")
+    demo_job_env.setenv("ZT_METRICS_PORT", str(free_port()))
     code, out, err = run(capsys, "train")
     assert code == 0, err
     (seen,) = train_until_launch
@@ -144,11 +127,11 @@ def test_a_real_nvme_path_is_the_offload_dir_config_check_and_train_use(
 
 @pytest.mark.parametrize("command", ["config", "check", "train"])
 def test_an_explicit_offload_dir_other_than_the_nvme_path_is_exit_2_naming_both(
-    job_env, capsys, tmp_path, train_until_launch, command
+    demo_job_env, capsys, tmp_path, train_until_launch, command
 ):
     swap, offload = tmp_path / "swap", tmp_path / "offload"
-    job_env.setenv("ZT_DEEPSPEED_CONFIG", str(nvme_config(tmp_path, offload_param=str(swap))))
-    job_env.setenv("ZT_OFFLOAD_DIR", str(offload))
+    demo_job_env.setenv("ZT_DEEPSPEED_CONFIG", str(nvme_config(tmp_path, offload_param=str(swap))))
+    demo_job_env.setenv("ZT_OFFLOAD_DIR", str(offload))
     code, out, err = run(capsys, command)
     assert code == 2, out + err
     expected = (
@@ -160,21 +143,21 @@ def test_an_explicit_offload_dir_other_than_the_nvme_path_is_exit_2_naming_both(
     assert not train_until_launch and not swap.exists() and not offload.exists()
 
 
-def test_the_same_folder_in_both_places_is_fine(job_env, capsys, tmp_path):
+def test_the_same_folder_in_both_places_is_fine(demo_job_env, capsys, tmp_path):
     swap = tmp_path / "swap"
     swap.mkdir()
     (tmp_path / "link").symlink_to(swap)
-    job_env.setenv("ZT_DEEPSPEED_CONFIG", str(nvme_config(tmp_path, offload_param=f"{swap}/")))
-    job_env.setenv("ZT_OFFLOAD_DIR", str(tmp_path / "link"))
+    demo_job_env.setenv("ZT_DEEPSPEED_CONFIG", str(nvme_config(tmp_path, offload_param=f"{swap}/")))
+    demo_job_env.setenv("ZT_OFFLOAD_DIR", str(tmp_path / "link"))
     code, out, err = run(capsys, "config")
     assert code == 0, err
     assert "nvme_path" not in err  # nothing to report: one folder
 
 
-def test_two_different_nvme_paths_are_refused_with_one_line(job_env, capsys, tmp_path):
+def test_two_different_nvme_paths_are_refused_with_one_line(demo_job_env, capsys, tmp_path):
     a, b = tmp_path / "a", tmp_path / "b"
     config = nvme_config(tmp_path, offload_optimizer=str(a), offload_param=str(b))
-    job_env.setenv("ZT_DEEPSPEED_CONFIG", str(config))
+    demo_job_env.setenv("ZT_DEEPSPEED_CONFIG", str(config))
     code, out, err = run(capsys, "config")
     assert (code, out) == (2, "")
     (line,) = err.splitlines()
@@ -183,10 +166,12 @@ def test_two_different_nvme_paths_are_refused_with_one_line(job_env, capsys, tmp
     assert "give both the same path" in line
 
 
-def test_the_seed_placeholder_leaves_the_offload_dir_setting_in_charge(job_env, capsys, tmp_path):
+def test_the_seed_placeholder_leaves_the_offload_dir_setting_in_charge(
+    demo_job_env, capsys, tmp_path
+):
     config = nvme_config(tmp_path, offload_param="/path/to/nvme")
-    job_env.setenv("ZT_DEEPSPEED_CONFIG", str(config))
-    job_env.setenv("ZT_OFFLOAD_DIR", str(tmp_path / "offload"))
+    demo_job_env.setenv("ZT_DEEPSPEED_CONFIG", str(config))
+    demo_job_env.setenv("ZT_OFFLOAD_DIR", str(tmp_path / "offload"))
     code, out, err = run(capsys, "config", "--explain")
     assert code == 0, err
     nvme = json.loads(out)["zero_optimization"]["offload_param"]["nvme_path"]
@@ -231,19 +216,19 @@ OVERLAPS = {  # name: (settings relative to tmp_path, the line's start)
 
 
 @pytest.fixture
-def overlapping(job_env, demo_dir, tmp_path, request):
+def overlapping(demo_job_env, demo_dir, tmp_path, request):
     """The demo data copied to tmp_path/data, and folders set as the case says."""
     import shutil
 
     env, line = OVERLAPS[request.param]
     shutil.copytree(demo_dir / "data", tmp_path / "data")
     (tmp_path / "link").symlink_to(tmp_path / "data")
-    job_env.chdir(tmp_path)
-    job_env.setenv("ZT_DATA_DIR", str(tmp_path / "data"))
-    job_env.setenv("ZT_OUTPUT_DIR", str(tmp_path / "output"))
-    job_env.setenv("ZT_OFFLOAD_DIR", str(tmp_path / "offload"))
+    demo_job_env.chdir(tmp_path)
+    demo_job_env.setenv("ZT_DATA_DIR", str(tmp_path / "data"))
+    demo_job_env.setenv("ZT_OUTPUT_DIR", str(tmp_path / "output"))
+    demo_job_env.setenv("ZT_OFFLOAD_DIR", str(tmp_path / "offload"))
     for key, value in env.items():
-        job_env.setenv(key, value if value.startswith("./") else str(tmp_path / value))
+        demo_job_env.setenv(key, value if value.startswith("./") else str(tmp_path / value))
     return line.format(t=tmp_path), tree(tmp_path)
 
 
@@ -271,9 +256,11 @@ def test_train_refuses_them_before_launching_and_touches_nothing(
     assert tree(tmp_path) == before
 
 
-def test_neighbouring_folders_and_data_inside_the_cache_are_fine(job_env, capsys, tmp_path):
-    job_env.setenv("ZT_OUTPUT_DIR", str(tmp_path / "data-output"))  # a prefix is not a parent
-    job_env.setenv("ZT_CACHE_DIR", "/")  # the cache may hold the data: nothing there is deleted
+def test_neighbouring_folders_and_data_inside_the_cache_are_fine(demo_job_env, capsys, tmp_path):
+    demo_job_env.setenv("ZT_OUTPUT_DIR", str(tmp_path / "data-output"))  # a prefix is not a parent
+    demo_job_env.setenv(
+        "ZT_CACHE_DIR", "/"
+    )  # the cache may hold the data: nothing there is deleted
     code, out, err = run(capsys, "check")
     line = next(line for line in out.splitlines() if line[5:].startswith("folders "))
     assert line.startswith("OK"), out + err

@@ -314,23 +314,6 @@ def test_a_signal_just_before_torchrun_starts_reaches_torchrun(tmp_path, monkeyp
 # --- zerotuner check: the dry run of everything train validates -------------------------------
 
 
-@pytest.fixture
-def check_env(monkeypatch, demo_dir, tmp_path):
-    env = {
-        "ZT_MODEL": str(demo_dir / "model"),
-        "ZT_DATA_DIR": str(demo_dir / "data"),
-        "ZT_OUTPUT_DIR": str(tmp_path / "output"),
-        "ZT_OFFLOAD_DIR": str(tmp_path / "offload"),
-        "ZT_CACHE_DIR": str(tmp_path / "cache"),
-        "ZT_DEVICE": "cpu",
-        "ZT_NUM_PROCESSES": "2",
-        "ZT_METRICS_PORT": "0",
-    }
-    for key, value in env.items():
-        monkeypatch.setenv(key, value)
-    return monkeypatch
-
-
 def _check(capsys) -> tuple[int, str]:
     from zerotuner import cli
 
@@ -339,7 +322,7 @@ def _check(capsys) -> tuple[int, str]:
     return code, captured.out + captured.err
 
 
-def test_check_passes_on_the_demo(check_env, capsys, tmp_path):
+def test_check_passes_on_the_demo(demo_job_env, capsys, tmp_path):
     code, out = _check(capsys)
     assert code == 0, out
     for name in ("settings", "hardware", "topology", "model", "plan", "deepspeed config",
@@ -361,28 +344,28 @@ def test_check_passes_on_the_demo(check_env, capsys, tmp_path):
         ({"ZT_TRAIN_BATCH_SIZE": "0"}, "settings", 2),
     ],
 )
-def test_check_reports_config_errors_with_exit_2(check_env, capsys, env, failing, expected):
+def test_check_reports_config_errors_with_exit_2(demo_job_env, capsys, env, failing, expected):
     for key, value in env.items():
-        check_env.setenv(key, value)
+        demo_job_env.setenv(key, value)
     code, out = _check(capsys)
     assert code == expected, out
     assert any(line.startswith("FAIL") and f" {failing} " in line for line in out.splitlines())
 
 
-def test_check_busy_port_is_exit_3(check_env, capsys):
+def test_check_busy_port_is_exit_3(demo_job_env, capsys):
     import socket
 
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
-        check_env.setenv("ZT_METRICS_HOST", "127.0.0.1")
-        check_env.setenv("ZT_METRICS_PORT", str(busy.getsockname()[1]))
+        demo_job_env.setenv("ZT_METRICS_HOST", "127.0.0.1")
+        demo_job_env.setenv("ZT_METRICS_PORT", str(busy.getsockname()[1]))
         code, out = _check(capsys)
     assert code == 3, out
     assert "in use" in out
 
 
-def test_check_busy_rendezvous_port_on_node_0_is_exit_3(check_env, capsys):
+def test_check_busy_rendezvous_port_on_node_0_is_exit_3(demo_job_env, capsys):
     import socket
 
     with socket.socket() as busy:
@@ -390,16 +373,16 @@ def test_check_busy_rendezvous_port_on_node_0_is_exit_3(check_env, capsys):
         busy.listen()
         for key, value in dict(ZT_NNODES="2", ZT_NODE_RANK="0", ZT_MASTER_ADDR="127.0.0.1",
                                ZT_MASTER_PORT=str(busy.getsockname()[1])).items():  # fmt: skip
-            check_env.setenv(key, value)
+            demo_job_env.setenv(key, value)
         code, out = _check(capsys)
     assert code == 3, out
     assert any(line.startswith("FAIL") and " rendezvous port " in line for line in out.splitlines())
     assert "ZT_MASTER_PORT=" in out and "in use" in out
 
 
-def test_check_validates_nvme_offload_without_cleaning(check_env, capsys, tmp_path):
-    check_env.setenv("ZT_ZERO_STAGE", "3")
-    check_env.setenv("ZT_OFFLOAD_OPTIMIZER", "nvme")
+def test_check_validates_nvme_offload_without_cleaning(demo_job_env, capsys, tmp_path):
+    demo_job_env.setenv("ZT_ZERO_STAGE", "3")
+    demo_job_env.setenv("ZT_OFFLOAD_OPTIMIZER", "nvme")
     stale = tmp_path / "offload" / "zero_stage_3" / "optimizer" / "rank0" / "1.tensor.swp"
     stale.parent.mkdir(parents=True)
     stale.write_bytes(b"x")
