@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 import trainkit as tk
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from zerotuner import lora
 from zerotuner.checkpoint import read_manifest
@@ -234,6 +234,44 @@ def zero3(zero3_run) -> Path:
     return zero3_run[0]
 
 
+def held_out_loss(pipe, demo_dir: Path, *, images: int = 32, draws: int = 4) -> float:
+    """The training loss (zerotuner.loop's) of `pipe`'s UNet on demo images with fixed noise
+    and timesteps, averaged over `draws` seeds."""
+    from diffusers import DDPMScheduler
+
+    from zerotuner import data, loop, model
+
+    source = demo_dir / "model"
+    scheduler = DDPMScheduler.from_pretrained(source, subfolder="scheduler")
+    items = data.scan(demo_dir / "data", log_skipped=False).items[:images]
+    examples = [data.load_example(item, (64, 64), flip=False) for item in items]
+    pixels = torch.stack([torch.from_numpy(e.pixels) for e in examples])
+    parts = model.Components(
+        family="sdxl", source=source, unet=None, scheduler=scheduler, vae=pipe.vae,
+        text_encoders=[pipe.text_encoder, pipe.text_encoder_2],
+        tokenizers=[pipe.tokenizer, pipe.tokenizer_2],
+    )  # fmt: skip
+    conditioning = model.CONDITIONING["sdxl"]
+    batch = {
+        **conditioning.encode_text(parts, [item.caption for item in items]),
+        "time_ids": torch.stack(
+            [model.time_ids(e.original_size, e.crop_top_left, e.target_size) for e in examples]
+        ),
+    }
+    latents = model.encode_images(pipe.vae, pixels)
+    kwargs = conditioning.unet_kwargs(batch, torch.float32)
+    config = loop.LossConfig(model.prediction_type(scheduler), None, 0.0)
+    with torch.no_grad():
+        losses = [
+            loop.diffusion_loss(
+                pipe.unet, scheduler, latents, kwargs, config=config,
+                generator=torch.Generator().manual_seed(draw), dtype=torch.float32,
+            )
+            for draw in range(draws)
+        ]  # fmt: skip
+    return float(sum(losses)) / draws
+
+
 def checkpoint_parts(path: Path) -> tuple[dict, dict]:
     """A LoRA checkpoint consolidated (zero_to_fp32): (base weights under the base UNet's
     names, adapter weights under the adapter file's names)."""
@@ -262,10 +300,13 @@ def assert_only_the_adapter_trained(output: Path, demo_dir: Path, step: int) -> 
 
 @pytest.mark.slow
 def test_zero3_lora_trains_only_the_adapter(zero3, zero3_run, demo_dir: Path) -> None:
-    losses = [s["loss"] for s in tk.read_steps(zero3)]
-    assert len(losses) == STEPS
-    first, last = sum(losses[:4]) / 4, sum(losses[-4:]) / 4
-    assert last < 0.8 * first, losses
+    assert len(tk.read_steps(zero3)) == STEPS
+    # the per-step loss is too noisy over 16 steps (random timesteps): the same noise and
+    # timesteps on the same images, before and after
+    pipe = plain_pipeline(demo_dir)
+    before = held_out_loss(pipe, demo_dir)
+    pipe.load_lora_weights(zero3 / "final")
+    assert held_out_loss(pipe, demo_dir) < 0.95 * before
     assert_only_the_adapter_trained(zero3, demo_dir, STEPS)
     log = zero3_run[1]  # DeepSpeed's per-step warning and diffusers' text-encoder notice
     assert "LoRA rank 4, alpha 2 on " in log and "samples: 1 image(s)" in log
@@ -306,11 +347,18 @@ def test_zero3_validation_samples_use_the_adapter(zero3, demo_dir: Path, tmp_pat
 
     (made,) = sorted((zero3 / "samples" / f"step-{STEPS}").glob("*.png"))
     (base,) = samples.render(
-        demo_dir / "model", None, [PROMPT], tmp_path, resolution=64, inference_steps=2, seed=42
+        demo_dir / "model",
+        None,
+        [PROMPT],
+        tmp_path / "base",
+        resolution=64,
+        inference_steps=2,
+        seed=42,
+        compare=False,
     )
     with_adapter = samples.render(
         demo_dir / "model", None, [PROMPT], tmp_path / "again", resolution=64, inference_steps=2,
-        seed=42, lora_dir=zero3 / "final",
+        seed=42, lora_dir=zero3 / "final", compare=False,
     )[0]  # fmt: skip
     pixels = [np.asarray(Image.open(p), dtype=np.int16) for p in (made, base, with_adapter)]
     assert np.abs(pixels[0] - pixels[1]).max() > 0
@@ -421,26 +469,51 @@ def test_zero3_lora_resumes_on_another_stage_or_world_size(
     zero3, tmp_path, demo_dir, lora_cache, stage, world
 ) -> None:
     """Through the universal checkpoint: on 2 ranks at ZeRO-2 the same samples are seen, so
-    the losses match the uninterrupted run's; on 1 rank the adapter carries on from step 8."""
+    the losses match the uninterrupted run's; on 1 rank a run that ends at the checkpoint's
+    own step exports exactly the checkpoint's adapter (it was loaded, not trained afresh)."""
+    last = 12 if world == 2 else 8
     stopped = tmp_path / "output"
     (stopped / "checkpoints").mkdir(parents=True)
     shutil.copytree(zero3 / "checkpoints" / "step-8", stopped / "checkpoints" / "step-8")
-    config = tk.ds_config(stage, world=world, steps=12, lr=LR)
+    config = tk.ds_config(stage, world=world, steps=last, lr=LR)
     job = tk.write_job(tmp_path / "job.json", model=demo_dir / "model", deepspeed=config,
                        world=world)  # fmt: skip
     env = tk.settings_env(
         model=demo_dir / "model", data=demo_dir / "data", output=stopped, cache=lora_cache,
-        max_steps=12, training_type="lora", lora_rank=RANK, lora_alpha=ALPHA,
+        max_steps=last, training_type="lora", lora_rank=RANK, lora_alpha=ALPHA,
         lora_targets=TARGETS, checkpoint_every_steps=0,
     )  # fmt: skip
     proc = tk.run_ranks(tmp_path, env, job_file=job, world=world)
     tk.assert_ok(proc, tmp_path, world=world)
     assert "converting once to universal" in proc.stdout + proc.stderr
-    losses = [s["loss"] for s in tk.read_steps(stopped)]
-    before = [s["loss"] for s in tk.read_steps(zero3)]
-    assert len(losses) == 4
+    final = load_file(stopped / "final" / lora.ADAPTER_FILE)
     if world == 2:
+        losses = [s["loss"] for s in tk.read_steps(stopped)]
+        before = [s["loss"] for s in tk.read_steps(zero3)]
         assert losses == pytest.approx(before[8:12], abs=1e-3)
-    else:  # a fresh adapter starts at the base model's loss
-        assert max(losses) < min(before[:4])
-    assert load_file(stopped / "final" / lora.ADAPTER_FILE)
+    else:
+        _, saved = checkpoint_parts(zero3 / "checkpoints" / "step-8")
+        assert final.keys() == saved.keys()
+        assert all(torch.equal(final[k], saved[k]) for k in saved)
+
+
+@pytest.mark.slow
+def test_a_lora_checkpoint_resumes_only_onto_its_base(zero3, demo_dir, tmp_path) -> None:
+    path = zero3 / "checkpoints" / "step-8"
+    manifest = read_manifest(path)
+    own = lora.base_digest(demo_dir / "model")
+    assert manifest["lora"]["base_unet_sha256"] == own
+    lora.check_resume_base(manifest, own, lora_settings(), path)
+    other = tmp_path / "model"
+    shutil.copytree(demo_dir / "model" / "unet", other / "unet")
+    weights = load_file(other / UNET_FILE)
+    name = sorted(weights)[0]
+    weights[name] = weights[name] + 1e-3  # one tensor fine-tuned a little
+    save_file(weights, other / UNET_FILE)
+    settings = lora_settings(model=str(other))
+    with pytest.raises(ConfigError) as caught:
+        lora.check_resume_base(manifest, lora.base_digest(other), settings, path)
+    assert caught.value.problems[0].startswith(
+        f"ZT_MODEL={other}: its UNet weights differ from those the checkpoint to resume "
+        f"({path}) trained its adapter on"
+    )

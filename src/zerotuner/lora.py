@@ -15,6 +15,7 @@ the kohya key format (ComfyUI, A1111) with its true `.alpha` values.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import shutil
 from collections.abc import Iterable
@@ -342,13 +343,59 @@ def write_adapter(
     return out
 
 
-def manifest_entries(settings: Settings) -> dict[str, Any]:
+def manifest_entries(settings: Settings, *, base_digest: str | None = None) -> dict[str, Any]:
     """What a checkpoint's manifest records about the training type (and the adapter's
-    shape-defining settings), so that a resume cannot mix a LoRA and a full run."""
+    settings and base), so that a resume cannot mix a LoRA and a full run or two bases."""
     entries: dict[str, Any] = {"training_type": settings.training_type}
     if settings.training_type == "lora":
-        entries["lora"] = adapter_settings(settings)
+        entries["lora"] = adapter_settings(settings) | {"base_unet_sha256": base_digest}
     return entries
+
+
+def base_digest(source: Path) -> str:
+    """sha256 over the base UNet's weight files (names and contents): what the adapter was
+    trained on, whatever the folder or hub id is called."""
+    digest = hashlib.sha256()
+    folder = source / "unet"
+    for path in sorted(p for p in folder.iterdir() if p.suffix in (".safetensors", ".bin")):
+        with path.open("rb") as f:
+            digest.update(path.name.encode() + hashlib.file_digest(f, "sha256").digest())
+    return digest.hexdigest()
+
+
+def shared_base_digest(source: Path, *, rank: int) -> str:
+    """base_digest read once (rank 0) and given to every rank (a collective)."""
+    import torch.distributed as dist
+
+    shared = [base_digest(source) if rank == 0 else None]
+    if dist.is_available() and dist.is_initialized():
+        dist.broadcast_object_list(shared, src=0)
+    assert shared[0] is not None
+    return shared[0]
+
+
+def base_for_resume(source: Path, settings: Settings, resume: Path | None, *, rank: int) -> str:
+    """The base UNet's digest (every rank), checked against the checkpoint to resume."""
+    from zerotuner.checkpoint import read_manifest
+
+    digest = shared_base_digest(source, rank=rank)
+    if resume:
+        check_resume_base(read_manifest(resume) or {}, digest, settings, resume)
+    return digest
+
+
+def check_resume_base(
+    manifest: dict[str, Any], digest: str, settings: Settings, path: Path
+) -> None:
+    """Refuse (exit 2) to resume a LoRA checkpoint onto a base UNet other than its own."""
+    saved = manifest.get("lora", {}).get("base_unet_sha256")
+    if saved is not None and saved != digest:
+        raise ConfigError(
+            f"{env_name('model')}={settings.model}: its UNet weights differ from those the "
+            f"checkpoint to resume ({path}) trained its adapter on (sha256 {saved[:12]}, now "
+            f"{digest[:12]}); set {env_name('model')} back, or {env_name('resume')}=never or "
+            f"another {env_name('output_dir')} to start afresh"
+        )
 
 
 def check_resume(manifest: dict[str, Any], settings: Settings, path: Path) -> None:

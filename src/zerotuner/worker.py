@@ -121,6 +121,7 @@ class Run:
         self.dtype = model.train_dtype(job.mixed_precision)
         self.position = data.Position()
         self.ema: EMA | None = None
+        self.base_digest: str | None = None  # LoRA: sha256 of the base UNet's weight files
         self.stop = StopRequest()
 
     def phase(self, name: str) -> None:
@@ -343,7 +344,7 @@ class Run:
             "world_size": self.world,
             "mixed_precision": job.mixed_precision,
             "position": asdict(self.position),
-            **lora.manifest_entries(s),
+            **lora.manifest_entries(s, base_digest=self.base_digest),
         }
         seconds = checkpoint.save(
             self.engine_,
@@ -421,7 +422,9 @@ class Run:
             from zerotuner.report import loss_curve_png
         except ImportError:
             return
-        loss_curve_png(self.run_dir / "steps.jsonl", self.run_dir / "loss.png")
+        steps = self.run_dir / "steps.jsonl"
+        if steps.is_file():  # a resume at the last step trains (and logs) nothing
+            loss_curve_png(steps, self.run_dir / "loss.png")
 
 
 def train(settings: Settings, job: Job, *, sinks: Sequence[Sink] | None = None) -> int:
@@ -440,6 +443,8 @@ def train(settings: Settings, job: Job, *, sinks: Sequence[Sink] | None = None) 
             sinks = build_sinks(settings, job, rank=rank, resume=resume)
         run = Run(settings, job, sinks=sinks, rank=rank, world=world)
         run.load()
+        if settings.training_type == "lora":  # an adapter resumes only onto its own base
+            run.base_digest = lora.base_for_resume(run.source, settings, resume, rank=rank)
         run.cache()
         if run.stop.agreed():  # signalled while downloading or caching: no step to save yet
             raise Stopped(None, run.stop.name)
