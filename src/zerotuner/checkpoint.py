@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
+from zerotuner.distributed import barrier
 from zerotuner.errors import ConfigError, EnvironmentUnfit, ZeroTunerError
 
 log = logging.getLogger(__name__)
@@ -55,11 +56,6 @@ class Resumed:
     ema: dict[str, torch.Tensor] | None
     ema_updates: int
     path: Path
-
-
-def _barrier() -> None:
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
 
 
 def on_rank0(rank: int, work: Callable[[], None]) -> None:
@@ -117,13 +113,13 @@ def save(
     tag = f"step-{step}"
     if rank == 0:
         _set_aside(root, tag)
-    _barrier()
+    barrier()
     try:
         engine.save_checkpoint(
             str(root), tag=tag, client_state={"zerotuner_step": step}, save_latest=False
         )
         _test_hook("ZT_TEST_SLEEP_IN_SAVE")
-        _barrier()  # every shard is written
+        barrier()  # every shard is written
         commit = functools.partial(
             _commit, root, step, meta, ema=ema, ema_updates=ema_updates, keep=keep
         )
@@ -144,7 +140,7 @@ def save(
             f"{tag}; the last committed checkpoint ({previous.name if previous else 'none'}) is "
             "intact and resumes on restart: free space on that volume or lower ZT_CHECKPOINTS_KEEP"
         ) from None
-    _barrier()
+    barrier()
     return time.perf_counter() - started
 
 

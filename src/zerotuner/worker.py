@@ -12,9 +12,7 @@ Each rank writes its exit status (records.write_rank_status): 0 done, 2 ConfigEr
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import io
 import json
 import logging
 import os
@@ -29,7 +27,7 @@ from typing import Any
 import torch
 
 from zerotuner import cache as feature_cache
-from zerotuner import checkpoint, data, export, loop, lora, model, samples
+from zerotuner import checkpoint, data, distributed, export, loop, lora, model, samples
 from zerotuner.ema import EMA, full_state_dict
 from zerotuner.errors import EXIT_FAILURE, EXIT_OK, EXIT_SIGNAL, ZeroTunerError
 from zerotuner.job import Job, load_job
@@ -63,44 +61,6 @@ def build_sinks(settings: Settings, job: Job, *, rank: int, resume: Path | None)
     if rank == 0:
         sinks.append(loop.StepsJsonlSink(settings.output_dir / "run" / "steps.jsonl"))
     return sinks
-
-
-def init_distributed(job: Job) -> tuple[int, int]:
-    """Join the process group torchrun described (gloo on CPU); a lone process is rank 0 of 1."""
-    import deepspeed
-    import torch.distributed as dist
-
-    for name, default in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
-        os.environ.setdefault(name, default)
-    os.environ.setdefault("MASTER_ADDR", job.master_addr)
-    os.environ.setdefault("MASTER_PORT", str(job.master_port))
-    if not dist.is_initialized():
-        # On the CPU every rank prints "DeepSpeed ...shm_comm_op built successfully": a debug
-        # line, unless joining fails and what was printed may say why.
-        printed = io.StringIO()
-        failed = True
-        try:
-            with contextlib.redirect_stdout(printed):
-                deepspeed.init_distributed(dist_backend="gloo" if job.device == "cpu" else "nccl")
-            failed = False
-        finally:
-            if text := printed.getvalue().strip():
-                log.log(logging.WARNING if failed else logging.DEBUG, "%s", text)
-    return dist.get_rank(), dist.get_world_size()
-
-
-def _barrier() -> None:
-    import torch.distributed as dist
-
-    dist.barrier()
-
-
-def _all_sum(values: list[int]) -> list[int]:
-    import torch.distributed as dist
-
-    tensor = torch.tensor(values, dtype=torch.long)
-    dist.all_reduce(tensor)
-    return [int(v) for v in tensor.tolist()]
 
 
 def _write_json(path: Path, payload: Any) -> None:
@@ -142,7 +102,7 @@ class Run:
 
         if int(os.environ["LOCAL_RANK"]) == 0:  # one download per node
             self.source = resolve()
-        _barrier()
+        distributed.barrier()
         self.phase("loading")
         if int(os.environ["LOCAL_RANK"]) != 0:
             self.source = resolve()
@@ -208,7 +168,8 @@ class Run:
             for i, item in enumerate(self.dataset.items)
         ]
         latents, texts = self.features.missing(self.items)
-        _barrier()  # every rank lists the same missing entries before any rank writes one
+        # every rank lists the same missing entries before any rank writes one
+        distributed.barrier()
         my_latents = feature_cache.share(latents, self.rank, self.world)
         my_texts = feature_cache.share(texts, self.rank, self.world)
         if my_latents or my_texts:
@@ -224,8 +185,8 @@ class Run:
                 my_texts, lambda caps: self.conditioning.encode_text(components, caps)
             )
         self.components.drop_frozen()
-        _barrier()  # every entry is on disk now
-        encoded_l, encoded_t = _all_sum([len(my_latents), len(my_texts)])
+        distributed.barrier()  # every entry is on disk now
+        encoded_l, encoded_t = distributed.all_sum([len(my_latents), len(my_texts)])
         captions = len({item.caption for item in self.items})
         stats = feature_cache.CacheStats(
             latents_encoded=encoded_l,
@@ -382,7 +343,7 @@ class Run:
             state = full_state_dict(self.engine_.module, rank=self.rank)  # collective
             if state is not None:
                 render(state)
-        _barrier()
+        distributed.barrier()
         self.phase("training")
 
     # --- the end --------------------------------------------------------------------------
@@ -398,7 +359,7 @@ class Run:
             if self._write_adapter(s.output_dir / "final"):
                 self._loss_curve()
                 log.info("exported %s", s.output_dir / "final" / lora.ADAPTER_FILE)
-            _barrier()
+            distributed.barrier()
             return
         state = full_state_dict(self.engine_.module, rank=self.rank)  # collective
         if self.rank == 0:
@@ -409,7 +370,7 @@ class Run:
                 )
             self._loss_curve()
             log.info("exported %s%s", out, " and final-ema" if self.ema else "")
-        _barrier()
+        distributed.barrier()
 
     def _write_adapter(self, out: Path) -> bool:
         return lora.write_gathered(
@@ -431,11 +392,13 @@ def train(settings: Settings, job: Job, *, sinks: Sequence[Sink] | None = None) 
     """The whole job of one rank; returns its exit code (and writes it as its rank status)."""
     rank, code, message = int(os.environ.get("RANK", "0")), EXIT_FAILURE, ""
     try:
-        rank, world = init_distributed(job)
+        rank, world = distributed.init_distributed(
+            device=job.device, master_addr=job.master_addr, master_port=job.master_port
+        )
         lora.check_settings(settings)  # preflight did too; a launcher of its own may not
         if rank == 0:  # before anything looks for a checkpoint to resume
             checkpoint.restore_set_aside(settings.output_dir)
-        _barrier()
+        distributed.barrier()
         resume = checkpoint.find_resume(settings.resume, settings.output_dir)  # hashes files
         if resume:
             lora.check_resume(checkpoint.read_manifest(resume) or {}, settings, resume)
@@ -468,17 +431,8 @@ def train(settings: Settings, job: Job, *, sinks: Sequence[Sink] | None = None) 
             sink.close()
         write_rank_status(rank, code, message)
         if code in (EXIT_OK, EXIT_SIGNAL):  # every rank got here together: leave in step
-            _leave_group()
+            distributed.leave_group()
     return code
-
-
-def _leave_group() -> None:
-    """Destroy the process group before exit: a gloo group left to the interpreter's
-    teardown can abort the process (SIGABRT) when a peer has already gone."""
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        dist.destroy_process_group()
 
 
 def _quiet_libraries() -> None:
