@@ -361,8 +361,9 @@ def test_zero3_validation_samples_use_the_adapter(zero3, demo_dir: Path, tmp_pat
         seed=42, lora_dir=zero3 / "final", compare=False,
     )[0]  # fmt: skip
     pixels = [np.asarray(Image.open(p), dtype=np.int16) for p in (made, base, with_adapter)]
-    assert np.abs(pixels[0] - pixels[1]).max() > 0
-    assert np.array_equal(pixels[0], pixels[2])
+    # The rank rendered with its own thread count: float sums may round a pixel differently.
+    assert np.abs(pixels[0] - pixels[1]).mean() > 10
+    assert np.abs(pixels[0] - pixels[2]).max() <= 2
 
 
 @pytest.mark.slow
