@@ -12,6 +12,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import trainkit as tk
 
 from zerotuner.cli import main
 from zerotuner.errors import ConfigError
@@ -235,13 +236,7 @@ def test_launch_values_a_setting_would_refuse_are_errors(monkeypatch, tmp_path, 
 def run_config(monkeypatch, capsys, tmp_path, block: str, **env: str):
     """`zerotuner config --explain` on this CPU without a model (the built-in SDXL config)."""
     write_accelerate(monkeypatch, tmp_path, block)
-    monkeypatch.setenv("ZT_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setenv("ZT_OFFLOAD_DIR", str(tmp_path / "offload"))
-    monkeypatch.setenv("ZT_DEVICE", "cpu")
-    for key, value in env.items():
-        monkeypatch.setenv(key, value)
-    code = main(["config", "--explain"])
-    out, err = capsys.readouterr()
+    code, out, err = tk.config_explain(monkeypatch, capsys, tmp_path, **env)
     assert code == 0, err
     return json.loads(out), err
 

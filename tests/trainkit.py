@@ -234,3 +234,18 @@ def entrypoint_env(demo_dir: Path, out: Path, **overrides: str) -> dict[str, str
     )
     env.update(overrides)
     return env
+
+
+def config_explain(monkeypatch, capsys, tmp_path: Path, **env: str) -> tuple[int, str, str]:
+    """`zerotuner config --explain` in process on this CPU, with cache and offload folders
+    under tmp_path and `env` set: (exit code, stdout, stderr)."""
+    from zerotuner.cli import main
+
+    monkeypatch.setenv("ZT_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("ZT_OFFLOAD_DIR", str(tmp_path / "offload"))
+    monkeypatch.setenv("ZT_DEVICE", "cpu")
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    code = main(["config", "--explain"])
+    out, err = capsys.readouterr()
+    return code, out, err
