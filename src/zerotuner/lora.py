@@ -80,7 +80,7 @@ def notes(settings: Settings) -> list[Note]:
         Note(
             "info",
             f"LoRA rank {settings.lora_rank}, alpha {alpha(settings):g} on {targets}; the plan "
-            "counts the whole UNet as trained, an upper bound of a LoRA run's memory",
+            "counts the adapter as trained and the base UNet as frozen (weights only)",
         )
     ]
 
@@ -115,6 +115,31 @@ def short_names(module: torch.nn.Module) -> list[str]:
             parts = name.split(".")
             found.add(".".join(parts[-2:]) if parts[-1].isdigit() and len(parts) > 1 else parts[-1])
     return sorted(found)
+
+
+def adapter_size(
+    module: torch.nn.Module, targets: Iterable[str], rank: int, *, dora: bool = False
+) -> tuple[int, int]:
+    """(parameters, elements of the largest tensor) of the adapter `add_adapter` puts on
+    `targets` at `rank`, from the layers' shapes alone (a meta-device UNet will do): peft's
+    lora_A / lora_B of a Linear are rank x in and out x rank; of a Conv2d, a conv of the
+    layer's kernel from its inputs to `rank` channels and a 1x1 conv back (no biases); DoRA
+    adds a magnitude per output feature."""
+    targets = tuple(targets)
+    total = largest = 0
+    for name, layer in module.named_modules():
+        if not isinstance(layer, LORA_LAYERS) or not any(_matches(name, t) for t in targets):
+            continue
+        if isinstance(layer, torch.nn.Linear):
+            a, b, out = rank * layer.in_features, layer.out_features * rank, layer.out_features
+        else:
+            kernel = layer.kernel_size[0] * layer.kernel_size[1]
+            a, b = rank * layer.in_channels * kernel, layer.out_channels * rank // layer.groups
+            out = layer.out_channels
+        magnitude = out if dora else 0
+        total += a + b + magnitude
+        largest = max(largest, a, b, magnitude)
+    return total, largest
 
 
 def check_targets(unet: torch.nn.Module, targets: Iterable[str]) -> None:

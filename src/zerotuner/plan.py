@@ -4,12 +4,16 @@ Each option (stage x optimizer offload x parameter offload x gradient checkpoint
 estimate per device, per host (node) and per offload disk (node). The choice is the fastest
 option that fits with a margin: least offload first (CPU transfers are the slowest part),
 then no recomputation (gradient checkpointing costs ~30% compute), then the lowest stage
-(each stage adds communication). All numbers are estimates from formulas, not measurements:
-see `Estimate.parts` for the terms and the module constants for their sources.
+(each stage adds communication). LoRA (a frozen base, a small adapter) goes to ZeRO-3 only
+when no lower stage fits: stages 1-2 shard only the adapter's gradients and optimizer state,
+so the base's weights decide, and ZeRO-3 gathers all of them twice a step. All numbers are
+estimates from formulas, not measurements: see `Estimate.parts` for the terms and
+`plan_memory` for their sources.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -17,41 +21,11 @@ from zerotuner.errors import ConfigError, EnvironmentUnfit
 from zerotuner.families import ModelShape
 from zerotuner.hardware import GiB, Hardware, auto_precision
 from zerotuner.pins import check_pins, legal, pin_text
+from zerotuner.plan_memory import bucket as bucket  # deepspeed_config sizes buckets with it
+from zerotuner.plan_memory import estimate
+from zerotuner.trainable import Training, full_unet
 
-# DESIGN.md: SDXL U-Net activations at 1024^2, bf16, per image. They scale with pixels and
-# with the width of the first block (320 in SDXL, SD1 and SD2), not with the parameter count:
-# counting saved tensors of a checkpointed forward on the meta device gave SD1/SD2/SDXL within
-# 10% of each other at equal pixels (SDXL 0.62, SD1 0.58, SD2 0.63 GiB at 1024^2).
-ACT_BYTES_PER_IMAGE = 6.4 * GiB
-ACT_BYTES_PER_IMAGE_CHECKPOINTED = 0.55 * GiB
-REFERENCE_PIXELS = 1024 * 1024
-REFERENCE_CHANNELS = 320
-# VAE encoding while latents are cached (batch 1, 16-bit): an estimate, scaled by pixels and
-# the VAE's first-block width (128 in every published SD/SDXL VAE).
-VAE_ENCODE_BYTES = 3 * GiB
-REFERENCE_VAE_CHANNELS = 128
-
-CUDA_CONTEXT = 1 * GiB  # device memory: CUDA context, cuBLAS/cuDNN workspaces
-# Host memory a process costs besides its tensors. Measured on the CPU path (bench, tiny demo,
-# 2 ranks, peak RSS): a rank (Python, torch, DeepSpeed, diffusers, gloo, the cpu_adam
-# extension, the feature cache) 575 MiB; `zerotuner train` 404 MiB; torchrun's agent 223 MiB.
-RANK_PROCESS = int(0.6 * GiB)
-ENTRYPOINT_PROCESS = int(0.4 * GiB)  # `zerotuner train`, once per node
-TORCHRUN_AGENT = int(0.25 * GiB)  # the elastic agent, once per node
-# On a CUDA host each rank also holds the driver's and libraries' host-side state (CUDA
-# runtime, cuBLAS/cuDNN/NCCL kernel images and host buffers): not measurable here; about
-# 1.7 GB more peak RSS once a CUDA tensor exists (pytorch/pytorch#113326, lazy module
-# loading on), so 1.5 GiB per rank, keeping a CUDA rank at ~2 GiB as before.
-CUDA_HOST_CONTEXT = int(1.5 * GiB)
-FIXED_HOST_PARTS = ("process", "cuda_host_context", "model_load")
 DEVICE_MARGIN = HOST_MARGIN = DISK_MARGIN = 0.10  # allocator fragmentation, spikes
-
-MAX_BUCKET = 500_000_000  # DeepSpeed's default bucket (elements), capped like normalize does
-STAGE3_MAX_LIVE = 1_000_000_000  # stage3_max_live_parameters default (elements)
-PARAM_BUFFERS = 5  # offload_param.buffer_count default
-PARAM_BUFFER_MAX = 100_000_000  # offload_param.buffer_size cap (elements), >= largest param
-OPTIMIZER_NVME_BUFFERS = 4
-SUB_GROUP_NVME = 100_000_000  # sub_group_size assumed with NVMe optimizer offload
 
 # (stage, offload_optimizer, offload_param), in order of offload cost.
 OFFLOADS: tuple[tuple[str, str], ...] = (
@@ -137,147 +111,6 @@ def resolve_precision(mixed_precision: str, hardware: Hardware) -> str:
     return auto_precision(hardware) if mixed_precision == "auto" else mixed_precision
 
 
-def estimate(
-    shape: ModelShape,
-    *,
-    stage: int,
-    offload_optimizer: str,
-    offload_param: str,
-    gradient_checkpointing: bool,
-    resolution: int,
-    micro_batch: int,
-    world_size: int,
-    ranks_per_node: int,
-    precision: str,
-    on_cpu: bool,
-    ema: bool,
-) -> tuple[int, int, int, dict[str, int]]:
-    """(device bytes per rank, host bytes per node, disk bytes per node, named parts).
-
-    Model states with mixed-precision Adam (ZeRO paper): 16-bit params 2Psi, 16-bit grads
-    2Psi, fp32 master + two moments 12Psi; without mixed precision fp32 params 4Psi, grads
-    4Psi, moments 8Psi (also 16Psi). Stage 1 partitions the optimizer part over N ranks,
-    stage 2 also the grads, stage 3 also the params. Offloading the optimizer moves its part
-    and the fp32 grads it steps with to the host (or disk); with it, stage 2 streams reduced
-    grads to the host during backward so the device keeps no gradient partition, while
-    stage 1 keeps the full 16-bit grads until the step.
-    """
-    psi = shape.unet_params
-    n = world_size
-    p_bytes = 4 if precision == "no" else 2
-    # DeepSpeed keeps an fp32 master partition at stage >= 1 even without mixed precision.
-    o_bytes = 8 if precision == "no" and stage == 0 else 12
-    g32 = 4  # fp32 grads the offloaded optimizer steps with
-    dev: dict[str, int] = {}
-    host_rank: dict[str, int] = {}  # per rank on this node
-    disk_rank: dict[str, int] = {}
-
-    # --- model states -----------------------------------------------------------------------
-    if stage == 3:
-        if offload_param == "none":
-            dev["params"] = p_bytes * psi // n
-        elif offload_param == "cpu":
-            host_rank["params"] = p_bytes * psi // n
-        else:
-            disk_rank["params"] = p_bytes * psi // n
-        live = min(psi, STAGE3_MAX_LIVE + bucket(shape))
-        dev["gathered_params"] = p_bytes * live
-    else:
-        dev["params"] = p_bytes * psi
-    if offload_optimizer == "none":
-        dev["grads"] = p_bytes * psi // (n if stage >= 2 else 1)
-        dev["optimizer"] = o_bytes * psi // (n if stage >= 1 else 1)
-        if stage in (1, 2):
-            # The step flattens this rank's gradient partition into a new buffer (stage 1 at
-            # its end-of-backward reduce) and casts it to the fp32 master's dtype: a 16-bit
-            # flat copy plus its fp32 cast, or one fp32 copy (stage_1_and_2.py, step).
-            dev["flat_grad_partition"] = (p_bytes + (0 if p_bytes == 4 else 4)) * psi // n
-    else:
-        if stage == 1:
-            dev["grads"] = p_bytes * psi  # reduced at the step, then copied to the host
-        target = host_rank if offload_optimizer == "cpu" else disk_rank
-        target["optimizer"] = o_bytes * psi // n
-        target["fp32_grads"] = g32 * psi // n
-        if stage in (1, 2):
-            # stage_1_and_2.py with cpu_offload: a 16-bit copy of the partition on the host
-            # (param_buffer_of_bit16_for_cpu_offload_groups, the updated params go back to the
-            # device through it) and one largest-parameter gradient staging buffer each side.
-            host_rank["param_partition_copy"] = p_bytes * psi // n
-            host_rank["grad_staging"] = p_bytes * shape.largest_param
-            dev["grad_staging"] = p_bytes * shape.largest_param
-        if stage == 3:  # reduced 16-bit grad partitions wait on the host for the step
-            host_rank["grad_partitions"] = p_bytes * psi // n
-        if offload_optimizer == "nvme":  # pinned fp32 buffers of one sub-group each
-            group = min(SUB_GROUP_NVME, max(psi // n, shape.largest_param))
-            host_rank["optimizer_swap_buffers"] = OPTIMIZER_NVME_BUFFERS * group * 4
-            # stage3.py: swapped sub-groups step with their fp32 gradient in one host buffer
-            # of the largest sub-group (gradient_buffer), kept for the whole run.
-            host_rank["subgroup_grad_buffer"] = group * 4
-    if offload_param == "nvme":  # buffer_size as normalize sets it (holds the largest tensor)
-        size = max(shape.largest_param, min(PARAM_BUFFER_MAX, psi // 8))
-        host_rank["param_swap_buffers"] = PARAM_BUFFERS * size * p_bytes
-
-    # --- buckets: gradients are reduced through flat buffers -----------------------------------
-    if stage == 0:
-        # The engine's all-reduce flattens the gradients into buckets of 5e8 elements, at any
-        # world size (engine.allreduce_no_retain): the whole gradient for models below that.
-        dev["buckets"] = p_bytes * min(psi, MAX_BUCKET)
-    else:
-        # One reduce_bucket_size buffer: the all-gather after the step writes into the flat
-        # params in place, and overlap_comm (the second, double buffer) is off below stage 3.
-        dev["buckets"] = p_bytes * bucket(shape)
-
-    # --- activations ------------------------------------------------------------------------
-    per_image = ACT_BYTES_PER_IMAGE_CHECKPOINTED if gradient_checkpointing else ACT_BYTES_PER_IMAGE
-    width = shape.base_channels / REFERENCE_CHANNELS
-    scale = (resolution * resolution / REFERENCE_PIXELS) * width * (p_bytes / 2)
-    dev["activations"] = int(per_image * scale * micro_batch)
-
-    if not on_cpu:
-        dev["framework"] = CUDA_CONTEXT
-    # Caching latents and embeddings runs before training: frozen encoders + one VAE encode.
-    vae_width = shape.vae_channels / REFERENCE_VAE_CHANNELS
-    caching = shape.frozen_params * p_bytes + int(
-        VAE_ENCODE_BYTES * resolution * resolution / REFERENCE_PIXELS * vae_width * (p_bytes / 2)
-    )
-    training = sum(dev.values())
-    device = max(training, caching + (0 if on_cpu else CUDA_CONTEXT))
-    if caching > training:
-        dev["caching_peak"] = caching - training
-
-    host_rank["process"] = RANK_PROCESS
-    if not on_cpu:
-        host_rank["cuda_host_context"] = CUDA_HOST_CONTEXT
-    # Every rank loads the full fp32 UNet (no zero.Init) before DeepSpeed partitions it; on the
-    # CPU accelerator that copy becomes the "device" params, already counted.
-    if not on_cpu:
-        host_rank["model_load"] = 4 * psi
-    # The loaded copy is gone (moved to the device, or became DeepSpeed's fp32 master) before
-    # offloaded states fill the host.
-    fixed = host_rank["process"] + host_rank.get("cuda_host_context", 0)
-    offloaded = sum(v for k, v in host_rank.items() if k not in FIXED_HOST_PARTS)
-    per_rank_host = fixed + max(offloaded, host_rank.get("model_load", 0))
-    host = ranks_per_node * per_rank_host + ENTRYPOINT_PROCESS + TORCHRUN_AGENT
-    if ema:  # one fp32 shadow per node (rank 0 keeps it), on the CPU, not sharded by DeepSpeed
-        host += 4 * psi
-        host_rank["ema_once_per_node"] = 4 * psi
-    if on_cpu:
-        host += ranks_per_node * device  # the CPU accelerator's "device" memory is host memory
-    disk = ranks_per_node * sum(disk_rank.values())
-
-    parts = {f"device.{k}": v for k, v in dev.items()}
-    parts |= {f"host_per_rank.{k}": v for k, v in host_rank.items()}
-    parts |= {f"disk_per_rank.{k}": v for k, v in disk_rank.items()}
-    return device, host, disk, parts
-
-
-def bucket(shape: ModelShape) -> int:
-    """ZeRO bucket size in elements: a tenth of the model, at least its largest tensor, at most
-    DeepSpeed's default 5e8; a multiple of 8, as DeepSpeed asserts alignment on it."""
-    size = int(min(MAX_BUCKET, max(shape.largest_param, shape.unet_params // 10)))
-    return -(-size // 8) * 8
-
-
 def capacity(hardware: Hardware, offload_disk_free: int | None) -> Capacity:
     host_total = hardware.host_memory
     device_total = 0 if hardware.accelerator == "cpu" else hardware.min_device_memory
@@ -330,8 +163,10 @@ def make_plan(
     ranks_per_node: int | None = None,
     require_fit: bool = True,
     pin_names: dict[str, str] | None = None,
+    training: Training | None = None,
 ) -> Plan:
     """Estimate every option; choose the fastest that fits. Pinned values are kept.
+    `training`: what trains (default: the whole UNet; `trainable.lora_adapter` for LoRA).
 
     Raises ConfigError for an illegal pinned combination and EnvironmentUnfit (exit 3) when
     nothing fits, naming the closest option and what it lacks. `pin_names`: where the pins came
@@ -344,6 +179,8 @@ def make_plan(
     if world_size < 1 or micro_batch < 1:
         raise ConfigError(f"world size {world_size} and micro batch {micro_batch} must be >= 1")
     ranks_per_node = ranks_per_node or world_size
+    training = training or full_unet(shape)
+    preference = _preference_for(training)
     precision = resolve_precision(mixed_precision, hardware)
     on_cpu = hardware.accelerator == "cpu"
     cap = capacity(hardware, offload_disk_free)
@@ -372,6 +209,7 @@ def make_plan(
                     precision=precision,
                     on_cpu=on_cpu,
                     ema=ema,
+                    training=training,
                 )
                 short = _shortfalls(device, host, disk, cap, on_cpu, hardware.nvme_offload_possible)
                 rows.append(
@@ -387,6 +225,9 @@ def make_plan(
     inputs = {
         "family": shape.family,
         "unet_params": shape.unet_params,
+        "training_type": training.type,
+        "trainable_params": training.trainable_params,
+        "frozen_params": training.frozen_params,
         "resolution": resolution,
         "micro_batch": micro_batch,
         "world_size": world_size,
@@ -400,14 +241,14 @@ def make_plan(
         "offload_disk_free_bytes": offload_disk_free,
         "ema": ema,
     }
-    fitting = sorted((r for r in rows if r.fits), key=_preference)
+    fitting = sorted((r for r in rows if r.fits), key=preference)
     if not fitting:
         closest = min(rows, key=lambda r: _overshoot(r, cap, on_cpu))
         pins = pin_text(names, zero_stage, offload_optimizer, offload_param, gradient_checkpointing)
         hint = ""
         disk_only = [r for r in rows if r.short and all(s.startswith("disk") for s in r.short)]
         if disk_only:
-            best = min(disk_only, key=lambda r: (r.disk_bytes, _preference(r)))
+            best = min(disk_only, key=lambda r: (r.disk_bytes, preference(r)))
             need = int(best.disk_bytes * (1 + DISK_MARGIN))
             hint = (
                 f"; {best.label()} would fit with {gib(need)} GiB free on an NVMe volume at "
@@ -424,7 +265,10 @@ def make_plan(
         unfit = f"the hardware planned for cannot run it: {message}"
         return Plan(tuple(rows), closest, (unfit,), inputs)
     choice = fitting[0]
-    return Plan(tuple(rows), choice, tuple(_reasons(choice, rows, cap, precision)), inputs)
+    reasons = _reasons(choice, rows, cap, precision, preference)
+    if training.type == "lora":
+        reasons.insert(1, _lora_reason(choice, rows, training, precision))
+    return Plan(tuple(rows), choice, tuple(reasons), inputs)
 
 
 def _stage_preference(row: Estimate) -> int:
@@ -437,6 +281,14 @@ def _stage_preference(row: Estimate) -> int:
 
 def _preference(row: Estimate) -> tuple[int, int, int]:
     return (row.offload_rank, int(row.gradient_checkpointing), _stage_preference(row))
+
+
+def _lora_preference(row: Estimate) -> tuple[int, int, int, int]:
+    return (int(row.zero_stage == 3), *_preference(row))
+
+
+def _preference_for(training: Training) -> Callable[[Estimate], tuple[int, ...]]:
+    return _lora_preference if training.type == "lora" else _preference
 
 
 def _table_order(row: Estimate) -> tuple[int, int, int]:
@@ -453,7 +305,13 @@ def _overshoot(row: Estimate, cap: Capacity, on_cpu: bool) -> float:
     return max(ratios)
 
 
-def _reasons(choice: Estimate, rows: list[Estimate], cap: Capacity, precision: str) -> list[str]:
+def _reasons(
+    choice: Estimate,
+    rows: list[Estimate],
+    cap: Capacity,
+    precision: str,
+    preference: Callable[[Estimate], tuple[int, ...]],
+) -> list[str]:
     on_cpu = cap.device_total == 0
     where = "host (CPU accelerator)" if on_cpu else "device"
     usable = cap.host if on_cpu else cap.device
@@ -464,7 +322,7 @@ def _reasons(choice: Estimate, rows: list[Estimate], cap: Capacity, precision: s
         f"{gib(cap.host)} GiB"
         + (f", disk {gib(choice.disk_bytes)} GiB" if choice.disk_bytes else "")
     ]
-    cheaper = [r for r in rows if _preference(r) < _preference(choice)]
+    cheaper = [r for r in rows if preference(r) < preference(choice)]
     if choice.offload_rank > 0:
         blocked = [r for r in cheaper if r.offload_rank < choice.offload_rank]
         if blocked:
@@ -498,3 +356,23 @@ def _reasons(choice: Estimate, rows: list[Estimate], cap: Capacity, precision: s
         "precision fp32 (no mixed precision)" if precision == "no" else f"precision {precision}"
     )
     return out
+
+
+def _lora_reason(choice: Estimate, rows: list[Estimate], training: Training, precision: str) -> str:
+    """Why this stage for LoRA: what the frozen base and the adapter cost."""
+    p_bytes = 4 if precision == "no" else 2
+    base = (
+        f"LoRA: {training.trainable_params / 1e6:.1f}M adapter parameters train (grads, fp32 "
+        f"master and Adam moments); the {training.frozen_params / 1e9:.2f}B-parameter base is "
+        f"frozen, {gib(p_bytes * training.frozen_params)} GiB of "
+        f"{'fp32' if p_bytes == 4 else '16-bit'} weights with no grads or optimizer state"
+    )
+    if choice.zero_stage < 3:
+        return base + ", whole on every rank below ZeRO-3"
+    where = {"none": "", "cpu": " and keeps it on the host", "nvme": " and keeps it on NVMe"}
+    text = f"{base}; ZeRO-3 partitions it over the ranks{where[choice.offload_param]}"
+    lower = [r for r in rows if r.zero_stage < 3 and not r.fits]
+    if lower:  # not pinned: nothing below ZeRO-3 fits
+        best = min(lower, key=lambda r: r.device_bytes)
+        text += f", as no lower stage fits (best: {best.label()}, {best.short[0]})"
+    return text

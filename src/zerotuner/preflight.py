@@ -11,7 +11,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from zerotuner import lora
+from zerotuner import lora, trainable
 from zerotuner.deepspeed_config import Decisions, Normalized, normalize
 from zerotuner.errors import ConfigError
 from zerotuner.families import (
@@ -176,6 +176,7 @@ def preflight(
             else offload_disk_free
         ),
         require_fit=require_fit,
+        model_dir=model.local_dir,
     )
     decisions = decisions_from(plan)
     normalized = normalize(
@@ -211,8 +212,11 @@ def plan_for(
     ranks_per_node: int,
     offload_disk_free: int | None,
     require_fit: bool = True,
+    model_dir: Path | None = None,
 ) -> Plan:
-    """The planner's choice for these settings, keeping what the user pinned (env or raw JSON)."""
+    """The planner's choice for these settings, keeping what the user pinned (env or raw JSON).
+    `model_dir`: the model's folder, whose UNet config sizes a LoRA adapter (else the family's
+    built-in config)."""
     user = pins(settings, base)
     return make_plan(
         shape,
@@ -230,6 +234,7 @@ def plan_for(
         mixed_precision=settings.mixed_precision,
         require_fit=require_fit,
         pin_names=user.names,
+        training=trainable.for_settings(settings, shape, model_dir),
     )
 
 

@@ -196,6 +196,7 @@ def _model(c: Checks) -> tuple[str, list[str]]:
         where, warnings = _hub_access(settings)
     shape = model_shape(source.family, source.local_dir)  # type: ignore[arg-type]
     c.facts["shape"] = shape
+    c.facts["model_dir"] = source.local_dir  # sizes a LoRA adapter in the plan
     detail = f"{where}; {source.family} ({source.reason}); UNet {shape.unet_params / 1e6:.1f}M"
     return detail + " params", warnings
 
@@ -245,6 +246,7 @@ def _plan(c: Checks) -> str:
         world_size=world,
         ranks_per_node=per_node,
         offload_disk_free=free_bytes_at(settings.offload_dir),
+        model_dir=c.facts.get("model_dir"),
     )
     c.facts["plan"], c.facts["world"] = plan, world
     ch = plan.choice

@@ -43,11 +43,13 @@ def build_plan(args: argparse.Namespace) -> tuple[Plan, Hardware]:
     settings = load_settings(**overrides)
     inputs = read_user_inputs(settings)
     settings = apply_implied_settings(settings, inputs)
+    model_dir = None
     if args.model_family:  # what-if: the family's built-in config, whatever ZT_MODEL holds
         shape = model_shape(args.model_family)
     else:
         source = resolve_model(settings)
         shape = model_shape(source.family, source.local_dir)  # type: ignore[arg-type]
+        model_dir = source.local_dir
     hardware = what_if.hardware_for(args, settings, ops=True)
     topology = what_if.topology_for(settings, hardware)
     plan = plan_for(
@@ -58,6 +60,7 @@ def build_plan(args: argparse.Namespace) -> tuple[Plan, Hardware]:
         world_size=topology.world_size,
         ranks_per_node=topology.nproc_per_node,
         offload_disk_free=what_if.offload_disk_free(args, settings),
+        model_dir=model_dir,
     )
     return plan, hardware
 
@@ -74,6 +77,14 @@ def describe_hardware(hardware: Hardware) -> str:
     return f"{head}; host {gib(hardware.host_memory)} GiB; {hardware.cpu_count} CPUs"
 
 
+def training_text(inputs: dict[str, Any]) -> str:
+    """`full, 2567.5M trainable` or `lora, 23.2M trainable (adapter), 2567.5M frozen`."""
+    trainable, frozen = inputs["trainable_params"] / 1e6, inputs["frozen_params"] / 1e6
+    if inputs["training_type"] == "full":
+        return f"full, {trainable:.1f}M trainable"
+    return f"lora, {trainable:.1f}M trainable (adapter), {frozen:.1f}M frozen (base UNet)"
+
+
 def render(plan: Plan, hardware: Hardware) -> str:
     i = plan.inputs
     lines = [
@@ -81,6 +92,7 @@ def render(plan: Plan, hardware: Hardware) -> str:
         f"job: {i['family']} UNet {i['unet_params'] / 1e9:.3f}B params, {i['resolution']} px, "
         f"micro batch {i['micro_batch']}, world size {i['world_size']}, "
         f"{precision_name(i['precision'])}",
+        f"training: {training_text(i)}",
         "",
         f"{'stage':>5}  {'optimizer':<9}  {'params':<6}  {'ckpt':<4}  "
         f"{'device GiB':>10}  {'host GiB':>8}  {'disk GiB':>8}  fits",

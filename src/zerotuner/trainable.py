@@ -1,0 +1,82 @@
+"""What the optimizer trains: the whole UNet, or a LoRA adapter on a frozen base.
+
+The planner counts the two apart. A trained parameter has weights in the run's dtype,
+gradients and fp32 Adam states (master copy and two moments); a frozen one only its weights
+(16-bit with mixed precision, fp32 without). The adapter's size comes from the UNet's layer
+shapes and the same target rule the trainer uses (`lora.adapter_size`), on a UNet built on
+the meta device from the model's config: no weights read, nothing downloaded.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+from zerotuner.families import ModelShape
+
+if TYPE_CHECKING:
+    from zerotuner.settings import Settings
+
+
+@dataclass(frozen=True)
+class Training:
+    type: Literal["full", "lora"]
+    trainable_params: int  # with gradients and optimizer state
+    largest_trainable: int  # elements of the biggest trained tensor (offload staging buffers)
+    frozen_params: int  # UNet weights without gradients or optimizer state
+
+    @property
+    def total_params(self) -> int:
+        """Every parameter of the module DeepSpeed wraps (ZeRO-3 partitions them all)."""
+        return self.trainable_params + self.frozen_params
+
+
+def full_unet(shape: ModelShape) -> Training:
+    return Training("full", shape.unet_params, shape.largest_param, 0)
+
+
+def lora_adapter(
+    shape: ModelShape,
+    *,
+    rank: int,
+    targets: tuple[str, ...],
+    model_dir: Path | None = None,
+    dora: bool = False,
+) -> Training:
+    """The adapter on this UNet (its own config when `model_dir` has one, else its family's
+    built-in config) with the base frozen."""
+    from zerotuner.lora import adapter_size
+
+    unet = meta_unet(shape.family, model_dir)
+    params, largest = adapter_size(unet, targets, rank, dora=dora)
+    return Training("lora", params, largest, shape.unet_params)
+
+
+def for_settings(settings: Settings, shape: ModelShape, model_dir: Path | None = None) -> Training:
+    """What ZT_TRAINING_TYPE and the LoRA settings train on this UNet."""
+    if settings.training_type != "lora":
+        return full_unet(shape)
+    from zerotuner.lora import parse_targets
+
+    targets = parse_targets(settings.lora_targets)
+    return lora_adapter(
+        shape, rank=settings.lora_rank, targets=targets, model_dir=model_dir,
+        dora=getattr(settings, "lora_dora", False),  # ZT_LORA_DORA: a magnitude per output
+    )  # fmt: skip
+
+
+def meta_unet(family: str, model_dir: Path | None = None) -> Any:
+    """The UNet built on the meta device (shapes only; SDXL's takes under a second)."""
+    from accelerate import init_empty_weights
+    from diffusers import UNet2DConditionModel
+
+    from zerotuner.families import BUILTIN_UNET_CONFIGS, unet_config_path
+
+    path = unet_config_path(model_dir) if model_dir else None
+    if path is not None:
+        config = UNet2DConditionModel.load_config(str(path.parent))
+    else:
+        config = BUILTIN_UNET_CONFIGS[family]  # type: ignore[index]
+    with init_empty_weights():
+        return UNet2DConditionModel.from_config(config)
