@@ -66,7 +66,7 @@ def test_metric_names_are_pinned():
 
 
 def test_commands_and_exit_codes_are_pinned():
-    assert list(COMMANDS) == ["train", "config", "plan", "check", "demo", "export"]
+    assert list(COMMANDS) == ["train", "config", "plan", "check", "demo", "export", "builder"]
     codes = (errors.EXIT_OK, errors.EXIT_FAILURE, errors.EXIT_CONFIG, errors.EXIT_ENVIRONMENT)
     assert codes == (0, 1, 2, 3)
     assert errors.EXIT_SIGNAL == 143

@@ -25,6 +25,7 @@ COMMANDS = {
     "check": "validate everything `train` would, without training",
     "demo": "write the tiny demo model and dataset used by `make run`",
     "export": "consolidate a checkpoint into a diffusers pipeline folder",
+    "builder": "the config builder page: settings -> DeepSpeed JSON, plan, exports",
 }
 
 

@@ -257,13 +257,16 @@ def _optimizer_runs_here(ctx: _Context, hardware: Hardware) -> None:
         )
 
 
+# ZT_LR_SCHEDULER -> the DeepSpeed scheduler that gives that shape after the warm-up.
+SCHEDULER_TYPES = {"constant": "WarmupLR", "linear": "WarmupDecayLR", "cosine": "WarmupCosineLR"}
+
+
 def _scheduler(ctx: _Context) -> None:
     cfg, s, n = ctx.cfg, ctx.settings, ctx.n
     section = cfg.get("scheduler")
     lr = cfg.get("optimizer", {}).get("params", {}).get("lr", s.learning_rate)
     if not isinstance(section, dict) or "lr_scheduler" in ctx.explicit:
-        kind = {"constant": "WarmupLR", "linear": "WarmupDecayLR", "cosine": "WarmupCosineLR"}
-        section = {"type": kind[s.lr_scheduler], "params": {}}
+        section = {"type": SCHEDULER_TYPES[s.lr_scheduler], "params": {}}
         n.info(f"scheduler {section['type']} from {env_name('lr_scheduler')}={s.lr_scheduler}")
     name = canonical_scheduler(str(section.get("type")))
     if name is None:

@@ -15,7 +15,7 @@ import sys
 from zerotuner.commands import what_if
 from zerotuner.errors import ConfigError, EnvironmentUnfit
 from zerotuner.inputs import apply_implied_settings, read_user_inputs
-from zerotuner.preflight import preflight
+from zerotuner.preflight import Preflight, preflight
 from zerotuner.settings import load_settings
 
 DESCRIBE = (
@@ -31,7 +31,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     what_if.add_arguments(parser)
 
 
-def run(args: argparse.Namespace) -> int:
+def evaluate(args: argparse.Namespace) -> tuple[Preflight, str | None]:
+    """What `config` prints, computed (the builder page calls it too): the preflight, and the
+    described hardware in words (None when this machine was probed)."""
     from zerotuner.commands.plan import describe_hardware
 
     settings = load_settings(**what_if.settings_overrides(args))
@@ -49,8 +51,13 @@ def run(args: argparse.Namespace) -> int:
     except EnvironmentUnfit as error:
         hint = "" if what_if.is_described(args) else f"; {DESCRIBE}"
         raise ConfigError(f"{error}{hint}") from None
-    if what_if.is_described(args):
-        print(f"zerotuner: for described hardware: {describe_hardware(hardware)}", file=sys.stderr)
+    return result, describe_hardware(hardware) if what_if.is_described(args) else None
+
+
+def run(args: argparse.Namespace) -> int:
+    result, described = evaluate(args)
+    if described is not None:
+        print(f"zerotuner: for described hardware: {described}", file=sys.stderr)
     shown = {"change", "warning"} | ({"info"} if args.explain else set())
     for note in result.notes:
         if note.level in shown:

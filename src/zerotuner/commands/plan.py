@@ -111,13 +111,18 @@ def render(plan: Plan, hardware: Hardware) -> str:
     return "\n".join(lines)
 
 
+def plan_json(plan: Plan, hardware: Hardware) -> dict[str, Any]:
+    """What `plan --json` prints (the builder page and the run page show the same)."""
+    data = plan.to_dict()
+    data["hardware"] = describe_hardware(hardware)
+    data["warnings"] = list(hardware.warnings)
+    return data
+
+
 def run(args: argparse.Namespace) -> int:
     plan, hardware = build_plan(args)
     if args.json:
-        data = plan.to_dict()
-        data["hardware"] = describe_hardware(hardware)
-        data["warnings"] = list(hardware.warnings)
-        print(json.dumps(data, indent=2))
+        print(json.dumps(plan_json(plan, hardware), indent=2))
     else:
         print(render(plan, hardware))
     return 0
