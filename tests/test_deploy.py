@@ -34,7 +34,10 @@ CRD_KINDS = {("kubeflow.org/v1", "PyTorchJob"), ("monitoring.coreos.com/v1", "Po
 SETTING_NAMES = {env_name(n) for n in Settings.model_fields}
 METRICS_PORT = Settings.model_fields["metrics_port"].default
 # apt-packages.txt entries the image deliberately leaves out, and why.
-DEV_ONLY_APT = {"prometheus": "promtool validates metrics in tests; Prometheus runs beside"}
+DEV_ONLY_APT = {
+    "prometheus": "promtool validates metrics in tests; Prometheus runs beside",
+    "chromium": "the browser tests of the builder and run pages; users bring their browser",
+}
 
 
 def run(*cmd: str | Path, **kwargs) -> subprocess.CompletedProcess[str]:

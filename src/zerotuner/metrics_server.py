@@ -1,4 +1,5 @@
-"""The node's metrics endpoint, served by the entrypoint: /metrics, /healthz, /readyz.
+"""The node's metrics endpoint, served by the entrypoint: /metrics, /healthz, /readyz, and the
+read-only run page at / (its data at /api/run; see `zerotuner.run_page`).
 
 The entrypoint starts `MetricsServer` first thing and stops it last, so Prometheus sees the
 probing and download phases and the export. Ranks write their values to the multiprocess
@@ -15,6 +16,8 @@ Health, as Kubernetes probes read it:
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 import shutil
 import socket
@@ -32,9 +35,10 @@ from prometheus_client import CollectorRegistry, make_wsgi_app
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.multiprocess import MultiProcessCollector
 
-from zerotuner import __version__
+from zerotuner import __version__, web
 from zerotuner.errors import EnvironmentUnfit
 from zerotuner.metrics import MULTIPROC_DIR_ENV, PHASE_ENTERED, PHASES
+from zerotuner.run_page import RunView
 
 STEP_LOOP_PHASES = ("training", "checkpointing", "validating")
 INFO_LABELS = (
@@ -252,6 +256,8 @@ class MetricsServer:
         offload_dir: str | os.PathLike[str] | None = None,
         source: Any = None,
         clock: Callable[[], float] = time.time,
+        output_dir: str | os.PathLike[str] | None = None,
+        history_interval: float | None = 5.0,
     ) -> None:
         if source is None:
             folder = multiproc_dir or os.environ.get(MULTIPROC_DIR_ENV)
@@ -269,6 +275,11 @@ class MetricsServer:
         self._metrics_app = make_wsgi_app(self.registry)
         self._httpd: _Server | None = None
         self._thread: threading.Thread | None = None
+        # The run page: OUTPUT/run records, and per-rank metrics sampled every few seconds.
+        self.run_view = RunView(Path(output_dir) if output_dir is not None else None)
+        self._history_interval = history_interval
+        self._stopping = threading.Event()
+        self._sampler: threading.Thread | None = None
 
     # -- what the entrypoint reports -----------------------------------------------------------
     def set_phase(self, phase: str) -> None:
@@ -276,6 +287,12 @@ class MetricsServer:
 
     def set_job(self, job: Any) -> None:
         self.collector.set_job(job)
+        if dataclasses.is_dataclass(job) and not isinstance(job, type):
+            self.run_view.job = dataclasses.asdict(job)
+
+    def set_plan(self, plan: dict[str, Any]) -> None:
+        """The plan `train` chose by (`plan --json`'s shape), for the run page."""
+        self.run_view.plan = plan
 
     def set_info(self, **labels: Any) -> None:
         self.collector.set_info(**labels)
@@ -301,10 +318,43 @@ class MetricsServer:
             status = "200 OK" if ok else "503 Service Unavailable"
             start_response(status, [("Content-Type", "text/plain; charset=utf-8")])
             return [text.encode() + b"\n"]
-        if path in ("/metrics", "/"):
+        if path == "/metrics":
             return self._metrics_app(environ, start_response)
+        if environ.get("REQUEST_METHOD", "GET") not in ("GET", "HEAD"):
+            start_response("405 Method Not Allowed", [("Allow", "GET, HEAD")])
+            return [b"read-only: GET /, /metrics, /healthz or /readyz\n"]
+        found = self._run_page(path)
+        if found is not None:
+            body, media = found
+            start_response("200 OK", [("Content-Type", media), ("Cache-Control", "no-store")])
+            return [body]
         start_response("404 Not Found", [("Content-Type", "text/plain; charset=utf-8")])
-        return [b"not found: try /metrics, /healthz or /readyz\n"]
+        return [b"not found: try /, /metrics, /healthz or /readyz\n"]
+
+    def _run_page(self, path: str) -> tuple[bytes, str] | None:
+        """The run page's files and data (read-only: GET and HEAD only reach here)."""
+        if path in ("/", "/index.html"):
+            return web.asset("run.html")
+        if path.startswith("/static/"):
+            return web.asset(path.removeprefix("/static/"))
+        if path == "/api/run":
+            families, status = self.collector.snapshot()
+            state = self.run_view.state(families, status.phase)
+            return json.dumps(state).encode(), "application/json"
+        if path.startswith("/run/samples/"):
+            image = self.run_view.sample_image(path.removeprefix("/run/samples/"))
+            return (image, "image/png") if image is not None else None
+        return None
+
+    def _sample_history(self) -> None:
+        """The server thread's sampler: per-rank step time and memory, for the run page."""
+        assert self._history_interval is not None
+        while not self._stopping.wait(self._history_interval):
+            try:
+                families, _ = self.collector.snapshot()
+                self.run_view.history.add(families, time.time())
+            except Exception:  # noqa: BLE001 - a rank mid-write; the next sample reads it
+                continue
 
     def start(self) -> MetricsServer:
         server_class = _Server
@@ -323,6 +373,12 @@ class MetricsServer:
             target=self._httpd.serve_forever, name="zerotuner-metrics", daemon=True
         )
         self._thread.start()
+        if self._history_interval:
+            self._stopping.clear()
+            self._sampler = threading.Thread(
+                target=self._sample_history, name="zerotuner-run-page", daemon=True
+            )
+            self._sampler.start()
         return self
 
     @property
@@ -336,6 +392,10 @@ class MetricsServer:
         return f"http://{host}:{self.port}"
 
     def stop(self) -> None:
+        self._stopping.set()
+        if self._sampler is not None:
+            self._sampler.join()
+            self._sampler = None
         if self._httpd is not None:
             self._httpd.shutdown()
             self._httpd.server_close()

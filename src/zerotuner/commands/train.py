@@ -15,7 +15,7 @@ import tempfile
 from contextlib import ExitStack
 from pathlib import Path
 
-from zerotuner.commands.plan import render
+from zerotuner.commands.plan import plan_json, render
 from zerotuner.errors import EXIT_OK, ZeroTunerError
 from zerotuner.hardware import probe
 from zerotuner.inputs import UserInputs, apply_implied_settings, read_user_inputs
@@ -71,6 +71,7 @@ def _start_metrics(settings: Settings, stack: ExitStack):  # noqa: ANN202 - opti
         hang_timeout_seconds=settings.hang_timeout_seconds,
         multiproc_dir=metrics_dir,
         offload_dir=settings.offload_dir,
+        output_dir=settings.output_dir,  # the run page at / reads OUTPUT/run and samples
     ).start()
     stack.callback(server.stop)
     server.set_phase("probing")
@@ -109,6 +110,7 @@ def _train(settings: Settings, inputs: UserInputs, server, stack: ExitStack) -> 
     job_file = job.write(run_dir / "job.json")
     if server is not None:
         server.set_job(job)
+        server.set_plan(plan_json(pre.plan, pre.hardware))
         server.set_phase("loading")
     log.info(
         "launching %d rank(s) on node %d of %d (world size %d, %s)",

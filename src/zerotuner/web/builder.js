@@ -86,7 +86,8 @@ function fill(form) {
 
 function schedule() {
   clearTimeout(timer);
-  timer = setTimeout(evaluate, 250);
+  document.body.dataset.pending = "1"; // until the answer to the last change is shown
+  timer = setTimeout(() => { timer = null; evaluate(); }, 250);
 }
 
 async function post(path, body, method = "POST") {
@@ -103,6 +104,7 @@ async function evaluate() {
   if (mine !== sequence) return;
   last = answer;
   show(answer);
+  if (timer === null) document.body.dataset.pending = "0";
 }
 
 function show(answer) {
