@@ -9,7 +9,8 @@ import json
 
 import pytest
 
-from zerotuner.builder import compose, evaluate, fields_named, form_fields
+from zerotuner.builder import evaluate, fields_named
+from zerotuner.builder_form import compose, form_fields
 from zerotuner.builder_server import Templates
 from zerotuner.cli import main
 from zerotuner.errors import ConfigError

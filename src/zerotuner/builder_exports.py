@@ -13,7 +13,8 @@ from typing import Any
 
 import yaml
 
-from zerotuner.builder import DEEPSPEED, Composed, environment
+from zerotuner.builder import environment
+from zerotuner.builder_form import DEEPSPEED, Composed
 from zerotuner.errors import ConfigError
 from zerotuner.settings import Settings, env_name, field_of, load_settings
 
@@ -134,7 +135,11 @@ def kubernetes_job(env: dict[str, str], *, gpus: int | None) -> str:
     if gpus is not None:
         text = text.replace(limit, f"nvidia.com/gpu: {gpus}\n") if gpus else _cpu_only(text)
     nodes = env.get("ZT_NNODES")
-    head = "# From `zerotuner builder`. Folders are the Job's mounts (/data, /output, ...).\n"
+    head = (
+        "# From `zerotuner builder`: kubectl apply -f zerotuner-job.yaml. The settings are in\n"
+        "# the ConfigMap; folders are the Job's mounts (/data, /output, ...). Below:\n"
+        "# config/kubernetes/job.yaml with its comments.\n"
+    )
     if nodes and nodes != "1":
         head += f"# {nodes} nodes: use config/kubernetes/indexed-job.yaml with this ConfigMap.\n"
     return head + text

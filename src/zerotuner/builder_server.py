@@ -27,8 +27,9 @@ from typing import Any
 from urllib.parse import unquote
 
 from zerotuner import web
-from zerotuner.builder import compose, evaluate, form_fields
+from zerotuner.builder import evaluate
 from zerotuner.builder_exports import FORMATS, export
+from zerotuner.builder_form import compose, form_fields
 from zerotuner.errors import ConfigError, ZeroTunerError
 
 log = logging.getLogger(__name__)

@@ -33,7 +33,7 @@ function drawField(field) {
   const box = element("div", { class: "field", "data-name": field.name });
   const id = fieldId(field.name);
   const label = element("label", { for: id }, field.label + " ");
-  label.append(element("code", {}, field.deepspeed_key || field.name));
+  label.append(element("code", {}, field.code || field.name));
   box.append(label);
   let input;
   if (field.kind === "select") {
