@@ -6,6 +6,7 @@ No browser here (tests/test_builder_page.py drives the page)."""
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -174,3 +175,18 @@ def test_a_template_name_cannot_leave_the_folder(tmp_path):
     with pytest.raises(ConfigError, match="leads outside"):
         templates.save("out", form)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["templates"]
+
+
+def test_the_form_is_the_whole_configuration_but_for_where_this_machine_caches(monkeypatch):
+    from zerotuner.builder import environment
+
+    monkeypatch.setenv("ZT_ZERO_STAGE", "3")  # the builder's own shell: not the form's job
+    monkeypatch.setenv("ZT_CACHE_DIR", "/srv/hf-cache")
+    with environment({"ZT_MAX_STEPS": "10"}):
+        zt = {k: v for k, v in os.environ.items() if k.startswith("ZT_")}
+    assert zt == {
+        "ZT_MAX_STEPS": "10",
+        "ZT_CACHE_DIR": "/srv/hf-cache",
+        "ZT_CONFIG_FILE": os.devnull,
+    }
+    assert os.environ["ZT_ZERO_STAGE"] == "3"  # restored

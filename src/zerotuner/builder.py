@@ -22,15 +22,21 @@ from zerotuner.settings import ENV_PREFIX
 _ENVIRONMENT = threading.Lock()  # os.environ is the process's: one evaluation at a time
 
 
+# Where this machine keeps the hub cache and the token: the server's own, unless the form says.
+MACHINE_SETTINGS = ("ZT_CACHE_DIR", "ZT_SECRETS_DIR", "ZT_HF_TOKEN")
+
+
 @contextlib.contextmanager
 def environment(env: dict[str, str]) -> Iterator[None]:
-    """os.environ with exactly these ZT_* settings (the server's own are hidden); no config
-    file is read unless the form names one: the form is the whole configuration."""
+    """os.environ with exactly these ZT_* settings (the server's own are hidden, but for
+    MACHINE_SETTINGS); no config file is read unless the form names one: the form is the
+    whole configuration."""
     with _ENVIRONMENT:
         saved = dict(os.environ)
         try:
             for key in [k for k in os.environ if k.upper().startswith(ENV_PREFIX)]:
-                del os.environ[key]
+                if key.upper() not in MACHINE_SETTINGS:
+                    del os.environ[key]
             os.environ.update(env)
             os.environ.setdefault("ZT_CONFIG_FILE", os.devnull)  # reads as an empty mapping
             yield
