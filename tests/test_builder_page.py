@@ -117,6 +117,9 @@ def test_an_illegal_pin_shows_the_clis_error_next_to_its_fields(page, monkeypatc
     assert not page.locator('.field[data-name="ZT_MODEL"] .error').is_visible()
     assert page.inner_text("#status") == "invalid: zerotuner config exits 2"
     assert page.inner_text("#preview") == ""
+    page.click('button[data-export="env"]')  # no file for a config `train` would refuse
+    page.wait_for_function("document.querySelector('#export-status').textContent.length")
+    assert page.inner_text("#export-status") == line.removeprefix("zerotuner: ")
 
     change(page, ZT_OFFLOAD_PARAM="")
     assert not shown.is_visible()

@@ -139,8 +139,10 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _export(self, fmt: str) -> dict[str, Any]:
         form = self._body()
-        config = evaluate(form).get("config") if fmt == "deepspeed" else None
-        name, media, text = export(fmt, compose(form), config)
+        result = evaluate(form)
+        if result["exit_code"] != 0:  # `train` would refuse it: no file to apply it with
+            raise ConfigError("invalid", problems=[e["line"] for e in result["errors"]])
+        name, media, text = export(fmt, compose(form), result["config"])
         return {"filename": name, "media_type": media, "text": text}
 
     def _body(self) -> dict[str, Any]:
