@@ -187,10 +187,13 @@ def _describe(name: str) -> dict[str, Any] | None:
         kind = "textarea"
     if name == "optimizer":
         kind, choices = "text", list(OPTIMIZER_NAMES)  # free text: a refused name says why
+    help_text = f"{info.description} Type: {kind_text}{f' ({bounds})' if bounds else ''}."
+    if name == "validation_prompts":
+        help_text = "One prompt per line (or a JSON list)."
     return {
         "name": env_name(name),
         "label": name.replace("_", " "),
-        "help": f"{info.description} Type: {kind_text}{f' ({bounds})' if bounds else ''}.",
+        "help": help_text,
         "kind": kind,
         "choices": choices,
         "default": _text(default_value(info)),
