@@ -10,7 +10,7 @@ export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
 DEMO_DIR ?= $(CURDIR)/demo
 APT_PACKAGES := $(shell grep -v '^\#' apt-packages.txt)
 
-.PHONY: setup run test test-fast lint bench image clean docs
+.PHONY: setup run run-lora test test-fast lint bench image clean docs
 
 setup: $(STAMP)
 
@@ -28,11 +28,18 @@ $(STAMP): requirements.txt requirements-dev.txt pyproject.toml apt-packages.txt
 	DS_ACCELERATOR=cpu $(BIN)/python -m zerotuner.ops
 	touch $(STAMP)
 
+DEMO_JOB = ZT_DEVICE=cpu ZT_MODEL=$(DEMO_DIR)/model ZT_DATA_DIR=$(DEMO_DIR)/data \
+	ZT_CACHE_DIR=$(DEMO_DIR)/cache ZT_OFFLOAD_DIR=$(DEMO_DIR)/offload ZT_CONFIG_FILE=config/demo.yaml
+
 run: setup
 	$(BIN)/zerotuner demo $(DEMO_DIR)
-	ZT_DEVICE=cpu ZT_MODEL=$(DEMO_DIR)/model ZT_DATA_DIR=$(DEMO_DIR)/data \
-	ZT_OUTPUT_DIR=$(DEMO_DIR)/output ZT_CACHE_DIR=$(DEMO_DIR)/cache ZT_OFFLOAD_DIR=$(DEMO_DIR)/offload \
-	ZT_CONFIG_FILE=config/demo.yaml ./entrypoint train
+	$(DEMO_JOB) ZT_OUTPUT_DIR=$(DEMO_DIR)/output ./entrypoint train
+
+# The same demo, training a LoRA adapter (the settings `zerotuner demo` prints).
+run-lora: setup
+	$(BIN)/zerotuner demo $(DEMO_DIR)
+	env $(DEMO_JOB) $$($(BIN)/python -c 'from zerotuner.commands.demo import LORA_SETTINGS; print(LORA_SETTINGS)') \
+	  ZT_OUTPUT_DIR=$(DEMO_DIR)/output-lora ./entrypoint train
 
 test: setup
 	$(BIN)/pytest -q tests

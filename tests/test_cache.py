@@ -10,6 +10,7 @@ import torch
 
 from zerotuner import data, loop, model
 from zerotuner.cache import CacheItem, FeatureCache, component_key
+from zerotuner.demo import LATENT_SCALE
 from zerotuner.errors import ConfigError
 
 
@@ -96,7 +97,8 @@ def test_encode_once_then_load_batches(sdxl, tmp_path: Path) -> None:
     same_bucket = [it for it in items if it.bucket == items[0].bucket][:2]
     batch = cache.load_batch(same_bucket, torch.Generator().manual_seed(0))
     w, h = same_bucket[0].bucket
-    assert batch["latents"].shape == (len(same_bucket), 4, h // 2, w // 2)  # demo VAE: x2
+    scale = LATENT_SCALE
+    assert batch["latents"].shape == (len(same_bucket), 4, h // scale, w // scale)
     assert batch["prompt_embeds"].shape[:2] == (len(same_bucket), 77)
     assert batch["pooled_prompt_embeds"].shape == (len(same_bucket), 32)
     assert batch["time_ids"].shape == (len(same_bucket), 6)
@@ -120,11 +122,11 @@ def test_family_conditioning_drives_the_unet(family, request) -> None:
     components = model.load_components(source, family, gradient_checkpointing=True)
     conditioning = model.CONDITIONING[family]
     text = conditioning.encode_text(components, ["a red circle", "a blue square"])
-    batch = dict(text, latents=torch.randn(2, 4, 32, 32))
+    batch = dict(text, latents=torch.randn(2, 4, 16, 16))
     if family == "sdxl":
         batch["time_ids"] = torch.stack([model.time_ids((64, 64), (0, 0), (64, 64))] * 2)
     kind = model.prediction_type(components.scheduler)
-    assert kind == ("v_prediction" if family == "sd2" else "epsilon")
+    assert kind == ("epsilon" if family == "sd1" else "v_prediction")  # see demo._scheduler
     for snr_gamma in (None, 5.0):
         loss = loop.diffusion_loss(
             components.unet,

@@ -10,8 +10,9 @@ import torch
 from PIL import Image
 
 from zerotuner import cli, data
-from zerotuner.demo import DEMO_RESOLUTION, MAX_TOKENS, train_bpe
+from zerotuner.demo import DEMO_RESOLUTION, LATENT_SCALE, MAX_TOKENS, train_bpe
 from zerotuner.families import detect_family
+from zerotuner.settings import load_settings
 
 
 def _generate(pipe, prompt: str):
@@ -33,7 +34,7 @@ def test_sdxl_demo_loads_as_a_hub_pipeline_and_generates(demo_dir: Path) -> None
     assert isinstance(pipe, StableDiffusionXLPipeline)
     assert detect_family(demo_dir / "model") == "sdxl"
     vae_scale = 2 ** (len(pipe.vae.config.block_out_channels) - 1)
-    assert pipe.vae_scale_factor == vae_scale == 2
+    assert pipe.vae_scale_factor == vae_scale == LATENT_SCALE
     assert pipe.unet.config.sample_size * vae_scale == DEMO_RESOLUTION
     assert pipe.unet.config.cross_attention_dim == (
         pipe.text_encoder.config.hidden_size + pipe.text_encoder_2.config.hidden_size
@@ -45,7 +46,8 @@ def test_sdxl_demo_loads_as_a_hub_pipeline_and_generates(demo_dir: Path) -> None
 
 def test_demo_vae_reconstructs_the_demo_images(demo_dir: Path) -> None:
     """Encode + decode gives the image back (the old random VAE's error was ~0.7 of 2), and
-    the latents are the image's colours, pooled 2x2: samples show what the UNet learned."""
+    the latents are the image's colours, pooled LATENT_SCALE x LATENT_SCALE: samples show what
+    the UNet learned."""
     import numpy as np
     from diffusers import AutoencoderKL
 
@@ -61,10 +63,14 @@ def test_demo_vae_reconstructs_the_demo_images(demo_dir: Path) -> None:
     with torch.no_grad():
         latents = vae.encode(pixels).latent_dist.mean
         decoded = vae.decode(latents).sample
-    assert latents.shape[-1] == DEMO_RESOLUTION // 2
-    assert (decoded - pixels).abs().mean() < 0.05  # the shapes' edges only: pixels span 2
-    pooled = torch.nn.functional.avg_pool2d(pixels, 2)
+    assert latents.shape[-1] == DEMO_RESOLUTION // LATENT_SCALE
+    pooled = torch.nn.functional.avg_pool2d(pixels, LATENT_SCALE)
     assert torch.allclose(latents[:, :3], pooled, atol=1e-3)
+    # Decoding repeats each pooled colour: exact inside the shapes, off only along their edges
+    # (pixels span 2).
+    upsampled = torch.nn.functional.interpolate(pooled, scale_factor=LATENT_SCALE)
+    assert torch.allclose(decoded, upsampled, atol=1e-3)
+    assert (decoded - pixels).abs().mean() < 0.05
 
 
 def test_tokenizers_cover_every_caption_without_overflow(demo_dir: Path, tmp_path: Path) -> None:
@@ -116,7 +122,18 @@ def test_cli_rewrites_identically_and_keeps_user_files(
 
     assert cli.main(["demo", str(target)]) == 0
 
-    assert str(target / "model") in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert str(target / "model") in out
+    # The two commands it prints (full UNet and LoRA) name valid settings and their own outputs.
+    commands = [line.split() for line in out.splitlines() if line.endswith("./entrypoint train")]
+    assert len(commands) == 2
+    for words, training_type in zip(commands, ("full", "lora"), strict=True):
+        env = dict(w.split("=", 1) for w in words if w.startswith("ZT_"))
+        with pytest.MonkeyPatch.context() as mp:
+            for name, value in env.items():
+                mp.setenv(name, value)
+            assert load_settings().training_type == training_type
+    assert commands[0][-3] != commands[1][-3]  # ZT_OUTPUT_DIR
     assert (target / "mine.txt").read_text() == "keep me"
     assert (target / "model" / "notes.md").read_text() == "keep me too"
     # Same seed, same bytes: weights, tokenizer, configs and images are deterministic.

@@ -22,8 +22,11 @@ from PIL import Image, ImageDraw
 log = logging.getLogger(__name__)
 
 DemoFamily = Literal["sdxl", "sd1", "sd2"]
-DEMO_RESOLUTION = 64  # pixels; the VAE below halves it, so the UNet sees 32x32 latents
-VAE_BLOCKS = (32, 64)  # two blocks => latent scale 2 ** (len - 1) = 2
+DEMO_RESOLUTION = 64  # pixels
+# Each VAE block after the first halves the image: the UNet sees 16x16 latents, so a 2-rank CPU
+# step is cheap enough for `make run` to train the ~1000 steps the shapes need in 3 minutes.
+VAE_BLOCKS = (32, 64, 64)
+LATENT_SCALE = 2 ** (len(VAE_BLOCKS) - 1)
 MAX_TOKENS = 77  # CLIP's context length; without it tokenization overflows
 
 SHAPES = ("circle", "square", "triangle")
@@ -78,11 +81,15 @@ def write_dataset(data_dir: Path, *, seed: int = 0, count: int = 64) -> Path:
 
 
 def _draw(rng: random.Random, size: tuple[int, int], shape: str, fill, background) -> Image.Image:
+    """One big shape near the centre: a 4-million-parameter UNet learns it in a few hundred steps
+    (small shapes anywhere in the frame take thousands)."""
     w, h = size
     image = Image.new("RGB", size, background)
     draw = ImageDraw.Draw(image)
-    r = rng.randint(min(w, h) // 5, min(w, h) // 3)
-    cx, cy = rng.randint(r, w - r), rng.randint(r, h - r)
+    side = min(w, h)
+    r = rng.randint(side * 30 // 100, side * 35 // 100)
+    jitter = side // 16
+    cx, cy = w // 2 + rng.randint(-jitter, jitter), h // 2 + rng.randint(-jitter, jitter)
     if shape == "circle":
         draw.ellipse((cx - r, cy - r, cx + r, cy + r), fill=fill)
     elif shape == "square":
@@ -296,7 +303,7 @@ def _unet(
             "projection_class_embeddings_input_dim": 6 * time_dim + pooled_dim,
         }
     return UNet2DConditionModel(
-        sample_size=DEMO_RESOLUTION // 2 ** (len(VAE_BLOCKS) - 1),
+        sample_size=DEMO_RESOLUTION // LATENT_SCALE,
         in_channels=4,
         out_channels=4,
         block_out_channels=(32, 64),
@@ -314,7 +321,21 @@ def _unet(
 def _scheduler(family: DemoFamily):
     from diffusers import EulerDiscreteScheduler
 
-    # The published SDXL / SD schedules; SD 2.x (768 px) predicts v.
+    if family == "sdxl":
+        # v-prediction on a zero-terminal-SNR schedule (arXiv 2305.08891): sampling starts from
+        # the pure noise training saw at t=999, so a tiny UNet gets the background colour right
+        # within `make run`'s few hundred steps; the epsilon schedule's leak of signal at t=999
+        # leaves it grey. SD 1.x keeps the published epsilon schedule, SD 2.x (768 px) predicts v.
+        return EulerDiscreteScheduler(
+            num_train_timesteps=1000,
+            beta_start=0.00085,
+            beta_end=0.012,
+            beta_schedule="scaled_linear",
+            timestep_spacing="trailing",
+            steps_offset=0,
+            rescale_betas_zero_snr=True,
+            prediction_type="v_prediction",
+        )
     return EulerDiscreteScheduler(
         num_train_timesteps=1000,
         beta_start=0.00085,
@@ -344,6 +365,23 @@ def _latent_scaling_factor(vae, data_dir: Path) -> float:
     return round(1.0 / float(latents.std()), 5)
 
 
+WORD_EMBEDDING_SCALE = 50.0
+
+
+def _distinct_words(*text_encoders) -> None:
+    """Scale the token embeddings so a word outweighs its position and the random layers.
+
+    A freshly initialised CLIP encoder maps "a red circle ..." and "a blue circle ..." to
+    nearly the same states (embeddings and positions share one small std), so the UNet could
+    not tell the prompts apart; a trained CLIP tells them apart, and so does this one.
+    """
+    import torch
+
+    with torch.no_grad():
+        for encoder in text_encoders:
+            encoder.get_input_embeddings().weight.mul_(WORD_EMBEDDING_SCALE)
+
+
 def write_model(
     model_dir: Path, *, family: DemoFamily, seed: int, corpus: list[str], data_dir: Path
 ) -> Path:
@@ -367,6 +405,7 @@ def write_model(
         text_encoder = CLIPTextModel(_text_config(vocab_size, 32))
         torch.manual_seed(seed + 2)
         text_encoder_2 = CLIPTextModelWithProjection(_text_config(vocab_size, 32))
+        _distinct_words(text_encoder, text_encoder_2)
         unet = _unet(seed + 3, cross_attention_dim=32 + 32, sdxl=True, pooled_dim=32)
         pipe = StableDiffusionXLPipeline(
             vae=vae,

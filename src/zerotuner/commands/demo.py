@@ -23,7 +23,19 @@ def run(args: argparse.Namespace) -> int:
     from zerotuner.demo import DEMO_RESOLUTION, write_demo
 
     paths = write_demo(args.dir, seed=args.seed, family=args.family)
-    print(f"demo model ({paths.family}, {DEMO_RESOLUTION} px): {paths.model.resolve()}")
-    print(f"demo data ({paths.images} images with captions): {paths.data.resolve()}")
-    print(f"train on it: ZT_MODEL={paths.model.resolve()} ZT_DATA_DIR={paths.data.resolve()}")
+    root, model, data = paths.root.resolve(), paths.model.resolve(), paths.data.resolve()
+    print(f"demo model ({paths.family}, {DEMO_RESOLUTION} px): {model}")
+    print(f"demo data ({paths.images} images with captions): {data}")
+    job = (
+        f"ZT_DEVICE=cpu ZT_MODEL={model} ZT_DATA_DIR={data} ZT_CACHE_DIR={root / 'cache'} "
+        f"ZT_OFFLOAD_DIR={root / 'offload'} ZT_CONFIG_FILE=config/demo.yaml"
+    )
+    print("train the whole UNet on it (what `make run` does), from the repository's root:")
+    print(f"  {job} ZT_OUTPUT_DIR={root / 'output'} ./entrypoint train")
+    print("or train a LoRA adapter on it (`make run-lora`; writes final/pytorch_lora_weights.*):")
+    print(f"  {job} {LORA_SETTINGS} ZT_OUTPUT_DIR={root / 'output-lora'} ./entrypoint train")
     return 0
+
+
+# An adapter takes a larger rate than the whole UNet (diffusers' examples: 1e-4 vs 1e-5).
+LORA_SETTINGS = "ZT_TRAINING_TYPE=lora ZT_LORA_RANK=16 ZT_LEARNING_RATE=1e-2"
