@@ -23,7 +23,6 @@ def errors(err: str) -> list[str]:
         ({"ZT_LORA_DROPOUT": "1"}, "ZT_LORA_DROPOUT='1': expected less than 1"),
         ({"ZT_TRAINING_TYPE": "qlora"}, "ZT_TRAINING_TYPE='qlora': expected 'full' or 'lora'"),
         ({"ZT_LORA_TARGETS": " , "}, "ZT_LORA_TARGETS=' , ': expected a preset"),
-        ({"ZT_EMA": "true"}, "ZT_EMA=True: an EMA of the adapter is not supported yet"),
     ],
 )
 def test_bad_lora_settings_are_one_line_and_exit_2(monkeypatch, capsys, tmp_path, env, expected):
@@ -42,6 +41,20 @@ def test_lora_settings_with_full_training_are_an_error(monkeypatch, capsys, tmp_
         "zerotuner: error: ZT_LORA_RANK is set but ZT_TRAINING_TYPE=full: set "
         "ZT_TRAINING_TYPE=lora or unset ZT_LORA_RANK"
     ]
+
+
+def test_variants_and_ema_with_lora_pass_and_are_said(monkeypatch, capsys, tmp_path, demo_dir):
+    code, out, err = tk.config_explain(
+        monkeypatch, capsys, tmp_path, ZT_TRAINING_TYPE="lora", ZT_MODEL=str(demo_dir / "model"),
+        ZT_LORA_DORA="true", ZT_LORA_RSLORA="true", ZT_LORA_MERGE="true", ZT_EMA="true",
+        ZT_LORA_RANK="4",
+    )  # fmt: skip
+    assert code == 0, err
+    assert "LoRA rank 4, alpha 4 (DoRA, rsLoRA) on to_k" in err
+    code, out, err = tk.config_explain(monkeypatch, capsys, tmp_path, ZT_TRAINING_TYPE="full")
+    assert code == 2
+    for name in ("ZT_LORA_DORA", "ZT_LORA_RSLORA", "ZT_LORA_MERGE"):
+        assert f"zerotuner: error: {name} is set but ZT_TRAINING_TYPE=full: set " in err, err
 
 
 def test_a_target_the_unet_lacks_lists_the_valid_names(monkeypatch, capsys, tmp_path, demo_dir):

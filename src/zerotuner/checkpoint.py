@@ -11,7 +11,9 @@ waits in `.step-N.replaced` and is put back if the new save never commits. A che
 on another world size or ZeRO stage resumes through zerotuner.universal.
 
 The manifest also makes a checkpoint self-contained for `zerotuner export`: it names the base
-pipeline whose frozen parts complete the exported folder.
+pipeline whose frozen parts complete the exported folder. Frozen parameters (a LoRA run's base
+UNet) are left out of it (`exclude_frozen_parameters`): the base model's files hold them, so a
+LoRA checkpoint is the adapter and its optimizer state only.
 """
 
 from __future__ import annotations
@@ -116,8 +118,9 @@ def save(
     barrier()
     try:
         engine.save_checkpoint(
-            str(root), tag=tag, client_state={"zerotuner_step": step}, save_latest=False
-        )
+            str(root), tag=tag, client_state={"zerotuner_step": step}, save_latest=False,
+            exclude_frozen_parameters=True,
+        )  # fmt: skip
         _test_hook("ZT_TEST_SLEEP_IN_SAVE")
         barrier()  # every shard is written
         commit = functools.partial(
@@ -361,11 +364,16 @@ def load(engine: Any, path: Path) -> Resumed:
     # the learning rate or Adam's step count and moments: those checkpoints take our path
     nvme = engine.zero_nvme_offload_optimizer() or (path / SWAPPED).is_dir()
     if same_layout(manifest, stage=stage, world=world) and not nvme:
-        loaded, _ = engine.load_checkpoint(str(path.parent), tag=path.name)
+        # a checkpoint without the frozen base loads into a module that has it (from the model)
+        frozen = any(not p.requires_grad for p in engine.module.parameters())
+        loaded, _ = engine.load_checkpoint(
+            str(path.parent), tag=path.name, load_module_strict=not frozen
+        )
         if loaded is None:
             raise ConfigError(f"ZT_RESUME: DeepSpeed could not load the checkpoint {path}")
     else:
         _load_other_topology(engine, path, manifest, stage=stage, world=world)
+    _replay_cpu_adam_steps(engine)
     ema_file = path / EMA_FILE
     ema = load_file(str(ema_file)) if ema_file.is_file() else None
     return Resumed(
@@ -375,3 +383,48 @@ def load(engine: Any, path: Path) -> Resumed:
         ema_updates=int(manifest.get("ema_updates", 0)),
         path=path,
     )
+
+
+def _replay_cpu_adam_steps(engine: Any) -> None:
+    """DeepSpeed's CPU Adam (DeepSpeedCPUAdam, and FusedAdam on the CPU accelerator) keeps
+    beta1^t and beta2^t in C++, advanced by one multiplication a step, but takes pow() for a
+    step out of sequence, as the first one after a resume is: in float the two differ in the
+    last bit (0.999^3, 0.9^9), and the resumed run drifts from the uninterrupted one. Walk the
+    counter up to the resumed step as the run did: one update of an empty tensor per step,
+    which only moves it (DeepSpeed 0.19's ds_adam_step). CUDA's FusedAdam takes pow() at every
+    step: nothing to replay there."""
+    from deepspeed.accelerator import get_accelerator
+    from deepspeed.ops.adam import DeepSpeedCPUAdam, FusedAdam
+
+    optimizer = getattr(engine.optimizer, "optimizer", engine.optimizer)
+    group = getattr(optimizer, "param_groups", [{}])[0]
+    if "betas" not in group:
+        return
+    beta1, beta2 = group["betas"]
+    lr, eps, decay, correct = (
+        group["lr"],
+        group["eps"],
+        group["weight_decay"],
+        group.get("bias_correction", True),
+    )
+    empty = torch.empty(0)
+    if isinstance(optimizer, DeepSpeedCPUAdam):
+
+        def update(step: int) -> None:
+            optimizer.ds_opt_adam.adam_update(
+                optimizer.opt_id, step, lr, beta1, beta2, eps, decay, correct, empty, empty,
+                empty, empty,
+            )  # fmt: skip
+
+    elif isinstance(optimizer, FusedAdam) and get_accelerator().device_name() == "cpu":
+
+        def update(step: int) -> None:
+            optimizer.multi_tensor_adam(
+                2048 * 32, optimizer._dummy_overflow_buf, [[empty]] * 4, lr, beta1, beta2, eps,
+                step, optimizer.adam_w_mode, int(correct), decay,
+            )  # fmt: skip
+
+    else:
+        return
+    for step in range(1, engine.global_steps - engine.skipped_steps + 1):
+        update(step)

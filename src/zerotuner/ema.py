@@ -1,4 +1,5 @@
-"""An exponential moving average of the UNet weights, kept on the CPU in fp32 on rank 0.
+"""An exponential moving average of the trained weights, kept on the CPU in fp32 on rank 0:
+the whole UNet in full training, the adapter only in a LoRA run (the frozen base never moves).
 
 DeepSpeed does not shard it (the seed's note: an EMA doubles the footprint), so it lives in
 host memory of one rank. Under ZeRO-3 each rank holds only a shard of every parameter: all
@@ -35,10 +36,11 @@ def full_parameters(
 
 
 def iter_full_named_parameters(
-    module: torch.nn.Module,
+    module: torch.nn.Module, *, trainable_only: bool = False
 ) -> Iterator[tuple[str, torch.nn.Parameter]]:
-    """(name, parameter) with the parameter whole while the caller looks at it, at any stage."""
-    named = list(module.named_parameters())
+    """(name, parameter) with the parameter whole while the caller looks at it, at any stage
+    (`trainable_only`: the parameters that require grad, gathering no frozen one)."""
+    named = [(n, p) for n, p in module.named_parameters() if p.requires_grad or not trainable_only]
     for start in range(0, len(named), GATHER_GROUP):
         group = named[start : start + GATHER_GROUP]
         with full_parameters(module, [p for _, p in group]):
@@ -80,6 +82,28 @@ def full_state_dict(module: torch.nn.Module, *, rank: int) -> dict[str, torch.Te
     return state
 
 
+def trainable_state_dict(module: torch.nn.Module, *, rank: int) -> dict[str, torch.Tensor] | None:
+    """The parameters that require grad (a LoRA adapter), whole and fp32 on the CPU, on rank 0
+    (None elsewhere), keyed by the module's parameter names. A collective: every rank calls it.
+
+    With mixed precision the optimizer's fp32 masters are taken (safe_get_full_fp32_param,
+    which gathers them at ZeRO 1-3); without an optimizer mapping (ZeRO-0 in fp32) the
+    module's own weights, gathered first where they are partitioned."""
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    state: dict[str, torch.Tensor] | None = {} if rank == 0 else None
+    for name, param in module.named_parameters():
+        if not param.requires_grad:
+            continue
+        master = safe_get_full_fp32_param(param)
+        if master is None:
+            with full_parameters(module, [param]):
+                master = param.detach().float().cpu().clone()
+        if state is not None:
+            state[name] = master.detach().float().cpu().clone()
+    return state
+
+
 def _swapped_zero3_masters(z3, params: list[torch.nn.Parameter]) -> list[torch.Tensor | None]:
     """The full fp32 masters under ZeRO-3 with the optimizer on NVMe, one sub-group at a time.
 
@@ -107,11 +131,18 @@ def _swapped_zero3_masters(z3, params: list[torch.nn.Parameter]) -> list[torch.T
 
 class EMA:
     """Shadow weights; `decay` is capped by (1 + n) / (10 + n) after n updates (as diffusers'
-    EMAModel does), so short runs are not dominated by the initial weights."""
+    EMAModel does), so short runs are not dominated by the initial weights. `trainable_only`
+    (LoRA): only the parameters that require grad are averaged, the frozen base is not copied."""
 
-    def __init__(self, module: torch.nn.Module, *, decay: float, rank: int) -> None:
+    def __init__(
+        self, module: torch.nn.Module, *, decay: float, rank: int, trainable_only: bool = False
+    ) -> None:
         self.decay, self.rank, self.updates = decay, rank, 0
-        state = full_state_dict(module, rank=rank)
+        self.trainable_only = trainable_only
+        if trainable_only:
+            state = trainable_state_dict(module, rank=rank)
+        else:
+            state = full_state_dict(module, rank=rank)
         self.shadow = {k: v for k, v in state.items()} if state is not None else None
 
     def current_decay(self) -> float:
@@ -122,7 +153,7 @@ class EMA:
         """Call on every rank after each optimizer step."""
         decay = self.current_decay()
         self.updates += 1
-        for name, param in iter_full_named_parameters(module):
+        for name, param in iter_full_named_parameters(module, trainable_only=self.trainable_only):
             if self.shadow is not None:
                 shadow = self.shadow[name]
                 # sync: a device-to-host copy of every weight each step (the EMA is on the CPU)

@@ -75,9 +75,15 @@ def checkpoint_unet_state(checkpoint: Path, *, ema: bool = False) -> dict[str, t
 
 
 def export_checkpoint(
-    checkpoint: Path, out: Path, *, ema: bool = False, base: Path | None = None
+    checkpoint: Path,
+    out: Path,
+    *,
+    ema: bool = False,
+    base: Path | None = None,
+    merged: bool = False,
 ) -> Path:
-    """`zerotuner export CKPT OUT`: a checkpoint folder (step-N) to a pipeline folder."""
+    """`zerotuner export CKPT OUT`: a checkpoint folder (step-N) to a pipeline folder; of a
+    LoRA checkpoint, its adapter files (`merged`: and `OUT/merged/`, the fused pipeline)."""
     checkpoint = Path(checkpoint)
     if not checkpoint.is_dir():
         raise ConfigError(f"CKPT={checkpoint}: no such checkpoint folder")
@@ -93,10 +99,13 @@ def export_checkpoint(
             "pipeline folder the run trained from"
         )
     if manifest.get("training_type") == "lora":
-        if ema:
-            raise ConfigError(f"CKPT={checkpoint}: a LoRA checkpoint has no EMA weights")
-        from zerotuner import lora
+        from zerotuner import lora_files
 
-        return lora.export_checkpoint(checkpoint, manifest, base, out)
+        return lora_files.export_checkpoint(checkpoint, manifest, base, out, ema=ema, merged=merged)
+    if merged:
+        raise ConfigError(
+            f"CKPT={checkpoint}: --merged fuses a LoRA adapter into its base; this checkpoint "
+            "is from a full run, whose export is a whole pipeline already"
+        )
     state = checkpoint_unet_state(checkpoint, ema=ema)
     return write_pipeline(base, state, out)

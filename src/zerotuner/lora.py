@@ -3,27 +3,23 @@
 The base UNet is frozen (DeepSpeed casts it to the run's 16-bit dtype with the rest of the
 module, and no optimizer state exists for it); peft's LoRA layers are added with diffusers'
 `add_adapter`, and only their parameters reach `deepspeed.initialize` (fp32 masters, Adam
-moments). Under ZeRO-3 every parameter, frozen ones included, is a shard on each rank: the
-adapter is gathered (fp32 masters) before it is written, and a file that would be empty or of
-the wrong shapes (what `state_dict()` of a partitioned model yields) is refused.
+moments); peft's DoRA and rsLoRA variants are settings. DoRA works at every stage: under ZeRO-3
+the base weight it reads outside the base layer's forward is gathered by DeepSpeed on access
+(its external-parameter hook on `module._parameters`).
 
-The output is `final/pytorch_lora_weights.safetensors` as diffusers' `save_lora_weights` writes
-it (`unet.`-prefixed peft keys), with the adapter's LoraConfig as metadata so
-that an alpha other than the rank survives `load_lora_weights`; beside it the same adapter in
-the kohya key format (ComfyUI, A1111) with its true `.alpha` values.
+This module holds the settings, the adapter's definition and the resume checks; the files it
+becomes are written by zerotuner.lora_files.
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
-import shutil
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
 
 from zerotuner.errors import ConfigError
 from zerotuner.notes import Note
@@ -32,17 +28,15 @@ from zerotuner.settings import Settings, env_name
 log = logging.getLogger(__name__)
 
 ADAPTER = "default"  # peft's adapter name inside the UNet
-ADAPTER_FILE = "pytorch_lora_weights.safetensors"
-# Not ending in ADAPTER_FILE: diffusers' `load_lora_weights(folder)` still picks the one above.
-KOHYA_FILE = "pytorch_lora_weights_kohya.safetensors"
 ATTENTION = ("to_k", "to_q", "to_v", "to_out.0")  # diffusers' train_text_to_image_lora_sdxl
 PRESETS: dict[str, tuple[str, ...]] = {
     "attention": ATTENTION,
     "attention+ff": (*ATTENTION, "ff.net.0.proj", "ff.net.2"),
 }
-LORA_FIELDS = ("lora_rank", "lora_alpha", "lora_dropout", "lora_targets")
-# Settings a LoRA run cannot honour yet: what ZT_EMA would average is the whole UNet.
-FULL_ONLY = {"ema": "an EMA of the adapter is not supported yet"}
+LORA_FIELDS = (
+    "lora_rank", "lora_alpha", "lora_dropout", "lora_targets", "lora_dora", "lora_rslora",
+    "lora_merge",
+)  # fmt: skip
 LORA_LAYERS = (torch.nn.Linear, torch.nn.Conv2d)  # what peft can wrap in a diffusers UNet
 
 
@@ -57,12 +51,6 @@ def check_settings(settings: Settings) -> None:
                     f"{env_name('training_type')}=lora or unset {env_name(name)}"
                 )
     else:
-        for name, why in FULL_ONLY.items():
-            if getattr(settings, name):
-                problems.append(
-                    f"{env_name(name)}={getattr(settings, name)}: {why} "
-                    f"({env_name('training_type')}=lora); unset it or train full"
-                )
         try:
             parse_targets(settings.lora_targets)
         except ConfigError as error:
@@ -76,11 +64,14 @@ def notes(settings: Settings) -> list[Note]:
     if settings.training_type != "lora":
         return []
     targets = ",".join(parse_targets(settings.lora_targets))
+    variants = [name for name, on in (("DoRA", settings.lora_dora),
+                                      ("rsLoRA", settings.lora_rslora)) if on]  # fmt: skip
+    shown = f" ({', '.join(variants)})" if variants else ""
     return [
         Note(
             "info",
-            f"LoRA rank {settings.lora_rank}, alpha {alpha(settings):g} on {targets}; the plan "
-            "counts the adapter as trained and the base UNet as frozen (weights only)",
+            f"LoRA rank {settings.lora_rank}, alpha {alpha(settings):g}{shown} on {targets}; "
+            "the plan counts the adapter as trained and the base UNet as frozen (weights only)",
         )
     ]
 
@@ -183,6 +174,8 @@ def adapter_settings(settings: Settings) -> dict[str, Any]:
         "alpha": alpha(settings),
         "dropout": settings.lora_dropout,
         "targets": list(parse_targets(settings.lora_targets)),
+        "dora": settings.lora_dora,
+        "rslora": settings.lora_rslora,
     }
 
 
@@ -195,6 +188,8 @@ def make_config(adapter: dict[str, Any]) -> Any:
         lora_dropout=adapter.get("dropout", 0.0),
         init_lora_weights="gaussian",  # A random, B zero: training starts at the base model
         target_modules=list(adapter["targets"]),
+        use_dora=adapter.get("dora", False),
+        use_rslora=adapter.get("rslora", False),
     )
 
 
@@ -204,7 +199,11 @@ def add_adapter(unet: Any, settings: Settings) -> list[torch.nn.Parameter]:
     config = lora_config(settings)
     check_targets(unet, config.target_modules)
     unet.requires_grad_(False)
-    unet.add_adapter(config, adapter_name=ADAPTER)
+    # lora_A's random start from ZT_SEED: every rank and every run starts from the same adapter
+    # (ZeRO-3 partitions each rank's own copy: DeepSpeed broadcasts none), whatever the stage
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(settings.seed)
+        unet.add_adapter(config, adapter_name=ADAPTER)
     named = [(n, p) for n, p in unet.named_parameters() if p.requires_grad]
     if not named or any(".lora_" not in n for n, _ in named):
         raise RuntimeError("peft left base parameters trainable or added no adapter")
@@ -233,139 +232,6 @@ def shapes(module: torch.nn.Module) -> dict[str, tuple[int, ...]]:
         for name, p in module.named_parameters()
         if p.requires_grad
     }
-
-
-def adapter_state(module: torch.nn.Module, *, rank: int) -> dict[str, torch.Tensor] | None:
-    """The adapter's weights, whole and fp32 on the CPU, on rank 0 (None elsewhere), keyed by
-    the module's parameter names. A collective: every rank calls it.
-
-    With mixed precision the optimizer's fp32 masters are taken (safe_get_full_fp32_param,
-    which gathers them at ZeRO 1-3); without an optimizer mapping (ZeRO-0 in fp32) the
-    module's own weights, gathered first where they are partitioned."""
-    from deepspeed.utils import safe_get_full_fp32_param
-
-    from zerotuner.ema import full_parameters
-
-    state: dict[str, torch.Tensor] | None = {} if rank == 0 else None
-    for name, param in module.named_parameters():
-        if not param.requires_grad:
-            continue
-        master = safe_get_full_fp32_param(param)
-        if master is None:
-            with full_parameters(module, [param]):
-                master = param.detach().float().cpu().clone()
-        if state is not None:
-            state[name] = master.detach().float().cpu().clone()
-    return state
-
-
-def check_adapter(state: dict[str, torch.Tensor], expected: dict[str, tuple[int, ...]]) -> None:
-    """Refuse an adapter that is empty, partial or of the wrong shapes (a ZeRO-3 shard or
-    placeholder saved as if it were the weight): no file beats a silently broken one."""
-    if not state or not expected:
-        raise RuntimeError("refusing to write an empty LoRA adapter (no adapter weights)")
-    if state.keys() != expected.keys():
-        missing = sorted(expected.keys() - state.keys())
-        extra = sorted(state.keys() - expected.keys())
-        raise RuntimeError(
-            f"refusing to write a partial LoRA adapter: missing {missing[:3]}, unexpected "
-            f"{extra[:3]}"
-        )
-    wrong = [
-        f"{name} {tuple(t.shape)} (expected {expected[name]})"
-        for name, t in state.items()
-        if tuple(t.shape) != expected[name] or t.numel() == 0
-    ]
-    if wrong:
-        raise RuntimeError(
-            f"refusing to write a LoRA adapter with wrong shapes: {'; '.join(wrong[:3])}"
-        )
-
-
-def write_gathered(
-    module: torch.nn.Module,
-    *,
-    rank: int,
-    family: str,
-    expected: dict[str, tuple[int, ...]],
-    adapter_metadata: dict[str, Any],
-    out: Path,
-) -> bool:
-    """The engine's adapter gathered from every rank and written by rank 0 into `out` (a
-    collective; a refusal fails every rank, not only rank 0). True on rank 0."""
-    from zerotuner.checkpoint import on_rank0
-
-    state = adapter_state(module, rank=rank)
-
-    def write() -> None:
-        assert state is not None
-        write_adapter(family, state, expected, adapter_metadata, out)
-
-    on_rank0(rank, write)
-    return rank == 0
-
-
-def peft_keys(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Module parameter names to peft's saved names: the adapter name leaves the key
-    (`...to_q.lora_A.default.weight` -> `...to_q.lora_A.weight`)."""
-    return {name.replace(f".{ADAPTER}.", "."): t for name, t in state.items()}
-
-
-def kohya(layers: dict[str, torch.Tensor], lora_alpha: float) -> dict[str, torch.Tensor]:
-    """The adapter in the kohya key format that ComfyUI, A1111 and diffusers read
-    (`lora_unet_<module>.lora_down.weight`, `.lora_up.weight`, `.alpha`), from peft keys.
-    diffusers' converter writes every `.alpha` as the rank: the true alpha is put back, so
-    the scale alpha / rank is the trained one."""
-    from diffusers.utils import convert_state_dict_to_kohya
-
-    converted = convert_state_dict_to_kohya({f"unet.{k}": v for k, v in layers.items()})
-    for key in converted:
-        if key.endswith(".alpha"):
-            converted[key] = torch.tensor(float(lora_alpha))
-    return {k: v.contiguous() for k, v in converted.items()}
-
-
-def pipeline_class(family: str) -> Any:
-    """The pipeline whose `save_lora_weights` writes this family's layout."""
-    if family == "sdxl":
-        from diffusers import StableDiffusionXLPipeline
-
-        return StableDiffusionXLPipeline
-    from diffusers import StableDiffusionPipeline
-
-    return StableDiffusionPipeline
-
-
-def write_adapter(
-    family: str,
-    state: dict[str, torch.Tensor],
-    expected: dict[str, tuple[int, ...]],
-    adapter_metadata: dict[str, Any],
-    out: Path,
-) -> Path:
-    """`out/pytorch_lora_weights.safetensors` (diffusers layout, metadata included), built in
-    a folder beside `out` and renamed into place; refused when the adapter is not whole."""
-    check_adapter(state, expected)
-    # peft's key names, as diffusers' newer LoRA examples save them: its older `lora.down` /
-    # `lora.up` names exist only for attention layers, and a file mixing both with conv or
-    # feed-forward targets loads without those layers
-    layers = peft_keys(state)
-    out = Path(out)
-    tmp = out.with_name(f".{out.name}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    pipeline_class(family).save_lora_weights(
-        tmp,
-        unet_lora_layers={k: v.contiguous() for k, v in layers.items()},
-        unet_lora_adapter_metadata=adapter_metadata,
-        weight_name=ADAPTER_FILE,
-    )
-    if adapter_metadata:
-        save_file(kohya(layers, adapter_metadata["lora_alpha"]), str(tmp / KOHYA_FILE))
-    if out.exists():
-        shutil.rmtree(out)
-    tmp.rename(out)
-    return out
 
 
 def manifest_entries(settings: Settings, *, base_digest: str | None = None) -> dict[str, Any]:
@@ -425,8 +291,8 @@ def check_resume_base(
 
 def check_resume(manifest: dict[str, Any], settings: Settings, path: Path) -> None:
     """Refuse (exit 2, one line) to resume a checkpoint of another training type, or a LoRA
-    checkpoint whose adapter has another rank or other targets. Alpha and dropout may change:
-    they do not change what the checkpoint holds."""
+    checkpoint whose adapter has another rank, other targets or DoRA on/off. Alpha, rsLoRA and
+    dropout may change: they do not change what the checkpoint holds."""
     saved = manifest.get("training_type", "full")  # checkpoints from before LoRA were full
     wanted = settings.training_type
     fresh = f"set {env_name('resume')}=never or another {env_name('output_dir')} to start afresh"
@@ -437,32 +303,11 @@ def check_resume(manifest: dict[str, Any], settings: Settings, path: Path) -> No
         )
     if wanted != "lora":
         return
-    before, now = manifest.get("lora", {}), manifest_entries(settings)["lora"]
-    for key, setting in (("rank", "lora_rank"), ("targets", "lora_targets")):
+    before, now = {"dora": False} | manifest.get("lora", {}), manifest_entries(settings)["lora"]
+    for key, setting in (("rank", "lora_rank"), ("targets", "lora_targets"), ("dora", "lora_dora")):
         if before.get(key) != now[key]:
             shown = ",".join(before.get(key, [])) if key == "targets" else before.get(key)
             raise ConfigError(
                 f"{env_name(setting)}={getattr(settings, setting)}: the checkpoint to resume "
                 f"({path}) has an adapter with {key} {shown}; set it back to continue, or {fresh}"
             )
-
-
-def export_checkpoint(checkpoint: Path, manifest: dict[str, Any], base: Path, out: Path) -> Path:
-    """`zerotuner export` of a LoRA checkpoint: its adapter (consolidated from any stage and
-    world size) as `out/pytorch_lora_weights.safetensors`, checked against the shapes the
-    manifest's adapter has on the base UNet (built on the meta device)."""
-    from accelerate import init_empty_weights
-    from diffusers import UNet2DConditionModel
-
-    from zerotuner.export import checkpoint_unet_state
-
-    config = make_config(manifest["lora"])
-    with init_empty_weights():
-        unet = UNet2DConditionModel.from_config(
-            UNet2DConditionModel.load_config(base, subfolder="unet")
-        )
-    unet.requires_grad_(False)
-    unet.add_adapter(config, adapter_name=ADAPTER)
-    state = checkpoint_unet_state(checkpoint)
-    adapter = {name: t for name, t in state.items() if ".lora_" in name}
-    return write_adapter(manifest["family"], adapter, shapes(unet), metadata(config), out)

@@ -120,6 +120,21 @@ class Settings(BaseSettings):
         "as diffusers' SDXL LoRA example), `attention+ff` (also the feed-forward layers), or "
         "module names and presets separated by commas.",
     )
+    lora_dora: bool = Field(
+        False,
+        description="DoRA (peft's use_dora): each adapted layer also learns the magnitude of "
+        "its weight's rows; at every ZeRO stage.",
+    )
+    lora_rslora: bool = Field(
+        False,
+        description="rsLoRA (peft's use_rslora): scale = alpha / sqrt(rank) instead of alpha / "
+        "rank, so a higher rank does not shrink the update.",
+    )
+    lora_merge: bool = Field(
+        False,
+        description="Also write `final/merged/`: a whole diffusers pipeline with the adapter "
+        "fused into the UNet.",
+    )
 
     # --- DeepSpeed ------------------------------------------------------------------------
     zero_stage: Auto | Literal[0, 1, 2, 3] = Field(

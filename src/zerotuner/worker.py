@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from zerotuner import cache as feature_cache
-from zerotuner import checkpoint, data, distributed, export, loop, lora, model, samples
+from zerotuner import checkpoint, data, distributed, export, loop, lora, lora_files, model, samples
 from zerotuner.ema import EMA, full_state_dict
 from zerotuner.errors import EXIT_FAILURE, EXIT_OK, EXIT_SIGNAL, ZeroTunerError
 from zerotuner.job import Job, load_job
@@ -236,7 +236,10 @@ class Run:
             self.position = data.Position(**(resumed.position or {}))
             log.info("resumed from %s at step %d", resumed.path, resumed.step)
         if self.settings.ema:
-            self.ema = EMA(self.engine_.module, decay=self.settings.ema_decay, rank=self.rank)
+            self.ema = EMA(
+                self.engine_.module, decay=self.settings.ema_decay, rank=self.rank,
+                trainable_only=self.settings.training_type == "lora",
+            )  # fmt: skip
             if resumed and resumed.ema is not None:
                 self.ema.load(resumed.ema, resumed.ema_updates)
 
@@ -356,9 +359,19 @@ class Run:
             self.validate(step)
         self.phase("exporting")
         if s.training_type == "lora":
-            if self._write_adapter(s.output_dir / "final"):
+            final = s.output_dir / "final"
+            if self._write_adapter(final, merge=s.lora_merge):
+                if self.ema is not None:
+                    lora_files.write_adapter(
+                        self.job.family, self.ema.state_dict(), self.adapter_shapes,
+                        self.adapter_metadata, s.output_dir / "final-ema",
+                    )  # fmt: skip
                 self._loss_curve()
-                log.info("exported %s", s.output_dir / "final" / lora.ADAPTER_FILE)
+                log.info(
+                    "exported %s%s%s", final / lora_files.ADAPTER_FILE,
+                    f" and {final / lora_files.MERGED}" if s.lora_merge else "",
+                    " and final-ema" if self.ema else "",
+                )  # fmt: skip
             distributed.barrier()
             return
         state = full_state_dict(self.engine_.module, rank=self.rank)  # collective
@@ -372,10 +385,11 @@ class Run:
             log.info("exported %s%s", out, " and final-ema" if self.ema else "")
         distributed.barrier()
 
-    def _write_adapter(self, out: Path) -> bool:
-        return lora.write_gathered(
+    def _write_adapter(self, out: Path, *, merge: bool = False) -> bool:
+        return lora_files.write_gathered(
             self.engine_.module, rank=self.rank, family=self.job.family,
             expected=self.adapter_shapes, adapter_metadata=self.adapter_metadata, out=out,
+            merge_base=self.source if merge else None,
         )  # fmt: skip
 
     def _loss_curve(self) -> None:

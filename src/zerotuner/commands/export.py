@@ -17,6 +17,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("out", type=Path, help="the pipeline folder to write (replaced if present)")
     parser.add_argument("--ema", action="store_true", help="export the EMA weights instead")
     parser.add_argument(
+        "--merged", action="store_true",
+        help="LoRA: also write OUT/merged/, the base pipeline with the adapter fused into its UNet",
+    )  # fmt: skip
+    parser.add_argument(
         "--base", type=Path, default=None,
         help="base pipeline folder, if the one recorded in the checkpoint has moved",
     )  # fmt: skip
@@ -28,7 +32,9 @@ def run(args: argparse.Namespace) -> int:
     os.environ.setdefault("DS_ACCELERATOR", "cpu")  # consolidation needs no GPU
     from zerotuner.export import export_checkpoint
 
-    out = export_checkpoint(args.checkpoint, args.out, ema=args.ema, base=args.base)
+    out = export_checkpoint(
+        args.checkpoint, args.out, ema=args.ema, base=args.base, merged=args.merged
+    )
     log.info("exported %s -> %s", args.checkpoint, out)
     print(out)
     return 0
