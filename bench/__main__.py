@@ -15,7 +15,7 @@ from pathlib import Path
 from bench import report, runs, suites
 from bench.benchmodel import unet_parameters, write_bench_model
 
-SUITES = ("overhead", "planner", "nvme", "scaling", "stops", "gpu_paper")
+SUITES = ("overhead", "planner", "lora_vs_full", "nvme", "scaling", "stops", "gpu_paper")
 log = logging.getLogger("bench")
 
 
@@ -73,6 +73,11 @@ def main(argv: list[str] | None = None) -> int:
         if "planner" in wanted:
             log.info("planner accuracy")
             results["planner"] = suites.planner(b, bare2)
+        if "lora_vs_full" in wanted:
+            log.info("LoRA vs full: the same model and stages")
+            from bench.lora_vs_full import lora_vs_full
+
+            results["lora_vs_full"] = lora_vs_full(b)
         if "scaling" in wanted and over is not None:
             log.info("scaling: 1 vs 2 ranks")
             results["scaling"] = suites.scaling(b, over["deepspeed_config"], bare2)

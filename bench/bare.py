@@ -3,7 +3,9 @@
 What a user would write by hand: load the UNet, `deepspeed.initialize` with the very config
 zerotuner produced (OUTPUT/run/deepspeed.json), and loop forward / backward / step on batches
 already in memory (the same shapes zerotuner's cache yields). Nothing else: no sinks, no
-checkpoints, no signal handling, no data loading. Rank 0 writes step times and phase times;
+checkpoints, no signal handling, no data loading. With `--lora-rank` the UNet is frozen and
+peft's LoRA layers (the config zerotuner's trainer builds) are what the optimizer gets.
+Rank 0 writes step times and phase times;
 every rank writes the peak of its live tensor bytes within step 2 (bench.peak) and the bytes
 of the tensors it holds after the first step (planner accuracy).
 """
@@ -54,6 +56,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--resolution", type=int, default=64)
+    parser.add_argument("--lora-rank", type=int, default=0, help="0: train the whole UNet")
+    parser.add_argument("--lora-targets", default="attention", help="as ZT_LORA_TARGETS")
     args = parser.parse_args()
 
     times = {"process_start": STARTED}
@@ -77,6 +81,14 @@ def main() -> None:
     rss_before = rss()
     unet = UNet2DConditionModel.from_pretrained(args.model, subfolder="unet")
     unet.train()
+    if args.lora_rank:  # as a user would: freeze the base, add the adapter, train that
+        from zerotuner.lora import make_config, parse_targets
+
+        unet.requires_grad_(False)
+        unet.add_adapter(make_config({
+            "rank": args.lora_rank, "alpha": args.lora_rank,
+            "targets": parse_targets(args.lora_targets),
+        }))  # fmt: skip
     scheduler = EulerDiscreteScheduler.from_pretrained(args.model, subfolder="scheduler")
     times["model_loaded"] = time.time()
     engine, _, _, _ = deepspeed.initialize(
@@ -145,6 +157,7 @@ def main() -> None:
         "world_size": world,
         "micro_batch": micro,
         "samples_per_step": micro * accumulation * world,
+        "trainable_params": sum(p.numel() for p in unet.parameters() if p.requires_grad),
         "step_seconds": step_seconds,
         "times": times,
         "memory": memory,

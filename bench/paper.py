@@ -3,6 +3,10 @@
 of each part of one step. Everything here is an ESTIMATE: the planner's formulas, FLOPs
 counted on the meta device, an assumed GPU utilisation and PCIe rate, and CPU Adam's speed
 measured on this machine's cores, scaled to an assumed desktop CPU.
+
+Beside it the same job as LoRA (rank 16 on the attention layers, ZT_LORA_*'s defaults): what
+the planner picks with the base frozen, its memory, and a step from FLOPs counted with the
+adapter in place (backward computes no weight gradients for the frozen base).
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ ASSUMED_MFU = 0.45  # a UNet's convolutions and attention at 1024^2 in bf16, no 
 PCIE_BYTES_PER_S = 20e9  # PCIe 4.0 x16, ~25 GB/s peak; pinned-memory copies reach ~20
 ASSUMED_HOST_CORES = 16  # a 4090 desktop; CPU Adam scales with cores (memory-bound later)
 HOST_MEMORY = 64 * GiB
+LORA_RANK = 16  # ZT_LORA_RANK's default, on ZT_LORA_TARGETS' default (attention)
 
 
 def headline_hardware() -> Any:
@@ -31,16 +36,22 @@ def headline_hardware() -> Any:
     )  # fmt: skip
 
 
-def unet_flops(batch: int = 1, latent: int = 128) -> tuple[float, float]:
-    """(forward, backward) FLOPs of the SDXL UNet for `batch` images, counted on meta."""
+def unet_flops(batch: int = 1, latent: int = 128, lora_rank: int = 0) -> tuple[float, float]:
+    """(forward, backward) FLOPs of the SDXL UNet for `batch` images, counted on meta; with
+    `lora_rank`, of the frozen UNet with an attention adapter (as the trainer builds it)."""
     import torch
     from diffusers import UNet2DConditionModel
     from torch.utils.flop_counter import FlopCounterMode
 
     from zerotuner.families import BUILTIN_UNET_CONFIGS
+    from zerotuner.lora import ATTENTION, make_config
 
     with torch.device("meta"):
         unet = UNet2DConditionModel.from_config(BUILTIN_UNET_CONFIGS["sdxl"])
+        if lora_rank:
+            unet.requires_grad_(False)
+            adapter = {"rank": lora_rank, "alpha": lora_rank, "targets": ATTENTION}
+            unet.add_adapter(make_config(adapter))
         x = torch.randn(batch, 4, latent, latent)
         cond = {"text_embeds": torch.randn(batch, 1280), "time_ids": torch.randn(batch, 6)}
         with FlopCounterMode(display=False) as forward:
@@ -65,6 +76,40 @@ def cpu_adam_elements_per_s(numel: int = 20_000_000, steps: int = 3) -> dict[str
         opt.step()
     seconds = (time.perf_counter() - started) / steps
     return {"elements_per_s": numel / seconds, "threads": torch.get_num_threads()}
+
+
+def lora_headline() -> dict[str, Any]:
+    """The headline job as LoRA: the planner's choice and memory, and a step on paper."""
+    from zerotuner.families import model_shape
+    from zerotuner.lora import PRESETS
+    from zerotuner.plan import make_plan
+    from zerotuner.trainable import lora_adapter
+
+    shape = model_shape("sdxl")
+    training = lora_adapter(shape, rank=LORA_RANK, targets=PRESETS["attention"])
+    plan = make_plan(
+        shape, headline_hardware(), resolution=1024, micro_batch=8, world_size=1,
+        mixed_precision="auto", training=training,
+    )  # fmt: skip
+    choice = plan.choice
+    fwd, bwd = unet_flops(lora_rank=LORA_RANK)
+    recompute = fwd if choice.gradient_checkpointing else 0.0
+    flops = 8 * (fwd + bwd + recompute)
+    # The adapter's optimizer state stays on the GPU unless the plan offloads it: no CPU Adam
+    # and no PCIe traffic per step beyond the batch.
+    return {
+        "rank": LORA_RANK,
+        "targets": "attention",
+        "trainable_params": training.trainable_params,
+        "frozen_params": training.frozen_params,
+        "choice": choice.choice() | {"label": choice.label()},
+        "reasons": list(plan.reasons),
+        "device_bytes": choice.device_bytes,
+        "host_bytes": choice.host_bytes,
+        "parts_bytes": choice.parts,
+        "flops": {"forward_per_image": fwd, "backward_per_image": bwd, "step": flops},
+        "step_seconds": flops / (GPU_BF16_TFLOPS * 1e12 * ASSUMED_MFU),
+    }
 
 
 def headline(adam: dict[str, float] | None = None) -> dict[str, Any]:
@@ -128,4 +173,5 @@ def headline(adam: dict[str, float] | None = None) -> dict[str, Any]:
         },  # fmt: skip
         "step_parts_seconds": parts_s,
         "step_seconds": total,
+        "lora": lora_headline(),
     }

@@ -67,8 +67,10 @@ def markdown(r: dict[str, Any]) -> str:
     ]
     for rerun in r.get("reruns", []):
         out += [
-            f"Re-run later ({rerun['started_utc']}, load {rerun['load_start']} -> "
-            f"{rerun['load_end']}): {', '.join(rerun['suites'])}.",
+            f"Re-run later ({rerun['started_utc']}"
+            + (f", {rerun['cpu']}" if rerun.get("cpu") else "")
+            + f", load {rerun['load_start']} -> {rerun['load_end']}): "
+            f"{', '.join(rerun['suites'])}.",
             "",
         ]
     o = r.get("overhead")
@@ -197,6 +199,9 @@ def markdown(r: dict[str, Any]) -> str:
                 f"{procs}.",
                 "",
             ]
+    lv = r.get("lora_vs_full")
+    if lv:
+        out += lora_table(lv)
     n = r.get("nvme")
     if n:
         raw, d = n["raw_o_direct_dd"], n["training_default_aio"]
@@ -296,7 +301,55 @@ def markdown(r: dict[str, Any]) -> str:
             f"measured here per core x {g['assumptions']['host_cores']} cores.",
             "",
         ]
+        lo = g.get("lora")
+        if lo:
+            out += [
+                f"The same job as LoRA (rank {lo['rank']}, {lo['targets']}: "
+                f"{lo['trainable_params'] / 1e6:.1f}M trainable, the "
+                f"{lo['frozen_params'] / 1e9:.2f}B-parameter base frozen in bf16): zerotuner "
+                f"would choose **{lo['choice']['label']}**: "
+                f"{lo['device_bytes'] / GiB:.1f} GiB on the GPU, "
+                f"{lo['host_bytes'] / GiB:.1f} GiB host; about **{lo['step_seconds']:.1f} s** "
+                f"per step ({lo['flops']['step'] / 1e12:.0f} TFLOP: backward computes no "
+                "weight gradients for the frozen base; no CPU Adam, no PCIe traffic).",
+                "",
+            ]
     return "\n".join(out) + "\n"
+
+
+def lora_table(rows: list[dict[str, Any]]) -> list[str]:
+    out = [
+        "## LoRA vs full (same model, data and stage; 2 ranks, fp32)",
+        "",
+        "| ZeRO | optimizer | training | trainable M | frozen M | s/step "
+        "| peak MB per rank | planned MB | error | checkpoint MB | output MB |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        head = (
+            f"| {row['zero_stage']} | {row['offload_optimizer']} | {row['training_type']} | "
+            f"{row['trainable_params'] / 1e6:.2f} | {row['frozen_params'] / 1e6:.1f} |"
+        )
+        if "error" in row:
+            out.append(f"{head} failed: {row['error']} | | | | | |")
+            continue
+        out.append(
+            f"{head} {_s(row['step_s'])} | "
+            f"{' / '.join(_mb(x) for x in row['measured_peak_bytes_per_rank'])} | "
+            f"{_mb(row['predicted_bytes_per_rank'])} | {row['error_percent']:+.1f}% | "
+            f"{_mb(row['checkpoint_bytes'])} | {_mb(row['output_bytes'])} |"
+        )
+    out += [
+        "",
+        "s/step: `zerotuner train`, median interval between steps.jsonl lines after the "
+        "warm-up. Peak: the most live tensor bytes on each rank within step 2 of the bare "
+        "DeepSpeed loop with the same config (`bench/peak.py`); planned: "
+        "the plan row's tensor parts (the frozen base counted as weights only). Checkpoint: "
+        "the end-of-run `checkpoints/step-N/`; output: `final/unet/` (full) or "
+        "`final/pytorch_lora_weights.safetensors` (LoRA).",
+        "",
+    ]
+    return out
 
 
 def merged(new: dict[str, Any], folder: Path) -> dict[str, Any]:
@@ -306,12 +359,16 @@ def merged(new: dict[str, Any], folder: Path) -> dict[str, Any]:
     if not path.exists():
         return new
     old = json.loads(path.read_text())
-    suites = ("overhead", "first_step", "planner", "nvme", "scaling", "stops", "gpu_paper")
+    suites = (
+        "overhead", "first_step", "planner", "lora_vs_full", "nvme", "scaling", "stops",
+        "gpu_paper",
+    )  # fmt: skip
     for key in suites:
         if key in new:
             old[key] = new[key]
     old.setdefault("reruns", []).append(
         {"suites": [k for k in suites if k in new], "started_utc": new["started_utc"],
+         "cpu": new["machine"]["cpu"],
          "load_start": new["load_start"], "load_end": new.get("load_end"),
          "wall_seconds": new.get("wall_seconds")}
     )  # fmt: skip

@@ -303,9 +303,17 @@ class BareRun:
 
 
 def run_bare(
-    work: Path, model: Path, config: dict, *, steps: int, world: int = 2, threads: int | None = None
+    work: Path,
+    model: Path,
+    config: dict,
+    *,
+    steps: int,
+    world: int = 2,
+    threads: int | None = None,
+    lora_rank: int = 0,
 ) -> BareRun:
-    """bench.bare under torchrun: `world` CPU ranks, `threads` each (zerotuner's default)."""
+    """bench.bare under torchrun: `world` CPU ranks, `threads` each (zerotuner's default);
+    with `lora_rank`, a LoRA adapter on the default targets trains instead of the UNet."""
     work.mkdir(parents=True, exist_ok=True)
     config_file = work / "deepspeed.json"
     config_file.write_text(json.dumps(config, indent=2))
@@ -316,6 +324,7 @@ def run_bare(
         sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={world}",
         f"--master_port={free_port()}", "-m", "bench.bare", "--model", str(model),
         "--config", str(config_file), "--steps", str(steps), "--out", str(out),
+        "--lora-rank", str(lora_rank),
     ]  # fmt: skip
     spawned = time.time()
     done = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=TIMEOUT)

@@ -82,10 +82,12 @@ def test_best_aio_weighs_read_and_write():
 @pytest.mark.slow
 def test_smoke_run_writes_results_and_table(tmp_path):
     """`python -m bench --smoke`: zerotuner train and the bare loop once each on a tiny UNet,
-    the planner row for ZeRO-2, one SIGTERM trial, then the JSON and the markdown table."""
+    the planner row for ZeRO-2, the LoRA row at ZeRO-2, one SIGTERM trial, then the JSON and
+    the markdown table."""
     out = tmp_path / "results"
     done = subprocess.run(
         [sys.executable, "-m", "bench", "--smoke", "--only", "overhead", "planner", "stops",
+         "lora_vs_full",
          "--out", str(out), "--scratch", str(tmp_path / "scratch")],
         cwd=REPO, capture_output=True, text=True, timeout=900,
     )  # fmt: skip
@@ -100,10 +102,17 @@ def test_smoke_run_writes_results_and_table(tmp_path):
     assert row["predicted_bytes_per_rank"] > 0
     peak, after = row["measured_peak_bytes_per_rank"][0], row["measured_after_step_bytes_per_rank"]
     assert peak > after[0] > 0  # the in-step peak holds more than what outlives the step
+    (lora,) = results["lora_vs_full"]
+    assert lora["training_type"] == "lora" and "error" not in lora, lora
+    # the bare loop trained the adapter the planner counted, on a frozen base
+    assert 0 < lora["bare_trainable_params"] == lora["trainable_params"] < lora["frozen_params"]
+    assert lora["predicted_bytes_per_rank"] > 0 and min(lora["measured_peak_bytes_per_rank"]) > 0
+    assert lora["checkpoint_bytes"] > lora["output_bytes"] > 0
     (stop,) = results["stops"]["rows"]
     assert (stop["exit_code"], stop["committed_step"]) == (143, stop["last_step"]), stop
     table = js.with_suffix(".md").read_text()
     assert "overhead_ratio" in table and "Time to first step" in table and "Stopping" in table
+    assert "LoRA vs full" in table
     assert results["machine"]["torch"] in table
 
 
@@ -115,3 +124,8 @@ def test_gpu_paper_estimate_is_marked_and_complete():
     assert "ESTIMATE" in estimate
     assert estimate["choice"]["zero_stage"] in (0, 1, 2, 3)
     assert estimate["step_seconds"] > 0 and estimate["flops"]["forward_per_image"] > 1e12
+    lora = estimate["lora"]  # the same job as LoRA: the adapter the planner counts
+    assert (lora["trainable_params"], lora["frozen_params"]) == (23_224_320, 2_567_463_684)
+    assert lora["device_bytes"] < estimate["device_bytes"]
+    # backward computes no weight gradients for the frozen base
+    assert lora["flops"]["backward_per_image"] < estimate["flops"]["backward_per_image"]
