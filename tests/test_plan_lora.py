@@ -4,6 +4,8 @@ adapter's size from the trainer's own target rule, and the stage it picks."""
 from __future__ import annotations
 
 import json
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,6 +18,7 @@ from zerotuner.plan import make_plan
 from zerotuner.plan_memory import estimate
 from zerotuner.settings import Settings
 
+REPO = Path(__file__).resolve().parents[1]
 SDXL = model_shape("sdxl")
 ATTENTION_PER_RANK = 1_451_520  # issue 13: SDXL, to_q/to_k/to_v/to_out.0
 ALL_LINEAR_PER_RANK = 2_706_176
@@ -164,3 +167,23 @@ def test_plan_of_a_local_model_sizes_the_adapter_on_its_own_unet(demo_job_env, d
     unet = trainable.meta_unet("sdxl", demo_dir / "model")
     assert inputs["trainable_params"] == lora.adapter_size(unet, lora.ATTENTION, 8)[0]
     assert inputs["frozen_params"] == sum(p.numel() for p in unet.parameters())
+
+
+def test_readme_headline_on_paper_is_what_the_planner_says():
+    """README's 'GPU picture on paper' (bench/paper.py's hardware: one 24 GB GPU, 64 GiB host)
+    states the planner's choice and memory for the full and the LoRA job: they cannot drift."""
+    sys.path.insert(0, str(REPO))  # bench/ is a top-level package beside src/, not installed
+    from bench.paper import LORA_RANK, headline_hardware
+
+    readme = (REPO / "README.md").read_text()
+    hw = headline_hardware()
+    full = make_plan(SDXL, hw, resolution=1024, micro_batch=8, world_size=1).choice
+    stated = f"would choose **{full.label()}**: {full.device_bytes / GiB:.1f} GiB on the GPU"
+    assert stated in readme
+    adapter = trainable.lora_adapter(SDXL, rank=LORA_RANK, targets=lora.PRESETS["attention"])
+    plan = make_plan(SDXL, hw, resolution=1024, micro_batch=8, world_size=1, training=adapter)
+    c = plan.choice
+    assert (
+        f"would choose **{c.label()}**: {c.device_bytes / GiB:.1f} GiB on the GPU, "
+        f"{c.host_bytes / GiB:.1f} GiB host" in readme
+    )
