@@ -48,12 +48,16 @@ def test_sdxl_adapter_sizes_from_the_unet_config_on_the_meta_device():
     assert (shape.trainable_params, shape.frozen_params) == (23_224_320, 2_567_463_684)
 
 
-@pytest.mark.parametrize("targets", ["attention", "attention+ff,conv1,proj_in"])
-def test_adapter_size_is_what_the_trainer_adds(demo_dir, targets):
-    """lora.add_adapter (what the worker trains) on the demo UNet, Linear and Conv2d targets:
-    the planner's count is the parameters the optimizer gets, and their largest tensor."""
+@pytest.mark.parametrize(
+    ("targets", "dora"),
+    [("attention", False), ("attention+ff,conv1,proj_in", False), ("attention,conv1", True)],
+)
+def test_adapter_size_is_what_the_trainer_adds(demo_dir, targets, dora):
+    """lora.add_adapter (what the worker trains) on the demo UNet, Linear and Conv2d targets,
+    DoRA's magnitudes too: the planner's count is the parameters the optimizer gets, and
+    their largest tensor."""
     model = demo_dir / "model"
-    settings = Settings(training_type="lora", lora_rank=4, lora_targets=targets)
+    settings = Settings(training_type="lora", lora_rank=4, lora_targets=targets, lora_dora=dora)
     unet = UNet2DConditionModel.from_pretrained(model, subfolder="unet")
     params = lora.add_adapter(unet, settings)
     counted = trainable.for_settings(settings, model_shape("sdxl", model), model)

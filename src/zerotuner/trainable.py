@@ -62,7 +62,7 @@ def for_settings(settings: Settings, shape: ModelShape, model_dir: Path | None =
     targets = parse_targets(settings.lora_targets)
     return lora_adapter(
         shape, rank=settings.lora_rank, targets=targets, model_dir=model_dir,
-        dora=getattr(settings, "lora_dora", False),  # ZT_LORA_DORA: a magnitude per output
+        dora=settings.lora_dora,  # a magnitude per output feature
     )  # fmt: skip
 
 
