@@ -67,10 +67,19 @@ def lora_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def train(tmp: Path, demo: Path, cache: Path, *, stage: int, steps: int, **settings):
+    """A LoRA run of the demo on 2 CPU ranks; `settings` become ZT_* variables, except the
+    Job's: offload targets, `precision` (bf16: DeepSpeed keeps the base in bf16) and
+    `gradient_checkpointing`."""
     output = settings.pop("output", tmp / "output")
     offload = {k: settings.pop(k) for k in ("offload_optimizer", "offload_param") if k in settings}
-    config = tk.ds_config(stage, steps=steps, lr=LR, nvme_dir=tmp / "nvme", **offload)
-    job = tk.write_job(tmp / "job.json", model=demo / "model", deepspeed=config)
+    precision = settings.pop("precision", "no")
+    config = tk.ds_config(
+        stage, steps=steps, lr=LR, nvme_dir=tmp / "nvme", precision=precision, **offload
+    )
+    job = tk.write_job(
+        tmp / "job.json", model=demo / "model", deepspeed=config, mixed_precision=precision,
+        gradient_checkpointing=settings.pop("gradient_checkpointing", False),
+    )  # fmt: skip
     values = dict(training_type="lora", lora_rank=RANK, lora_alpha=ALPHA, lora_targets=TARGETS)
     env = tk.settings_env(
         model=demo / "model", data=demo / "data", output=output, cache=cache, max_steps=steps,
@@ -160,6 +169,7 @@ def assert_only_the_adapter_trained(output: Path, demo_dir: Path, step: int) -> 
     assert final.keys() == adapter.keys() and len(final) > 0
     for key, tensor in final.items():
         assert tensor.numel() > 0 and torch.equal(tensor, adapter[key]), key
+    assert all(t.dtype == torch.float32 for t in final.values())  # the masters, at any precision
     ups = [t for k, t in final.items() if ".lora_B." in k]
     assert ups and all(t.abs().sum() > 0 for t in ups), "an adapter layer did not train"
     return final

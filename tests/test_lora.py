@@ -170,10 +170,16 @@ def test_zero3_validation_samples_use_the_adapter(zero3, demo_dir: Path, tmp_pat
     [
         {"stage": 0},
         {"stage": 2, "lora_rslora": True},
-        {"stage": 2, "offload_optimizer": "cpu"},
-        {"stage": 3, "offload_optimizer": "nvme", "offload_param": "nvme", "lora_dora": True},
+        {"stage": 2, "offload_optimizer": "cpu", "precision": "bf16"},
+        {
+            "stage": 3,
+            "offload_optimizer": "nvme",
+            "offload_param": "nvme",
+            "lora_dora": True,
+            "gradient_checkpointing": True,
+        },
     ],
-    ids=["zero0", "zero2-rslora", "zero2-cpu-offload", "zero3-nvme-dora"],
+    ids=["zero0", "zero2-rslora", "zero2-cpu-offload-bf16", "zero3-nvme-dora-checkpointing"],
 )
 def test_lora_at_other_stages(offload, tmp_path, demo_dir: Path, lora_cache: Path) -> None:
     """3 steps, a checkpoint at 2 (the adapter and its optimizer state only), and a restart from

@@ -96,6 +96,21 @@ def test_a_merged_unet_is_the_adapted_one(demo_dir, tmp_path) -> None:
     assert (out / lora_files.ADAPTER_FILE).is_file()
 
 
+def test_merged_export_of_a_full_checkpoint_is_refused(demo_dir, tmp_path, capsys) -> None:
+    import json
+
+    from zerotuner.cli import main
+
+    checkpoint = tmp_path / "step-1"
+    checkpoint.mkdir()
+    manifest = {"step": 1, "zero_stage": 0, "base_model": str(demo_dir / "model")}
+    (checkpoint / "zerotuner.json").write_text(json.dumps(manifest))
+    assert main(["export", str(checkpoint), str(tmp_path / "out"), "--merged"]) == 2
+    err = capsys.readouterr().err
+    assert "--merged fuses a LoRA adapter into its base; this checkpoint is from a full run" in err
+    assert "Traceback" not in err and not (tmp_path / "out").exists()
+
+
 # --- the ZeRO-3 run (lorakit.zero3: 16 steps, EMA, merge) ---------------------------------------
 def adapter_names(state: dict) -> dict:
     """Module parameter names to the adapter file's (`unet.` + peft keys)."""
