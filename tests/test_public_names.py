@@ -6,7 +6,7 @@ Kubernetes manifests and dashboards, so this test makes that a conscious act.
 
 from __future__ import annotations
 
-from zerotuner import errors, metrics
+from zerotuner import errors, metrics, push
 from zerotuner.cli import COMMANDS
 from zerotuner.settings import Settings, env_name
 
@@ -23,7 +23,7 @@ SETTINGS = [
     "ZT_OFFLOAD_OPTIMIZER", "ZT_OFFLOAD_PARAM", "ZT_DEEPSPEED_CONFIG", "ZT_ACCELERATE_CONFIG",
     "ZT_DEVICE", "ZT_NUM_PROCESSES", "ZT_NNODES", "ZT_NODE_RANK", "ZT_MASTER_ADDR",
     "ZT_MASTER_PORT", "ZT_CHECKPOINT_EVERY_STEPS", "ZT_CHECKPOINTS_KEEP", "ZT_RESUME",
-    "ZT_STOP_GRACE_SECONDS", "ZT_VALIDATION_PROMPTS", "ZT_VALIDATION_EVERY_STEPS",
+    "ZT_STOP_GRACE_SECONDS", "ZT_PUSH_TO", "ZT_VALIDATION_PROMPTS", "ZT_VALIDATION_EVERY_STEPS",
     "ZT_VALIDATION_INFERENCE_STEPS", "ZT_VALIDATION_GUIDANCE_SCALE", "ZT_METRICS_HOST",
     "ZT_METRICS_PORT",
     "ZT_HANG_TIMEOUT_SECONDS", "ZT_LOG_FORMAT", "ZT_LOG_LEVEL",
@@ -64,6 +64,8 @@ def test_metric_names_are_pinned():
     assert set(metrics.DESIGN_METRICS) == DESIGN_METRICS
     for name in (*metrics.DESIGN_METRICS, *metrics.EXTRA_METRICS):
         assert name.startswith("zerotuner_")
+    pushed = ("bytes_total", "seconds_total", "failures_total", "last_step")
+    assert push.METRICS == tuple(f"zerotuner_push_{name}" for name in pushed)
 
 
 def test_commands_and_exit_codes_are_pinned():

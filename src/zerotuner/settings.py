@@ -177,6 +177,12 @@ class Settings(BaseSettings):
         description="After SIGTERM, seconds ranks get to save and commit before they are killed "
         "(Kubernetes' terminationGracePeriodSeconds must be larger).",
     )
+    push_to: str | None = Field(
+        None,
+        description="Remote for checkpoints, the final export and run records: `s3://bucket/"
+        "prefix` (any S3-compatible store; AWS_* variables) or `hf://user/repo` (a private Hub "
+        "model repo); a fresh machine resumes from it. Empty: outputs stay in ZT_OUTPUT_DIR.",
+    )
     validation_prompts: Annotated[list[str], NoDecode] = Field(
         default_factory=list, description="Prompts for sample images: a JSON list or `|`-separated."
     )
@@ -235,6 +241,16 @@ class Settings(BaseSettings):
         if isinstance(value, float) and value.is_integer():
             return int(value)
         return value
+
+    @field_validator("push_to")
+    @classmethod
+    def _remote_url(cls, value: str | None) -> str | None:
+        from zerotuner.remote import parse
+
+        if value is None or not value.strip():
+            return None
+        parse(value.strip())  # one line naming the setting and both forms when malformed
+        return value.strip()
 
     @field_validator("resume")
     @classmethod

@@ -106,6 +106,8 @@ def run(args: argparse.Namespace) -> int:
         c.skip("offload", "needs a plan to know what NVMe offload needs")
     c.run("output dir", lambda: _writable_dir(c.facts["settings"].output_dir, "ZT_OUTPUT_DIR"))
     c.run("metrics port", lambda: _port(c))
+    if c.facts["settings"].push_to:
+        c.run("push remote", lambda: _remote(c))
     t = c.facts.get("topology")
     if t is not None and t.nnodes > 1 and t.node_rank == 0 and t.master_port:
         c.run("rendezvous port", lambda: _rendezvous_port(c))
@@ -114,6 +116,15 @@ def run(args: argparse.Namespace) -> int:
 
 def _available(module: str) -> bool:
     return importlib.util.find_spec(module) is not None
+
+
+def _remote(c: Checks) -> str:
+    from zerotuner.push import open_remote
+    from zerotuner.remote import probe
+
+    store = open_remote(c.facts["settings"])
+    probe(store)  # credentials, the bucket or repo, write access: exit 3 with one line
+    return f"{store.url}: writable (a probe object written, read back and deleted)"
 
 
 def _finish(c: Checks) -> int:

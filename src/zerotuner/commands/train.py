@@ -117,6 +117,9 @@ def _train(settings: Settings, inputs: UserInputs, server, stack: ExitStack) -> 
         topology.nproc_per_node, topology.node_rank, topology.nnodes, topology.world_size,
         topology.source,
     )  # fmt: skip
+    pusher = (
+        _start_pusher(settings, server) if settings.push_to and topology.node_rank == 0 else None
+    )
     code = launch(
         topology,
         hardware,
@@ -126,7 +129,39 @@ def _train(settings: Settings, inputs: UserInputs, server, stack: ExitStack) -> 
     )
     if code == EXIT_OK and topology.node_rank == 0:
         _say_where_outputs_are(settings)
+    if pusher is not None:
+        _finish_pushing(pusher, settings, code)
     return code
+
+
+# After a successful run the final export may be tens of GB: it gets up to an hour to upload.
+FINAL_UPLOAD_SECONDS = 3600.0
+
+
+def _start_pusher(settings: Settings, server):  # noqa: ANN001, ANN202 - optional server
+    """Node 0: resume from the remote when this machine has no checkpoint, then push each new
+    one in the background (see zerotuner.push)."""
+    from zerotuner import push
+    from zerotuner.remote import probe
+
+    store = push.open_remote(settings)
+    probe(store)  # credentials and write access, before the ranks spend GPU time
+    if settings.resume == "auto":
+        push.fetch_latest(store, settings.output_dir)
+    pusher = push.Pusher(store, settings.output_dir, keep=settings.checkpoints_keep).start()
+    if server is not None:
+        server.registry.register(push.PushCollector(pusher.stats))
+    log.info("pushing checkpoints, the final export and run records to %s", store.url)
+    return pusher
+
+
+def _finish_pushing(pusher, settings: Settings, code: int) -> None:  # noqa: ANN001
+    from zerotuner.model_card import model_card
+
+    ok = code == EXIT_OK
+    card = model_card(settings, settings.output_dir) if ok else None
+    timeout = FINAL_UPLOAD_SECONDS if ok else settings.stop_grace_seconds
+    pusher.finish(succeeded=ok, timeout=timeout, card=card)
 
 
 def job_from(pre: Preflight) -> Job:

@@ -1,0 +1,181 @@
+"""Outputs that outlive the machine: the remote stores and the pusher against a real
+S3-compatible server (moto's server mode on loopback), with checkpoints committed by the
+checkpoint module's own commit."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+from s3server import S3Server
+
+from zerotuner import checkpoint, push, remote
+from zerotuner.errors import ConfigError, EnvironmentUnfit
+
+
+@pytest.fixture(scope="module")
+def s3():
+    server = S3Server().start()
+    saved = {k: os.environ.get(k) for k in server.env()}
+    os.environ.update(server.env())
+    yield server
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+    server.stop()
+
+
+@pytest.fixture
+def bucket(s3, request) -> str:
+    name = f"zt-{request.node.name.lower().replace('_', '-')[:40]}".rstrip("-")
+    s3.create_bucket(name)
+    return name
+
+
+def store(url: str) -> remote.Store:
+    return remote.open_store(url, hf_token=None, secrets_dir=Path("/nonexistent"))
+
+
+def commit(output: Path, step: int, *, keep: int = 2, size: int = 300_000) -> Path:
+    """A committed checkpoint: shards as DeepSpeed lays them out, then the real commit."""
+    root = checkpoint.checkpoints_dir(output)
+    folder = root / f"step-{step}"
+    folder.mkdir(parents=True)
+    (folder / "mp_rank_00_model_states.pt").write_bytes(os.urandom(size))
+    (folder / "zero_pp_rank_0_mp_rank_00_optim_states.pt").write_bytes(os.urandom(size // 3))
+    checkpoint._commit(root, step, {"zero_stage": 2, "world_size": 1}, ema=None,
+                       ema_updates=0, keep=keep)  # fmt: skip
+    return folder
+
+
+@pytest.mark.parametrize(
+    "url, parsed",
+    [("s3://my-bucket/runs/sdxl", ("s3", "my-bucket", "runs/sdxl/")),
+     ("s3://my-bucket", ("s3", "my-bucket", "")),
+     ("hf://me/my-lora", ("hf", "me/my-lora", ""))],
+)  # fmt: skip
+def test_remote_urls(url, parsed) -> None:
+    assert remote.parse(url) == parsed
+
+
+@pytest.mark.parametrize("url", ["s3:/bucket", "gs://bucket/x", "hf://just-a-name", "s3://A/x"])
+def test_a_malformed_remote_is_one_line_naming_the_setting(url) -> None:
+    with pytest.raises(ConfigError, match=r"^ZT_PUSH_TO=.*s3://bucket/prefix.*hf://user/repo"):
+        remote.parse(url)
+
+
+def test_probe_writes_and_cleans_up_and_refuses_a_missing_bucket(bucket) -> None:
+    good = store(f"s3://{bucket}/run")
+    remote.probe(good)
+    assert good.list("") == {}  # the probe object is gone
+    with pytest.raises(EnvironmentUnfit, match=r"^ZT_PUSH_TO=s3://no-such-bucket/run/: cannot"):
+        remote.probe(store("s3://no-such-bucket/run"))
+
+
+def test_pusher_uploads_each_commit_moves_latest_and_keeps_n(bucket, tmp_path) -> None:
+    output, where = tmp_path / "output", store(f"s3://{bucket}/run")
+    pusher = push.Pusher(where, output, keep=1)
+    assert pusher.push_latest_checkpoint()  # nothing committed yet: nothing to do
+    assert where.read_text("checkpoints/latest") is None
+    first = commit(output, 2)
+    assert pusher.push_latest_checkpoint()
+    assert where.read_text("checkpoints/latest") == "step-2"
+    sizes = {f"checkpoints/step-2/{p.name}": p.stat().st_size for p in first.iterdir()}
+    assert push.remote_checkpoints(where) == {"step-2": sizes}
+    commit(output, 4, keep=1)
+    assert pusher.push_latest_checkpoint()
+    assert where.read_text("checkpoints/latest") == "step-4"
+    assert list(push.remote_checkpoints(where)) == ["step-4"]  # keep=1, after the pointer moved
+    assert pusher.stats.last_step == 4 and pusher.stats.failures == 0
+    assert pusher.stats.bytes > 2 * 400_000
+
+
+class TornAfterFirstFile:
+    """The real store, cut off after one object: what a dying network or machine leaves."""
+
+    def __init__(self, inner: remote.Store) -> None:
+        self.inner, self.url = inner, inner.url
+
+    def upload(self, files, message) -> None:
+        self.inner.upload(files[:1], message)
+        raise remote.RemoteError("connection reset by peer")
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def test_a_torn_upload_never_becomes_the_remote_latest(bucket, tmp_path) -> None:
+    output, where = tmp_path / "output", store(f"s3://{bucket}/run")
+    pushed = commit(output, 2)
+    assert push.Pusher(where, output, keep=3).push_latest_checkpoint()
+    commit(output, 4)
+    torn = push.Pusher(TornAfterFirstFile(where), output, keep=3)
+    assert not torn.push_latest_checkpoint()
+    assert torn.stats.failures == 1
+    assert where.read_text("checkpoints/latest") == "step-2"
+    assert "step-4" in push.remote_checkpoints(where)  # part of it is there, unreferenced
+
+    # A fresh machine: the verified step-2 comes down, bit for bit, and is what resumes.
+    fresh = tmp_path / "fresh"
+    assert push.fetch_latest(where, fresh) == "step-2"
+    got = checkpoint.find_resume("auto", fresh)
+    assert got is not None and got.name == "step-2"
+    for file in pushed.iterdir():
+        assert (got / file.name).read_bytes() == file.read_bytes(), file.name
+    # a machine with its own committed checkpoint keeps it
+    assert push.fetch_latest(where, output) is None
+
+
+def test_a_corrupt_remote_checkpoint_falls_back_to_the_one_before(bucket, tmp_path) -> None:
+    output, where = tmp_path / "output", store(f"s3://{bucket}/run")
+    commit(output, 2)
+    pusher = push.Pusher(where, output, keep=3)
+    assert pusher.push_latest_checkpoint()
+    bad = commit(output, 4)
+    assert pusher.push_latest_checkpoint()
+    shard = bad / "mp_rank_00_model_states.pt"
+    flipped = bytearray(shard.read_bytes())
+    flipped[100] ^= 0xFF  # same size, other bytes: only the sha256 can tell
+    (tmp_path / "evil").write_bytes(bytes(flipped))
+    where.upload([(tmp_path / "evil", f"checkpoints/step-4/{shard.name}")], "corrupt")
+    assert push.fetch_latest(where, tmp_path / "fresh") == "step-2"
+
+
+def test_check_probes_the_remote_before_any_gpu_time(demo_job_env, bucket, capsys) -> None:
+    from zerotuner import cli
+
+    def remote_line() -> list[str]:
+        [line] = [s for s in capsys.readouterr().out.splitlines() if "push remote" in s]
+        return line.split(maxsplit=3)
+
+    demo_job_env.setenv("ZT_PUSH_TO", f"s3://{bucket}/run")
+    assert cli.main(["check"]) == 0
+    status, _, _, detail = remote_line()
+    assert status == "OK" and detail.startswith(f"s3://{bucket}/run/: writable (a probe object")
+    demo_job_env.setenv("ZT_PUSH_TO", "s3://absent-bucket/run")
+    assert cli.main(["check"]) == 3
+    status, _, _, detail = remote_line()
+    assert status == "FAIL" and "NoSuchBucket" in detail
+    assert detail.startswith("ZT_PUSH_TO=s3://absent-bucket/run/: cannot write there: write ")
+
+
+def test_push_metrics_are_exposed(bucket, tmp_path) -> None:
+    from prometheus_client import CollectorRegistry
+
+    output = tmp_path / "output"
+    pusher = push.Pusher(store(f"s3://{bucket}/run"), output, keep=2)
+    registry = CollectorRegistry()
+    registry.register(push.PushCollector(pusher.stats))
+    names = {s.name for family in registry.collect() for s in family.samples}
+    assert names == set(push.METRICS)
+    assert registry.get_sample_value("zerotuner_push_last_step") == -1
+    commit(output, 3)
+    assert pusher.push_latest_checkpoint()
+    assert registry.get_sample_value("zerotuner_push_last_step") == 3
+    assert registry.get_sample_value("zerotuner_push_failures_total") == 0
+    assert registry.get_sample_value("zerotuner_push_seconds_total") > 0
+    sent = sum(p.stat().st_size for p in (output / "checkpoints" / "step-3").iterdir())
+    assert registry.get_sample_value("zerotuner_push_bytes_total") == sent
