@@ -65,7 +65,7 @@ def test_metric_names_are_pinned():
     for name in (*metrics.DESIGN_METRICS, *metrics.EXTRA_METRICS):
         assert name.startswith("zerotuner_")
     pushed = ("bytes_total", "seconds_total", "failures_total", "last_step")
-    assert push.METRICS == tuple(f"zerotuner_push_{name}" for name in pushed)
+    assert tuple(f"zerotuner_push_{name}" for name in pushed) == push.METRICS
 
 
 def test_commands_and_exit_codes_are_pinned():

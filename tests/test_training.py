@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 import trainkit as tk
+from lorakit import held_out_loss, plain_pipeline
 from PIL import Image
 from safetensors.torch import load_file
 
@@ -139,10 +140,14 @@ def test_the_log_holds_back_third_party_notices(zero2) -> None:
         assert notice not in log, notice
 
 
-def test_loss_falls_on_demo_data(zero2) -> None:
-    losses = [s["loss"] for s in tk.read_steps(zero2[1])]
-    first, last = sum(losses[:4]) / 4, sum(losses[-4:]) / 4
-    assert last < 0.8 * first, losses
+def test_loss_falls_on_demo_data(zero2, demo_dir: Path) -> None:
+    """The trained UNet's loss on the demo images, with the same noise and timesteps, is below
+    the base's (the per-step loss of a v-prediction run swings too much over 16 steps)."""
+    from diffusers import DiffusionPipeline
+
+    base = held_out_loss(plain_pipeline(demo_dir), demo_dir)
+    trained = held_out_loss(DiffusionPipeline.from_pretrained(zero2[1] / "final"), demo_dir)
+    assert trained < 0.8 * base, (base, trained)
 
 
 def test_resume_continues_at_next_step_with_same_weights(zero2, tmp_path, demo_dir, shared_cache):
