@@ -1,6 +1,7 @@
 """Outputs that outlive the machine: the remote stores and the pusher against a real
-S3-compatible server (moto's server mode on loopback), with checkpoints committed by the
-checkpoint module's own commit."""
+S3-compatible server (moto's server mode on loopback) and the stand-in Hub (tests/fakehub.py,
+which takes commits the way the Hub API does), with checkpoints committed by the checkpoint
+module's own commit."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import os
 from pathlib import Path
 
 import pytest
+from fakehub import FakeHub
 from s3server import S3Server
 
 from zerotuner import checkpoint, push, remote
@@ -30,13 +32,33 @@ def s3():
 
 @pytest.fixture
 def bucket(s3, request) -> str:
-    name = f"zt-{request.node.name.lower().replace('_', '-')[:40]}".rstrip("-")
+    test = request.node.name.split("[")[0]
+    name = f"zt-{test.lower().replace('_', '-')[:40]}".rstrip("-")
     s3.create_bucket(name)
     return name
 
 
+HUB_TOKEN = "hf_pushtestsecrettoken"
+
+
 def store(url: str) -> remote.Store:
-    return remote.open_store(url, hf_token=None, secrets_dir=Path("/nonexistent"))
+    return remote.open_store(url, hf_token=HUB_TOKEN, secrets_dir=Path("/nonexistent"))
+
+
+@pytest.fixture
+def hub(monkeypatch):
+    with FakeHub(token=HUB_TOKEN) as hub:
+        hub.use_in_this_process(monkeypatch)
+        yield hub
+
+
+@pytest.fixture(params=["s3", "hf"])
+def where(request) -> remote.Store:
+    """An empty remote of each kind: a new S3 bucket (prefix run/), or a Hub repo not yet made."""
+    if request.param == "s3":
+        return store(f"s3://{request.getfixturevalue('bucket')}/run")
+    request.getfixturevalue("hub")
+    return store(f"hf://me/{request.node.name.split('[')[0][5:40].replace('_', '-')}")
 
 
 def commit(output: Path, step: int, *, keep: int = 2, size: int = 300_000) -> Path:
@@ -75,8 +97,17 @@ def test_probe_writes_and_cleans_up_and_refuses_a_missing_bucket(bucket) -> None
         remote.probe(store("s3://no-such-bucket/run"))
 
 
-def test_pusher_uploads_each_commit_moves_latest_and_keeps_n(bucket, tmp_path) -> None:
-    output, where = tmp_path / "output", store(f"s3://{bucket}/run")
+def test_probe_refuses_a_hub_token_that_cannot_write(hub) -> None:
+    good = store("hf://me/probe")
+    remote.probe(good)
+    assert good.list("") == {".gitattributes": good.list("")[".gitattributes"]}  # as made
+    hub.read_only = True
+    with pytest.raises(EnvironmentUnfit, match=r"^ZT_PUSH_TO=hf://me/probe: cannot .*403"):
+        remote.probe(good)
+
+
+def test_pusher_uploads_each_commit_moves_latest_and_keeps_n(where, tmp_path) -> None:
+    output = tmp_path / "output"
     pusher = push.Pusher(where, output, keep=1)
     assert pusher.push_latest_checkpoint()  # nothing committed yet: nothing to do
     assert where.read_text("checkpoints/latest") is None
@@ -107,8 +138,8 @@ class TornAfterFirstFile:
         return getattr(self.inner, name)
 
 
-def test_a_torn_upload_never_becomes_the_remote_latest(bucket, tmp_path) -> None:
-    output, where = tmp_path / "output", store(f"s3://{bucket}/run")
+def test_a_torn_upload_never_becomes_the_remote_latest(where, tmp_path) -> None:
+    output = tmp_path / "output"
     pushed = commit(output, 2)
     assert push.Pusher(where, output, keep=3).push_latest_checkpoint()
     commit(output, 4)
@@ -129,8 +160,8 @@ def test_a_torn_upload_never_becomes_the_remote_latest(bucket, tmp_path) -> None
     assert push.fetch_latest(where, output) is None
 
 
-def test_a_corrupt_remote_checkpoint_falls_back_to_the_one_before(bucket, tmp_path) -> None:
-    output, where = tmp_path / "output", store(f"s3://{bucket}/run")
+def test_a_corrupt_remote_checkpoint_falls_back_to_the_one_before(where, tmp_path) -> None:
+    output = tmp_path / "output"
     commit(output, 2)
     pusher = push.Pusher(where, output, keep=3)
     assert pusher.push_latest_checkpoint()
@@ -162,11 +193,11 @@ def test_check_probes_the_remote_before_any_gpu_time(demo_job_env, bucket, capsy
     assert detail.startswith("ZT_PUSH_TO=s3://absent-bucket/run/: cannot write there: write ")
 
 
-def test_push_metrics_are_exposed(bucket, tmp_path) -> None:
+def test_push_metrics_are_exposed(where, tmp_path) -> None:
     from prometheus_client import CollectorRegistry
 
     output = tmp_path / "output"
-    pusher = push.Pusher(store(f"s3://{bucket}/run"), output, keep=2)
+    pusher = push.Pusher(where, output, keep=2)
     registry = CollectorRegistry()
     registry.register(push.PushCollector(pusher.stats))
     names = {s.name for family in registry.collect() for s in family.samples}
