@@ -194,3 +194,19 @@ def test_lambda_script_checks_the_driver_before_docker(tmp_path, driver, min_dri
         assert result.returncode == 3 and not (tmp_path / "docker").exists()
         [line] = result.stderr.strip().splitlines()
         assert f"NVIDIA driver {driver} is older than 580" in line
+
+
+def test_vast_instances_get_the_push_remote_and_its_credentials(tmp_path) -> None:
+    _stub(tmp_path, "vastai", 'printf "%s\\n" "$@" > "$ARGS"')
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "HF_", "ZT_"))}
+    env.update(PATH=f"{tmp_path}:{os.environ['PATH']}", ARGS=str(tmp_path / "a"))
+    env.update(ZT_PUSH_TO="s3://bucket/run", AWS_ACCESS_KEY_ID="AKIA", AWS_SECRET_ACCESS_KEY="s")
+    script = REPO / "config/cloud/vastai/create-instance.sh"
+    result = run("sh", script, "12345", env=env)
+    assert result.returncode == 0, result.stderr
+    args = (tmp_path / "a").read_text().splitlines()
+    options = args[args.index("--env") + 1].split()
+    for setting in ("ZT_PUSH_TO=s3://bucket/run", "AWS_ACCESS_KEY_ID=AKIA",
+                    "AWS_SECRET_ACCESS_KEY=s"):  # fmt: skip
+        assert options[options.index(setting) - 1] == "-e"
+    assert not any(o.startswith("HF_TOKEN") for o in options)  # unset: not passed
