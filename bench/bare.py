@@ -70,7 +70,10 @@ def main() -> None:
     from bench.peak import PeakTracker
 
     times["imported"] = time.time()
-    deepspeed.init_distributed(dist_backend="gloo")
+    from deepspeed.accelerator import get_accelerator
+
+    # gloo on DeepSpeed's CPU accelerator, nccl on CUDA (the GPU acceptance suite runs this too)
+    deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name())
     rank, world = dist.get_rank(), dist.get_world_size()
     times["distributed"] = time.time()
 
@@ -112,6 +115,10 @@ def main() -> None:
         "time_ids": torch.tensor([[args.resolution] * 2 + [0, 0] + [args.resolution] * 2] * micro,
                                  dtype=torch.float32),
     }  # fmt: skip
+    # On the engine's device, floats in the dtype it trains in (bf16/fp16 on a GPU)
+    dtype = next(engine.module.parameters()).dtype
+    batch = {k: v.to(engine.device, dtype if v.is_floating_point() else None)
+             for k, v in batch.items()}  # fmt: skip
 
     step_seconds, memory = [], {}
     for step in range(1, args.steps + 1):
@@ -123,8 +130,9 @@ def main() -> None:
             for _ in range(accumulation):
                 if tracker is not None:
                     tracker.phase = "forward"
-                noise = torch.randn(batch["latents"].shape, generator=gen)
+                noise = torch.randn(batch["latents"].shape, generator=gen).to(batch["latents"])
                 t = torch.randint(0, scheduler.config.num_train_timesteps, (micro,), generator=gen)
+                t = t.to(engine.device)
                 noisy = scheduler.add_noise(batch["latents"], noise, t)
                 pred = engine(
                     noisy, t, batch["prompt_embeds"],
