@@ -11,20 +11,12 @@ import json
 import shutil
 import signal
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
-from trainkit import ENTRYPOINT, entrypoint_env
+from trainkit import ENTRYPOINT, entrypoint_env, sigterm_after_steps, steps_done
 
 from zerotuner.launch import free_port
-
-
-def steps_done(out: Path) -> list[dict]:
-    path = out / "output" / "run" / "steps.jsonl"
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def hub_cache(model: Path, hub: Path, repo: str) -> None:
@@ -73,17 +65,8 @@ def test_two_entrypoints_on_localhost_train_together(demo_dir, tmp_path):
 @pytest.mark.slow
 def test_sigterm_to_the_entrypoint_reaches_the_ranks_and_exits_143(demo_dir, tmp_path):
     env = entrypoint_env(demo_dir, tmp_path, ZT_MAX_STEPS="10000", ZT_CHECKPOINT_EVERY_STEPS="0")
-    proc = subprocess.Popen(
-        [ENTRYPOINT, "train"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-        text=True, start_new_session=True,
-    )  # fmt: skip
-    deadline = time.monotonic() + 600
-    while len(steps_done(tmp_path)) < 3 and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.5)
-    assert proc.poll() is None, proc.communicate()[0][-3000:]
-    proc.send_signal(signal.SIGTERM)  # to the entrypoint only, as `docker stop` does
-    out = proc.communicate(timeout=300)[0]
-    assert proc.returncode == 143, out[-3000:]
+    code, out = sigterm_after_steps(env, tmp_path)
+    assert code == 143, out[-3000:]
     last = steps_done(tmp_path)[-1]["step"]
     pointer = tmp_path / "output" / "checkpoints" / "latest"
     assert pointer.is_file(), out[-3000:]

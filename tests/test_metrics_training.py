@@ -16,9 +16,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import psutil
 import pytest
-from test_entrypoint_train import steps_done
 from test_metrics import exposition_problems, promtool_problems, scrape, value
-from trainkit import ENTRYPOINT, entrypoint_env
+from trainkit import ENTRYPOINT, entrypoint_env, steps_done
 
 from zerotuner.launch import free_port
 

@@ -7,15 +7,12 @@ from __future__ import annotations
 
 import json
 import shutil
-import signal
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
 from s3server import SECRET, S3Server
-from test_entrypoint_train import steps_done
-from trainkit import ENTRYPOINT, entrypoint_env
+from trainkit import ENTRYPOINT, entrypoint_env, sigterm_after_steps, steps_done
 
 from zerotuner import push, remote
 
@@ -69,35 +66,26 @@ def test_a_fresh_machine_resumes_from_the_remote(s3, demo_dir, tmp_path, monkeyp
     pushed = tmp_path / "pushed-step-4"
     shutil.copytree(tmp_path / "output" / "checkpoints" / "step-4", pushed)
     shutil.rmtree(tmp_path / "output")
-    second = train({**env, "ZT_MAX_STEPS": "6"})
+    second = train({**env, "ZT_MAX_STEPS": "6", "ZT_CHECKPOINTS_KEEP": "2"})
     log = second.stdout + second.stderr
     assert second.returncode == 0, log[-4000:]
     assert "checkpoint step-4 downloaded from s3://resume/sdxl-run/ and verified" in log
     assert [s["step"] for s in steps_done(tmp_path)] == [5, 6]
     assert store.read_text("checkpoints/latest") == "step-6"
-    # what came down is what went up, bit for bit (the manifest's sha256s were checked too)
-    downloaded = tmp_path / "output" / "checkpoints"
-    assert not (downloaded / "step-4").exists()  # rotated after step 6: keep 1
-    for file in pushed.rglob("*"):
-        if file.is_file():
-            key = f"checkpoints/step-4/{file.relative_to(pushed).as_posix()}"
-            assert key not in store.list("checkpoints/step-4/")  # rotated on the remote too
+    assert sorted(push.remote_checkpoints(store)) == ["step-4", "step-6"]
+    # what came down is what went up, bit for bit
+    downloaded = tmp_path / "output" / "checkpoints" / "step-4"
+    files = sorted(p.relative_to(pushed) for p in pushed.rglob("*") if p.is_file())
+    assert files == sorted(p.relative_to(downloaded) for p in downloaded.rglob("*") if p.is_file())
+    for name in files:
+        assert (downloaded / name).read_bytes() == (pushed / name).read_bytes(), name
 
 
 def test_sigterm_waits_for_the_upload_of_the_last_checkpoint(s3, demo_dir, tmp_path, monkeypatch):
     env = job_env(s3, demo_dir, tmp_path, "stop", ZT_MAX_STEPS="10000",
                   ZT_CHECKPOINT_EVERY_STEPS="0")  # fmt: skip
-    proc = subprocess.Popen(
-        [ENTRYPOINT, "train"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-        text=True, start_new_session=True,
-    )  # fmt: skip
-    deadline = time.monotonic() + 600
-    while len(steps_done(tmp_path)) < 3 and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.5)
-    assert proc.poll() is None, proc.communicate()[0][-3000:]
-    proc.send_signal(signal.SIGTERM)
-    out = proc.communicate(timeout=300)[0]
-    assert proc.returncode == 143, out[-3000:]
+    code, out = sigterm_after_steps(env, tmp_path)
+    assert code == 143, out[-3000:]
     local = (tmp_path / "output" / "checkpoints" / "latest").read_text().strip()
     # pushed in the background as soon as it was committed, or by the stop's wait (up to the
     # grace) when the ranks were quicker: either way before the entrypoint exits

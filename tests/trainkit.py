@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -249,3 +251,27 @@ def config_explain(monkeypatch, capsys, tmp_path: Path, **env: str) -> tuple[int
     code = main(["config", "--explain"])
     out, err = capsys.readouterr()
     return code, out, err
+
+
+def steps_done(out: Path) -> list[dict]:
+    """The steps `./entrypoint train` logged under `out/output/run/steps.jsonl`."""
+    path = out / "output" / "run" / "steps.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def sigterm_after_steps(env: dict[str, str], out: Path, steps: int = 3) -> tuple[int, str]:
+    """`./entrypoint train` signalled with SIGTERM (as `docker stop` does, to the entrypoint
+    only) once `steps` steps are logged: (exit code, its output)."""
+    proc = subprocess.Popen(
+        [ENTRYPOINT, "train"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True, start_new_session=True,
+    )  # fmt: skip
+    deadline = time.monotonic() + 600
+    while len(steps_done(out)) < steps and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert proc.poll() is None, proc.communicate()[0][-3000:]
+    proc.send_signal(signal.SIGTERM)
+    text = proc.communicate(timeout=300)[0]
+    return proc.returncode, text

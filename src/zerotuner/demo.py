@@ -321,29 +321,20 @@ def _unet(
 def _scheduler(family: DemoFamily):
     from diffusers import EulerDiscreteScheduler
 
-    if family == "sdxl":
-        # v-prediction on a zero-terminal-SNR schedule (arXiv 2305.08891): sampling starts from
-        # the pure noise training saw at t=999, so a tiny UNet gets the background colour right
-        # within `make run`'s few hundred steps; the epsilon schedule's leak of signal at t=999
-        # leaves it grey. SD 1.x keeps the published epsilon schedule, SD 2.x (768 px) predicts v.
-        return EulerDiscreteScheduler(
-            num_train_timesteps=1000,
-            beta_start=0.00085,
-            beta_end=0.012,
-            beta_schedule="scaled_linear",
-            timestep_spacing="trailing",
-            steps_offset=0,
-            rescale_betas_zero_snr=True,
-            prediction_type="v_prediction",
-        )
+    # SD 1.x keeps the published epsilon schedule and SD 2.x (768 px) predicts v. The SDXL demo
+    # predicts v on a zero-terminal-SNR schedule (arXiv 2305.08891): sampling starts from the
+    # pure noise training saw at t=999, so a tiny UNet gets the background colour right within
+    # `make run`'s steps; the epsilon schedule's leak of signal at t=999 leaves it grey.
+    zero_snr = family == "sdxl"
     return EulerDiscreteScheduler(
         num_train_timesteps=1000,
         beta_start=0.00085,
         beta_end=0.012,
         beta_schedule="scaled_linear",
-        timestep_spacing="leading",
-        steps_offset=1,
-        prediction_type="v_prediction" if family == "sd2" else "epsilon",
+        timestep_spacing="trailing" if zero_snr else "leading",
+        steps_offset=0 if zero_snr else 1,
+        rescale_betas_zero_snr=zero_snr,
+        prediction_type="epsilon" if family == "sd1" else "v_prediction",
     )
 
 
