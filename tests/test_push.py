@@ -210,3 +210,38 @@ def test_push_metrics_are_exposed(where, tmp_path) -> None:
     assert registry.get_sample_value("zerotuner_push_seconds_total") > 0
     sent = sum(p.stat().st_size for p in (output / "checkpoints" / "step-3").iterdir())
     assert registry.get_sample_value("zerotuner_push_bytes_total") == sent
+
+
+PUSH_ONCE = """
+import sys
+from pathlib import Path
+from zerotuner import push, remote
+store = remote.open_store(sys.argv[1], hf_token=None, secrets_dir=Path("/nonexistent"))
+push.Pusher(store, Path(sys.argv[2]), keep=3).push_latest_checkpoint()
+"""
+
+
+def test_a_pusher_killed_mid_upload_leaves_the_previous_latest(s3, bucket, tmp_path) -> None:
+    """SIGKILL while a checkpoint's objects go up (a vanished machine): the remote's latest
+    stays on the one before, and that is what a fresh machine resumes from."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    output, url = tmp_path / "output", f"s3://{bucket}/run"
+    where = store(url)
+    commit(output, 2, size=1000)
+    assert push.Pusher(where, output, keep=3).push_latest_checkpoint()
+    folder = commit(output, 4, size=1000)
+    for i in range(40):  # many objects: the upload takes long enough to be caught midway
+        (folder / f"zero_pp_rank_{i}_mp_rank_00_optim_states.pt").write_bytes(os.urandom(2**20))
+    proc = subprocess.Popen([sys.executable, "-c", PUSH_ONCE, url, str(output)])
+    deadline = time.monotonic() + 120
+    while "step-4" not in push.remote_checkpoints(where) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=30)
+    assert 0 < len(push.remote_checkpoints(where).get("step-4", {})) < 42, "not caught midway"
+    assert where.read_text("checkpoints/latest") == "step-2"
+    assert push.fetch_latest(where, tmp_path / "fresh") == "step-2"

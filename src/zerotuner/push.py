@@ -145,7 +145,9 @@ class Pusher:
 
     def _push_checkpoint(self, folder: Path) -> None:
         tag = folder.name
-        files = _local_files(folder, f"{CHECKPOINTS}{tag}/")
+        # the manifest last: a remote folder without one was never committed
+        files = sorted(_local_files(folder, f"{CHECKPOINTS}{tag}/"),
+                       key=lambda f: f[0].name == checkpoint.MANIFEST)  # fmt: skip
         expected = {key: path.stat().st_size for path, key in files}
         log.info("push: uploading checkpoint %s (%d files, %.1f MB) to %s", tag, len(files),
                  sum(expected.values()) / 1e6, self.store.url)  # fmt: skip
