@@ -92,7 +92,7 @@ def test_export_command_exit_codes(demo_dir, trained_state, tmp_path, capsys) ->
 
 
 def test_resume_considers_only_committed_checkpoints(tmp_path: Path) -> None:
-    from zerotuner.checkpoint import _rotate, _write_atomic, committed_checkpoints, find_resume
+    from zerotuner.checkpoint import _rotate, committed_checkpoints, find_resume, write_atomic
 
     root = tmp_path / "checkpoints"
     for step in (2, 4, 6):
@@ -101,9 +101,9 @@ def test_resume_considers_only_committed_checkpoints(tmp_path: Path) -> None:
         (root / f"step-{step}" / "zerotuner.json").write_text(json.dumps({"step": step}))
     assert find_resume("never", tmp_path) is None
     assert find_resume("auto", tmp_path) == root / "step-4"  # no pointer: newest committed
-    _write_atomic(root / "latest", "step-6")  # a pointer to an uncommitted save is ignored
+    write_atomic(root / "latest", "step-6")  # a pointer to an uncommitted save is ignored
     assert find_resume("auto", tmp_path) == root / "step-4"
-    _write_atomic(root / "latest", "step-2")
+    write_atomic(root / "latest", "step-2")
     assert find_resume("auto", tmp_path) == root / "step-2"
     assert find_resume(str(root / "step-4"), tmp_path) == root / "step-4"
     with pytest.raises(ConfigError, match="ZT_RESUME=.*step-6: not a committed"):

@@ -245,3 +245,24 @@ def test_a_pusher_killed_mid_upload_leaves_the_previous_latest(s3, bucket, tmp_p
     assert 0 < len(push.remote_checkpoints(where).get("step-4", {})) < 42, "not caught midway"
     assert where.read_text("checkpoints/latest") == "step-2"
     assert push.fetch_latest(where, tmp_path / "fresh") == "step-2"
+
+
+def test_local_rotation_keeps_what_the_remote_does_not_have(where, tmp_path) -> None:
+    """ZT_CHECKPOINTS_KEEP=1 while the remote fails: nothing newer than the remote's latest is
+    deleted locally; once an upload succeeds, rotation catches up."""
+    output = tmp_path / "output"
+    root = checkpoint.checkpoints_dir(output)
+    commit(output, 2, keep=1)
+    pusher = push.Pusher(where, output, keep=1).start()
+    pusher.finish(succeeded=False, timeout=60)  # pushes step-2, stops the thread
+    assert where.read_text("checkpoints/latest") == "step-2"
+    failing = push.Pusher(TornAfterFirstFile(where), output, keep=1)
+    failing._pushed = "step-2"
+    commit(output, 4, keep=1)
+    assert not failing.push_latest_checkpoint()
+    commit(output, 6, keep=1)
+    assert [p.name for p in sorted(checkpoint.committed_checkpoints(root))] == [
+        "step-4", "step-6"]  # fmt: skip
+    assert pusher.push_latest_checkpoint()  # the remote is back: step-6 goes up
+    commit(output, 8, keep=1)
+    assert [p.name for p in checkpoint.committed_checkpoints(root)] == ["step-8"]

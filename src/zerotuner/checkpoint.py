@@ -84,7 +84,7 @@ def on_rank0(rank: int, work: Callable[[], None]) -> None:
         raise error
 
 
-def _write_atomic(path: Path, text: str) -> None:
+def write_atomic(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
     with tmp.open("w") as f:
         f.write(text)
@@ -170,8 +170,8 @@ def _commit(
         "files": {name[p]: p.stat().st_size for p in paths},
         "sha256": {name[p]: _sha256(p) for p in paths},
     }
-    _write_atomic(root / tag / MANIFEST, json.dumps(manifest, indent=2, sort_keys=True))
-    _write_atomic(root / LATEST, tag)
+    write_atomic(root / tag / MANIFEST, json.dumps(manifest, indent=2, sort_keys=True))
+    write_atomic(root / LATEST, tag)
     shutil.rmtree(_aside(root, tag), ignore_errors=True)  # replaced: the new step-N is safe
     _rotate(root, keep=keep, current=tag)
 
@@ -240,11 +240,21 @@ def _sha256(path: Path) -> str:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
 
+# With ZT_PUSH_TO the entrypoint's pusher keeps here the tag of the remote's latest ("none"
+# before the first upload): a local checkpoint newer than it is nowhere else, so it stays.
+REMOTE_LATEST = ".remote-latest"
+
+
 def _rotate(root: Path, *, keep: int, current: str) -> None:
     committed = sorted(committed_checkpoints(root), key=lambda p: _step_of(p))
+    marker = root / REMOTE_LATEST
+    remote = marker.read_text().strip() if marker.is_file() else None
     for old in committed[:-keep]:
-        if old.name != current:
-            shutil.rmtree(old, ignore_errors=True)
+        if old.name == current:
+            continue
+        if remote is not None and _step_of(old) > _step_of(root / remote):
+            continue  # not yet safe on the remote (its upload is late or failing)
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def _step_of(path: Path) -> int:

@@ -91,9 +91,16 @@ class Pusher:
         except RemoteError:
             pointer = None
         self._pushed = pointer.strip() if pointer else None
+        self._mark_remote_latest()
         self._thread = threading.Thread(target=self._watch, name="zerotuner-push", daemon=True)
         self._thread.start()
         return self
+
+    def _mark_remote_latest(self) -> None:
+        """Tell the ranks' rotation what is safe on the remote (checkpoint.REMOTE_LATEST)."""
+        root = checkpoint.checkpoints_dir(self.output_dir)
+        root.mkdir(parents=True, exist_ok=True)
+        checkpoint.write_atomic(root / checkpoint.REMOTE_LATEST, self._pushed or "none")
 
     def _watch(self) -> None:
         while not self._stop.wait(POLL_SECONDS):
@@ -158,6 +165,7 @@ class Pusher:
             raise RemoteError(f"{len(wrong)} file(s) of {tag} missing or short there: {wrong[0]}")
         self.store.write_text(f"{CHECKPOINTS}{checkpoint.LATEST}", tag)
         self._pushed = tag
+        self._mark_remote_latest()
         with self.stats.lock:
             self.stats.last_step = _step(tag)
         log.info("push: checkpoint %s is the remote's latest", tag)
@@ -270,7 +278,7 @@ def fetch_latest(store: Store, output_dir: Path) -> str | None:
     for tag in newest_first:
         problem = _download(store, tag, remote[tag], root)
         if problem is None:
-            checkpoint._write_atomic(root / checkpoint.LATEST, tag)
+            checkpoint.write_atomic(root / checkpoint.LATEST, tag)
             log.info("resume: checkpoint %s downloaded from %s and verified", tag, store.url)
             return tag
         log.warning("resume: remote checkpoint %s is unusable (%s); trying the one before",

@@ -15,6 +15,7 @@ import tempfile
 from contextlib import ExitStack
 from pathlib import Path
 
+from zerotuner.checkpoint import REMOTE_LATEST, checkpoints_dir
 from zerotuner.commands.plan import plan_json, render
 from zerotuner.errors import EXIT_OK, ZeroTunerError
 from zerotuner.hardware import probe
@@ -117,9 +118,12 @@ def _train(settings: Settings, inputs: UserInputs, server, stack: ExitStack) -> 
         topology.nproc_per_node, topology.node_rank, topology.nnodes, topology.world_size,
         topology.source,
     )  # fmt: skip
-    pusher = (
-        _start_pusher(settings, server) if settings.push_to and topology.node_rank == 0 else None
-    )
+    pusher = None
+    if topology.node_rank == 0:  # node 0 commits the checkpoints
+        if settings.push_to:
+            pusher = _start_pusher(settings, server)
+        else:  # an earlier run's remote no longer holds back the local rotation
+            (checkpoints_dir(settings.output_dir) / REMOTE_LATEST).unlink(missing_ok=True)
     code = launch(
         topology,
         hardware,
