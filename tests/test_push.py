@@ -266,3 +266,25 @@ def test_local_rotation_keeps_what_the_remote_does_not_have(where, tmp_path) -> 
     assert pusher.push_latest_checkpoint()  # the remote is back: step-6 goes up
     commit(output, 8, keep=1)
     assert [p.name for p in checkpoint.committed_checkpoints(root)] == ["step-8"]
+
+
+def test_s3_credentials_come_from_secret_files_or_the_probe_says_none(
+    bucket, tmp_path, monkeypatch
+) -> None:
+    from s3server import KEY_ID, SECRET
+
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")  # no instance metadata here
+    secrets = tmp_path / "secrets"
+    secrets.mkdir()
+    url = f"s3://{bucket}/run"
+    with pytest.raises(
+        EnvironmentUnfit, match=r"^ZT_PUSH_TO=.*: cannot write there: .*credentials"
+    ):
+        remote.probe(remote.open_store(url, hf_token=None, secrets_dir=secrets))
+    (secrets / "aws_access_key_id").write_text(KEY_ID + "\n")
+    (secrets / "aws_secret_access_key").write_text(SECRET + "\n")
+    remote.probe(remote.open_store(url, hf_token=None, secrets_dir=secrets))
