@@ -106,6 +106,7 @@ def lora_headline() -> dict[str, Any]:
         "reasons": list(plan.reasons),
         "device_bytes": choice.device_bytes,
         "host_bytes": choice.host_bytes,
+        "load_peak_host_bytes": plan.load.peak_bytes,
         "parts_bytes": choice.parts,
         "flops": {"forward_per_image": fwd, "backward_per_image": bwd, "step": flops},
         "step_seconds": flops / (GPU_BF16_TFLOPS * 1e12 * ASSUMED_MFU),
@@ -158,6 +159,7 @@ def headline(adam: dict[str, float] | None = None) -> dict[str, Any]:
         "reasons": list(plan.reasons),
         "device_bytes": choice.device_bytes,
         "host_bytes": choice.host_bytes,
+        "load_peak_host_bytes": plan.load.peak_bytes,
         "parts_bytes": choice.parts,
         "flops": {
             "forward_per_image": fwd,

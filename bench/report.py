@@ -199,6 +199,10 @@ def markdown(r: dict[str, Any]) -> str:
                 f"{procs}.",
                 "",
             ]
+    if r.get("load_peak"):
+        from bench.load_peak import table
+
+        out += table(r["load_peak"])
     lv = r.get("lora_vs_full")
     if lv:
         out += lora_table(lv)
@@ -309,7 +313,13 @@ def markdown(r: dict[str, Any]) -> str:
                 f"{lo['frozen_params'] / 1e9:.2f}B-parameter base frozen in bf16): zerotuner "
                 f"would choose **{lo['choice']['label']}**: "
                 f"{lo['device_bytes'] / GiB:.1f} GiB on the GPU, "
-                f"{lo['host_bytes'] / GiB:.1f} GiB host; about **{lo['step_seconds']:.1f} s** "
+                f"{lo['host_bytes'] / GiB:.1f} GiB host while training"
+                + (
+                    f" (load peak {lo['load_peak_host_bytes'] / GiB:.1f} GiB)"
+                    if "load_peak_host_bytes" in lo
+                    else ""
+                )
+                + f"; about **{lo['step_seconds']:.1f} s** "
                 f"per step ({lo['flops']['step'] / 1e12:.0f} TFLOP: backward computes no "
                 "weight gradients for the frozen base; no CPU Adam, no PCIe traffic).",
                 "",
@@ -361,7 +371,7 @@ def merged(new: dict[str, Any], folder: Path) -> dict[str, Any]:
     old = json.loads(path.read_text())
     suites = (
         "overhead", "first_step", "planner", "lora_vs_full", "nvme", "scaling", "stops",
-        "gpu_paper",
+        "gpu_paper", "load_peak",
     )  # fmt: skip
     for key in suites:
         if key in new:

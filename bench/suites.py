@@ -14,7 +14,7 @@ from bench import disk, runs
 
 NOT_TENSORS = {  # plan parts that are not tensors of the training step in a rank's memory
     "device.caching_peak", "device.framework", "host_per_rank.process",
-    "host_per_rank.cuda_host_context", "host_per_rank.model_load",
+    "host_per_rank.cuda_host_context",
     "host_per_rank.ema_once_per_node",
 }  # fmt: skip
 

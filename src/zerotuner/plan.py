@@ -13,6 +13,7 @@ estimates from formulas, not measurements: see `Estimate.parts` for the terms an
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -21,8 +22,8 @@ from zerotuner.errors import ConfigError, EnvironmentUnfit
 from zerotuner.families import ModelShape
 from zerotuner.hardware import GiB, Hardware, auto_precision
 from zerotuner.pins import check_pins, legal, pin_text
+from zerotuner.plan_memory import LoadPeak, estimate, load_peak
 from zerotuner.plan_memory import bucket as bucket  # deepspeed_config sizes buckets with it
-from zerotuner.plan_memory import estimate
 from zerotuner.trainable import Training, full_unet
 
 DEVICE_MARGIN = HOST_MARGIN = DISK_MARGIN = 0.10  # allocator fragmentation, spikes
@@ -93,6 +94,23 @@ class Plan:
     choice: Estimate
     reasons: tuple[str, ...]
     inputs: dict[str, Any]
+    load: LoadPeak
+
+    @property
+    def load_fits(self) -> bool:
+        return self.load.peak_bytes <= self.inputs["host_usable_bytes"]
+
+    def phases(self) -> dict[str, dict[str, Any]]:
+        """Host bytes per node by phase, and what is live in each."""
+        out = {
+            phase: {
+                "host_bytes": self.load.phase_bytes(phase),
+                "live": [PART_NAMES[k] for k in self.load.phase_parts(phase)],
+            }
+            for phase in ("load", "caching")
+        }
+        out["training"] = {"host_bytes": self.choice.host_bytes, "live": [TRAINING_LIVE]}
+        return out
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -104,7 +122,29 @@ class Plan:
                 | {"short": list(r.short), "label": r.label()}
                 for r in self.rows
             ],
+            "load_peak": {
+                "path": "full_copy",  # every rank builds the whole fp32 UNet (no zero.Init)
+                "host_bytes": self.load.peak_bytes,
+                "host_usable_bytes": self.inputs["host_usable_bytes"],
+                "fits": self.load_fits,
+                "ranks_per_node": self.load.ranks_per_node,
+                "per_rank": dict(self.load.per_rank),
+                "per_node": dict(self.load.per_node),
+                "phases": self.phases(),
+            },
         }
+
+
+# What each load-time part is, for the plan's phase rows.
+PART_NAMES = {
+    "process": "rank runtime",
+    "cuda_host_context": "CUDA host context",
+    "trained_model_fp32": "full fp32 UNet on every rank",
+    "frozen_parts": "VAE and text encoders (caching)",
+}
+TRAINING_LIVE = (
+    "the choice's host parts (table's host column): the full copy and the frozen parts are gone"
+)
 
 
 def resolve_precision(mixed_precision: str, hardware: Hardware) -> str:
@@ -241,6 +281,7 @@ def make_plan(
         "offload_disk_free_bytes": offload_disk_free,
         "ema": ema,
     }
+    load = load_peak(shape, ranks_per_node=ranks_per_node, precision=precision, on_cpu=on_cpu)
     fitting = sorted((r for r in rows if r.fits), key=preference)
     if not fitting:
         closest = min(rows, key=lambda r: _overshoot(r, cap, on_cpu))
@@ -263,12 +304,34 @@ def make_plan(
             raise EnvironmentUnfit(message)
         # `zerotuner config` on a laptop: show the config for the closest option, and why.
         unfit = f"the hardware planned for cannot run it: {message}"
-        return Plan(tuple(rows), closest, (unfit,), inputs)
+        return Plan(tuple(rows), closest, (unfit,), inputs, load)
     choice = fitting[0]
     reasons = _reasons(choice, rows, cap, precision, preference)
     if training.type == "lora":
         reasons.insert(1, _lora_reason(choice, rows, training, precision))
-    return Plan(tuple(rows), choice, tuple(reasons), inputs)
+    if load.peak_bytes > cap.host:
+        message = _load_unfit(load, cap)
+        if require_fit:  # at preflight: before a rank starts, so before any download
+            raise EnvironmentUnfit(message)
+        reasons.insert(0, f"the hardware planned for cannot run it: {message}")
+    return Plan(tuple(rows), choice, tuple(reasons), inputs, load)
+
+
+def _load_unfit(load: LoadPeak, cap: Capacity) -> str:
+    """One line: the load peak, what makes it, and the setting that would help."""
+    n, per_rank = load.ranks_per_node, load.per_rank
+    need = math.ceil(load.peak_bytes / (1 - HOST_MARGIN) / GiB * 10) / 10  # rounded up
+    ways = []
+    fewer = load.ranks_that_fit(cap.host)
+    if 1 <= fewer < n:
+        ways.append(f"set ZT_NUM_PROCESSES={fewer} (ranks per node; more nodes keep the world)")
+    ways.append(f"use a host with at least {need:.1f} GiB of memory")
+    return (
+        f"load peak {gib(load.peak_bytes)} > {gib(cap.host)} GiB usable host: each of the {n} "
+        f"rank(s) on a node builds the full fp32 UNet ({gib(per_rank['trained_model_fp32'])} GiB) "
+        f"and holds the VAE and text encoders ({gib(per_rank['frozen_parts'])} GiB) while "
+        f"caching, before DeepSpeed partitions anything; {' or '.join(ways)}"
+    )
 
 
 def _stage_preference(row: Estimate) -> int:

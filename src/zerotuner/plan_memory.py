@@ -8,6 +8,8 @@ overheads. `plan.make_plan` adds the margins and chooses among the rows.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from zerotuner.families import ModelShape
 from zerotuner.hardware import GiB
 from zerotuner.trainable import Training, full_unet
@@ -37,7 +39,6 @@ TORCHRUN_AGENT = int(0.25 * GiB)  # the elastic agent, once per node
 # 1.7 GB more peak RSS once a CUDA tensor exists (pytorch/pytorch#113326, lazy module
 # loading on), so 1.5 GiB per rank, keeping a CUDA rank at ~2 GiB as before.
 CUDA_HOST_CONTEXT = int(1.5 * GiB)
-FIXED_HOST_PARTS = ("process", "cuda_host_context", "model_load")
 
 MAX_BUCKET = 500_000_000  # DeepSpeed's default bucket (elements), capped like normalize does
 STAGE3_MAX_LIVE = 1_000_000_000  # stage3_max_live_parameters default (elements)
@@ -173,15 +174,9 @@ def estimate(
     host_rank["process"] = RANK_PROCESS
     if not on_cpu:
         host_rank["cuda_host_context"] = CUDA_HOST_CONTEXT
-    # Every rank loads the full fp32 UNet (no zero.Init) before DeepSpeed partitions it; on the
-    # CPU accelerator that copy becomes the "device" params, already counted.
-    if not on_cpu:
-        host_rank["model_load"] = 4 * total
-    # The loaded copy is gone (moved to the device, or became DeepSpeed's fp32 master) before
-    # offloaded states fill the host.
-    fixed = host_rank["process"] + host_rank.get("cuda_host_context", 0)
-    offloaded = sum(v for k, v in host_rank.items() if k not in FIXED_HOST_PARTS)
-    per_rank_host = fixed + max(offloaded, host_rank.get("model_load", 0))
+    # The full fp32 copy every rank loads is gone (moved to the device, or cast and
+    # partitioned by DeepSpeed) before offloaded states fill the host: `load_peak` counts it.
+    per_rank_host = sum(host_rank.values())
     host = ranks_per_node * per_rank_host + ENTRYPOINT_PROCESS + TORCHRUN_AGENT
     if ema:  # one fp32 shadow per node (rank 0 keeps it), on the CPU, not sharded by DeepSpeed
         host += 4 * t
@@ -201,3 +196,52 @@ def bucket(shape: ModelShape) -> int:
     DeepSpeed's default 5e8; a multiple of 8, as DeepSpeed asserts alignment on it."""
     size = int(min(MAX_BUCKET, max(shape.largest_param, shape.unet_params // 10)))
     return -(-size // 8) * 8
+
+
+@dataclass(frozen=True)
+class LoadPeak:
+    """Host bytes per node before the DeepSpeed engine is ready, phase by phase.
+
+    Today's path (no `deepspeed.zero.Init`): every local rank builds the whole trained UNet in
+    fp32 (`model.load_unet`), whatever the stage, and keeps it while the frozen VAE and text
+    encoders load and encode the dataset for the feature cache; `deepspeed.initialize` then
+    moves or partitions it. The peak is the caching phase: both are live.
+    """
+
+    ranks_per_node: int
+    per_rank: dict[str, int]  # process, cuda_host_context, trained_model_fp32, frozen_parts
+    per_node: dict[str, int]  # entrypoint, torchrun_agent
+
+    def phase_parts(self, phase: str) -> tuple[str, ...]:
+        """The per-rank parts live in `phase` ("load" or "caching")."""
+        return tuple(k for k in self.per_rank if phase == "caching" or k != "frozen_parts")
+
+    def per_rank_bytes(self, phase: str = "caching") -> int:
+        return sum(self.per_rank[k] for k in self.phase_parts(phase))
+
+    def phase_bytes(self, phase: str) -> int:
+        return self.ranks_per_node * self.per_rank_bytes(phase) + sum(self.per_node.values())
+
+    @property
+    def peak_bytes(self) -> int:
+        return max(self.phase_bytes("load"), self.phase_bytes("caching"))
+
+    def ranks_that_fit(self, usable: int) -> int:
+        """How many ranks per node the usable host bytes hold through the load peak."""
+        return max(0, (usable - sum(self.per_node.values())) // self.per_rank_bytes())
+
+
+def load_peak(shape: ModelShape, *, ranks_per_node: int, precision: str, on_cpu: bool) -> LoadPeak:
+    """The load-time host peak of today's path. The UNet is read in fp32 (DeepSpeed casts it
+    itself), LoRA's base included (the adapter is added after). The frozen parts count at the
+    training dtype, as the device's caching estimate does: the text encoders load in it, the
+    fp32 VAE is the smallest part, and on a GPU each part leaves the host for the device as
+    soon as it is loaded."""
+    p_bytes = 4 if precision == "no" else 2
+    per_rank = {"process": RANK_PROCESS}
+    if not on_cpu:
+        per_rank["cuda_host_context"] = CUDA_HOST_CONTEXT
+    per_rank["trained_model_fp32"] = 4 * shape.unet_params
+    per_rank["frozen_parts"] = p_bytes * shape.frozen_params
+    per_node = {"entrypoint": ENTRYPOINT_PROCESS, "torchrun_agent": TORCHRUN_AGENT}
+    return LoadPeak(ranks_per_node, per_rank, per_node)

@@ -261,8 +261,10 @@ def _plan(c: Checks) -> str:
     )
     c.facts["plan"], c.facts["world"] = plan, world
     ch = plan.choice
-    return f"{ch.label()}: device {gib(ch.device_bytes)} GiB, host {gib(ch.host_bytes)} GiB" + (
-        f", disk {gib(ch.disk_bytes)} GiB" if ch.disk_bytes else ""
+    return (
+        f"{ch.label()}: device {gib(ch.device_bytes)} GiB, host {gib(ch.host_bytes)} GiB"
+        + (f", disk {gib(ch.disk_bytes)} GiB" if ch.disk_bytes else "")
+        + f"; load peak {gib(plan.load.peak_bytes)} GiB host"
     )
 
 

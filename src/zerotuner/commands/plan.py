@@ -105,10 +105,32 @@ def render(plan: Plan, hardware: Hardware) -> str:
             f"{gib(r.host_bytes):>8}  {gib(r.disk_bytes):>8}  {'yes' if r.fits else 'no ':<4}"
             f"{mark}"
         )
+    lines += ["", *phase_lines(plan)]
     lines += ["", f"choice: {plan.choice.label()}"]
     lines += [f"  - {reason}" for reason in plan.reasons]
     lines += [f"warning: {w}" for w in hardware.warnings]
     return "\n".join(lines)
+
+
+def phase_lines(plan: Plan) -> list[str]:
+    """Host memory per node by phase: the load peak (before the DeepSpeed engine is ready) as
+    its own row, next to the training figure of the choice, with what is live in each."""
+    load, usable = plan.load, plan.inputs["host_usable_bytes"]
+    verdict = "fits" if plan.load_fits else "DOES NOT FIT"
+    lines = [
+        f"host per node by phase ({load.ranks_per_node} rank(s) per node; "
+        f"{gib(usable)} GiB usable):"
+    ]
+    for phase, row in plan.phases().items():
+        if phase == "caching":
+            live = "+ " + ", ".join(row["live"][-1:])
+        elif phase == "load":
+            live = ", ".join(row["live"])
+        else:
+            live = row["live"][0]
+        lines.append(f"  {phase:<8}  {gib(row['host_bytes']):>6} GiB  {live}")
+    lines.append(f"load peak: {gib(load.peak_bytes)} of {gib(usable)} GiB usable host, {verdict}")
+    return lines
 
 
 def plan_json(plan: Plan, hardware: Hardware) -> dict[str, Any]:
