@@ -15,7 +15,9 @@ from pathlib import Path
 from bench import report, runs, suites
 from bench.benchmodel import unet_parameters, write_bench_model
 
-SUITES = ("overhead", "planner", "lora_vs_full", "nvme", "scaling", "stops", "gpu_paper")
+SUITES = (
+    "overhead", "planner", "lora_vs_full", "nvme", "scaling", "stops", "gpu_paper", "load_peak",
+)  # fmt: skip
 log = logging.getLogger("bench")
 
 
@@ -87,6 +89,11 @@ def main(argv: list[str] | None = None) -> int:
         if "stops" in wanted:
             log.info("stops: SIGTERM at random moments")
             results["stops"] = suites.stops(b, trials=1 if args.smoke else 10)
+        if "load_peak" in wanted:
+            log.info("load peak: host RSS until the engine is ready, 1 and 2 ranks")
+            from bench.load_peak import load_peak
+
+            results["load_peak"] = load_peak(b)
         if "gpu_paper" in wanted:
             from bench.paper import headline
 

@@ -99,6 +99,8 @@ def main() -> None:
         config=config,
     )  # fmt: skip
     times["engine_ready"] = time.time()
+    # The load peak: this process's RSS high-water mark from its start until the engine is ready
+    engine_ready_peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
     # One in-memory batch of the shapes zerotuner's cache produces for this model.
     gen = torch.Generator().manual_seed(rank)
@@ -171,6 +173,7 @@ def main() -> None:
         "memory": memory,
         "offload_files_bytes": _swap_bytes(config),
         "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "engine_ready_peak_rss_bytes": engine_ready_peak_rss,
     }
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"rank-{rank}.json").write_text(json.dumps(result, indent=2))

@@ -23,8 +23,10 @@ POOLED_DIM = 32
 TIME_DIM = 16  # with 8 the bucket (params // 10) is odd and ZeRO-1/2 refuse it (see report)
 
 
-def unet_config(sample_size: int = RESOLUTION // 4, *, small: bool = False) -> dict:
-    blocks = SMOKE_BLOCKS if small else UNET_BLOCKS
+def unet_config(
+    sample_size: int = RESOLUTION // 4, *, small: bool = False, blocks: tuple | None = None
+) -> dict:
+    blocks = blocks or (SMOKE_BLOCKS if small else UNET_BLOCKS)
     return {
         "sample_size": sample_size,
         "in_channels": 4,
@@ -43,8 +45,11 @@ def unet_config(sample_size: int = RESOLUTION // 4, *, small: bool = False) -> d
     }
 
 
-def write_bench_model(dir: Path, *, seed: int = 0, small: bool = False) -> DemoPaths:
-    """DIR/model (the pipeline) and DIR/data (the demo's 64 images); idempotent."""
+def write_bench_model(
+    dir: Path, *, seed: int = 0, small: bool = False, blocks: tuple | None = None
+) -> DemoPaths:
+    """DIR/model (the pipeline) and DIR/data (the demo's 64 images); idempotent. `blocks`: the
+    UNet's block widths instead of the bench's (load_peak: (256, 512, 1024), ~380M params)."""
     import torch
     from diffusers import UNet2DConditionModel
 
@@ -53,7 +58,7 @@ def write_bench_model(dir: Path, *, seed: int = 0, small: bool = False) -> DemoP
     vae.register_to_config(scaling_factor=_latent_scaling_factor(vae, paths.data))
     vae.save_pretrained(paths.model / "vae", safe_serialization=True)
     torch.manual_seed(seed + 11)
-    unet = UNet2DConditionModel(**unet_config(small=small))
+    unet = UNet2DConditionModel(**unet_config(small=small, blocks=blocks))
     unet.save_pretrained(paths.model / "unet", safe_serialization=True)
     return paths
 

@@ -129,3 +129,20 @@ def test_gpu_paper_estimate_is_marked_and_complete():
     assert lora["device_bytes"] < estimate["device_bytes"]
     # backward computes no weight gradients for the frozen base
     assert lora["flops"]["backward_per_image"] < estimate["flops"]["backward_per_image"]
+
+
+def test_load_peak_row_and_table_put_the_plan_beside_the_measurement():
+    from types import SimpleNamespace
+
+    from bench.load_peak import row, table
+
+    choice = SimpleNamespace(zero_stage=3, offload_optimizer="nvme", offload_param="nvme")
+    r = row(2, 380_475_908, choice, [2_000 * 2**20, 2_100 * 2**20], 2_200 * 2**20)
+    assert (r["path"], r["world_size"], r["offload"]) == (
+        "full_copy", 2, "optimizer->nvme, params->nvme",
+    )  # fmt: skip
+    assert r["peak_rss_bytes"] == 2_100 * 2**20 and round(r["error_percent"], 2) == 4.76
+    failed = {"path": "full_copy", "world_size": 1, "error": "bare loop exited 1"}
+    text = "\n".join(table([r, failed]))
+    assert "| full_copy | 2 | 380M | optimizer->nvme, params->nvme | 2000 / 2100 | 2200 |" in text
+    assert "failed: bare loop exited 1" in text
