@@ -92,7 +92,7 @@ def run_page(browser, tmp: Path) -> None:
         ZT_DATA_DIR=str(tmp / "demo" / "data"), ZT_OUTPUT_DIR=str(tmp / "output"),
         ZT_CACHE_DIR=str(tmp / "cache"), ZT_OFFLOAD_DIR=str(tmp / "offload"),
         ZT_CONFIG_FILE=str(REPO / "config" / "demo.yaml"), ZT_METRICS_PORT=port,
-        ZT_METRICS_HOST="127.0.0.1", ZT_VALIDATION_EVERY_STEPS="40", ZT_CHECKPOINT_EVERY_STEPS="0",
+        ZT_METRICS_HOST="127.0.0.1", ZT_VALIDATION_EVERY_STEPS="500", ZT_CHECKPOINT_EVERY_STEPS="0",
     )  # fmt: skip
     log = tmp / "train.log"
     with log.open("w") as out:
