@@ -5,9 +5,6 @@ demo SDXL)."""
 from __future__ import annotations
 
 import math
-import signal
-import subprocess
-import time
 from pathlib import Path
 
 import pytest
@@ -194,26 +191,7 @@ def test_a_stopped_lora_run_resumes_at_the_next_step_bit_for_bit(
         model=demo_dir / "model", data=demo_dir / "data", output=output, cache=lora_cache,
         max_steps=500, checkpoint_every_steps=0, **values,
     )  # fmt: skip
-    cmd, full = tk.rank_command(tmp_path, env, job_file=job)
-    log = (tmp_path / "log.txt").open("w")
-    proc = subprocess.Popen(cmd, env=full, stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path)
-    steps_file = output / "run" / "steps.jsonl"
-    try:
-        for _ in range(600):  # up to 5 minutes for start-up and two steps on a busy machine
-            if steps_file.is_file() and len(steps_file.read_text().splitlines()) >= 2:
-                break
-            if proc.poll() is not None:
-                break
-            time.sleep(0.5)
-        assert proc.poll() is None, (tmp_path / "log.txt").read_text()[-4000:]
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        log.close()
-    codes = {rank: s["exit_code"] for rank, s in tk.statuses(tmp_path).items()}
-    assert codes == {0: 143, 1: 143}, (tmp_path / "log.txt").read_text()[-4000:]
+    tk.sigterm_ranks_after_steps(tmp_path, env, job, output)
     stopped = tk.read_steps(output)[-1]["step"]
     assert 2 <= stopped < STEPS, "stopped too late to compare with the 16-step run"
     assert (output / "checkpoints" / "latest").read_text() == f"step-{stopped}"

@@ -275,3 +275,29 @@ def sigterm_after_steps(env: dict[str, str], out: Path, steps: int = 3) -> tuple
     proc.send_signal(signal.SIGTERM)
     text = proc.communicate(timeout=300)[0]
     return proc.returncode, text
+
+
+def sigterm_ranks_after_steps(tmp: Path, env: dict[str, str], job: Path, output: Path,
+                              steps: int = 2) -> None:  # fmt: skip
+    """The ranks (torchrun, no entrypoint) signalled with SIGTERM once `steps` steps are
+    logged; both must exit 143 (a checkpoint committed: a restart resumes)."""
+    cmd, full = rank_command(tmp, env, job_file=job)
+    log_path = tmp / "log.txt"
+    with log_path.open("w") as log:
+        proc = subprocess.Popen(cmd, env=full, stdout=log, stderr=subprocess.STDOUT, cwd=tmp)
+        try:
+            deadline = time.monotonic() + 300  # start-up and a few steps on a busy machine
+            logged = output / "run" / "steps.jsonl"
+            while proc.poll() is None and not (
+                logged.is_file() and len(read_steps(output)) >= steps
+            ):
+                assert time.monotonic() < deadline, log_path.read_text()[-4000:]
+                time.sleep(0.5)
+            assert proc.poll() is None, log_path.read_text()[-4000:]
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(timeout=120)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    codes = {rank: s["exit_code"] for rank, s in statuses(tmp).items()}
+    assert codes == {0: 143, 1: 143}, log_path.read_text()[-4000:]
