@@ -116,7 +116,8 @@ class S3Store:
         self.url = f"s3://{bucket}/{prefix}"
         # The endpoint, region and keys come from AWS_* variables as for any AWS tool.
         retries = Config(retries={"max_attempts": 3, "mode": "standard"}, connect_timeout=10)
-        self.client = boto3.client("s3", config=retries, **credentials)
+        # A session of its own: boto3's default one caches the first credentials it resolved.
+        self.client = boto3.session.Session().client("s3", config=retries, **credentials)
 
     def _call(self, what: str, fn, *args, **kwargs):  # noqa: ANN001, ANN202
         from botocore.exceptions import BotoCoreError, ClientError
