@@ -10,6 +10,7 @@ import torch
 
 from zerotuner import data, loop, model
 from zerotuner.cache import CacheItem, FeatureCache, component_key
+from zerotuner.conditioning import CONDITIONING, time_ids
 from zerotuner.demo import LATENT_SCALE
 from zerotuner.errors import ConfigError
 
@@ -20,7 +21,7 @@ def items_for(dataset: data.Dataset, buckets) -> list[CacheItem]:
     def loader(item, bucket):
         def load(flip: bool):
             ex = data.load_example(item, bucket, flip=flip)
-            ids = model.time_ids(ex.original_size, ex.crop_top_left, ex.target_size)
+            ids = time_ids(ex.original_size, ex.crop_top_left, ex.target_size)
             return torch.from_numpy(ex.pixels), ids
 
         return load
@@ -84,7 +85,7 @@ def test_component_key_changes_with_the_vae_weights(demo_dir: Path, tmp_path: Pa
 
 def test_encode_once_then_load_batches(sdxl, tmp_path: Path) -> None:
     source, components, items = sdxl
-    conditioning = model.CONDITIONING["sdxl"]
+    conditioning = CONDITIONING["sdxl"]
     cache = FeatureCache(tmp_path, vae_key="v", text_key="t", flip=True)
     missing, texts = cache.missing(items)
     assert missing == list(range(len(items))) and texts
@@ -120,11 +121,11 @@ def test_family_conditioning_drives_the_unet(family, request) -> None:
     fixture = {"sd1": "sd1_demo_dir", "sd2": "sd2_demo_dir", "sdxl": "demo_dir"}[family]
     source = request.getfixturevalue(fixture) / "model"
     components = model.load_components(source, family, gradient_checkpointing=True)
-    conditioning = model.CONDITIONING[family]
+    conditioning = CONDITIONING[family]
     text = conditioning.encode_text(components, ["a red circle", "a blue square"])
     batch = dict(text, latents=torch.randn(2, 4, 16, 16))
     if family == "sdxl":
-        batch["time_ids"] = torch.stack([model.time_ids((64, 64), (0, 0), (64, 64))] * 2)
+        batch["time_ids"] = torch.stack([time_ids((64, 64), (0, 0), (64, 64))] * 2)
     kind = model.prediction_type(components.scheduler)
     assert kind == ("epsilon" if family == "sd1" else "v_prediction")  # see demo._scheduler
     for snr_gamma in (None, 5.0):

@@ -18,6 +18,7 @@ from lorakit import (
     SHORT,
     STEPS,
     TARGETS,
+    TEXT,
     UNET_FILE,
     assert_only_the_adapter_trained,
     checkpoint_adapter,
@@ -133,6 +134,25 @@ def test_zero3_adapter_loads_in_a_plain_pipeline_and_changes_it(zero3, demo_dir:
     kohya = plain_pipeline(demo_dir)
     kohya.load_lora_weights(zero3 / "final", weight_name=lora_files.KOHYA_FILE)
     torch.testing.assert_close(unet_output(kohya.unet), loaded, rtol=1e-5, atol=1e-5)
+    # the text encoders' adapters: in the file, loaded by both readers, alike, and trained
+    base_text = text_output(plain_pipeline(demo_dir))
+    assert {k.split(".")[0] for k in load_file(zero3 / "final" / lora_files.ADAPTER_FILE)} == {
+        "unet", "text_encoder", "text_encoder_2"
+    }  # fmt: skip
+    adapted, kohya_text = text_output(pipe), text_output(kohya)
+    for name in base_text:
+        assert (meta[f"{name}.r"], meta[f"{name}.lora_alpha"]) == (RANK, ALPHA)
+        assert not torch.allclose(adapted[name], base_text[name], atol=1e-4), name
+        torch.testing.assert_close(kohya_text[name], adapted[name], rtol=1e-5, atol=1e-5)
+
+
+@torch.no_grad()
+def text_output(pipe) -> dict[str, torch.Tensor]:
+    ids = pipe.tokenizer([PROMPT], padding="max_length", max_length=77, return_tensors="pt")
+    return {
+        name: getattr(pipe, name)(ids.input_ids, output_hidden_states=True).hidden_states[-2]
+        for name in ("text_encoder", "text_encoder_2")
+    }
 
 
 @pytest.mark.slow
@@ -213,7 +233,7 @@ def test_zero3_lora_resumes_at_the_next_step(zero3, tmp_path, demo_dir, lora_cac
     (stopped / "checkpoints" / "latest").write_text("step-8")
     proc, output = train(
         tmp_path, demo_dir, lora_cache, stage=3, steps=STEPS, checkpoint_every_steps=8,
-        output=stopped,
+        output=stopped, **TEXT,
     )  # fmt: skip
     tk.assert_ok(proc, tmp_path)
     assert "resumed from" in proc.stderr + proc.stdout
@@ -248,17 +268,24 @@ def test_zero3_lora_resumes_at_the_next_step(zero3, tmp_path, demo_dir, lora_cac
             "conv2,conv_in,conv_out,time_emb_proj; set it back to continue, or set "
             "ZT_RESUME=never or another ZT_OUTPUT_DIR to start afresh",
         ),
+        (
+            {"lora_text_encoder": False},
+            "ZT_LORA_TEXT_ENCODER=false: the checkpoint to resume ({path}) has an adapter with "
+            "text encoder on; set it back to continue, or set ZT_RESUME=never or another "
+            "ZT_OUTPUT_DIR to start afresh",
+        ),
     ],
 )
 def test_a_lora_checkpoint_resumes_only_as_the_same_lora(zero3, settings, expected) -> None:
     path = zero3 / "checkpoints" / "step-8"
-    values = {"training_type": "lora", "lora_rank": RANK, "lora_targets": TARGETS} | settings
+    values = {"training_type": "lora", "lora_rank": RANK, "lora_targets": TARGETS, **TEXT}
+    values |= settings
     if values["training_type"] == "full":
         values = {"training_type": "full"}
     with pytest.raises(ConfigError) as caught:
         lora.check_resume(read_manifest(path), Settings(**values), path)
     assert caught.value.problems == [expected.format(path=path)]
-    lora.check_resume(read_manifest(path), lora_settings(lora_alpha=8), path)  # alpha may change
+    lora.check_resume(read_manifest(path), lora_settings(lora_alpha=8, **TEXT), path)  # alpha too
 
 
 def test_a_full_checkpoint_is_not_resumed_as_lora(tmp_path) -> None:
@@ -299,7 +326,7 @@ def test_zero3_lora_resumes_on_another_stage_or_world_size(
     env = tk.settings_env(
         model=demo_dir / "model", data=demo_dir / "data", output=stopped, cache=lora_cache,
         max_steps=last, training_type="lora", lora_rank=RANK, lora_alpha=ALPHA,
-        lora_targets=TARGETS, checkpoint_every_steps=0,
+        lora_targets=TARGETS, checkpoint_every_steps=0, **TEXT,
     )  # fmt: skip
     proc = tk.run_ranks(tmp_path, env, job_file=job, world=world)
     tk.assert_ok(proc, tmp_path, world=world)
@@ -319,19 +346,22 @@ def test_zero3_lora_resumes_on_another_stage_or_world_size(
 def test_a_lora_checkpoint_resumes_only_onto_its_base(zero3, demo_dir, tmp_path) -> None:
     path = zero3 / "checkpoints" / "step-8"
     manifest = read_manifest(path)
-    own = lora.base_digest(demo_dir / "model")
-    assert manifest["lora"]["base_unet_sha256"] == own
-    lora.check_resume_base(manifest, own, lora_settings(), path)
+    own = lora.base_digest(demo_dir / "model", text_encoder=True)
+    assert manifest["lora"]["base_unet_sha256"] == own != lora.base_digest(demo_dir / "model")
+    lora.check_resume_base(manifest, own, lora_settings(**TEXT), path)
     other = tmp_path / "model"
-    shutil.copytree(demo_dir / "model" / "unet", other / "unet")
+    for part in ("unet", "text_encoder", "text_encoder_2"):
+        shutil.copytree(demo_dir / "model" / part, other / part)
+    assert lora.base_digest(other, text_encoder=True) == own
     weights = load_file(other / UNET_FILE)
     name = sorted(weights)[0]
     weights[name] = weights[name] + 1e-3  # one tensor fine-tuned a little
     save_file(weights, other / UNET_FILE)
-    settings = lora_settings(model=str(other))
+    settings = lora_settings(model=str(other), **TEXT)
     with pytest.raises(ConfigError) as caught:
-        lora.check_resume_base(manifest, lora.base_digest(other), settings, path)
+        lora.check_resume_base(manifest, lora.base_digest(other, text_encoder=True), settings, path)
     assert caught.value.problems[0].startswith(
-        f"ZT_MODEL={other}: its UNet weights differ from those the checkpoint to resume "
+        f"ZT_MODEL={other}: its UNet or text encoder weights differ from those the checkpoint "
+        "to resume "
         f"({path}) trained its adapter on"
     )

@@ -17,6 +17,8 @@ from lorakit import (
     RANK,
     STEPS,
     TARGETS,
+    TEXT,
+    file_names,
     lora_settings,
     plain_pipeline,
     train,
@@ -109,11 +111,6 @@ def test_merged_export_of_a_full_checkpoint_is_refused(demo_dir, tmp_path, capsy
 
 
 # --- the ZeRO-3 run (lorakit.zero3: 16 steps, EMA, merge) ---------------------------------------
-def adapter_names(state: dict) -> dict:
-    """Module parameter names to the adapter file's (`unet.` + peft keys)."""
-    return {f"unet.{k}": v for k, v in lora_files.peft_keys(state).items()}
-
-
 def assert_equal(got: dict, want: dict) -> None:
     assert got.keys() == want.keys() and got
     assert all(torch.equal(got[k], want[k]) for k in want), "not bitwise equal"
@@ -130,7 +127,7 @@ def test_zero3_ema_tracks_the_adapter_only(zero3, tmp_path) -> None:
     assert ema and all(".lora_" in name for name in ema)
     assert read_manifest(last)["ema_updates"] == STEPS
     written = load_file(zero3 / "final-ema" / lora_files.ADAPTER_FILE)
-    assert_equal(written, adapter_names(ema))
+    assert_equal(written, file_names(ema))
     trained = load_file(zero3 / "final" / lora_files.ADAPTER_FILE)
     assert written.keys() == trained.keys()
     assert any(not torch.equal(written[k], trained[k]) for k in trained), "the EMA is the adapter"
@@ -182,7 +179,7 @@ def test_a_stopped_lora_run_resumes_at_the_next_step_bit_for_bit(
     output = tmp_path / "output"
     values = dict(
         training_type="lora", lora_rank=RANK, lora_alpha=ALPHA, lora_targets=TARGETS, ema=True,
-        log_every_steps=1,
+        log_every_steps=1, **TEXT,
     )  # fmt: skip
     job = tk.write_job(
         tmp_path / "job.json", model=demo_dir / "model", deepspeed=tk.ds_config(3, lr=LR)
@@ -198,7 +195,7 @@ def test_a_stopped_lora_run_resumes_at_the_next_step_bit_for_bit(
     again = tmp_path / "again"
     again.mkdir()
     proc, _ = train(again, demo_dir, lora_cache, stage=3, steps=STEPS, output=output,
-                    checkpoint_every_steps=0, ema=True)  # fmt: skip
+                    checkpoint_every_steps=0, ema=True, **TEXT)  # fmt: skip
     tk.assert_ok(proc, again)
     steps, expected = tk.read_steps(output), tk.read_steps(zero3)
     assert [s["step"] for s in steps] == list(range(1, STEPS + 1))

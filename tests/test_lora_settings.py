@@ -47,13 +47,15 @@ def test_variants_and_ema_with_lora_pass_and_are_said(monkeypatch, capsys, tmp_p
     code, out, err = tk.config_explain(
         monkeypatch, capsys, tmp_path, ZT_TRAINING_TYPE="lora", ZT_MODEL=str(demo_dir / "model"),
         ZT_LORA_DORA="true", ZT_LORA_RSLORA="true", ZT_LORA_MERGE="true", ZT_EMA="true",
-        ZT_LORA_RANK="4",
+        ZT_LORA_RANK="4", ZT_LORA_TEXT_ENCODER="true",
     )  # fmt: skip
     assert code == 0, err
     assert "LoRA rank 4, alpha 4 (DoRA, rsLoRA) on to_k" in err
+    assert "ZT_LORA_TEXT_ENCODER: the text encoders train adapters too" in err
+    assert "captions are not cached" in err
     code, out, err = tk.config_explain(monkeypatch, capsys, tmp_path, ZT_TRAINING_TYPE="full")
     assert code == 2
-    for name in ("ZT_LORA_DORA", "ZT_LORA_RSLORA", "ZT_LORA_MERGE"):
+    for name in ("ZT_LORA_DORA", "ZT_LORA_RSLORA", "ZT_LORA_MERGE", "ZT_LORA_TEXT_ENCODER"):
         assert f"zerotuner: error: {name} is set but ZT_TRAINING_TYPE=full: set " in err, err
 
 

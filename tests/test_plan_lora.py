@@ -156,7 +156,7 @@ def test_plan_cli_shows_training_type_and_counts(monkeypatch, capsys):
     )  # fmt: skip
     assert cli.main([*WHAT_IF.split(), *WHAT_IF_HW]) == 0
     out = capsys.readouterr().out
-    assert "training: lora, 23.2M trainable (adapter), 2567.5M frozen (base UNet)" in out
+    assert "training: lora, 23.2M trainable (adapter), 2567.5M frozen (base)" in out
     assert "choice: ZeRO-0, no offload, checkpointing" in out
     monkeypatch.setenv("ZT_TRAINING_TYPE", "full")
     assert cli.main([*WHAT_IF.split(), *WHAT_IF_HW]) == 0
@@ -191,3 +191,28 @@ def test_readme_headline_on_paper_is_what_the_planner_says():
         f"would choose **{c.label()}**: {c.device_bytes / GiB:.1f} GiB on the GPU, "
         f"{c.host_bytes / GiB:.1f} GiB host" in readme
     )
+
+
+def test_text_encoder_adapters_are_what_the_trainer_adds(demo_dir):
+    """ZT_LORA_TEXT_ENCODER: the planner adds the encoders' adapters (trained) and weights
+    (frozen) as lora_text.build puts them into the engine; the published encoders' sizes
+    from their layer shapes (CLIP ViT-L 12 x 768, OpenCLIP ViT-bigG 32 x 1280)."""
+    from zerotuner import lora_text
+
+    model = demo_dir / "model"
+    settings = Settings(training_type="lora", lora_rank=4, lora_text_encoder=True)
+    unet = UNet2DConditionModel.from_pretrained(model, subfolder="unet")
+    lora.add_adapter(unet, settings)
+    trained, _ = lora_text.build(
+        unet, model, "sdxl", lora.adapter_settings(settings), seed=0, gradient_checkpointing=False
+    )
+    counted = trainable.for_settings(settings, model_shape("sdxl", model), model)
+    params = [p for p in trained.parameters() if p.requires_grad]
+    assert counted.trainable_params == sum(p.numel() for p in params)
+    assert counted.largest_trainable == max(p.numel() for p in params)
+    assert counted.frozen_params == sum(
+        p.numel() for p in trained.parameters() if not p.requires_grad
+    )
+    assert lora_text.adapter_size("sdxl", None, 16)[:2] == (
+        16 * (12 * 4 * 2 * 768 + 32 * 4 * 2 * 1280), 16 * 1280,
+    )  # fmt: skip

@@ -127,10 +127,11 @@ class FeatureCache:
                 _save({k: v[i].contiguous() for k, v in embeds.items()}, self.text_path(caption))
 
     def load_batch(
-        self, items: list[CacheItem], generator: torch.Generator | None = None
+        self, items: list[CacheItem], generator: torch.Generator | None = None, *, texts=True
     ) -> dict[str, torch.Tensor]:
         """Stack the cached tensors of a batch; with flip on, each image is mirrored at random
-        (its pre-encoded mirror image), decided by `generator` so resumed runs match."""
+        (its pre-encoded mirror image), decided by `generator` so resumed runs match. `texts`
+        False: latents and time ids only (the captions were not cached)."""
         rows = []
         for item in items:
             row = load_file(self.latent_path(item))
@@ -139,7 +140,8 @@ class FeatureCache:
                 for key in ("latents", "time_ids"):
                     flipped = row.pop(f"{key}_flipped")
                     row[key] = flipped if mirrored else row[key]
-            row.update(load_file(self.text_path(item.caption)))
+            if texts:
+                row.update(load_file(self.text_path(item.caption)))
             rows.append(row)
         return {key: torch.stack([r[key] for r in rows]) for key in rows[0]}
 

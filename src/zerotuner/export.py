@@ -24,23 +24,50 @@ from zerotuner.errors import ConfigError
 log = logging.getLogger(__name__)
 
 
-def write_pipeline(base: Path, unet_state: dict[str, torch.Tensor], out: Path) -> Path:
-    """Write `out` as a pipeline folder: `base` without its UNet, plus these UNet weights."""
-    from diffusers import UNet2DConditionModel
+def load_part(base: Path, part: str, *, weights: bool = True) -> torch.nn.Module:
+    """A pipeline part in fp32: the UNet (diffusers) or a text encoder (transformers, its
+    class from its config), with the base's weights or (`weights` False) freshly built."""
+    if part == "unet":
+        from diffusers import UNet2DConditionModel
 
+        if weights:
+            return UNet2DConditionModel.from_pretrained(base, subfolder=part, dtype=torch.float32)
+        return UNet2DConditionModel.from_config(UNet2DConditionModel.load_config(base / part))
+    import transformers
+
+    config = transformers.AutoConfig.from_pretrained(base / part)
+    cls = getattr(transformers, (config.architectures or ["CLIPTextModel"])[0])
+    if weights:
+        return cls.from_pretrained(base, subfolder=part, dtype=torch.float32)
+    return cls(config)
+
+
+def write_pipeline(
+    base: Path,
+    unet_state: dict[str, torch.Tensor],
+    out: Path,
+    *,
+    text_states: dict[str, dict[str, torch.Tensor]] | None = None,
+) -> Path:
+    """Write `out` as a pipeline folder: `base` without its UNet, plus these UNet weights (and
+    `text_states`: text encoders' weights by part name, e.g. a merged LoRA's)."""
     out = Path(out)
-    config = UNet2DConditionModel.load_config(base, subfolder="unet")
-    unet = UNet2DConditionModel.from_config(config)
-    missing, unexpected = unet.load_state_dict(unet_state, strict=False)
-    if missing or unexpected:
-        raise ConfigError(
-            f"the trained weights do not match {base}/unet: missing {missing[:3]}, "
-            f"unexpected {unexpected[:3]}"
-        )
+    states = {"unet": unet_state} | (text_states or {})
+    modules = {}
+    for part, state in states.items():
+        modules[part] = load_part(base, part, weights=False)
+        missing, unexpected = modules[part].load_state_dict(state, strict=False)
+        missing = [m for m in missing if not m.endswith("position_ids")]  # a buffer, not saved
+        if missing or unexpected:
+            raise ConfigError(
+                f"the trained weights do not match {base}/{part}: missing {missing[:3]}, "
+                f"unexpected {unexpected[:3]}"
+            )
     tmp = out.with_name(f".{out.name}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    shutil.copytree(base, tmp, ignore=shutil.ignore_patterns("unet", ".*"))
-    unet.save_pretrained(tmp / "unet", safe_serialization=True)
+    shutil.copytree(base, tmp, ignore=shutil.ignore_patterns(*states, ".*"))
+    for part, module in modules.items():
+        module.save_pretrained(tmp / part, safe_serialization=True)
     if out.exists():
         shutil.rmtree(out)
     tmp.rename(out)

@@ -46,10 +46,14 @@ BUILTIN_UNET_CONFIGS: dict[Family, dict[str, Any]] = {
 
 # Frozen parts (text encoders + VAE) of the published checkpoints, in parameters. They are only
 # on the device while latents and embeddings are cached, so the planner counts them separately.
+BUILTIN_TEXT_PARAMS: dict[Family, int] = {
+    "sdxl": 123_060_480 + 694_659_840,  # CLIP ViT-L + OpenCLIP ViT-bigG (with projection)
+    "sd1": 123_060_480,
+    "sd2": 340_387_840,  # OpenCLIP ViT-H
+}
+VAE_PARAMS = 83_653_863
 BUILTIN_FROZEN_PARAMS: dict[Family, int] = {
-    "sdxl": 123_060_480 + 694_659_840 + 83_653_863,
-    "sd1": 123_060_480 + 83_653_863,
-    "sd2": 340_387_840 + 83_653_863,
+    f: n + VAE_PARAMS for f, n in BUILTIN_TEXT_PARAMS.items()
 }
 VAE_SCALE = 8  # pixels per latent cell in every family's VAE
 # (unet_params, largest_param) of the built-in configs, counted once on the meta device
@@ -132,12 +136,15 @@ def resolve_family(model: str, family_setting: str = "auto") -> Family:
     )
 
 
-def frozen_params(model_dir: Path) -> int:
-    """Parameters of the text encoders and VAE of a local pipeline, counted on the meta device."""
+def frozen_params(
+    model_dir: Path, parts: tuple[str, ...] = ("text_encoder", "text_encoder_2", "vae")
+) -> int:
+    """Parameters of the text encoders and VAE (or `parts`) of a local pipeline, counted on
+    the meta device."""
     from accelerate import init_empty_weights
 
     total = 0
-    for sub in ("text_encoder", "text_encoder_2", "vae"):
+    for sub in parts:
         folder = model_dir / sub
         if not (folder / "config.json").is_file():
             continue

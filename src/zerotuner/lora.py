@@ -35,7 +35,7 @@ PRESETS: dict[str, tuple[str, ...]] = {
 }
 LORA_FIELDS = (
     "lora_rank", "lora_alpha", "lora_dropout", "lora_targets", "lora_dora", "lora_rslora",
-    "lora_merge",
+    "lora_merge", "lora_text_encoder",
 )  # fmt: skip
 LORA_LAYERS = (torch.nn.Linear, torch.nn.Conv2d)  # what peft can wrap in a diffusers UNet
 
@@ -67,13 +67,24 @@ def notes(settings: Settings) -> list[Note]:
     variants = [name for name, on in (("DoRA", settings.lora_dora),
                                       ("rsLoRA", settings.lora_rslora)) if on]  # fmt: skip
     shown = f" ({', '.join(variants)})" if variants else ""
-    return [
+    said = [
         Note(
             "info",
             f"LoRA rank {settings.lora_rank}, alpha {alpha(settings):g}{shown} on {targets}; "
             "the plan counts the adapter as trained and the base UNet as frozen (weights only)",
         )
     ]
+    if settings.lora_text_encoder:
+        said.append(
+            Note(
+                "info",
+                f"{env_name('lora_text_encoder')}: the text encoders train adapters too (on "
+                "q/k/v/out_proj, same rank and alpha) and run at every step under DeepSpeed "
+                "with the UNet; captions are not cached (latents still are), and the plan "
+                "counts the encoders' weights as frozen and their adapters as trained",
+            )
+        )
+    return said
 
 
 def parse_targets(value: str) -> tuple[str, ...]:
@@ -176,6 +187,7 @@ def adapter_settings(settings: Settings) -> dict[str, Any]:
         "targets": list(parse_targets(settings.lora_targets)),
         "dora": settings.lora_dora,
         "rslora": settings.lora_rslora,
+        "text_encoder": settings.lora_text_encoder,
     }
 
 
@@ -243,22 +255,31 @@ def manifest_entries(settings: Settings, *, base_digest: str | None = None) -> d
     return entries
 
 
-def base_digest(source: Path) -> str:
-    """sha256 over the base UNet's weight files (names and contents): what the adapter was
-    trained on, whatever the folder or hub id is called."""
+def base_folders(source: Path, *, text_encoder: bool) -> list[str]:
+    """The pipeline parts an adapter sits on: the UNet, and the text encoders if they train."""
+    texts = ["text_encoder", "text_encoder_2"] if text_encoder else []
+    return ["unet", *(t for t in texts if (source / t).is_dir())]
+
+
+def base_digest(source: Path, *, text_encoder: bool = False) -> str:
+    """sha256 over the base weight files the adapter sits on (names and contents): what it
+    was trained on, whatever the folder or hub id is called. (The manifest keeps it as
+    `base_unet_sha256`, the name it had before text encoders could train.)"""
     digest = hashlib.sha256()
-    folder = source / "unet"
-    for path in sorted(p for p in folder.iterdir() if p.suffix in (".safetensors", ".bin")):
-        with path.open("rb") as f:
-            digest.update(path.name.encode() + hashlib.file_digest(f, "sha256").digest())
+    for folder in base_folders(source, text_encoder=text_encoder):
+        files = (source / folder).iterdir()
+        for path in sorted(p for p in files if p.suffix in (".safetensors", ".bin")):
+            with path.open("rb") as f:
+                name = path.name if folder == "unet" else f"{folder}/{path.name}"
+                digest.update(name.encode() + hashlib.file_digest(f, "sha256").digest())
     return digest.hexdigest()
 
 
-def shared_base_digest(source: Path, *, rank: int) -> str:
+def shared_base_digest(source: Path, *, rank: int, text_encoder: bool = False) -> str:
     """base_digest read once (rank 0) and given to every rank (a collective)."""
     import torch.distributed as dist
 
-    shared = [base_digest(source) if rank == 0 else None]
+    shared = [base_digest(source, text_encoder=text_encoder) if rank == 0 else None]
     if dist.is_available() and dist.is_initialized():
         dist.broadcast_object_list(shared, src=0)
     assert shared[0] is not None
@@ -269,7 +290,7 @@ def base_for_resume(source: Path, settings: Settings, resume: Path | None, *, ra
     """The base UNet's digest (every rank), checked against the checkpoint to resume."""
     from zerotuner.checkpoint import read_manifest
 
-    digest = shared_base_digest(source, rank=rank)
+    digest = shared_base_digest(source, rank=rank, text_encoder=settings.lora_text_encoder)
     if resume:
         check_resume_base(read_manifest(resume) or {}, digest, settings, resume)
     return digest
@@ -281,8 +302,9 @@ def check_resume_base(
     """Refuse (exit 2) to resume a LoRA checkpoint onto a base UNet other than its own."""
     saved = manifest.get("lora", {}).get("base_unet_sha256")
     if saved is not None and saved != digest:
+        parts = "UNet or text encoder" if settings.lora_text_encoder else "UNet"
         raise ConfigError(
-            f"{env_name('model')}={settings.model}: its UNet weights differ from those the "
+            f"{env_name('model')}={settings.model}: its {parts} weights differ from those the "
             f"checkpoint to resume ({path}) trained its adapter on (sha256 {saved[:12]}, now "
             f"{digest[:12]}); set {env_name('model')} back, or {env_name('resume')}=never or "
             f"another {env_name('output_dir')} to start afresh"
@@ -291,8 +313,9 @@ def check_resume_base(
 
 def check_resume(manifest: dict[str, Any], settings: Settings, path: Path) -> None:
     """Refuse (exit 2, one line) to resume a checkpoint of another training type, or a LoRA
-    checkpoint whose adapter has another rank, other targets or DoRA on/off. Alpha, rsLoRA and
-    dropout may change: they do not change what the checkpoint holds."""
+    checkpoint whose adapter has another rank, other targets, DoRA or the text encoders'
+    adapters on/off. Alpha, rsLoRA and dropout may change: they do not change what the
+    checkpoint holds."""
     saved = manifest.get("training_type", "full")  # checkpoints from before LoRA were full
     wanted = settings.training_type
     fresh = f"set {env_name('resume')}=never or another {env_name('output_dir')} to start afresh"
@@ -303,11 +326,18 @@ def check_resume(manifest: dict[str, Any], settings: Settings, path: Path) -> No
         )
     if wanted != "lora":
         return
-    before, now = {"dora": False} | manifest.get("lora", {}), manifest_entries(settings)["lora"]
-    for key, setting in (("rank", "lora_rank"), ("targets", "lora_targets"), ("dora", "lora_dora")):
+    before = {"dora": False, "text_encoder": False} | manifest.get("lora", {})
+    now = manifest_entries(settings)["lora"]
+    for key, setting in (
+        ("rank", "lora_rank"), ("targets", "lora_targets"), ("dora", "lora_dora"),
+        ("text_encoder", "lora_text_encoder"),
+    ):  # fmt: skip
         if before.get(key) != now[key]:
             shown = ",".join(before.get(key, [])) if key == "targets" else before.get(key)
+            value = getattr(settings, setting)
+            if isinstance(value, bool):  # as the variable is written, and the manifest's flag
+                value, shown = str(value).lower(), "on" if shown else "off"
             raise ConfigError(
-                f"{env_name(setting)}={getattr(settings, setting)}: the checkpoint to resume "
-                f"({path}) has an adapter with {key} {shown}; set it back to continue, or {fresh}"
+                f"{env_name(setting)}={value}: the checkpoint to resume ({path}) has an adapter "
+                f"with {key.replace('_', ' ')} {shown}; set it back to continue, or {fresh}"
             )

@@ -26,6 +26,8 @@ ADAPTER_FILE = "pytorch_lora_weights.safetensors"
 # Not ending in ADAPTER_FILE: diffusers' `load_lora_weights(folder)` still picks the one above.
 KOHYA_FILE = "pytorch_lora_weights_kohya.safetensors"
 MERGED = "merged"  # final/merged/: the base pipeline with the adapter fused into its UNet
+TEXT_PARTS = ("text_encoder", "text_encoder_2")
+PARTS = ("unet", *TEXT_PARTS)  # diffusers' names, the prefixes of its adapter files' keys
 
 
 def check_adapter(state: dict[str, torch.Tensor], expected: dict[str, tuple[int, ...]]) -> None:
@@ -59,6 +61,7 @@ def write_gathered(
     expected: dict[str, tuple[int, ...]],
     adapter_metadata: dict[str, Any],
     out: Path,
+    text_metadata: dict[str, Any] | None = None,
     merge_base: Path | None = None,
 ) -> bool:
     """The engine's adapter gathered from every rank and written by rank 0 into `out` (a
@@ -70,7 +73,10 @@ def write_gathered(
 
     def write() -> None:
         assert state is not None
-        write_adapter(family, state, expected, adapter_metadata, out, merge_base=merge_base)
+        write_adapter(
+            family, state, expected, adapter_metadata, out, text_metadata=text_metadata,
+            merge_base=merge_base,
+        )  # fmt: skip
 
     on_rank0(rank, write)
     return rank == 0
@@ -82,15 +88,33 @@ def peft_keys(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {name.replace(f".{ADAPTER}.", "."): t for name, t in state.items()}
 
 
-def kohya(layers: dict[str, torch.Tensor], adapter: dict[str, Any]) -> dict[str, torch.Tensor]:
+def by_part(state: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:
+    """The adapter's tensors per pipeline part, prefix dropped: a UNet-only run trains the bare
+    UNet (names without a prefix); with the text encoders every name starts with its part
+    (`unet.`, `text_encoder.`, `text_encoder_2.`: lora_text.TextAndUNet)."""
+    parts: dict[str, dict[str, torch.Tensor]] = {}
+    for name, tensor in state.items():
+        part, _, rest = name.partition(".")
+        if part not in PARTS:
+            part, rest = "unet", name
+        parts.setdefault(part, {})[rest] = tensor
+    return parts
+
+
+def kohya(
+    parts: dict[str, dict[str, torch.Tensor]], adapter: dict[str, Any]
+) -> dict[str, torch.Tensor]:
     """The adapter in the kohya key format that ComfyUI, A1111 and diffusers read
-    (`lora_unet_<module>.lora_down.weight`, `.lora_up.weight`, `.alpha`), from peft keys and
-    the adapter's LoraConfig (`adapter`, as `metadata` gives it). kohya's scale is always
-    alpha / rank: diffusers' converter writes every `.alpha` as the rank, so the true alpha is
-    put back (rsLoRA's scale alpha / sqrt(rank) as the alpha alpha * sqrt(rank))."""
+    (`lora_unet_<module>.lora_down.weight`, `.lora_up.weight`, `.alpha`; `lora_te1_` /
+    `lora_te2_` for the text encoders), from peft keys per part and the adapter's LoraConfig
+    (`adapter`, as `metadata` gives it; the text encoders' share its rank and alpha). kohya's
+    scale is always alpha / rank: diffusers' converter writes every `.alpha` as the rank, so the
+    true alpha is put back (rsLoRA's scale alpha / sqrt(rank) as the alpha alpha * sqrt(rank))."""
     from diffusers.utils import convert_state_dict_to_kohya
 
-    converted = convert_state_dict_to_kohya({f"unet.{k}": v for k, v in layers.items()})
+    converted = convert_state_dict_to_kohya(
+        {f"{part}.{k}": v for part, layers in parts.items() for k, v in layers.items()}
+    )
     rank = adapter["r"]
     alpha = adapter["lora_alpha"] * (math.sqrt(rank) if adapter.get("use_rslora") else 1.0)
     for key in converted:
@@ -117,61 +141,71 @@ def write_adapter(
     adapter_metadata: dict[str, Any],
     out: Path,
     *,
+    text_metadata: dict[str, Any] | None = None,
     merge_base: Path | None = None,
 ) -> Path:
     """`out/pytorch_lora_weights.safetensors` (diffusers layout, metadata included) and its
     kohya copy, built in a folder beside `out` and renamed into place; refused when the adapter
-    is not whole. With `merge_base`, also `out/merged/`: that pipeline with the adapter fused."""
+    is not whole. `text_metadata`: the text encoders' LoraConfig when they trained. With
+    `merge_base`, also `out/merged/`: that pipeline with the adapter fused."""
     check_adapter(state, expected)
     # peft's key names, as diffusers' newer LoRA examples save them: its older `lora.down` /
     # `lora.up` names exist only for attention layers, and a file mixing both with conv or
     # feed-forward targets loads without those layers
-    layers = peft_keys(state)
+    parts = by_part(peft_keys(state))
+    meta = {"unet": adapter_metadata} | {part: text_metadata for part in TEXT_PARTS}
     out = Path(out)
     tmp = out.with_name(f".{out.name}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     pipeline_class(family).save_lora_weights(
         tmp,
-        unet_lora_layers={k: v.contiguous() for k, v in layers.items()},
-        unet_lora_adapter_metadata=adapter_metadata,
         weight_name=ADAPTER_FILE,
-    )
+        **{f"{part}_lora_layers": {k: v.contiguous() for k, v in layers.items()}
+           for part, layers in parts.items()},
+        **{f"{part}_lora_adapter_metadata": meta[part] for part in parts},
+    )  # fmt: skip
     # DoRA has no kohya file: its readers disagree on `dora_scale` (diffusers drops it,
     # ComfyUI divides by the base weight's norm, not the adapted one's): a wrong image is worse
     if adapter_metadata and not adapter_metadata.get("use_dora"):
-        save_file(kohya(layers, adapter_metadata), str(tmp / KOHYA_FILE))
+        save_file(kohya(parts, adapter_metadata), str(tmp / KOHYA_FILE))
     if merge_base is not None:
         from zerotuner.export import write_pipeline
 
-        write_pipeline(merge_base, merged_unet_state(merge_base, state, adapter_metadata),
-                       tmp / MERGED)  # fmt: skip
+        merged = {
+            part: merged_state(merge_base, part, layers, meta[part])
+            for part, layers in by_part(state).items()
+        }
+        unet = merged.pop("unet")
+        write_pipeline(merge_base, unet, tmp / MERGED, text_states=merged)
     if out.exists():
         shutil.rmtree(out)
     tmp.rename(out)
     return out
 
 
-def merged_unet_state(
-    base: Path, state: dict[str, torch.Tensor], adapter_metadata: dict[str, Any]
+def merged_state(
+    base: Path, part: str, state: dict[str, torch.Tensor], adapter_metadata: dict[str, Any]
 ) -> dict[str, torch.Tensor]:
-    """The base UNet (fp32) with the adapter fused into its weights by peft's own merge (DoRA's
-    magnitudes and rsLoRA's scale included), under the base UNet's parameter names."""
-    from diffusers import UNet2DConditionModel
+    """The base pipeline's `part` (fp32) with its adapter (module names, no prefix) fused into
+    its weights by peft's own merge (DoRA's magnitudes and rsLoRA's scale included), under the
+    base's parameter names."""
     from peft import LoraConfig
     from peft.tuners.tuners_utils import BaseTunerLayer
 
-    unet = UNet2DConditionModel.from_pretrained(base, subfolder="unet", dtype=torch.float32)
-    unet.add_adapter(LoraConfig(**adapter_metadata), adapter_name=ADAPTER)
-    _, unexpected = unet.load_state_dict(state, strict=False)
+    from zerotuner.export import load_part
+
+    module = load_part(base, part)
+    module.add_adapter(LoraConfig(**adapter_metadata), adapter_name=ADAPTER)
+    _, unexpected = module.load_state_dict(state, strict=False)
     if unexpected:
-        raise RuntimeError(f"the adapter does not fit {base}/unet: unexpected {unexpected[:3]}")
-    for module in unet.modules():
-        if isinstance(module, BaseTunerLayer):
-            module.merge(adapter_names=[ADAPTER])
+        raise RuntimeError(f"the adapter does not fit {base}/{part}: unexpected {unexpected[:3]}")
+    for layer in module.modules():
+        if isinstance(layer, BaseTunerLayer):
+            layer.merge(adapter_names=[ADAPTER])
     return {
         name.replace(".base_layer.", "."): tensor.detach()
-        for name, tensor in unet.state_dict().items()
+        for name, tensor in module.state_dict().items()
         if ".lora_" not in name
     }
 
@@ -188,22 +222,27 @@ def export_checkpoint(
     """`zerotuner export` of a LoRA checkpoint: its adapter (consolidated from any stage and
     world size; `ema`: the EMA of it) as `out/pytorch_lora_weights.safetensors` (and with
     `merged`, `out/merged/`), checked against the shapes the manifest's adapter has on the base
-    UNet (built on the meta device)."""
+    UNet (and text encoders, if they trained; all built on the meta device)."""
     from accelerate import init_empty_weights
     from diffusers import UNet2DConditionModel
 
+    from zerotuner import lora_text
     from zerotuner.export import checkpoint_unet_state
 
-    config = make_config(manifest["lora"])
+    adapter, family = manifest["lora"], manifest["family"]
+    config = make_config(adapter)
     with init_empty_weights():
         unet = UNet2DConditionModel.from_config(
             UNet2DConditionModel.load_config(base, subfolder="unet")
         )
     unet.requires_grad_(False)
     unet.add_adapter(config, adapter_name=ADAPTER)
+    module, text_metadata = unet, None
+    if adapter.get("text_encoder"):
+        module = lora_text.meta_module(unet, base, family, adapter)
+        text_metadata = metadata(lora_text.text_config(adapter))
     state = checkpoint_unet_state(checkpoint, ema=ema)
-    adapter = {name: t for name, t in state.items() if ".lora_" in name}
     return write_adapter(
-        manifest["family"], adapter, shapes(unet), metadata(config), out,
-        merge_base=base if merged else None,
+        family, {name: t for name, t in state.items() if ".lora_" in name}, shapes(module),
+        metadata(config), out, text_metadata=text_metadata, merge_base=base if merged else None,
     )  # fmt: skip

@@ -1,10 +1,9 @@
-"""Loading a diffusers pipeline's parts, and the one place where model families differ.
+"""Loading a diffusers pipeline's parts.
 
-Only the UNet is trained. The VAE and text encoders are frozen: they encode the dataset once
-(see cache.py) and are then dropped. Everything that distinguishes SDXL from SD 1.x/2.x (two
-text encoders, pooled embeddings, size/crop micro-conditioning) lives in a `Conditioning`
-class per family, so the training loop has no family flags. This module knows nothing about
-distribution: deepspeed.initialize is called in worker.py.
+The UNet is trained. The VAE and text encoders are frozen: they encode the dataset once
+(see cache.py) and are then dropped. Everything that distinguishes SDXL from SD 1.x/2.x lives
+in a `Conditioning` per family (conditioning.py), so the training loop has no family flags.
+This module knows nothing about distribution: deepspeed.initialize is called in worker.py.
 """
 
 from __future__ import annotations
@@ -15,6 +14,7 @@ from typing import Any
 
 import torch
 
+from zerotuner.conditioning import CONDITIONING
 from zerotuner.errors import ConfigError
 from zerotuner.families import hub_cache_dir
 
@@ -120,8 +120,14 @@ def load_frozen(components: Components, *, device: torch.device, text_dtype: tor
 
 
 def load_components(
-    source: Path, family: str, *, gradient_checkpointing: bool, with_frozen: bool = True
+    source: Path,
+    family: str,
+    *,
+    gradient_checkpointing: bool,
+    with_frozen: bool = True,
+    deepspeed_config: dict[str, Any] | None = None,
 ) -> Components:
+    """`deepspeed_config`: the run's effective DeepSpeed config (None outside a training rank)."""
     from diffusers import DDPMScheduler
 
     if family not in CONDITIONING:
@@ -151,87 +157,3 @@ def encode_images(vae: Any, pixels: torch.Tensor) -> torch.Tensor:
     latents = vae.encode(pixels.to(vae.device, vae.dtype)).latent_dist.mean
     shift = getattr(vae.config, "shift_factor", None) or 0.0
     return ((latents - shift) * vae.config.scaling_factor).float().cpu()
-
-
-class Conditioning:
-    """How one family turns captions and image geometry into UNet inputs.
-
-    `encode_text` runs once per caption at caching time and returns per-example tensors;
-    `unet_kwargs` builds the keyword arguments of the UNet's forward from a cached batch.
-    """
-
-    text_subfolders: tuple[tuple[str, str], ...] = (("text_encoder", "tokenizer"),)
-
-    def load_text(self, source: Path, *, dtype: torch.dtype) -> tuple[list[Any], list[Any]]:
-        from transformers import AutoTokenizer, CLIPTextModel, CLIPTextModelWithProjection
-
-        encoders, tokenizers = [], []
-        for encoder_dir, tokenizer_dir in self.text_subfolders:
-            cls = CLIPTextModelWithProjection if encoder_dir.endswith("_2") else CLIPTextModel
-            encoders.append(cls.from_pretrained(source, subfolder=encoder_dir, dtype=dtype))
-            tokenizers.append(AutoTokenizer.from_pretrained(source, subfolder=tokenizer_dir))
-        return encoders, tokenizers
-
-    @staticmethod
-    def _tokens(tokenizer: Any, captions: list[str], device: torch.device) -> torch.Tensor:
-        ids = tokenizer(
-            captions,
-            padding="max_length",
-            max_length=tokenizer.model_max_length,
-            truncation=True,
-            return_tensors="pt",
-        ).input_ids
-        return ids.to(device)
-
-    @torch.no_grad()
-    def encode_text(self, components: Components, captions: list[str]) -> dict[str, torch.Tensor]:
-        """SD 1.x/2.x: the text encoder's last hidden state."""
-        (encoder,), (tokenizer,) = components.text_encoders, components.tokenizers
-        ids = self._tokens(tokenizer, captions, encoder.device)
-        return {"prompt_embeds": encoder(ids).last_hidden_state.float().cpu()}
-
-    def unet_kwargs(self, batch: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, Any]:
-        return {"encoder_hidden_states": batch["prompt_embeds"].to(dtype)}
-
-
-class SDXLConditioning(Conditioning):
-    """Two encoders' penultimate states side by side, the second's pooled projection, and the
-    micro-conditioning time ids (original size, crop top-left, target size) per image."""
-
-    text_subfolders = (("text_encoder", "tokenizer"), ("text_encoder_2", "tokenizer_2"))
-
-    @torch.no_grad()
-    def encode_text(self, components: Components, captions: list[str]) -> dict[str, torch.Tensor]:
-        states, pooled = [], None
-        for encoder, tokenizer in zip(components.text_encoders, components.tokenizers, strict=True):
-            ids = self._tokens(tokenizer, captions, encoder.device)
-            out = encoder(ids, output_hidden_states=True)
-            states.append(out.hidden_states[-2])
-            pooled = getattr(out, "text_embeds", None)
-        return {
-            "prompt_embeds": torch.cat(states, dim=-1).float().cpu(),
-            "pooled_prompt_embeds": pooled.float().cpu(),
-        }
-
-    def unet_kwargs(self, batch: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, Any]:
-        return {
-            "encoder_hidden_states": batch["prompt_embeds"].to(dtype),
-            "added_cond_kwargs": {
-                "text_embeds": batch["pooled_prompt_embeds"].to(dtype),
-                "time_ids": batch["time_ids"].to(dtype),
-            },
-        }
-
-
-CONDITIONING: dict[str, Conditioning] = {
-    "sdxl": SDXLConditioning(),
-    "sd1": Conditioning(),
-    "sd2": Conditioning(),  # v-prediction comes from the scheduler, not from the family
-}
-
-
-def time_ids(
-    original_size: tuple[int, int], crop_top_left: tuple[int, int], target_size: tuple[int, int]
-) -> torch.Tensor:
-    """SDXL's micro-conditioning vector (height, width pairs), as the SDXL pipeline builds it."""
-    return torch.tensor([*original_size, *crop_top_left, *target_size], dtype=torch.float32)

@@ -104,6 +104,11 @@ class Settings(BaseSettings):
         "auto", description="Training target; `auto` follows the model's scheduler."
     )
     random_flip: bool = Field(False, description="Flip images horizontally at random.")
+    compile: Auto | bool = Field(
+        "auto",
+        description="torch.compile the model's repeated blocks; `auto` turns it on where it "
+        "pays (see the plan's note).",
+    )
     ema: bool = Field(False, description="Keep an EMA of the UNet weights (on the CPU).")
     ema_decay: float = Field(0.9999, gt=0, lt=1, description="EMA decay per step.")
     training_type: Literal["full", "lora"] = Field(
@@ -134,6 +139,12 @@ class Settings(BaseSettings):
         False,
         description="Also write `final/merged/`: a whole diffusers pipeline with the adapter "
         "fused into the UNet.",
+    )
+    lora_text_encoder: bool = Field(
+        False,
+        description="Also train adapters on the text encoders' attention (q/k/v/out_proj, as "
+        "diffusers' SDXL DreamBooth LoRA example); captions are then encoded at every step, "
+        "not cached.",
     )
 
     # --- DeepSpeed ------------------------------------------------------------------------

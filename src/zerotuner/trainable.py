@@ -24,7 +24,7 @@ class Training:
     type: Literal["full", "lora"]
     trainable_params: int  # with gradients and optimizer state
     largest_trainable: int  # elements of the biggest trained tensor (offload staging buffers)
-    frozen_params: int  # UNet weights without gradients or optimizer state
+    frozen_params: int  # base weights in the engine (UNet; text encoders with their LoRA)
 
     @property
     def total_params(self) -> int:
@@ -60,9 +60,21 @@ def for_settings(settings: Settings, shape: ModelShape, model_dir: Path | None =
     from zerotuner.lora import parse_targets
 
     targets = parse_targets(settings.lora_targets)
-    return lora_adapter(
+    unet = lora_adapter(
         shape, rank=settings.lora_rank, targets=targets, model_dir=model_dir,
         dora=settings.lora_dora,  # a magnitude per output feature
+    )  # fmt: skip
+    if not settings.lora_text_encoder:
+        return unet
+    from zerotuner.lora_text import adapter_size
+
+    # the text encoders join the engine: their adapters train, their weights are frozen
+    params, largest, base = adapter_size(
+        shape.family, model_dir, settings.lora_rank, dora=settings.lora_dora
+    )
+    return Training(
+        "lora", unet.trainable_params + params, max(unet.largest_trainable, largest),
+        unet.frozen_params + base,
     )  # fmt: skip
 
 

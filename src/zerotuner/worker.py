@@ -26,8 +26,20 @@ from typing import Any
 
 import torch
 
-from zerotuner import cache as feature_cache
-from zerotuner import checkpoint, data, distributed, export, loop, lora, lora_files, model, samples
+from zerotuner import (
+    caching,
+    checkpoint,
+    conditioning,
+    data,
+    distributed,
+    export,
+    loop,
+    lora,
+    lora_files,
+    lora_text,
+    model,
+    samples,
+)
 from zerotuner.ema import EMA, full_state_dict
 from zerotuner.errors import EXIT_FAILURE, EXIT_OK, EXIT_SIGNAL, ZeroTunerError
 from zerotuner.job import Job, load_job
@@ -81,7 +93,8 @@ class Run:
         self.dtype = model.train_dtype(job.mixed_precision)
         self.position = data.Position()
         self.ema: EMA | None = None
-        self.base_digest: str | None = None  # LoRA: sha256 of the base UNet's weight files
+        self.base_digest: str | None = None  # LoRA: sha256 of the base weights it sits on
+        self.text_metadata: dict[str, Any] | None = None  # LoRA on the text encoders too
         self.stop = StopRequest()
 
     def phase(self, name: str) -> None:
@@ -111,8 +124,9 @@ class Run:
             job.family,
             gradient_checkpointing=job.gradient_checkpointing,
             with_frozen=False,
+            deepspeed_config=job.deepspeed,
         )
-        self.conditioning = model.CONDITIONING[job.family]
+        self.conditioning = conditioning.CONDITIONING[job.family]
         self.prediction = model.prediction_type(self.components.scheduler, s.prediction_type)
         self.dataset = data.scan(s.data_dir, log_skipped=self.rank == 0)
         self.buckets = data.assign_buckets(
@@ -147,84 +161,40 @@ class Run:
     # --- caching ------------------------------------------------------------------------
     def cache(self) -> None:
         self.phase("caching")
-        s = self.settings
-        text_dirs = [d for pair in self.conditioning.text_subfolders for d in pair]
-        self.features = feature_cache.FeatureCache(
-            s.cache_dir,
-            vae_key=feature_cache.component_key(self.source, ["vae"]),
-            text_key=feature_cache.component_key(self.source, text_dirs),
-            flip=s.random_flip,
-        )
-        bucket_of = {i: size for size, indices in self.buckets.items() for i in indices}
-        root = self.dataset.root
-        self.items = [
-            feature_cache.CacheItem(
-                name=str(item.path.relative_to(root)),
-                content=item.digest,
-                caption=item.caption,
-                bucket=bucket_of[i],
-                load=self._loader(item, bucket_of[i]),
-            )
-            for i, item in enumerate(self.dataset.items)
-        ]
-        latents, texts = self.features.missing(self.items)
-        # every rank lists the same missing entries before any rank writes one
-        distributed.barrier()
-        my_latents = feature_cache.share(latents, self.rank, self.world)
-        my_texts = feature_cache.share(texts, self.rank, self.world)
-        if my_latents or my_texts:
-            model.load_frozen(
-                self.components, device=torch.device(self.device), text_dtype=self.dtype
-            )
-            components = self.components
-            self.features.encode_latents(
-                [self.items[i] for i in my_latents],
-                lambda px: model.encode_images(components.vae, px),
-            )
-            self.features.encode_texts(
-                my_texts, lambda caps: self.conditioning.encode_text(components, caps)
-            )
-        self.components.drop_frozen()
-        distributed.barrier()  # every entry is on disk now
-        encoded_l, encoded_t = distributed.all_sum([len(my_latents), len(my_texts)])
-        captions = len({item.caption for item in self.items})
-        stats = feature_cache.CacheStats(
-            latents_encoded=encoded_l,
-            latents_reused=len(self.items) - encoded_l,
-            texts_encoded=encoded_t,
-            texts_reused=captions - encoded_t,
-        )
+        self.features, self.items, stats = caching.fill(
+            self.settings, self.source, self.components, self.conditioning, self.dataset,
+            self.buckets, rank=self.rank, world=self.world, device=torch.device(self.device),
+            dtype=self.dtype, texts=not self.settings.lora_text_encoder,
+        )  # fmt: skip
         if self.rank == 0:
             _write_json(self.run_dir / "cache.json", stats.as_dict())
             log.info(
-                "cache: %d latents encoded, %d reused; %d texts encoded, %d reused",
+                "cache: %d latents encoded, %d reused; %d texts encoded, %d reused%s",
                 stats.latents_encoded, stats.latents_reused, stats.texts_encoded,
                 stats.texts_reused,
+                "" if stats.texts_encoded or stats.texts_reused else
+                " (the text encoders train: captions are encoded at every step)",
             )  # fmt: skip
-
-    @staticmethod
-    def _loader(item: data.Item, bucket: tuple[int, int]):
-        def load(flip: bool) -> tuple[torch.Tensor, torch.Tensor]:
-            example = data.load_example(item, bucket, flip=flip)
-            ids = model.time_ids(example.original_size, example.crop_top_left, example.target_size)
-            return torch.from_numpy(example.pixels), ids
-
-        return load
 
     # --- engine and resume ----------------------------------------------------------------
     def engine(self, resume: Path | None) -> None:
         import deepspeed
 
-        config = dict(self.job.deepspeed)
-        unet = self.components.unet
-        if self.settings.training_type == "lora":  # before ZeRO-3 partitions the UNet
-            params = lora.add_adapter(unet, self.settings)
-            self.adapter_shapes = lora.shapes(unet)
-            self.adapter_metadata = lora.metadata(lora.lora_config(self.settings))
-        else:
-            params = [p for p in unet.parameters() if p.requires_grad]
+        s, config = self.settings, dict(self.job.deepspeed)
+        trained = self.components.unet
+        if s.training_type == "lora":  # before ZeRO-3 partitions the UNet
+            lora.add_adapter(trained, s)
+            self.adapter_metadata = lora.metadata(lora.lora_config(s))
+            if s.lora_text_encoder:
+                trained, self.tokenizers = lora_text.build(
+                    trained, self.source, self.job.family, lora.adapter_settings(s),
+                    seed=s.seed, gradient_checkpointing=self.job.gradient_checkpointing,
+                )  # fmt: skip
+                self.text_metadata = lora.metadata(lora_text.text_config(lora.adapter_settings(s)))
+            self.adapter_shapes = lora.shapes(trained)
+        params = [p for p in trained.parameters() if p.requires_grad]
         self.engine_, _, _, _ = deepspeed.initialize(
-            model=unet, model_parameters=params, config=config
+            model=trained, model_parameters=params, config=config
         )
         log.info("DeepSpeed engine ready (ZeRO-%d)", self.engine_.zero_optimization_stage())
         if self.rank == 0:  # the entrypoint logs it; the run folder keeps it
@@ -265,20 +235,27 @@ class Run:
     def train(self) -> None:
         s = self.settings
         self.phase("training")
+        texts = not s.lora_text_encoder  # else batches carry token ids (lora_text.TrainedText)
         ctx = loop.LoopContext(
             scheduler=self.components.scheduler,
-            conditioning=self.conditioning,
+            conditioning=self.conditioning if texts else lora_text.TrainedText(self.conditioning),
             loss=loop.LossConfig(self.prediction, s.snr_gamma, s.noise_offset),
             dtype=self.dtype,
             seed=s.seed,
             rank=self.rank,
             accumulation=self.engine_.gradient_accumulation_steps(),
             samples_per_step=self.engine_.train_batch_size(),  # micro * accumulation * world
-            load_batch=lambda keys, gen: self.features.load_batch(
-                [self.items[i] for i in keys], gen
-            ),
+            load_batch=functools.partial(self._load_batch, texts=texts),
         )
         loop.train(self.engine_, self.steps(), ctx, sinks=self.sinks, after_step=self.after_step)
+
+    def _load_batch(self, keys: list[int], gen: torch.Generator, *, texts: bool) -> dict:
+        items = [self.items[i] for i in keys]
+        batch = self.features.load_batch(items, gen, texts=texts)
+        if not texts:
+            captions = [item.caption for item in items]
+            batch["input_ids"] = self.conditioning.tokens(self.tokenizers, captions)
+        return batch
 
     def after_step(self, step: int) -> None:
         s = self.settings
@@ -365,6 +342,7 @@ class Run:
                     lora_files.write_adapter(
                         self.job.family, self.ema.state_dict(), self.adapter_shapes,
                         self.adapter_metadata, s.output_dir / "final-ema",
+                        text_metadata=self.text_metadata,
                     )  # fmt: skip
                 self._loss_curve()
                 log.info(
@@ -389,7 +367,7 @@ class Run:
         return lora_files.write_gathered(
             self.engine_.module, rank=self.rank, family=self.job.family,
             expected=self.adapter_shapes, adapter_metadata=self.adapter_metadata, out=out,
-            merge_base=self.source if merge else None,
+            text_metadata=self.text_metadata, merge_base=self.source if merge else None,
         )  # fmt: skip
 
     def _loss_curve(self) -> None:

@@ -82,7 +82,7 @@ def training_text(inputs: dict[str, Any]) -> str:
     trainable, frozen = inputs["trainable_params"] / 1e6, inputs["frozen_params"] / 1e6
     if inputs["training_type"] == "full":
         return f"full, {trainable:.1f}M trainable"
-    return f"lora, {trainable:.1f}M trainable (adapter), {frozen:.1f}M frozen (base UNet)"
+    return f"lora, {trainable:.1f}M trainable (adapter), {frozen:.1f}M frozen (base)"
 
 
 def render(plan: Plan, hardware: Hardware) -> str:

@@ -1,0 +1,85 @@
+"""The caching phase of one rank: every image's latents and every caption's embeddings
+encoded once into the feature cache (cache.py), shared out among the ranks, before the engine
+starts; the frozen VAE and text encoders are released afterwards."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from zerotuner import cache as feature_cache
+from zerotuner import data, distributed, model
+from zerotuner.conditioning import time_ids
+from zerotuner.settings import Settings
+
+
+def fill(
+    settings: Settings,
+    source: Path,
+    components: model.Components,
+    conditioning: Any,
+    dataset: data.Dataset,
+    buckets: dict[tuple[int, int], list[int]],
+    *,
+    rank: int,
+    world: int,
+    device: torch.device,
+    dtype: torch.dtype,
+    texts: bool = True,
+) -> tuple[feature_cache.FeatureCache, list[feature_cache.CacheItem], feature_cache.CacheStats]:
+    """Encode what the cache lacks (this rank's share) and wait for every rank's. `texts`
+    False: captions are not cached (the text encoders train, see lora_text.py)."""
+    text_dirs = [d for pair in conditioning.text_subfolders for d in pair]
+    features = feature_cache.FeatureCache(
+        settings.cache_dir,
+        vae_key=feature_cache.component_key(source, ["vae"]),
+        text_key=feature_cache.component_key(source, text_dirs),
+        flip=settings.random_flip,
+    )
+    bucket_of = {i: size for size, indices in buckets.items() for i in indices}
+    root = dataset.root
+    items = [
+        feature_cache.CacheItem(
+            name=str(item.path.relative_to(root)),
+            content=item.digest,
+            caption=item.caption,
+            bucket=bucket_of[i],
+            load=_loader(item, bucket_of[i]),
+        )
+        for i, item in enumerate(dataset.items)
+    ]
+    latents, captions = features.missing(items)
+    if not texts:
+        captions = []
+    # every rank lists the same missing entries before any rank writes one
+    distributed.barrier()
+    my_latents = feature_cache.share(latents, rank, world)
+    my_texts = feature_cache.share(captions, rank, world)
+    if my_latents or my_texts:
+        model.load_frozen(components, device=device, text_dtype=dtype)
+        features.encode_latents(
+            [items[i] for i in my_latents], lambda px: model.encode_images(components.vae, px)
+        )
+        features.encode_texts(my_texts, lambda caps: conditioning.encode_text(components, caps))
+    components.drop_frozen()
+    distributed.barrier()  # every entry is on disk now
+    encoded_l, encoded_t = distributed.all_sum([len(my_latents), len(my_texts)])
+    unique = len({item.caption for item in items}) if texts else 0
+    stats = feature_cache.CacheStats(
+        latents_encoded=encoded_l,
+        latents_reused=len(items) - encoded_l,
+        texts_encoded=encoded_t,
+        texts_reused=unique - encoded_t,
+    )
+    return features, items, stats
+
+
+def _loader(item: data.Item, bucket: tuple[int, int]):
+    def load(flip: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        example = data.load_example(item, bucket, flip=flip)
+        ids = time_ids(example.original_size, example.crop_top_left, example.target_size)
+        return torch.from_numpy(example.pixels), ids
+
+    return load
