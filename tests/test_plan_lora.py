@@ -156,8 +156,17 @@ def test_plan_cli_shows_training_type_and_counts(monkeypatch, capsys):
     )  # fmt: skip
     assert cli.main([*WHAT_IF.split(), *WHAT_IF_HW]) == 0
     out = capsys.readouterr().out
-    assert "training: lora, 23.2M trainable (adapter), 2567.5M frozen (base)" in out
+    assert "training: lora, 23.2M trainable (adapter), 2567.5M frozen (base UNet)" in out
     assert "choice: ZeRO-0, no offload, checkpointing" in out
+    monkeypatch.setenv("ZT_LORA_TEXT_ENCODER", "true")
+    assert cli.main([*WHAT_IF.split(), *WHAT_IF_HW]) == 0
+    text = 16 * (12 * 4 * 2 * 768 + 32 * 4 * 2 * 1280)  # q/k/v/out of CLIP-L and bigG
+    assert (
+        f"training: lora, {(23_224_320 + text) / 1e6:.1f}M trainable (UNet and text encoder "
+        "adapters), 3385.2M frozen (base UNet and text encoders); captions encoded at every "
+        "step, not cached"
+    ) in capsys.readouterr().out
+    monkeypatch.delenv("ZT_LORA_TEXT_ENCODER")
     monkeypatch.setenv("ZT_TRAINING_TYPE", "full")
     assert cli.main([*WHAT_IF.split(), *WHAT_IF_HW]) == 0
     assert "training: full, 2567.5M trainable" in capsys.readouterr().out

@@ -266,6 +266,7 @@ def make_plan(
         "family": shape.family,
         "unet_params": shape.unet_params,
         "training_type": training.type,
+        "text_encoders_train": training.text_encoders,
         "trainable_params": training.trainable_params,
         "frozen_params": training.frozen_params,
         "resolution": resolution,

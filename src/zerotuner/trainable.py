@@ -25,6 +25,7 @@ class Training:
     trainable_params: int  # with gradients and optimizer state
     largest_trainable: int  # elements of the biggest trained tensor (offload staging buffers)
     frozen_params: int  # base weights in the engine (UNet; text encoders with their LoRA)
+    text_encoders: bool = False  # LoRA on the text encoders: they run in every step
 
     @property
     def total_params(self) -> int:
@@ -74,7 +75,7 @@ def for_settings(settings: Settings, shape: ModelShape, model_dir: Path | None =
     )
     return Training(
         "lora", unet.trainable_params + params, max(unet.largest_trainable, largest),
-        unet.frozen_params + base,
+        unet.frozen_params + base, text_encoders=True,
     )  # fmt: skip
 
 

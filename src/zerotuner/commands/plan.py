@@ -82,7 +82,12 @@ def training_text(inputs: dict[str, Any]) -> str:
     trainable, frozen = inputs["trainable_params"] / 1e6, inputs["frozen_params"] / 1e6
     if inputs["training_type"] == "full":
         return f"full, {trainable:.1f}M trainable"
-    return f"lora, {trainable:.1f}M trainable (adapter), {frozen:.1f}M frozen (base)"
+    if inputs.get("text_encoders_train"):
+        return (
+            f"lora, {trainable:.1f}M trainable (UNet and text encoder adapters), {frozen:.1f}M "
+            "frozen (base UNet and text encoders); captions encoded at every step, not cached"
+        )
+    return f"lora, {trainable:.1f}M trainable (adapter), {frozen:.1f}M frozen (base UNet)"
 
 
 def render(plan: Plan, hardware: Hardware) -> str:
