@@ -93,7 +93,14 @@ def detect_family(model_dir: Path) -> Family:
     index = model_dir / "model_index.json"
     if index.is_file():
         components = json.loads(index.read_text())
-        if "text_encoder_2" in components or "XL" in str(components.get("_class_name", "")):
+        pipeline = str(components.get("_class_name", ""))
+        if "transformer" in components or "unet" not in components and pipeline:
+            raise ConfigError(
+                f"ZT_MODEL={model_dir}: a {pipeline or 'transformer'} pipeline; zerotuner "
+                f"trains the UNet families {', '.join(FAMILIES)} (SD3 and Flux.1 transformers "
+                "are not trainable yet)"
+            )
+        if "text_encoder_2" in components or "XL" in pipeline:
             return "sdxl"
     config = unet_config_path(model_dir)
     if config is None:
