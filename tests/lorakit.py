@@ -113,7 +113,8 @@ def held_out_loss(pipe, demo_dir: Path, *, images: int = 32, draws: int = 4) -> 
     from diffusers import DDPMScheduler
 
     from zerotuner import data, loop, model
-    from zerotuner.conditioning import CONDITIONING, time_ids
+    from zerotuner.families import get
+    from zerotuner.families.unet import time_ids
 
     source = demo_dir / "model"
     scheduler = DDPMScheduler.from_pretrained(source, subfolder="scheduler")
@@ -125,7 +126,7 @@ def held_out_loss(pipe, demo_dir: Path, *, images: int = 32, draws: int = 4) -> 
         text_encoders=[pipe.text_encoder, pipe.text_encoder_2],
         tokenizers=[pipe.tokenizer, pipe.tokenizer_2],
     )  # fmt: skip
-    conditioning = CONDITIONING["sdxl"]
+    conditioning = get("sdxl")
     batch = {
         **conditioning.encode_text(parts, [item.caption for item in items]),
         "time_ids": torch.stack(
@@ -133,7 +134,7 @@ def held_out_loss(pipe, demo_dir: Path, *, images: int = 32, draws: int = 4) -> 
         ),
     }
     latents = model.encode_images(pipe.vae, pixels)
-    kwargs = conditioning.unet_kwargs(batch, torch.float32)
+    kwargs = conditioning.model_kwargs(batch, torch.float32)
     config = loop.LossConfig(model.prediction_type(scheduler), None, 0.0)
     with torch.no_grad():
         losses = [

@@ -10,9 +10,10 @@ import torch
 
 from zerotuner import data, loop, model
 from zerotuner.cache import CacheItem, FeatureCache, component_key
-from zerotuner.conditioning import CONDITIONING, time_ids
 from zerotuner.demo import LATENT_SCALE
 from zerotuner.errors import ConfigError
+from zerotuner.families import get
+from zerotuner.families.unet import time_ids
 
 
 def items_for(dataset: data.Dataset, buckets) -> list[CacheItem]:
@@ -85,7 +86,7 @@ def test_component_key_changes_with_the_vae_weights(demo_dir: Path, tmp_path: Pa
 
 def test_encode_once_then_load_batches(sdxl, tmp_path: Path) -> None:
     source, components, items = sdxl
-    conditioning = CONDITIONING["sdxl"]
+    conditioning = get("sdxl")
     cache = FeatureCache(tmp_path, vae_key="v", text_key="t", flip=True)
     missing, texts = cache.missing(items)
     assert missing == list(range(len(items))) and texts
@@ -121,7 +122,7 @@ def test_family_conditioning_drives_the_unet(family, request) -> None:
     fixture = {"sd1": "sd1_demo_dir", "sd2": "sd2_demo_dir", "sdxl": "demo_dir"}[family]
     source = request.getfixturevalue(fixture) / "model"
     components = model.load_components(source, family, gradient_checkpointing=True)
-    conditioning = CONDITIONING[family]
+    conditioning = get(family)
     text = conditioning.encode_text(components, ["a red circle", "a blue square"])
     batch = dict(text, latents=torch.randn(2, 4, 16, 16))
     if family == "sdxl":
@@ -133,7 +134,7 @@ def test_family_conditioning_drives_the_unet(family, request) -> None:
             components.unet,
             components.scheduler,
             batch["latents"],
-            conditioning.unet_kwargs(batch, torch.float32),
+            conditioning.model_kwargs(batch, torch.float32),
             config=loop.LossConfig(kind, snr_gamma, noise_offset=0.05),
             generator=torch.Generator().manual_seed(0),
             dtype=torch.float32,

@@ -186,7 +186,7 @@ def test_demo_text_encoders_tell_one_word_apart(demo_dir: Path) -> None:
     each prompt's colours but not its shape)."""
     from diffusers import StableDiffusionXLPipeline
 
-    from zerotuner import conditioning, model
+    from zerotuner import families, model
 
     pipe = StableDiffusionXLPipeline.from_pretrained(demo_dir / "model")
     parts = model.Components(
@@ -196,7 +196,7 @@ def test_demo_text_encoders_tell_one_word_apart(demo_dir: Path) -> None:
     )  # fmt: skip
     prompts = ["a red circle on a white background", "a blue circle on a white background",
                "a red square on a white background"]  # fmt: skip
-    states = conditioning.CONDITIONING["sdxl"].encode_text(parts, prompts)["prompt_embeds"]
+    states = families.get("sdxl").encode_text(parts, prompts)["prompt_embeds"]
     alike = torch.nn.functional.cosine_similarity
     # token 0 is <|startoftext|>: the colour is token 2, the shape token 3
     assert alike(states[0, 2], states[1, 2], dim=0) < 0.5

@@ -47,15 +47,25 @@ def test_tiny_flow_pipelines_load_and_generate(flow_models, family, pipeline, t5
 
 
 @pytest.mark.parametrize("family", ["sd3", "flux"])
-def test_a_transformer_pipeline_is_refused_in_one_line(flow_models, family, monkeypatch, capsys,
-                                                        tmp_path):  # fmt: skip
-    """SD3's model_index has a text_encoder_2 like SDXL's: it must not pass as SDXL."""
+def test_transformer_pipelines_are_detected_and_foreign_settings_refused(
+    flow_models, family, demo_dir, monkeypatch, capsys, tmp_path
+):
+    """SD3's model_index has a text_encoder_2 like SDXL's: it must not pass as SDXL. A DDPM
+    setting with a flow-matching model (and the reverse) is one line, exit 2."""
+    from zerotuner.families import detect_family
+
+    assert detect_family(flow_models[family]) == family
     code, out, err = tk.config_explain(
-        monkeypatch, capsys, tmp_path, ZT_MODEL=str(flow_models[family])
+        monkeypatch, capsys, tmp_path, ZT_MODEL=str(flow_models[family]), ZT_SNR_GAMMA="5"
     )
     lines = [line for line in err.splitlines() if line.startswith("zerotuner: error:")]
     assert code == 2 and out == "" and "Traceback" not in err
-    assert (
-        len(lines) == 1
-        and "pipeline; zerotuner trains the UNet families sdxl, sd1, sd2" in lines[0]
+    assert lines == [
+        f"zerotuner: error: ZT_SNR_GAMMA is set but ZT_MODEL is a {family} model, trained by "
+        "flow matching (SD3, Flux): unset ZT_SNR_GAMMA (it applies to the UNet families only)"
+    ]
+    monkeypatch.delenv("ZT_SNR_GAMMA")
+    code, out, err = tk.config_explain(
+        monkeypatch, capsys, tmp_path, ZT_MODEL=str(demo_dir / "model"), ZT_LOGIT_STD="1.5"
     )
+    assert code == 2 and "ZT_LOGIT_STD is set but ZT_MODEL is a sdxl model" in err

@@ -11,7 +11,7 @@ import torch
 
 from zerotuner import cache as feature_cache
 from zerotuner import data, distributed, model
-from zerotuner.conditioning import time_ids
+from zerotuner.families.unet import time_ids
 from zerotuner.settings import Settings
 
 

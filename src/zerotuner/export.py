@@ -10,6 +10,7 @@ module state for stage 0.
 
 from __future__ import annotations
 
+import json
 import logging
 import shutil
 import tempfile
@@ -24,22 +25,26 @@ from zerotuner.errors import ConfigError
 log = logging.getLogger(__name__)
 
 
+def denoiser_part(base: Path) -> str:
+    """The trained part of a pipeline folder: `unet`, or a transformer family's `transformer`."""
+    index = json.loads((Path(base) / "model_index.json").read_text())
+    return "unet" if "unet" in index else "transformer"
+
+
 def load_part(base: Path, part: str, *, weights: bool = True) -> torch.nn.Module:
-    """A pipeline part in fp32: the UNet (diffusers) or a text encoder (transformers, its
-    class from its config), with the base's weights or (`weights` False) freshly built."""
-    if part == "unet":
-        from diffusers import UNet2DConditionModel
+    """A pipeline part in fp32, of the class its model_index names (diffusers' or
+    transformers'), with the base's weights or (`weights` False) freshly built."""
+    import importlib
 
-        if weights:
-            return UNet2DConditionModel.from_pretrained(base, subfolder=part, dtype=torch.float32)
-        return UNet2DConditionModel.from_config(UNet2DConditionModel.load_config(base / part))
-    import transformers
-
-    config = transformers.AutoConfig.from_pretrained(base / part)
-    cls = getattr(transformers, (config.architectures or ["CLIPTextModel"])[0])
+    library, name = json.loads((Path(base) / "model_index.json").read_text())[part]
+    cls = getattr(importlib.import_module(library), name)
     if weights:
         return cls.from_pretrained(base, subfolder=part, dtype=torch.float32)
-    return cls(config)
+    if library == "diffusers":
+        return cls.from_config(cls.load_config(Path(base) / part))
+    import transformers
+
+    return cls(transformers.AutoConfig.from_pretrained(Path(base) / part))
 
 
 def write_pipeline(
@@ -49,10 +54,11 @@ def write_pipeline(
     *,
     text_states: dict[str, dict[str, torch.Tensor]] | None = None,
 ) -> Path:
-    """Write `out` as a pipeline folder: `base` without its UNet, plus these UNet weights (and
-    `text_states`: text encoders' weights by part name, e.g. a merged LoRA's)."""
+    """Write `out` as a pipeline folder: `base` without its denoiser (UNet or transformer),
+    plus these weights (and `text_states`: text encoders' weights by part name, e.g. a merged
+    LoRA's)."""
     out = Path(out)
-    states = {"unet": unet_state} | (text_states or {})
+    states = {denoiser_part(base): unet_state} | (text_states or {})
     modules = {}
     for part, state in states.items():
         modules[part] = load_part(base, part, weights=False)

@@ -84,3 +84,56 @@ def image_ids(height: int, width: int) -> torch.Tensor:
     from diffusers import FluxPipeline
 
     return FluxPipeline._prepare_latent_image_ids(1, height // 2, width // 2, "cpu", torch.float32)
+
+
+@dataclass(frozen=True)
+class FlowObjective:
+    """Flow matching's loss for a transformer family: SD3 takes the noised latents as they are
+    and the timestep on the 0-1000 scale; Flux (`packed`) takes them as a sequence of 2x2
+    patches with position ids, sigma itself as the timestep, and the guidance value its
+    guidance-distilled checkpoints were trained with (`guidance` None: no such embedding)."""
+
+    config: FlowConfig
+    packed: bool = False
+    guidance: float | None = None
+
+    def describe(self) -> str:
+        c = self.config
+        shown = {"logit_normal": f"logit_normal({c.logit_mean:g}, {c.logit_std:g})",
+                 "mode": f"mode({c.mode_scale:g})", "uniform": "uniform"}[c.weighting]  # fmt: skip
+        guidance = f", guidance {self.guidance:g}" if self.guidance is not None else ""
+        return f"flow matching (sigmas {shown}, shift {c.shift:g}{guidance})"
+
+    def loss(
+        self,
+        model: Any,
+        latents: torch.Tensor,
+        kwargs: dict[str, Any],
+        *,
+        generator: torch.Generator,
+        dtype: torch.dtype,
+    ) -> torch.Tensor:
+        import torch.nn.functional as F
+
+        from zerotuner.loop import device_of, to_device
+
+        batch, (height, width) = latents.shape[0], latents.shape[-2:]
+        noise = torch.randn(latents.shape, generator=generator)
+        sigmas = sample_sigmas(batch, self.config, generator)
+        noisy, target = noisy_and_target(latents, noise, sigmas)
+        device = device_of(model)
+        kwargs = to_device(kwargs, device)
+        if self.packed:
+            text_tokens = kwargs["encoder_hidden_states"].shape[1]
+            extra = {"img_ids": image_ids(height, width), "txt_ids": torch.zeros(text_tokens, 3)}
+            if self.guidance is not None:
+                extra["guidance"] = torch.full((batch,), self.guidance)
+            pred = model(
+                hidden_states=pack(noisy).to(device, dtype), timestep=sigmas.to(device, dtype),
+                **to_device(extra, device), **kwargs,
+            ).sample  # fmt: skip
+            pred = unpack(pred, height, width)
+        else:
+            t = timesteps(sigmas, self.config).to(device, dtype)
+            pred = model(hidden_states=noisy.to(device, dtype), timestep=t, **kwargs).sample
+        return F.mse_loss(pred.float(), target.to(device).float())

@@ -1,9 +1,9 @@
 """The training loop in named steps: train() -> train_step() -> forward_backward().
 
-It sees a DeepSpeed engine (whatever ZeRO stage and offload), cached batches and one
-`Conditioning`; nothing here depends on the model family. Noise and timesteps come from a
-generator seeded by (seed, step, micro-batch, rank), so a resumed run draws exactly what the
-uninterrupted run would have drawn, with no RNG state to carry in checkpoints.
+It sees a DeepSpeed engine (whatever ZeRO stage and offload), cached batches, the family's
+conditioning and its objective; nothing here depends on the model family. Noise and timesteps
+come from a generator seeded by (seed, step, micro-batch, rank), so a resumed run draws exactly
+what the uninterrupted run would have drawn, with no RNG state to carry in checkpoints.
 """
 
 from __future__ import annotations
@@ -57,8 +57,10 @@ def diffusion_loss(
         target = scheduler.get_velocity(latents, noise, timesteps)
     else:
         target = noise
-    device = _device_of(unet)
-    pred = unet(noisy.to(device, dtype), timesteps.to(device), **_to(unet_kwargs, device)).sample
+    device = device_of(unet)
+    pred = unet(
+        noisy.to(device, dtype), timesteps.to(device), **to_device(unet_kwargs, device)
+    ).sample
     target = target.to(device)
     if config.snr_gamma is None:
         return F.mse_loss(pred.float(), target.float())
@@ -71,16 +73,33 @@ def diffusion_loss(
     return (per_sample * weight.to(device)).mean()
 
 
-def _device_of(module: Any) -> torch.device:
+@dataclass(frozen=True)
+class DDPMObjective:
+    """The UNet families' objective: noise or velocity prediction on the DDPM schedule."""
+
+    scheduler: Any
+    config: LossConfig
+
+    def describe(self) -> str:
+        return f"{self.config.prediction_type} prediction"
+
+    def loss(self, model, latents, kwargs, *, generator, dtype) -> torch.Tensor:
+        return diffusion_loss(
+            model, self.scheduler, latents, kwargs, config=self.config, generator=generator,
+            dtype=dtype,
+        )  # fmt: skip
+
+
+def device_of(module: Any) -> torch.device:
     device = getattr(module, "device", None)
     return torch.device(device) if device is not None else torch.device("cpu")
 
 
-def _to(value: Any, device: torch.device) -> Any:
+def to_device(value: Any, device: torch.device) -> Any:
     if isinstance(value, torch.Tensor):
         return value.to(device)
     if isinstance(value, dict):
-        return {k: _to(v, device) for k, v in value.items()}
+        return {k: to_device(v, device) for k, v in value.items()}
     return value
 
 
@@ -88,9 +107,8 @@ def _to(value: Any, device: torch.device) -> Any:
 class LoopContext:
     """What the loop needs besides the engine; built once by the worker."""
 
-    scheduler: Any
-    conditioning: Any
-    loss: LossConfig
+    conditioning: Any  # the family (base.ModelFamily): model_kwargs from a batch
+    objective: Any  # base.Objective: the family's loss
     dtype: torch.dtype
     seed: int
     rank: int
@@ -101,11 +119,8 @@ class LoopContext:
 
 def forward_backward(engine: Any, batch: dict[str, torch.Tensor], ctx: LoopContext, gen) -> Any:
     """One micro-batch: loss, then engine.backward (DeepSpeed scales for accumulation)."""
-    kwargs = ctx.conditioning.unet_kwargs(batch, ctx.dtype)
-    loss = diffusion_loss(
-        engine, ctx.scheduler, batch["latents"], kwargs, config=ctx.loss, generator=gen,
-        dtype=ctx.dtype,
-    )  # fmt: skip
+    kwargs = ctx.conditioning.model_kwargs(batch, ctx.dtype)
+    loss = ctx.objective.loss(engine, batch["latents"], kwargs, generator=gen, dtype=ctx.dtype)
     engine.backward(loss)
     engine.step()  # steps the optimizer and LR only at the accumulation boundary
     return loss.detach()

@@ -17,8 +17,9 @@ from typing import Any
 
 import torch
 
-from zerotuner.conditioning import CONDITIONING, Conditioning
+from zerotuner import families
 from zerotuner.families import BUILTIN_TEXT_PARAMS
+from zerotuner.families.base import ModelFamily
 
 TEXT_TARGETS = ("q_proj", "k_proj", "v_proj", "out_proj")
 # (layers, hidden size) of the published text encoders (CLIP ViT-L, OpenCLIP ViT-bigG and
@@ -34,7 +35,7 @@ class TextAndUNet(torch.nn.Module):
     """The UNet and the text encoders under their pipeline names; `forward` takes token ids
     where the UNet takes embeddings, and otherwise the UNet's arguments."""
 
-    def __init__(self, unet: Any, encoders: list[Any], conditioning: Conditioning) -> None:
+    def __init__(self, unet: Any, encoders: list[Any], conditioning: ModelFamily) -> None:
         super().__init__()
         self.unet = unet
         self.encoder_names = [folder for folder, _ in conditioning.text_subfolders]
@@ -45,7 +46,7 @@ class TextAndUNet(torch.nn.Module):
     def forward(self, sample, timestep, *, input_ids: torch.Tensor, batch: dict) -> Any:
         encoders = [getattr(self, name) for name in self.encoder_names]
         embeds = self.conditioning.embed(encoders, input_ids.to(sample.device))
-        kwargs = self.conditioning.unet_kwargs(batch | embeds, sample.dtype)
+        kwargs = self.conditioning.model_kwargs(batch | embeds, sample.dtype)
         return self.unet(sample, timestep, **kwargs)
 
 
@@ -53,10 +54,10 @@ class TrainedText:
     """The loop's conditioning when the encoders train: the batch goes to `TextAndUNet` as
     token ids plus the cached rest (time ids), not as embeddings."""
 
-    def __init__(self, conditioning: Conditioning) -> None:
+    def __init__(self, conditioning: ModelFamily) -> None:
         self.conditioning = conditioning
 
-    def unet_kwargs(self, batch: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, Any]:
+    def model_kwargs(self, batch: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, Any]:
         rest = {k: v for k, v in batch.items() if k not in ("latents", "input_ids")}
         return {"input_ids": batch["input_ids"], "batch": rest}
 
@@ -86,7 +87,7 @@ def build(
     gradient_checkpointing: bool,
 ) -> tuple[TextAndUNet, list[Any]]:  # fmt: skip
     """The trained module (the UNet already carries its adapter) and the tokenizers."""
-    conditioning = CONDITIONING[family]
+    conditioning = families.get(family)
     encoders, tokenizers = conditioning.load_text(source, dtype=torch.float32)
     add_text_adapters(encoders, adapter, seed=seed)
     for encoder in encoders:
@@ -101,7 +102,7 @@ def meta_module(unet: Any, source: Path, family: str, adapter: dict[str, Any]) -
     import transformers
     from accelerate import init_empty_weights
 
-    conditioning = CONDITIONING[family]
+    conditioning = families.get(family)
     encoders = []
     for folder, _ in conditioning.text_subfolders:
         config = transformers.AutoConfig.from_pretrained(source, subfolder=folder)
@@ -118,7 +119,7 @@ def adapter_size(
     """(adapter parameters, elements of its largest tensor, base parameters) of the text
     encoders' adapters: q, k, v and out projections are hidden x hidden in every layer."""
     layers, base = BUILTIN_TEXT_ENCODERS[family], BUILTIN_TEXT_PARAMS[family]
-    folders = tuple(folder for folder, _ in CONDITIONING[family].text_subfolders)
+    folders = tuple(folder for folder, _ in families.get(family).text_subfolders)
     if model_dir is not None and all((model_dir / f / "config.json").is_file() for f in folders):
         import transformers
 

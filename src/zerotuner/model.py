@@ -1,9 +1,9 @@
 """Loading a diffusers pipeline's parts.
 
-The UNet is trained. The VAE and text encoders are frozen: they encode the dataset once
-(see cache.py) and are then dropped. Everything that distinguishes SDXL from SD 1.x/2.x lives
-in a `Conditioning` per family (conditioning.py), so the training loop has no family flags.
-This module knows nothing about distribution: deepspeed.initialize is called in worker.py.
+The denoiser (a UNet, or a transformer) is trained. The VAE and text encoders are frozen:
+they encode the dataset once (see cache.py) and are then dropped. What distinguishes the
+families lives in one module per family (families/), so the training loop has no family
+flags. This module knows nothing about distribution: deepspeed.initialize is in worker.py.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from zerotuner.conditioning import CONDITIONING
+from zerotuner import families
 from zerotuner.errors import ConfigError
 from zerotuner.families import hub_cache_dir
 
@@ -83,7 +83,7 @@ class Components:
 
     family: str
     source: Path  # local folder of the base pipeline (export copies the frozen parts from it)
-    unet: Any
+    unet: Any  # the trained denoiser: the UNet, or a transformer family's transformer
     scheduler: Any  # DDPMScheduler: adds noise, gives SNR and velocity targets
     vae: Any = None
     text_encoders: list[Any] = field(default_factory=list)
@@ -96,11 +96,13 @@ class Components:
         self.tokenizers = []
 
 
-def load_unet(source: Path, *, gradient_checkpointing: bool) -> Any:
-    """The trainable UNet in fp32: DeepSpeed casts it to the configured precision itself."""
-    from diffusers import UNet2DConditionModel
-
-    unet = UNet2DConditionModel.from_pretrained(source, subfolder="unet", dtype=torch.float32)
+def load_unet(source: Path, *, gradient_checkpointing: bool, family: str = "sdxl") -> Any:
+    """The trainable denoiser (the family's UNet or transformer) in fp32: DeepSpeed casts it
+    to the configured precision itself."""
+    kind = families.get(family)
+    unet = kind.denoiser_class().from_pretrained(
+        source, subfolder=kind.denoiser, dtype=torch.float32
+    )
     if gradient_checkpointing:
         unet.enable_gradient_checkpointing()
     unet.train()
@@ -113,8 +115,8 @@ def load_frozen(components: Components, *, device: torch.device, text_dtype: tor
 
     vae = AutoencoderKL.from_pretrained(components.source, subfolder="vae", dtype=torch.float32)
     components.vae = vae.to(device).eval().requires_grad_(False)
-    conditioning = CONDITIONING[components.family]
-    encoders, tokenizers = conditioning.load_text(components.source, dtype=text_dtype)
+    family = families.get(components.family)
+    encoders, tokenizers = family.load_text(components.source, dtype=text_dtype)
     components.text_encoders = [e.to(device).eval().requires_grad_(False) for e in encoders]
     components.tokenizers = tokenizers
 
@@ -128,12 +130,9 @@ def load_components(
     deepspeed_config: dict[str, Any] | None = None,
 ) -> Components:
     """`deepspeed_config`: the run's effective DeepSpeed config (None outside a training rank)."""
-    from diffusers import DDPMScheduler
-
-    if family not in CONDITIONING:
-        raise ConfigError(f"ZT_MODEL_FAMILY={family}: expected sdxl, sd1 or sd2")
-    scheduler = DDPMScheduler.from_pretrained(source, subfolder="scheduler")
-    unet = load_unet(source, gradient_checkpointing=gradient_checkpointing)
+    kind = families.get(family)
+    scheduler = kind.scheduler_class().from_pretrained(source, subfolder="scheduler")
+    unet = load_unet(source, gradient_checkpointing=gradient_checkpointing, family=family)
     components = Components(family=family, source=source, unet=unet, scheduler=scheduler)
     if with_frozen:
         load_frozen(components, device=torch.device("cpu"), text_dtype=torch.float32)

@@ -17,6 +17,7 @@ from zerotuner.errors import ConfigError
 from zerotuner.families import (
     HUB_CONFIG_FILES,
     ModelShape,
+    check_family_settings,
     detect_family,
     hub_cache_dir,
     model_shape,
@@ -157,6 +158,7 @@ def preflight(
     lora.check_settings(settings)
     require_supported(hardware)
     model = resolve_model(settings)
+    check_family_settings(settings, model.family)
     shape = model_shape(model.family, model.local_dir)  # type: ignore[arg-type]
     if settings.training_type == "lora":
         lora.check_model_targets(settings, model.family, model.local_dir)

@@ -32,16 +32,17 @@ def load_pipeline(
     device: str,
     lora_dir: Path | None = None,
 ) -> object:
-    """`unet_state` None: the base UNet as saved; `lora_dir`: a LoRA adapter loaded on top."""
-    from diffusers import DiffusionPipeline, UNet2DConditionModel
+    """`unet_state`: the trained denoiser's weights (UNet or transformer), None for the base's
+    as saved; `lora_dir`: a LoRA adapter loaded on top."""
+    from diffusers import DiffusionPipeline
+
+    from zerotuner.export import denoiser_part, load_part
 
     parts = {}
     if unet_state is not None:
-        unet = UNet2DConditionModel.from_config(
-            UNet2DConditionModel.load_config(base, subfolder="unet")
-        )
-        unet.load_state_dict(unet_state)
-        parts["unet"] = unet
+        part = denoiser_part(base)
+        parts[part] = load_part(base, part, weights=False)
+        parts[part].load_state_dict(unet_state)
     pipe = DiffusionPipeline.from_pretrained(base, dtype=torch.float32, **parts)
     if lora_dir is not None:
         pipe.load_lora_weights(lora_dir)
@@ -66,11 +67,14 @@ def render(
     lora_dir: Path | None = None,
     guidance_scale: float | None = None,
     compare: bool = True,
+    pipeline_kwargs: dict | None = None,
 ) -> list[Path]:
     """One image per prompt, prompt i with seed + i, into out_dir (e.g. samples/step-N/);
     then (compare) the side-by-side with the base model's images in out_dir's parent.
-    guidance_scale None: the pipeline's default (SDXL 5, SD 7.5)."""
+    guidance_scale None: the pipeline's default (SDXL 5, SD 7.5). `pipeline_kwargs`: the
+    family's own (the T5 length it trained with)."""
     extra = {} if guidance_scale is None else {"guidance_scale": guidance_scale}
+    extra |= pipeline_kwargs or {}
     pipe = load_pipeline(base, unet_state, device=device, lora_dir=lora_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     written = []
@@ -97,7 +101,7 @@ def render(
             base_images = _base_samples(
                 base, prompts, out_dir.parent / "base", resolution=resolution,
                 inference_steps=inference_steps, seed=seed, device=device,
-                guidance_scale=guidance_scale,
+                guidance_scale=guidance_scale, pipeline_kwargs=pipeline_kwargs,
             )  # fmt: skip
             side_by_side(
                 [("base model", base_images), (out_dir.name.replace("-", " "), written)],

@@ -101,7 +101,27 @@ class Settings(BaseSettings):
         None, gt=0, description="Min-SNR-gamma loss weighting (e.g. 5); empty disables."
     )
     prediction_type: Literal["auto", "epsilon", "v_prediction"] = Field(
-        "auto", description="Training target; `auto` follows the model's scheduler."
+        "auto", description="Training target; `auto` follows the model's scheduler (UNets)."
+    )
+    weighting_scheme: Literal["logit_normal", "uniform", "mode"] = Field(
+        "logit_normal",
+        description="Flow matching (SD3, Flux): the density sigmas are drawn from.",
+    )
+    logit_mean: float = Field(0.0, description="Flow matching, `logit_normal`: the mean.")
+    logit_std: float = Field(1.0, gt=0, description="Flow matching, `logit_normal`: the std.")
+    mode_scale: float = Field(1.29, description="Flow matching, `mode`: its scale.")
+    train_guidance: float = Field(
+        3.5,
+        ge=0,
+        description="Flux: the guidance value a guidance-distilled transformer (FLUX.1-dev) "
+        "trains with; unused by models without a guidance embedding.",
+    )
+    max_sequence_length: int | None = Field(
+        None,
+        ge=1,
+        le=512,
+        description="T5 tokens per caption (SD3, Flux); empty = the pipeline's default (SD3 "
+        "256, Flux 512). Shorter: smaller text cache, faster steps.",
     )
     random_flip: bool = Field(False, description="Flip images horizontally at random.")
     compile: Auto | bool = Field(

@@ -29,10 +29,10 @@ import torch
 from zerotuner import (
     caching,
     checkpoint,
-    conditioning,
     data,
     distributed,
     export,
+    families,
     loop,
     lora,
     lora_files,
@@ -126,8 +126,10 @@ class Run:
             with_frozen=False,
             deepspeed_config=job.deepspeed,
         )
-        self.conditioning = conditioning.CONDITIONING[job.family]
-        self.prediction = model.prediction_type(self.components.scheduler, s.prediction_type)
+        self.conditioning = families.get(job.family).configured(s)
+        self.objective = self.conditioning.objective(
+            s, self.components.scheduler, self.components.unet.config
+        )
         self.dataset = data.scan(s.data_dir, log_skipped=self.rank == 0)
         self.buckets = data.assign_buckets(
             self.dataset.items, job.resolution, multiple=self._bucket_multiple()
@@ -145,17 +147,19 @@ class Run:
                 },
             )
             log.info(
-                "dataset: %d images, %d skipped, %d bucket(s); prediction %s",
-                len(self.dataset), len(self.dataset.skipped), len(self.buckets), self.prediction,
+                "dataset: %d images, %d skipped, %d bucket(s); %s",
+                len(self.dataset), len(self.dataset.skipped), len(self.buckets),
+                self.objective.describe(),
             )  # fmt: skip
 
     def _bucket_multiple(self) -> int:
-        """Bucket sides must survive the VAE's and the UNet's downsampling."""
+        """Bucket sides must survive the VAE's downsampling and the denoiser's (the UNet's
+        levels, a transformer's patches)."""
         from diffusers import AutoencoderKL
 
         vae = AutoencoderKL.load_config(self.source, subfolder="vae")
-        unet = self.components.unet.config
-        step = 2 ** (len(vae["block_out_channels"]) - 1) * 2 ** (len(unet.block_out_channels) - 1)
+        cells = self.conditioning.latent_multiple(self.components.unet.config)
+        step = 2 ** (len(vae["block_out_channels"]) - 1) * cells
         return max(step, 64) if self.job.resolution >= 512 else step
 
     # --- caching ------------------------------------------------------------------------
@@ -237,9 +241,8 @@ class Run:
         self.phase("training")
         texts = not s.lora_text_encoder  # else batches carry token ids (lora_text.TrainedText)
         ctx = loop.LoopContext(
-            scheduler=self.components.scheduler,
             conditioning=self.conditioning if texts else lora_text.TrainedText(self.conditioning),
-            loss=loop.LossConfig(self.prediction, s.snr_gamma, s.noise_offset),
+            objective=self.objective,
             dtype=self.dtype,
             seed=s.seed,
             rank=self.rank,
@@ -314,6 +317,7 @@ class Run:
             guidance_scale=s.validation_guidance_scale,
             seed=s.seed,
             device=self.device,
+            pipeline_kwargs=self.conditioning.pipeline_kwargs(s),
         )
         if s.training_type == "lora":  # the base pipeline with the adapter as saved so far
             with tempfile.TemporaryDirectory() as tmp:
@@ -388,6 +392,7 @@ def train(settings: Settings, job: Job, *, sinks: Sequence[Sink] | None = None) 
             device=job.device, master_addr=job.master_addr, master_port=job.master_port
         )
         lora.check_settings(settings)  # preflight did too; a launcher of its own may not
+        families.check_family_settings(settings, job.family)
         if rank == 0:  # before anything looks for a checkpoint to resume
             checkpoint.restore_set_aside(settings.output_dir)
         distributed.barrier()

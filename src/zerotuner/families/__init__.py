@@ -1,8 +1,10 @@
-"""Model families (SDXL, SD 1.x, SD 2.x): built-in UNet configs and parameter shapes.
-
-The planner and the normalizer need parameter counts before any weights exist: the UNet is
-built on the meta device (`accelerate.init_empty_weights`) from a local config or from the
-built-in config of its family, so planning works on a laptop with nothing downloaded.
+"""Model families: the UNet families (SDXL, SD 1.x, SD 2.x) and the flow-matching transformer
+families (SD3 / SD3.5, Flux.1). This package's root knows what the planner and the normalizer
+need before any weights exist: detection from a pipeline's files, built-in configs and
+parameter shapes (the trained model is built on the meta device, `accelerate.init_empty_weights`,
+from a local config or from its family's built-in one, so planning works on a laptop with
+nothing downloaded). What each family is to the trainer lives in one module per family behind
+`base.ModelFamily`: `get(name)`.
 """
 
 from __future__ import annotations
@@ -15,8 +17,29 @@ from typing import Any, Literal
 
 from zerotuner.errors import ConfigError
 
-Family = Literal["sdxl", "sd1", "sd2"]
-FAMILIES: tuple[Family, ...] = ("sdxl", "sd1", "sd2")
+Family = Literal["sdxl", "sd1", "sd2", "sd3", "flux"]
+FAMILIES: tuple[Family, ...] = ("sdxl", "sd1", "sd2", "sd3", "flux")
+FLOW_FAMILIES = ("sd3", "flux")  # transformers trained by flow matching
+# The module and class of each family (imported on first use: planning needs no torch).
+REGISTRY: dict[str, tuple[str, str]] = {
+    "sdxl": ("unet", "SDXL"),
+    "sd1": ("unet", "StableDiffusion"),
+    "sd2": ("unet", "StableDiffusion"),
+    "sd3": ("flow", "SD3"),
+    "flux": ("flow", "Flux"),
+}
+PIPELINES = {"StableDiffusion3Pipeline": "sd3", "FluxPipeline": "flux"}
+
+
+def get(name: str) -> Any:
+    """The family's `base.ModelFamily`."""
+    import importlib
+
+    if name not in REGISTRY:
+        raise ConfigError(f"ZT_MODEL_FAMILY={name}: expected one of {', '.join(FAMILIES)}")
+    module, cls = REGISTRY[name]
+    return getattr(importlib.import_module(f"zerotuner.families.{module}"), cls)(name)
+
 
 # The published UNet configs (stabilityai/stable-diffusion-xl-base-1.0,
 # runwayml/stable-diffusion-v1-5, stabilityai/stable-diffusion-2-1), fields that differ from
@@ -54,6 +77,29 @@ BUILTIN_TEXT_PARAMS: dict[Family, int] = {
 VAE_PARAMS = 83_653_863
 BUILTIN_FROZEN_PARAMS: dict[Family, int] = {
     f: n + VAE_PARAMS for f, n in BUILTIN_TEXT_PARAMS.items()
+}
+T5_XXL_PARAMS = 4_762_310_656  # the encoder of google/t5-v1_1-xxl
+VAE16_PARAMS = 83_819_683  # SD3's and Flux's 16-channel VAE
+BUILTIN_FROZEN_PARAMS["sd3"] = 123_650_304 + 694_659_840 + T5_XXL_PARAMS + VAE16_PARAMS
+BUILTIN_FROZEN_PARAMS["flux"] = 123_060_480 + T5_XXL_PARAMS + VAE16_PARAMS
+# The published transformers (stabilityai/stable-diffusion-3.5-large, black-forest-labs/
+# FLUX.1-dev), fields that differ from the classes' defaults, and their (params, largest).
+BUILTIN_TRANSFORMER_CONFIGS: dict[str, dict[str, Any]] = {
+    "sd3": {
+        "sample_size": 128, "patch_size": 2, "in_channels": 16, "num_layers": 38,
+        "attention_head_dim": 64, "num_attention_heads": 38, "joint_attention_dim": 4096,
+        "caption_projection_dim": 2432, "pooled_projection_dim": 2048, "out_channels": 16,
+        "pos_embed_max_size": 192, "qk_norm": "rms_norm",
+    },
+    "flux": {
+        "patch_size": 1, "in_channels": 64, "num_layers": 19, "num_single_layers": 38,
+        "attention_head_dim": 128, "num_attention_heads": 24, "joint_attention_dim": 4096,
+        "pooled_projection_dim": 768, "guidance_embeds": True, "axes_dims_rope": [16, 56, 56],
+    },
+}  # fmt: skip
+BUILTIN_TRANSFORMER_COUNTS = {
+    "sd3": (8_056_627_520, 35_487_744),
+    "flux": (11_901_408_320, 56_623_104),
 }
 VAE_SCALE = 8  # pixels per latent cell in every family's VAE
 # (unet_params, largest_param) of the built-in configs, counted once on the meta device
@@ -94,11 +140,13 @@ def detect_family(model_dir: Path) -> Family:
     if index.is_file():
         components = json.loads(index.read_text())
         pipeline = str(components.get("_class_name", ""))
+        if pipeline in PIPELINES:
+            return PIPELINES[pipeline]  # type: ignore[return-value]
         if "transformer" in components or "unet" not in components and pipeline:
             raise ConfigError(
                 f"ZT_MODEL={model_dir}: a {pipeline or 'transformer'} pipeline; zerotuner "
-                f"trains the UNet families {', '.join(FAMILIES)} (SD3 and Flux.1 transformers "
-                "are not trainable yet)"
+                f"trains {', '.join(FAMILIES)} pipelines ({', '.join(PIPELINES)} and the "
+                "Stable Diffusion 1.x/2.x/XL ones)"
             )
         if "text_encoder_2" in components or "XL" in pipeline:
             return "sdxl"
@@ -115,7 +163,9 @@ def detect_family(model_dir: Path) -> Family:
 
 
 def unet_config_path(model_dir: Path) -> Path | None:
-    for candidate in (model_dir / "unet" / "config.json", model_dir / "config.json"):
+    """The trained model's config: the UNet's, or a transformer family's transformer's."""
+    candidates = [model_dir / part / "config.json" for part in ("unet", "transformer")]
+    for candidate in (*candidates, model_dir / "config.json"):
         if candidate.is_file():
             return candidate
     return None
@@ -125,12 +175,18 @@ def resolve_family(model: str, family_setting: str = "auto") -> Family:
     """ZT_MODEL_FAMILY, else read from a local folder, else guessed from a hub id's name."""
     if family_setting != "auto":
         if family_setting not in FAMILIES:
-            raise ConfigError(f"ZT_MODEL_FAMILY={family_setting}: expected auto, sdxl, sd1 or sd2")
+            raise ConfigError(
+                f"ZT_MODEL_FAMILY={family_setting}: expected auto, {', '.join(FAMILIES)}"
+            )
         return family_setting  # type: ignore[return-value]
     path = Path(model)
     if path.is_dir():
         return detect_family(path)
     name = model.lower()
+    if "flux" in name:
+        return "flux"
+    if "stable-diffusion-3" in name or "sd3" in name:
+        return "sd3"
     if "xl" in name:
         return "sdxl"
     if "stable-diffusion-2" in name or "sd2" in name:
@@ -139,12 +195,13 @@ def resolve_family(model: str, family_setting: str = "auto") -> Family:
         return "sd1"
     raise ConfigError(
         f"ZT_MODEL={model}: cannot tell the model family from the name; set ZT_MODEL_FAMILY "
-        "to sdxl, sd1 or sd2"
+        f"to one of {', '.join(FAMILIES)}"
     )
 
 
 def frozen_params(
-    model_dir: Path, parts: tuple[str, ...] = ("text_encoder", "text_encoder_2", "vae")
+    model_dir: Path,
+    parts: tuple[str, ...] = ("text_encoder", "text_encoder_2", "text_encoder_3", "vae"),
 ) -> int:
     """Parameters of the text encoders and VAE (or `parts`) of a local pipeline, counted on
     the meta device."""
@@ -178,6 +235,8 @@ def model_shape(
     A built-in family uses its stored counts unless `recount`.
     """
     config_path = unet_config_path(model_dir) if model_dir else None
+    if family in FLOW_FAMILIES:
+        return _transformer_shape(family, model_dir, config_path, recount=recount)
     if config_path is None and not recount:
         params, largest = BUILTIN_UNET_COUNTS[family]
         native = int(BUILTIN_UNET_CONFIGS[family]["sample_size"]) * VAE_SCALE
@@ -225,3 +284,61 @@ def _vae_channels(model_dir: Path) -> int:
     if not config.is_file():
         return 128
     return int(json.loads(config.read_text()).get("block_out_channels", [128])[0])
+
+
+def _transformer_shape(
+    family: Family, model_dir: Path | None, config_path: Path | None, *, recount: bool
+) -> ModelShape:
+    """model_shape of a flow-matching transformer (SD3's or Flux's), counted like a UNet.
+    (The planner's activation model is still the UNet's: sized by resolution and width.)"""
+    native = 1024  # SD3.5 and Flux.1 are trained at 1024 px
+    frozen = (
+        frozen_params(model_dir) if model_dir and config_path else BUILTIN_FROZEN_PARAMS[family]
+    )
+    if config_path is None and not recount:
+        params, largest = BUILTIN_TRANSFORMER_COUNTS[family]
+        source = f"built-in {family} config"
+    else:
+        from accelerate import init_empty_weights
+
+        cls = get(family).denoiser_class()
+        if config_path is not None:
+            config, source = cls.load_config(str(config_path.parent)), str(config_path)
+        else:
+            config, source = BUILTIN_TRANSFORMER_CONFIGS[family], f"built-in {family} config"
+        with init_empty_weights():
+            model = cls.from_config(config)
+        sizes = [p.numel() for p in model.parameters()]
+        params, largest = sum(sizes), max(sizes)
+    return ModelShape(family, params, largest, frozen, native, source)
+
+
+UNET_SETTINGS = ("prediction_type", "snr_gamma", "noise_offset")  # DDPM's
+FLOW_SETTINGS = (
+    "weighting_scheme", "logit_mean", "logit_std", "mode_scale", "train_guidance",
+    "max_sequence_length",
+)  # fmt: skip
+
+
+def check_family_settings(settings: Any, family: str) -> None:
+    """A setting of the other objective (a UNet's DDPM, a transformer's flow matching), or
+    one the family cannot do yet, is one line, exit 2."""
+    from zerotuner.settings import env_name
+
+    flow = family in FLOW_FAMILIES
+    kind = "flow matching (SD3, Flux)" if flow else "a DDPM UNet (SD 1.x/2.x/XL)"
+    foreign = FLOW_SETTINGS if not flow else UNET_SETTINGS
+    problems = [
+        f"{env_name(name)} is set but ZT_MODEL is a {family} model, trained by {kind}: unset "
+        f"{env_name(name)} (it applies to "
+        f"{'SD3 and Flux' if name in FLOW_SETTINGS else 'the UNet families'} only)"
+        for name in foreign
+        if name in settings.model_fields_set
+    ]
+    if flow and settings.training_type == "lora":
+        problems.append(
+            f"{env_name('training_type')}=lora: LoRA on {family} transformers is not there yet; "
+            f"set {env_name('training_type')}=full, or train LoRA on an sdxl, sd1 or sd2 model"
+        )
+    if problems:
+        raise ConfigError(problems[0], problems=problems)

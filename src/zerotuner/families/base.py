@@ -1,0 +1,129 @@
+"""What a model family is to the trainer: one small interface, one module per family.
+
+The worker, the loop, the feature cache, checkpoints, samples and export see a family only
+through a `ModelFamily`: which pipeline part trains (the UNet, or a transformer), how its text
+encoders turn captions into the model's conditioning, which objective trains it (DDPM noise or
+velocity prediction, or flow matching) and how latents map onto its input. A new family is a
+module with one subclass and a line in `families.REGISTRY`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+
+if TYPE_CHECKING:
+    from zerotuner.model import Components
+    from zerotuner.settings import Settings
+
+
+class Objective(Protocol):
+    def loss(
+        self,
+        model: Any,
+        latents: torch.Tensor,
+        kwargs: dict[str, Any],
+        *,
+        generator: torch.Generator,
+        dtype: torch.dtype,
+    ) -> torch.Tensor:
+        """The training loss of one micro-batch (fp32), noise drawn from `generator`."""
+        ...
+
+    def describe(self) -> str:
+        """What the log says it trains: `epsilon prediction`, `flow matching (...)`."""
+        ...
+
+
+@dataclass(frozen=True)
+class ModelFamily:
+    name: str
+    denoiser: str = "unet"  # the trained part: its folder in the pipeline and its attribute
+    text_subfolders: tuple[tuple[str, str], ...] = (("text_encoder", "tokenizer"),)
+    cache_dtype: torch.dtype = torch.float32  # of the cached text embeddings
+
+    def configured(self, settings: Settings) -> ModelFamily:
+        """The family as this run's settings configure it (flow families: the T5 length)."""
+        return self
+
+    # --- parts --------------------------------------------------------------------------
+    def denoiser_class(self) -> type:
+        from diffusers import UNet2DConditionModel
+
+        return UNet2DConditionModel
+
+    def scheduler_class(self) -> type:
+        from diffusers import DDPMScheduler
+
+        return DDPMScheduler
+
+    def load_text(self, source: Path, *, dtype: torch.dtype) -> tuple[list[Any], list[Any]]:
+        """The text encoders (each the transformers class its model_index names) and their
+        tokenizers."""
+        import json
+
+        import transformers
+        from transformers import AutoTokenizer
+
+        index = json.loads((source / "model_index.json").read_text())
+        encoders, tokenizers = [], []
+        for encoder_dir, tokenizer_dir in self.text_subfolders:
+            cls = getattr(transformers, index[encoder_dir][1])
+            encoders.append(cls.from_pretrained(source, subfolder=encoder_dir, dtype=dtype))
+            tokenizers.append(AutoTokenizer.from_pretrained(source, subfolder=tokenizer_dir))
+        return encoders, tokenizers
+
+    # --- conditioning ---------------------------------------------------------------------
+    @staticmethod
+    def tokenize(tokenizer: Any, captions: list[str], max_length: int | None = None):
+        return tokenizer(
+            captions,
+            padding="max_length",
+            max_length=max_length or tokenizer.model_max_length,
+            truncation=True,
+            return_tensors="pt",
+        ).input_ids
+
+    def tokens(self, tokenizers: list[Any], captions: list[str]) -> torch.Tensor:
+        """Token ids of every encoder, stacked: (encoders, captions, max length) on the CPU."""
+        return torch.stack([self.tokenize(t, captions) for t in tokenizers])
+
+    def embed(self, encoders: list[Any], ids: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The model's text conditioning from token ids, with gradients (encoders that train:
+        lora_text.py). SD 1.x/2.x: the text encoder's last hidden state."""
+        (encoder,) = encoders
+        return {"prompt_embeds": encoder(ids[0]).last_hidden_state}
+
+    @torch.no_grad()
+    def encode_text(self, components: Components, captions: list[str]) -> dict[str, torch.Tensor]:
+        """`embed` once per caption at caching time: per-example tensors on the CPU."""
+        encoders = components.text_encoders
+        ids = self.tokens(components.tokenizers, captions).to(encoders[0].device)
+        embeds = self.embed(encoders, ids)
+        return {k: v.to(self.cache_dtype).cpu() for k, v in embeds.items()}
+
+    def model_kwargs(self, batch: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, Any]:
+        """The keyword arguments of the denoiser's forward from a batch holding embeddings."""
+        return {"encoder_hidden_states": batch["prompt_embeds"].to(dtype)}
+
+    # --- training -------------------------------------------------------------------------
+    def objective(self, settings: Settings, scheduler: Any, model_config: Any) -> Objective:
+        from zerotuner.loop import DDPMObjective, LossConfig
+        from zerotuner.model import prediction_type
+
+        config = LossConfig(
+            prediction_type(scheduler, settings.prediction_type), settings.snr_gamma,
+            settings.noise_offset,
+        )  # fmt: skip
+        return DDPMObjective(scheduler, config)
+
+    def latent_multiple(self, model_config: Any) -> int:
+        """Latent cells a bucket side must be a multiple of: the UNet halves it per level."""
+        return 2 ** (len(model_config.block_out_channels) - 1)
+
+    def pipeline_kwargs(self, settings: Settings) -> dict[str, Any]:
+        """Extra arguments of the family's pipeline call for validation samples."""
+        return {}

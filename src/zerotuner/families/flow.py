@@ -1,0 +1,135 @@
+"""The flow-matching transformer families: SD3 / SD3.5 (MMDiT; CLIP-L and CLIP-G, projected
+and pooled, plus T5-XXL) and Flux.1 (double- and single-stream blocks; CLIP-L pooled plus
+T5-XXL, 2x2 latent packing, and a guidance embedding in the guidance-distilled checkpoints).
+
+Their text conditioning is what each pipeline's own `encode_prompt` computes (the test holds
+them equal), cached on disk in bf16: a T5 caption is max-sequence-length x 4096 values.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn.functional as F
+
+from zerotuner.families.base import ModelFamily
+
+if TYPE_CHECKING:
+    from zerotuner.settings import Settings
+
+
+@dataclass(frozen=True)
+class FlowFamily(ModelFamily):
+    denoiser: str = "transformer"
+    cache_dtype: torch.dtype = torch.bfloat16
+    max_sequence_length: int = 256  # T5 tokens per caption (the pipeline's default)
+
+    def configured(self, settings: Settings) -> FlowFamily:
+        """The family with the run's T5 length (ZT_MAX_SEQUENCE_LENGTH, else its default)."""
+        if settings.max_sequence_length is None:
+            return self
+        return replace(self, max_sequence_length=settings.max_sequence_length)
+
+    def scheduler_class(self) -> type:
+        from diffusers import FlowMatchEulerDiscreteScheduler
+
+        return FlowMatchEulerDiscreteScheduler
+
+    def tokens(self, tokenizers: list[Any], captions: list[str]) -> list[torch.Tensor]:
+        """CLIP's ids at 77 tokens, T5's (the last tokenizer) at the max sequence length."""
+        *clips, t5 = tokenizers
+        return [self.tokenize(t, captions) for t in clips] + [
+            self.tokenize(t5, captions, self.max_sequence_length)
+        ]
+
+    @torch.no_grad()
+    def encode_text(self, components: Any, captions: list[str]) -> dict[str, torch.Tensor]:
+        encoders = components.text_encoders
+        ids = [i.to(encoders[0].device) for i in self.tokens(components.tokenizers, captions)]
+        return {k: v.to(self.cache_dtype).cpu() for k, v in self.embed(encoders, ids).items()}
+
+    def objective(self, settings: Settings, scheduler: Any, model_config: Any) -> Any:
+        from zerotuner.flow_matching import FlowConfig, FlowObjective
+
+        config = FlowConfig.from_scheduler(
+            scheduler.config, weighting=settings.weighting_scheme, logit_mean=settings.logit_mean,
+            logit_std=settings.logit_std, mode_scale=settings.mode_scale,
+        )  # fmt: skip
+        guidance = settings.train_guidance if model_config.get("guidance_embeds") else None
+        return FlowObjective(config, packed=self.name == "flux", guidance=guidance)
+
+    def pipeline_kwargs(self, settings: Settings) -> dict[str, Any]:
+        return {"max_sequence_length": self.max_sequence_length}
+
+
+@dataclass(frozen=True)
+class SD3(FlowFamily):
+    text_subfolders: tuple[tuple[str, str], ...] = (
+        ("text_encoder", "tokenizer"),
+        ("text_encoder_2", "tokenizer_2"),
+        ("text_encoder_3", "tokenizer_3"),
+    )
+
+    def denoiser_class(self) -> type:
+        from diffusers import SD3Transformer2DModel
+
+        return SD3Transformer2DModel
+
+    def embed(self, encoders: list[Any], ids: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Both CLIPs' penultimate states side by side, zero-padded to T5's width and put
+        before T5's states along the tokens; their pooled projections side by side."""
+        *clips, t5 = encoders
+        states, pooled = [], []
+        for encoder, encoder_ids in zip(clips, ids, strict=False):
+            out = encoder(encoder_ids, output_hidden_states=True)
+            states.append(out.hidden_states[-2])
+            pooled.append(out.text_embeds)
+        t5_states = t5(ids[-1])[0]
+        clip = torch.cat(states, dim=-1)
+        clip = F.pad(clip, (0, t5_states.shape[-1] - clip.shape[-1]))
+        return {
+            "prompt_embeds": torch.cat([clip, t5_states], dim=-2),
+            "pooled_prompt_embeds": torch.cat(pooled, dim=-1),
+        }
+
+    def model_kwargs(self, batch: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, Any]:
+        return {
+            "encoder_hidden_states": batch["prompt_embeds"].to(dtype),
+            "pooled_projections": batch["pooled_prompt_embeds"].to(dtype),
+        }
+
+    def latent_multiple(self, model_config: Any) -> int:
+        return int(model_config.patch_size)
+
+
+@dataclass(frozen=True)
+class Flux(FlowFamily):
+    text_subfolders: tuple[tuple[str, str], ...] = (
+        ("text_encoder", "tokenizer"),
+        ("text_encoder_2", "tokenizer_2"),
+    )
+    max_sequence_length: int = 512
+
+    def denoiser_class(self) -> type:
+        from diffusers import FluxTransformer2DModel
+
+        return FluxTransformer2DModel
+
+    def embed(self, encoders: list[Any], ids: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+        """T5's states, and CLIP-L's pooled output."""
+        clip, t5 = encoders
+        return {
+            "prompt_embeds": t5(ids[1])[0],
+            "pooled_prompt_embeds": clip(ids[0]).pooler_output,
+        }
+
+    def model_kwargs(self, batch: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, Any]:
+        return {
+            "encoder_hidden_states": batch["prompt_embeds"].to(dtype),
+            "pooled_projections": batch["pooled_prompt_embeds"].to(dtype),
+        }
+
+    def latent_multiple(self, model_config: Any) -> int:
+        return 2  # 2x2 packing
