@@ -63,6 +63,12 @@ def sd2_demo_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return _write(tmp_path_factory, "sd2")
 
 
+@pytest.fixture(scope="session")
+def flow_demo_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Tiny SD3 and Flux.1 pipelines (demo_flow.py) with the demo data, by family (read-only)."""
+    return {family: _write(tmp_path_factory, family) for family in ("sd3", "flux")}
+
+
 @pytest.fixture
 def demo_job_env(monkeypatch, demo_dir, tmp_path):
     """The demo job on two CPU ranks for an in-process `zerotuner` command, every folder of its

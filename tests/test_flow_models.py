@@ -10,15 +10,12 @@ import pytest
 import torch
 import trainkit as tk
 
-from zerotuner.demo_flow import T5_MAX_TOKENS, write_flow_model
-
-CORPUS = ["a red circle on a white background", "a blue square on a black background"]
+from zerotuner.demo_flow import T5_MAX_TOKENS
 
 
 @pytest.fixture(scope="session")
-def flow_models(tmp_path_factory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("flow-models")
-    return {f: write_flow_model(root / f, family=f, seed=0, corpus=CORPUS) for f in ("sd3", "flux")}
+def flow_models(flow_demo_dirs) -> dict[str, Path]:
+    return {family: root / "model" for family, root in flow_demo_dirs.items()}
 
 
 @pytest.mark.parametrize(
@@ -69,3 +66,20 @@ def test_transformer_pipelines_are_detected_and_foreign_settings_refused(
         monkeypatch, capsys, tmp_path, ZT_MODEL=str(demo_dir / "model"), ZT_LOGIT_STD="1.5"
     )
     assert code == 2 and "ZT_LOGIT_STD is set but ZT_MODEL is a sdxl model" in err
+
+
+def test_demo_command_writes_a_flow_demo_and_its_config_passes(monkeypatch, capsys, tmp_path):
+    """`zerotuner demo DIR --family flux` prints a command whose config (demo-flow.yaml: no
+    DDPM settings) passes `config --explain` for that model."""
+    from zerotuner.cli import main
+
+    repo = Path(__file__).resolve().parents[1]
+    assert main(["demo", str(tmp_path / "demo"), "--family", "flux"]) == 0
+    printed = capsys.readouterr().out
+    assert "train the whole transformer on it" in printed and "demo-flow.yaml" in printed
+    code, out, err = tk.config_explain(
+        monkeypatch, capsys, tmp_path, ZT_MODEL=str(tmp_path / "demo" / "model"),
+        ZT_CONFIG_FILE=str(repo / "config" / "demo-flow.yaml"),
+    )  # fmt: skip
+    assert code == 0, err
+    assert "flux" in out + err

@@ -21,7 +21,7 @@ from PIL import Image, ImageDraw
 
 log = logging.getLogger(__name__)
 
-DemoFamily = Literal["sdxl", "sd1", "sd2"]
+DemoFamily = Literal["sdxl", "sd1", "sd2", "sd3", "flux"]
 DEMO_RESOLUTION = 64  # pixels
 # Each VAE block after the first halves the image: the UNet sees 16x16 latents, so a 2-rank CPU
 # step is cheap enough for `make run` to train the ~1000 steps the shapes need in 3 minutes.
@@ -53,7 +53,12 @@ def write_demo(
     dir = Path(dir)
     data = write_dataset(dir / "data", seed=seed, count=images)
     captions = [p.read_text() for p in sorted(data.glob("*.txt"))]
-    model = write_model(dir / "model", family=family, seed=seed, corpus=captions, data_dir=data)
+    if family in ("sd3", "flux"):
+        from zerotuner.demo_flow import write_flow_model
+
+        model = write_flow_model(dir / "model", family=family, seed=seed, corpus=captions)
+    else:
+        model = write_model(dir / "model", family=family, seed=seed, corpus=captions, data_dir=data)
     return DemoPaths(root=dir, model=model, data=data, family=family, images=images)
 
 

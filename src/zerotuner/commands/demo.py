@@ -12,7 +12,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--family",
-        choices=("sdxl", "sd1", "sd2"),
+        choices=("sdxl", "sd1", "sd2", "sd3", "flux"),
         default="sdxl",
         help="architecture of the tiny model (default: sdxl)",
     )
@@ -26,10 +26,16 @@ def run(args: argparse.Namespace) -> int:
     root, model, data = paths.root.resolve(), paths.model.resolve(), paths.data.resolve()
     print(f"demo model ({paths.family}, {DEMO_RESOLUTION} px): {model}")
     print(f"demo data ({paths.images} images with captions): {data}")
+    flow = paths.family in ("sd3", "flux")  # flow matching: no DDPM settings in its config
     job = (
         f"ZT_DEVICE=cpu ZT_MODEL={model} ZT_DATA_DIR={data} ZT_CACHE_DIR={root / 'cache'} "
-        f"ZT_OFFLOAD_DIR={root / 'offload'} ZT_CONFIG_FILE=config/demo.yaml"
+        f"ZT_OFFLOAD_DIR={root / 'offload'} "
+        f"ZT_CONFIG_FILE=config/{'demo-flow' if flow else 'demo'}.yaml"
     )
+    if flow:
+        print("train the whole transformer on it, from the repository's root:")
+        print(f"  {job} ZT_OUTPUT_DIR={root / 'output'} ./entrypoint train")
+        return 0
     print("train the whole UNet on it (what `make run` does), from the repository's root:")
     print(f"  {job} ZT_OUTPUT_DIR={root / 'output'} ./entrypoint train")
     print("or train a LoRA adapter on it (`make run-lora`; writes final/pytorch_lora_weights.*):")

@@ -1,0 +1,159 @@
+"""SD3 and Flux.1 under DeepSpeed on 2 CPU ranks (real torchrun, real diffusers transformers):
+flow matching trains, checkpoints, samples with the family's pipeline, exports a folder that
+DiffusionPipeline loads and generates with, and resumes on one rank at another stage."""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import trainkit as tk
+
+from zerotuner import data, families, model
+from zerotuner.checkpoint import read_manifest
+from zerotuner.settings import Settings
+
+STEPS, SAVED = 10, 5
+TOKENS = 16  # ZT_MAX_SEQUENCE_LENGTH: the demo captions are 8 words
+PROMPT = "a red circle on a white background"
+# SD3: ZeRO-2 with the optimizer on the CPU and an EMA; Flux: ZeRO-3 with everything on NVMe.
+RUNS = {
+    "sd3": {"stage": 2, "offload_optimizer": "cpu", "offload_param": "none", "ema": True},
+    "flux": {"stage": 3, "offload_optimizer": "nvme", "offload_param": "nvme", "ema": False},
+}
+RESUME_STAGE = {"sd3": 3, "flux": 2}
+
+
+def run(tmp: Path, demo: Path, family: str, *, stage: int, world: int = 2, output: Path,
+        offload_optimizer="none", offload_param="none", **settings) -> str:  # fmt: skip
+    config = tk.ds_config(
+        stage, world=world, steps=STEPS, lr=3e-3, offload_optimizer=offload_optimizer,
+        offload_param=offload_param, nvme_dir=tmp / "nvme",
+    )  # fmt: skip
+    job = tk.write_job(tmp / "job.json", model=demo / "model", deepspeed=config, family=family,
+                       world=world)  # fmt: skip
+    env = tk.settings_env(
+        model=demo / "model", data=demo / "data", output=output, cache=tmp.parent / "cache",
+        max_steps=STEPS, log_every_steps=1, max_sequence_length=TOKENS, **settings,
+    )  # fmt: skip
+    proc = tk.run_ranks(tmp, env, job_file=job, world=world)
+    tk.assert_ok(proc, tmp, world=world)
+    return proc.stdout + proc.stderr
+
+
+@pytest.fixture(scope="session", params=["sd3", "flux"])
+def flow_run(request, flow_demo_dirs, tmp_path_factory):
+    family = request.param
+    tmp = tmp_path_factory.mktemp(f"flow-{family}") / "run"
+    tmp.mkdir()
+    how = dict(RUNS[family])
+    log = run(
+        tmp, flow_demo_dirs[family], family, output=tmp / "output", checkpoint_every_steps=SAVED,
+        validation_prompts=[PROMPT], validation_inference_steps=2, **how,
+    )  # fmt: skip
+    return family, flow_demo_dirs[family], tmp / "output", log
+
+
+def held_out_loss(demo: Path, family: str, transformer, draws: int = 4) -> float:
+    """The family's training loss of `transformer` on 16 demo images with fixed draws."""
+    from diffusers import DiffusionPipeline
+
+    pipe = DiffusionPipeline.from_pretrained(demo / "model")
+    kind = dataclasses.replace(families.get(family), max_sequence_length=TOKENS)
+    items = data.scan(demo / "data", log_skipped=False).items[:16]
+    pixels = torch.stack(
+        [torch.from_numpy(data.load_example(i, (64, 64), flip=False).pixels) for i in items]
+    )
+    parts = model.Components(
+        family=family, source=demo / "model", unet=None, scheduler=pipe.scheduler, vae=pipe.vae,
+        text_encoders=[getattr(pipe, e) for e, _ in kind.text_subfolders],
+        tokenizers=[getattr(pipe, t) for _, t in kind.text_subfolders],
+    )  # fmt: skip
+    text = kind.encode_text(parts, [item.caption for item in items])
+    kwargs = kind.model_kwargs(text, torch.float32)
+    objective = kind.objective(Settings(), pipe.scheduler, transformer.config)
+    latents = model.encode_images(pipe.vae, pixels)
+    with torch.no_grad():
+        losses = [
+            objective.loss(transformer.eval(), latents, kwargs,
+                           generator=torch.Generator().manual_seed(d), dtype=torch.float32)
+            for d in range(draws)
+        ]  # fmt: skip
+    return float(sum(losses)) / draws
+
+
+@pytest.mark.slow
+def test_flow_families_train_sample_and_export(flow_run) -> None:
+    """The loss on held-out draws falls; samples come from the family's pipeline; final/ is a
+    pipeline folder that loads and generates; the checkpoint says what it is."""
+    import numpy as np
+    from diffusers import DiffusionPipeline
+
+    family, demo, output, log = flow_run
+    assert [s["step"] for s in tk.read_steps(output)] == list(range(1, STEPS + 1))
+    assert "flow matching (sigmas logit_normal(0, 1)" in log
+    base = DiffusionPipeline.from_pretrained(demo / "model")
+    final = DiffusionPipeline.from_pretrained(output / "final")
+    assert type(final) is type(base)
+    before = held_out_loss(demo, family, base.transformer)
+    assert held_out_loss(demo, family, final.transformer) < 0.97 * before
+    (sample,) = (output / "samples" / f"step-{STEPS}").glob("*.png")
+    assert sample.stat().st_size > 0 and (output / "samples" / "base-vs-trained.png").is_file()
+    final.set_progress_bar_config(disable=True)
+    image = final(
+        PROMPT, num_inference_steps=2, height=64, width=64, output_type="np",
+        max_sequence_length=TOKENS, generator=torch.Generator().manual_seed(0),
+    ).images[0]  # fmt: skip
+    assert image.shape == (64, 64, 3) and np.isfinite(image).all()
+    manifest = read_manifest(output / "checkpoints" / f"step-{SAVED}")
+    assert (manifest["family"], manifest["zero_stage"]) == (family, RUNS[family]["stage"])
+    if RUNS[family]["ema"]:
+        ema = DiffusionPipeline.from_pretrained(output / "final-ema").transformer
+        assert any(
+            not torch.equal(a, b)
+            for a, b in zip(ema.parameters(), final.transformer.parameters(), strict=True)
+        )
+
+
+@pytest.mark.slow
+def test_flow_families_resume_on_one_rank_at_another_stage(flow_run, tmp_path) -> None:
+    """From the step-5 checkpoint, 1 rank at the other ZeRO stage (the universal checkpoint)
+    trains steps 6-10 and exports."""
+    family, demo, output, _ = flow_run
+    stopped = tmp_path / "output"
+    (stopped / "checkpoints").mkdir(parents=True)
+    shutil.copytree(output / "checkpoints" / f"step-{SAVED}",
+                    stopped / "checkpoints" / f"step-{SAVED}")  # fmt: skip
+    log = run(tmp_path, demo, family, stage=RESUME_STAGE[family], world=1, output=stopped,
+              checkpoint_every_steps=0)  # fmt: skip
+    assert "converting once to universal" in log
+    assert [s["step"] for s in tk.read_steps(stopped)] == list(range(SAVED + 1, STEPS + 1))
+    assert (stopped / "final" / "transformer" / "config.json").is_file()
+
+
+@pytest.mark.parametrize("family", ["sd3", "flux"])
+def test_text_conditioning_is_the_pipelines_own(flow_demo_dirs, family) -> None:
+    """What the cache holds for a caption is what the family's pipeline computes for it."""
+    from diffusers import DiffusionPipeline
+
+    pipe = DiffusionPipeline.from_pretrained(flow_demo_dirs[family] / "model")
+    kind = dataclasses.replace(families.get(family), max_sequence_length=TOKENS)
+    parts = model.Components(
+        family=family, source=Path(), unet=None, scheduler=None,
+        text_encoders=[getattr(pipe, e) for e, _ in kind.text_subfolders],
+        tokenizers=[getattr(pipe, t) for _, t in kind.text_subfolders],
+    )  # fmt: skip
+    captions = [PROMPT, "a blue square on a black background"]
+    ours = kind.encode_text(parts, captions)
+    if family == "sd3":
+        embeds, _, pooled, _ = pipe.encode_prompt(
+            captions, None, None, do_classifier_free_guidance=False, max_sequence_length=TOKENS
+        )
+    else:
+        embeds, pooled, _ = pipe.encode_prompt(captions, None, max_sequence_length=TOKENS)
+    assert ours["prompt_embeds"].dtype == torch.bfloat16  # 16-bit on disk
+    torch.testing.assert_close(ours["prompt_embeds"], embeds.to(torch.bfloat16))
+    torch.testing.assert_close(ours["pooled_prompt_embeds"], pooled.to(torch.bfloat16))
