@@ -177,3 +177,47 @@ def headline(adam: dict[str, float] | None = None) -> dict[str, Any]:
         "step_seconds": total,
         "lora": lora_headline(),
     }
+
+
+# SD3.5 Large and FLUX.1-dev full fine-tuning at 1024 px, batch 1 per GPU, bf16, on these hosts.
+FLOW_HARDWARE = (("1 x 24 GB", 1, 24, 128), ("1 x 80 GB", 1, 80, 256), ("8 x 80 GB", 8, 80, 1024))
+FLOW_MODELS = (("SD3.5 Large", "sd3"), ("FLUX.1-dev", "flux"))
+
+
+def flow_plan(family: str, gpus: int, gpu_gib: int, host_gib: int) -> dict[str, Any]:
+    """`zerotuner plan --json` for a flow family on what-if hardware."""
+    import contextlib
+    import io
+    import json
+
+    from zerotuner.cli import main
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = main([
+            "plan", "--model-family", family, "--resolution", "1024", "--train-batch-size", "1",
+            "--gpus", str(gpus), "--gpu-memory", f"{gpu_gib}GiB", "--host-memory",
+            f"{host_gib}GiB", "--offload-disk", "2TB", "--bf16", "--json",
+        ])  # fmt: skip
+    assert code == 0, out.getvalue()
+    return json.loads(out.getvalue())
+
+
+def flow_plans_markdown() -> str:
+    """README's table of the planner's choices for SD3.5 Large and FLUX.1-dev."""
+    rows = [
+        "| model | GPUs (host RAM) | choice | device GiB | host GiB (load peak) | disk GiB |",
+        "|---|---|---|---:|---:|---:|",
+    ]
+    for name, family in FLOW_MODELS:
+        for label, gpus, gpu_gib, host_gib in FLOW_HARDWARE:
+            plan = flow_plan(family, gpus, gpu_gib, host_gib)
+            c = plan["choice"]  # the row it picked: its memory
+            row = next(r for r in plan["rows"] if all(r[k] == v for k, v in c.items()))
+            load = plan["load_peak"]["host_bytes"]
+            rows.append(
+                f"| {name} | {label} ({host_gib} GiB) | {row['label']} | "
+                f"{row['device_bytes'] / GiB:.1f} | {row['host_bytes'] / GiB:.1f} "
+                f"({load / GiB:.1f}) | {row['disk_bytes'] / GiB:.1f} |"
+            )
+    return "\n".join(rows) + "\n"

@@ -32,6 +32,9 @@ CASES = [
      "decisions": {"zero_stage": 3, "offload_optimizer": "cpu", "offload_param": "cpu"}},
     {"name": "stage3-nvme", "settings": {"offload_dir": "{offload}"},
      "decisions": {"zero_stage": 3, "offload_optimizer": "nvme", "offload_param": "nvme"}},
+    # FLUX.1-dev on one 24 GB GPU (README): the optimizer on NVMe, the parameters in host RAM
+    {"name": "stage3-nvme-optimizer-cpu-params", "settings": {"offload_dir": "{offload}"},
+     "decisions": {"zero_stage": 3, "offload_optimizer": "nvme", "offload_param": "cpu"}},
     {"name": "adam-stage1", "settings": {"optimizer": "adam"}, "decisions": {"zero_stage": 1}},
     {"name": "adagrad-2", "settings": {"optimizer": "Adagrad"}, "decisions": {"zero_stage": 2}},
     {"name": "lion-cpu-offload", "settings": {"optimizer": "lion"},

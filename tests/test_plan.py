@@ -9,6 +9,7 @@ import pytest
 from zerotuner import cli
 from zerotuner.errors import ConfigError, EnvironmentUnfit
 from zerotuner.families import (
+    BUILTIN_TRANSFORMER_COUNTS,
     BUILTIN_UNET_COUNTS,
     FAMILIES,
     ModelShape,
@@ -221,9 +222,10 @@ def test_ema_is_an_fp32_copy_on_the_host():
 
 @pytest.mark.slow
 def test_builtin_counts_match_the_configs_on_the_meta_device():
+    counts = BUILTIN_UNET_COUNTS | BUILTIN_TRANSFORMER_COUNTS  # SD3.5 Large 8.06B, Flux 11.9B
     for family in FAMILIES:
         shape = model_shape(family, recount=True)
-        assert (shape.unet_params, shape.largest_param) == BUILTIN_UNET_COUNTS[family]
+        assert (shape.unet_params, shape.largest_param) == counts[family]
 
 
 def test_plan_cli_what_if_json(capsys):

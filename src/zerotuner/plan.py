@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from zerotuner.errors import ConfigError, EnvironmentUnfit
-from zerotuner.families import ModelShape
+from zerotuner.families import ModelShape, caption_cache_bytes
 from zerotuner.hardware import GiB, Hardware, auto_precision
 from zerotuner.pins import check_pins, legal, pin_text
 from zerotuner.plan_memory import LoadPeak, estimate, load_peak
@@ -204,9 +204,11 @@ def make_plan(
     require_fit: bool = True,
     pin_names: dict[str, str] | None = None,
     training: Training | None = None,
+    max_sequence_length: int | None = None,
 ) -> Plan:
     """Estimate every option; choose the fastest that fits. Pinned values are kept.
     `training`: what trains (default: the whole UNet; `trainable.lora_adapter` for LoRA).
+    `max_sequence_length`: the T5 tokens a flow family's cached caption holds.
 
     Raises ConfigError for an illegal pinned combination and EnvironmentUnfit (exit 3) when
     nothing fits, naming the closest option and what it lacks. `pin_names`: where the pins came
@@ -281,6 +283,7 @@ def make_plan(
         "host_usable_bytes": cap.host,
         "offload_disk_free_bytes": offload_disk_free,
         "ema": ema,
+        "caption_cache_bytes": caption_cache_bytes(shape, max_sequence_length),
     }
     load = load_peak(shape, ranks_per_node=ranks_per_node, precision=precision, on_cpu=on_cpu)
     fitting = sorted((r for r in rows if r.fits), key=preference)

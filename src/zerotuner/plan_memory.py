@@ -156,6 +156,8 @@ def estimate(
     # upper bound, then).
     per_image = ACT_BYTES_PER_IMAGE_CHECKPOINTED if gradient_checkpointing else ACT_BYTES_PER_IMAGE
     width = shape.base_channels / REFERENCE_CHANNELS
+    if shape.activations_1024 is not None:  # a transformer's, from its layers and width
+        per_image, width = shape.activations_1024[1 if gradient_checkpointing else 0], 1.0
     scale = (resolution * resolution / REFERENCE_PIXELS) * width * (p_bytes / 2)
     dev["activations"] = int(per_image * scale * micro_batch)
 

@@ -237,6 +237,7 @@ def plan_for(
         require_fit=require_fit,
         pin_names=user.names,
         training=trainable.for_settings(settings, shape, model_dir),
+        max_sequence_length=settings.max_sequence_length,
     )
 
 

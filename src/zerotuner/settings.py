@@ -50,8 +50,9 @@ class Settings(BaseSettings):
         "stabilityai/stable-diffusion-xl-base-1.0",
         description="Hub id or local folder of a diffusers pipeline to fine-tune.",
     )
-    model_family: Literal["auto", "sdxl", "sd1", "sd2"] = Field(
-        "auto", description="Model family; `auto` reads it from model_index.json / the UNet config."
+    model_family: Literal["auto", "sdxl", "sd1", "sd2", "sd3", "flux"] = Field(
+        "auto",
+        description="Model family; `auto` reads it from model_index.json / the model's config.",
     )
     data_dir: Path = Field(Path("/data"), description="Training images with captions.")
     output_dir: Path = Field(

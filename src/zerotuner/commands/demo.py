@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from zerotuner.families import FAMILIES
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
@@ -12,7 +14,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--family",
-        choices=("sdxl", "sd1", "sd2", "sd3", "flux"),
+        choices=FAMILIES,
         default="sdxl",
         help="architecture of the tiny model (default: sdxl)",
     )

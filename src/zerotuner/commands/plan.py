@@ -12,6 +12,7 @@ from typing import Any
 
 from zerotuner.commands import what_if
 from zerotuner.driver import describe_driver
+from zerotuner.families import FAMILIES, FLOW_FAMILIES
 from zerotuner.hardware import Hardware
 from zerotuner.plan import Plan, gib
 from zerotuner.preflight import plan_for
@@ -20,7 +21,7 @@ from zerotuner.settings import precision_name
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     job = parser.add_argument_group("what-if job (overrides the settings)")
-    job.add_argument("--model-family", choices=("sdxl", "sd1", "sd2"), help="built-in model")
+    job.add_argument("--model-family", choices=FAMILIES, help="built-in model")
     job.add_argument("--resolution", type=int, help="pixels per side (ZT_RESOLUTION)")
     job.add_argument("--train-batch-size", type=int, help="micro batch per device")
     what_if.add_arguments(parser)
@@ -94,7 +95,8 @@ def render(plan: Plan, hardware: Hardware) -> str:
     i = plan.inputs
     lines = [
         f"hardware: {describe_hardware(hardware)}",
-        f"job: {i['family']} UNet {i['unet_params'] / 1e9:.3f}B params, {i['resolution']} px, "
+        f"job: {i['family']} {'transformer' if i['family'] in FLOW_FAMILIES else 'UNet'} "
+        f"{i['unet_params'] / 1e9:.3f}B params, {i['resolution']} px, "
         f"micro batch {i['micro_batch']}, world size {i['world_size']}, "
         f"{precision_name(i['precision'])}",
         f"training: {training_text(i)}",
@@ -111,6 +113,13 @@ def render(plan: Plan, hardware: Hardware) -> str:
             f"{mark}"
         )
     lines += ["", *phase_lines(plan)]
+    per_caption = i["caption_cache_bytes"]
+    lines.append(
+        f"text cache (ZT_CACHE_DIR): {per_caption / 2**20:.2f} MiB per caption, "
+        f"{per_caption * 10_000 / 2**30:.1f} GiB per 10,000 captions"
+        + (" (T5 states in bf16; ZT_MAX_SEQUENCE_LENGTH shortens them)"
+           if i["family"] in FLOW_FAMILIES else "")
+    )  # fmt: skip
     lines += ["", f"choice: {plan.choice.label()}"]
     lines += [f"  - {reason}" for reason in plan.reasons]
     lines += [f"warning: {w}" for w in hardware.warnings]

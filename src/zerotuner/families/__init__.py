@@ -29,6 +29,8 @@ REGISTRY: dict[str, tuple[str, str]] = {
     "flux": ("flow", "Flux"),
 }
 PIPELINES = {"StableDiffusion3Pipeline": "sd3", "FluxPipeline": "flux"}
+T5_TOKENS = {"sd3": 256, "flux": 512}  # each pipeline's default max_sequence_length
+CLIP_TOKENS = 77
 
 
 def get(name: str) -> Any:
@@ -113,7 +115,8 @@ BUILTIN_UNET_COUNTS: dict[Family, tuple[int, int]] = {
 
 @dataclass(frozen=True)
 class ModelShape:
-    """What memory planning and bucket sizing need to know about the trained UNet."""
+    """What memory planning and bucket sizing need to know about the trained model (a UNet,
+    or a flow family's transformer: `unet_params` counts it all the same)."""
 
     family: Family
     unet_params: int
@@ -123,6 +126,20 @@ class ModelShape:
     source: str  # "built-in sdxl config" or the config file it was counted from
     base_channels: int = 320  # block_out_channels[0]: activation memory scales with it
     vae_channels: int = 128  # the VAE's block_out_channels[0]: so does encoding's memory
+    # A transformer's activations per image at 1024 px in 16-bit (without, with gradient
+    # checkpointing); None: a UNet's, scaled from DESIGN.md's SDXL figure by base_channels.
+    activations_1024: tuple[int, int] | None = None
+    text_width: int = 2048  # width of the text states it attends to (a cached caption's)
+
+
+def caption_cache_bytes(shape: ModelShape, max_sequence_length: int | None = None) -> int:
+    """Disk bytes of one caption's cached text states: CLIP's 77 tokens in fp32 for the UNet
+    families; SD3's 77 + T5's, Flux's T5 tokens, in bf16 (T5-XXL is 4096 wide)."""
+    if shape.family not in FLOW_FAMILIES:
+        return CLIP_TOKENS * shape.text_width * 4
+    t5 = max_sequence_length or T5_TOKENS[shape.family]
+    tokens = t5 + (CLIP_TOKENS if shape.family == "sd3" else 0)
+    return tokens * shape.text_width * 2
 
 
 # A hub model's files the planner reads (a few KB): the pipeline index and each part's config.
@@ -243,6 +260,7 @@ def model_shape(
         return ModelShape(
             family, params, largest, BUILTIN_FROZEN_PARAMS[family], native,
             f"built-in {family} config",
+            text_width=int(BUILTIN_UNET_CONFIGS[family]["cross_attention_dim"]),
         )  # fmt: skip
 
     from accelerate import init_empty_weights
@@ -268,6 +286,7 @@ def model_shape(
         source=source,
         base_channels=int(unet.config.block_out_channels[0]),
         vae_channels=_vae_channels(model_dir) if model_dir else 128,
+        text_width=int(unet.config.cross_attention_dim),
     )
 
 
@@ -289,8 +308,8 @@ def _vae_channels(model_dir: Path) -> int:
 def _transformer_shape(
     family: Family, model_dir: Path | None, config_path: Path | None, *, recount: bool
 ) -> ModelShape:
-    """model_shape of a flow-matching transformer (SD3's or Flux's), counted like a UNet.
-    (The planner's activation model is still the UNet's: sized by resolution and width.)"""
+    """model_shape of a flow-matching transformer (SD3's or Flux's), counted like a UNet,
+    with its activations from its layers and width (`transformer_activations`)."""
     native = 1024  # SD3.5 and Flux.1 are trained at 1024 px
     frozen = (
         frozen_params(model_dir) if model_dir and config_path else BUILTIN_FROZEN_PARAMS[family]
@@ -310,7 +329,33 @@ def _transformer_shape(
             model = cls.from_config(config)
         sizes = [p.numel() for p in model.parameters()]
         params, largest = sum(sizes), max(sizes)
-    return ModelShape(family, params, largest, frozen, native, source)
+    config = (
+        get(family).denoiser_class().load_config(str(config_path.parent))
+        if config_path is not None
+        else BUILTIN_TRANSFORMER_CONFIGS[family]
+    )
+    return ModelShape(
+        family, params, largest, frozen, native, source,
+        activations_1024=transformer_activations(family, config),
+        text_width=int(config["joint_attention_dim"]),
+    )  # fmt: skip
+
+
+def transformer_activations(family: str, config: dict[str, Any]) -> tuple[int, int]:
+    """(without, with checkpointing) bytes of a transformer's activations for one 1024 px
+    image in 16-bit: per layer 34 x tokens x width without checkpointing (Korthikanti et al.,
+    arXiv 2205.05198, with fused attention: no tokens^2 term), and with it the layer inputs
+    (2 x tokens x width each) plus one layer recomputed. Tokens: the image's patches (2x2
+    latent cells) and the text's (SD3: CLIP 77 + T5 256; Flux: T5 512)."""
+    image_tokens = (1024 // VAE_SCALE // 2) ** 2
+    width = int(config["num_attention_heads"]) * int(config["attention_head_dim"])
+    if family == "flux":
+        layers = int(config["num_layers"]) + int(config["num_single_layers"])
+        tokens = image_tokens + 512
+    else:
+        layers, tokens = int(config["num_layers"]), image_tokens + 77 + 256
+    per_layer = 34 * tokens * width
+    return layers * per_layer, layers * 2 * tokens * width + per_layer
 
 
 UNET_SETTINGS = ("prediction_type", "snr_gamma", "noise_offset")  # DDPM's

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 
+from zerotuner.families import T5_TOKENS
 from zerotuner.families.base import ModelFamily
 
 if TYPE_CHECKING:
@@ -24,7 +25,7 @@ if TYPE_CHECKING:
 class FlowFamily(ModelFamily):
     denoiser: str = "transformer"
     cache_dtype: torch.dtype = torch.bfloat16
-    max_sequence_length: int = 256  # T5 tokens per caption (the pipeline's default)
+    max_sequence_length: int = T5_TOKENS["sd3"]  # T5 tokens per caption (the pipeline's)
 
     def configured(self, settings: Settings) -> FlowFamily:
         """The family with the run's T5 length (ZT_MAX_SEQUENCE_LENGTH, else its default)."""
@@ -110,7 +111,7 @@ class Flux(FlowFamily):
         ("text_encoder", "tokenizer"),
         ("text_encoder_2", "tokenizer_2"),
     )
-    max_sequence_length: int = 512
+    max_sequence_length: int = T5_TOKENS["flux"]
 
     def denoiser_class(self) -> type:
         from diffusers import FluxTransformer2DModel
