@@ -157,3 +157,46 @@ def test_text_conditioning_is_the_pipelines_own(flow_demo_dirs, family) -> None:
     assert ours["prompt_embeds"].dtype == torch.bfloat16  # 16-bit on disk
     torch.testing.assert_close(ours["prompt_embeds"], embeds.to(torch.bfloat16))
     torch.testing.assert_close(ours["pooled_prompt_embeds"], pooled.to(torch.bfloat16))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("family", "stage"), [("sd3", 2), ("flux", 3)])
+def test_lora_on_a_flow_transformer(flow_demo_dirs, tmp_path, family, stage) -> None:
+    """A LoRA adapter on the transformer (gathered under ZeRO-3): the diffusers file loads into
+    the family's pipeline and changes its images; the merged pipeline renders the same images;
+    `export` of the checkpoint writes the same adapter."""
+    import numpy as np
+    from diffusers import DiffusionPipeline
+    from safetensors.torch import load_file
+
+    from zerotuner import lora_files
+    from zerotuner.export import export_checkpoint
+
+    demo, output = flow_demo_dirs[family], tmp_path / "output"
+    run(tmp_path, demo, family, stage=stage, output=output, checkpoint_every_steps=SAVED,
+        training_type="lora", lora_rank=4, lora_alpha=2, lora_merge=True)  # fmt: skip
+    final = output / "final"
+    adapter = load_file(final / lora_files.ADAPTER_FILE)
+    assert adapter and all(k.startswith("transformer.") for k in adapter)
+    assert not (final / lora_files.KOHYA_FILE).exists()  # no kohya names for transformers
+    exported = load_file(
+        export_checkpoint(output / "checkpoints" / f"step-{STEPS}", tmp_path / "exported")
+        / lora_files.ADAPTER_FILE
+    )
+    assert exported.keys() == adapter.keys()
+    assert all(torch.equal(exported[k], adapter[k]) for k in adapter)
+
+    def image(pipe) -> np.ndarray:
+        pipe.set_progress_bar_config(disable=True)
+        return pipe(
+            PROMPT, num_inference_steps=2, height=64, width=64, output_type="np",
+            max_sequence_length=TOKENS, generator=torch.Generator().manual_seed(0),
+        ).images[0]  # fmt: skip
+
+    base = DiffusionPipeline.from_pretrained(demo / "model")
+    before = image(base)
+    base.load_lora_weights(final)
+    adapted = image(base)
+    merged = image(DiffusionPipeline.from_pretrained(final / lora_files.MERGED))
+    assert np.abs(adapted - before).max() > 1e-3, "the adapter changes nothing"
+    assert np.abs(merged - adapted).max() < 1e-3

@@ -12,7 +12,7 @@ import torch
 from diffusers import UNet2DConditionModel
 
 from zerotuner import cli, lora, trainable
-from zerotuner.families import model_shape
+from zerotuner.families import meta_model, model_shape
 from zerotuner.hardware import GPU, GiB, Hardware
 from zerotuner.plan import make_plan
 from zerotuner.plan_memory import estimate
@@ -37,7 +37,7 @@ def choice(plan) -> tuple:
 
 
 def test_sdxl_adapter_sizes_from_the_unet_config_on_the_meta_device():
-    unet = trainable.meta_unet("sdxl")  # the published config, no weights
+    unet = meta_model("sdxl")  # the published config, no weights
     assert all(p.device == torch.device("meta") for p in unet.parameters())
     assert sum(p.numel() for p in unet.parameters()) == 2_567_463_684
     linear = [n for n, m in unet.named_modules() if isinstance(m, torch.nn.Linear)]
@@ -177,7 +177,7 @@ def test_plan_of_a_local_model_sizes_the_adapter_on_its_own_unet(demo_job_env, d
     demo_job_env.setenv("ZT_LORA_RANK", "8")
     assert cli.main(["plan", "--json"]) == 0
     inputs = json.loads(capsys.readouterr().out)["inputs"]
-    unet = trainable.meta_unet("sdxl", demo_dir / "model")
+    unet = meta_model("sdxl", demo_dir / "model")
     assert inputs["trainable_params"] == lora.adapter_size(unet, lora.ATTENTION, 8)[0]
     assert inputs["frozen_params"] == sum(p.numel() for p in unet.parameters())
 

@@ -157,21 +157,11 @@ def check_targets(unet: torch.nn.Module, targets: Iterable[str]) -> None:
 
 
 def check_model_targets(settings: Settings, family: str, model_dir: Path | None) -> None:
-    """check_targets before launch, on the UNet built from its config on the meta device (no
+    """check_targets before launch, on the model built from its config on the meta device (no
     weights read; a hub model not yet fetched is checked against its family's config)."""
-    from accelerate import init_empty_weights
-    from diffusers import UNet2DConditionModel
+    from zerotuner.families import meta_model
 
-    from zerotuner.families import BUILTIN_UNET_CONFIGS, unet_config_path
-
-    path = unet_config_path(model_dir) if model_dir else None
-    if path is not None:
-        config = UNet2DConditionModel.load_config(str(path.parent))
-    else:
-        config = BUILTIN_UNET_CONFIGS[family]
-    with init_empty_weights():
-        unet = UNet2DConditionModel.from_config(config)
-    check_targets(unet, parse_targets(settings.lora_targets))
+    check_targets(meta_model(family, model_dir), parse_targets(settings.lora_targets))
 
 
 def lora_config(settings: Settings) -> Any:
@@ -258,7 +248,8 @@ def manifest_entries(settings: Settings, *, base_digest: str | None = None) -> d
 def base_folders(source: Path, *, text_encoder: bool) -> list[str]:
     """The pipeline parts an adapter sits on: the UNet, and the text encoders if they train."""
     texts = ["text_encoder", "text_encoder_2"] if text_encoder else []
-    return ["unet", *(t for t in texts if (source / t).is_dir())]
+    denoiser = "unet" if (source / "unet").is_dir() else "transformer"
+    return [denoiser, *(t for t in texts if (source / t).is_dir())]
 
 
 def base_digest(source: Path, *, text_encoder: bool = False) -> str:
@@ -270,7 +261,7 @@ def base_digest(source: Path, *, text_encoder: bool = False) -> str:
         files = (source / folder).iterdir()
         for path in sorted(p for p in files if p.suffix in (".safetensors", ".bin")):
             with path.open("rb") as f:
-                name = path.name if folder == "unet" else f"{folder}/{path.name}"
+                name = path.name if folder == "unet" else f"{folder}/{path.name}"  # as before
                 digest.update(name.encode() + hashlib.file_digest(f, "sha256").digest())
     return digest.hexdigest()
 

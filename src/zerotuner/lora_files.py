@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
+from zerotuner import families
 from zerotuner.lora import ADAPTER, make_config, metadata, shapes
 
 log = logging.getLogger(__name__)
@@ -88,15 +89,18 @@ def peft_keys(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {name.replace(f".{ADAPTER}.", "."): t for name, t in state.items()}
 
 
-def by_part(state: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:
-    """The adapter's tensors per pipeline part, prefix dropped: a UNet-only run trains the bare
-    UNet (names without a prefix); with the text encoders every name starts with its part
-    (`unet.`, `text_encoder.`, `text_encoder_2.`: lora_text.TextAndUNet)."""
+def by_part(
+    state: dict[str, torch.Tensor], denoiser: str = "unet"
+) -> dict[str, dict[str, torch.Tensor]]:
+    """The adapter's tensors per pipeline part, prefix dropped: a run without text encoder
+    adapters trains the bare `denoiser` (the UNet, or a transformer family's `transformer`:
+    names without a prefix); with them every name starts with its part (`unet.`,
+    `text_encoder.`, `text_encoder_2.`: lora_text.TextAndUNet)."""
     parts: dict[str, dict[str, torch.Tensor]] = {}
     for name, tensor in state.items():
         part, _, rest = name.partition(".")
         if part not in PARTS:
-            part, rest = "unet", name
+            part, rest = denoiser, name
         parts.setdefault(part, {})[rest] = tensor
     return parts
 
@@ -123,17 +127,6 @@ def kohya(
     return {k: v.contiguous() for k, v in converted.items()}
 
 
-def pipeline_class(family: str) -> Any:
-    """The pipeline whose `save_lora_weights` writes this family's layout."""
-    if family == "sdxl":
-        from diffusers import StableDiffusionXLPipeline
-
-        return StableDiffusionXLPipeline
-    from diffusers import StableDiffusionPipeline
-
-    return StableDiffusionPipeline
-
-
 def write_adapter(
     family: str,
     state: dict[str, torch.Tensor],
@@ -152,13 +145,14 @@ def write_adapter(
     # peft's key names, as diffusers' newer LoRA examples save them: its older `lora.down` /
     # `lora.up` names exist only for attention layers, and a file mixing both with conv or
     # feed-forward targets loads without those layers
-    parts = by_part(peft_keys(state))
-    meta = {"unet": adapter_metadata} | {part: text_metadata for part in TEXT_PARTS}
+    kind = families.get(family)
+    parts = by_part(peft_keys(state), kind.denoiser)
+    meta = {kind.denoiser: adapter_metadata} | {part: text_metadata for part in TEXT_PARTS}
     out = Path(out)
     tmp = out.with_name(f".{out.name}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    pipeline_class(family).save_lora_weights(
+    kind.pipeline_class().save_lora_weights(
         tmp,
         weight_name=ADAPTER_FILE,
         **{f"{part}_lora_layers": {k: v.contiguous() for k, v in layers.items()}
@@ -166,17 +160,18 @@ def write_adapter(
         **{f"{part}_lora_adapter_metadata": meta[part] for part in parts},
     )  # fmt: skip
     # DoRA has no kohya file: its readers disagree on `dora_scale` (diffusers drops it,
-    # ComfyUI divides by the base weight's norm, not the adapted one's): a wrong image is worse
-    if adapter_metadata and not adapter_metadata.get("use_dora"):
+    # ComfyUI divides by the base weight's norm, not the adapted one's): a wrong image is worse.
+    # Neither has a transformer's: diffusers' converter knows the UNet's kohya names only.
+    if adapter_metadata and not adapter_metadata.get("use_dora") and kind.denoiser == "unet":
         save_file(kohya(parts, adapter_metadata), str(tmp / KOHYA_FILE))
     if merge_base is not None:
         from zerotuner.export import write_pipeline
 
         merged = {
             part: merged_state(merge_base, part, layers, meta[part])
-            for part, layers in by_part(state).items()
+            for part, layers in by_part(state, kind.denoiser).items()
         }
-        unet = merged.pop("unet")
+        unet = merged.pop(kind.denoiser)
         write_pipeline(merge_base, unet, tmp / MERGED, text_states=merged)
     if out.exists():
         shutil.rmtree(out)
@@ -223,18 +218,12 @@ def export_checkpoint(
     world size; `ema`: the EMA of it) as `out/pytorch_lora_weights.safetensors` (and with
     `merged`, `out/merged/`), checked against the shapes the manifest's adapter has on the base
     UNet (and text encoders, if they trained; all built on the meta device)."""
-    from accelerate import init_empty_weights
-    from diffusers import UNet2DConditionModel
-
     from zerotuner import lora_text
     from zerotuner.export import checkpoint_unet_state
 
     adapter, family = manifest["lora"], manifest["family"]
     config = make_config(adapter)
-    with init_empty_weights():
-        unet = UNet2DConditionModel.from_config(
-            UNet2DConditionModel.load_config(base, subfolder="unet")
-        )
+    unet = families.meta_model(family, base)
     unet.requires_grad_(False)
     unet.add_adapter(config, adapter_name=ADAPTER)
     module, text_metadata = unet, None

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Literal
 
 from zerotuner.families import ModelShape
 
@@ -47,9 +47,10 @@ def lora_adapter(
 ) -> Training:
     """The adapter on this UNet (its own config when `model_dir` has one, else its family's
     built-in config) with the base frozen."""
+    from zerotuner.families import meta_model
     from zerotuner.lora import adapter_size
 
-    unet = meta_unet(shape.family, model_dir)
+    unet = meta_model(shape.family, model_dir)
     params, largest = adapter_size(unet, targets, rank, dora=dora)
     return Training("lora", params, largest, shape.unet_params)
 
@@ -77,19 +78,3 @@ def for_settings(settings: Settings, shape: ModelShape, model_dir: Path | None =
         "lora", unet.trainable_params + params, max(unet.largest_trainable, largest),
         unet.frozen_params + base, text_encoders=True,
     )  # fmt: skip
-
-
-def meta_unet(family: str, model_dir: Path | None = None) -> Any:
-    """The UNet built on the meta device (shapes only; SDXL's takes under a second)."""
-    from accelerate import init_empty_weights
-    from diffusers import UNet2DConditionModel
-
-    from zerotuner.families import BUILTIN_UNET_CONFIGS, unet_config_path
-
-    path = unet_config_path(model_dir) if model_dir else None
-    if path is not None:
-        config = UNet2DConditionModel.load_config(str(path.parent))
-    else:
-        config = BUILTIN_UNET_CONFIGS[family]  # type: ignore[index]
-    with init_empty_weights():
-        return UNet2DConditionModel.from_config(config)

@@ -290,6 +290,19 @@ def model_shape(
     )
 
 
+def meta_model(family: str, model_dir: Path | None = None) -> Any:
+    """The trained model (UNet or transformer) on the meta device, from the model's own config
+    when `model_dir` has one, else its family's built-in config: shapes, no weights."""
+    from accelerate import init_empty_weights
+
+    cls = get(family).denoiser_class()
+    path = unet_config_path(model_dir) if model_dir else None
+    builtin = BUILTIN_UNET_CONFIGS | BUILTIN_TRANSFORMER_CONFIGS
+    config = cls.load_config(str(path.parent)) if path else builtin[family]  # type: ignore[index]
+    with init_empty_weights():
+        return cls.from_config(config)
+
+
 def vae_scale(model_dir: Path | None) -> int:
     """Pixels per latent cell: 8 for the published VAEs, 2 for the tiny demo VAE."""
     config = model_dir / "vae" / "config.json" if model_dir else None
@@ -380,10 +393,10 @@ def check_family_settings(settings: Any, family: str) -> None:
         for name in foreign
         if name in settings.model_fields_set
     ]
-    if flow and settings.training_type == "lora":
+    if flow and settings.training_type == "lora" and settings.lora_text_encoder:
         problems.append(
-            f"{env_name('training_type')}=lora: LoRA on {family} transformers is not there yet; "
-            f"set {env_name('training_type')}=full, or train LoRA on an sdxl, sd1 or sd2 model"
+            f"{env_name('lora_text_encoder')}=true: text encoder adapters are for the UNet "
+            f"families so far; unset it to train the {family} transformer's adapter alone"
         )
     if problems:
         raise ConfigError(problems[0], problems=problems)

@@ -60,6 +60,12 @@ class ModelFamily:
 
         return DDPMScheduler
 
+    def pipeline_class(self) -> type:
+        """The family's diffusers pipeline (its `save_lora_weights` writes the adapter layout)."""
+        from diffusers import StableDiffusionPipeline
+
+        return StableDiffusionPipeline
+
     def load_text(self, source: Path, *, dtype: torch.dtype) -> tuple[list[Any], list[Any]]:
         """The text encoders (each the transformers class its model_index names) and their
         tokenizers."""

@@ -78,6 +78,11 @@ class SD3(FlowFamily):
 
         return SD3Transformer2DModel
 
+    def pipeline_class(self) -> type:
+        from diffusers import StableDiffusion3Pipeline
+
+        return StableDiffusion3Pipeline
+
     def embed(self, encoders: list[Any], ids: list[torch.Tensor]) -> dict[str, torch.Tensor]:
         """Both CLIPs' penultimate states side by side, zero-padded to T5's width and put
         before T5's states along the tokens; their pooled projections side by side."""
@@ -117,6 +122,11 @@ class Flux(FlowFamily):
         from diffusers import FluxTransformer2DModel
 
         return FluxTransformer2DModel
+
+    def pipeline_class(self) -> type:
+        from diffusers import FluxPipeline
+
+        return FluxPipeline
 
     def embed(self, encoders: list[Any], ids: list[torch.Tensor]) -> dict[str, torch.Tensor]:
         """T5's states, and CLIP-L's pooled output."""

@@ -27,6 +27,11 @@ class SDXL(ModelFamily):
         ("text_encoder_2", "tokenizer_2"),
     )
 
+    def pipeline_class(self) -> type:
+        from diffusers import StableDiffusionXLPipeline
+
+        return StableDiffusionXLPipeline
+
     def embed(self, encoders: list[Any], ids: torch.Tensor) -> dict[str, torch.Tensor]:
         states, pooled = [], None
         for encoder, encoder_ids in zip(encoders, ids, strict=True):
