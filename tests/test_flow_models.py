@@ -96,3 +96,20 @@ def test_readme_table_of_flow_plans_is_what_the_planner_says():
     readme = (repo / "README.md").read_text()
     start = readme.index("<!-- flow-plans:start -->\n") + len("<!-- flow-plans:start -->\n")
     assert readme[start : readme.index("<!-- flow-plans:end -->")] == flow_plans_markdown()
+
+
+def test_the_t5_length_is_part_of_a_cached_captions_key(tmp_path):
+    """ZT_MAX_SEQUENCE_LENGTH changes the cached tensor: another length is another entry."""
+    import dataclasses
+
+    from zerotuner.cache import FeatureCache
+    from zerotuner.families import get
+
+    def path(length: int) -> Path:
+        kind = dataclasses.replace(get("flux"), max_sequence_length=length)
+        cache = FeatureCache(
+            tmp_path, vae_key="v", text_key="t" + kind.text_cache_tag(), flip=False
+        )
+        return cache.text_path("a red circle")
+
+    assert path(16) == path(16) != path(32)

@@ -35,7 +35,7 @@ def fill(
     features = feature_cache.FeatureCache(
         settings.cache_dir,
         vae_key=feature_cache.component_key(source, ["vae"]),
-        text_key=feature_cache.component_key(source, text_dirs),
+        text_key=feature_cache.component_key(source, text_dirs) + conditioning.text_cache_tag(),
         flip=settings.random_flip,
     )
     bucket_of = {i: size for size, indices in buckets.items() for i in indices}

@@ -111,6 +111,10 @@ class ModelFamily:
         embeds = self.embed(encoders, ids)
         return {k: v.to(self.cache_dtype).cpu() for k, v in embeds.items()}
 
+    def text_cache_tag(self) -> str:
+        """What else than the encoders' files decides a cached caption (part of its key)."""
+        return ""
+
     def model_kwargs(self, batch: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, Any]:
         """The keyword arguments of the denoiser's forward from a batch holding embeddings."""
         return {"encoder_hidden_states": batch["prompt_embeds"].to(dtype)}

@@ -33,6 +33,9 @@ class FlowFamily(ModelFamily):
             return self
         return replace(self, max_sequence_length=settings.max_sequence_length)
 
+    def text_cache_tag(self) -> str:
+        return f":t5-{self.max_sequence_length}"  # another length is another cached tensor
+
     def scheduler_class(self) -> type:
         from diffusers import FlowMatchEulerDiscreteScheduler
 
