@@ -56,7 +56,9 @@ def write_demo(
     if family in ("sd3", "flux"):
         from zerotuner.demo_flow import write_flow_model
 
-        model = write_flow_model(dir / "model", family=family, seed=seed, corpus=captions)
+        model = write_flow_model(
+            dir / "model", family=family, seed=seed, corpus=captions, data_dir=data
+        )
     else:
         model = write_model(dir / "model", family=family, seed=seed, corpus=captions, data_dir=data)
     return DemoPaths(root=dir, model=model, data=data, family=family, images=images)
@@ -195,11 +197,19 @@ def _text_config(vocab_size: int, hidden: int, *, layers: int = 2, heads: int = 
     )
 
 
-def _vae(seed: int, *, blocks: tuple[int, ...] = VAE_BLOCKS, sample_size: int = DEMO_RESOLUTION):
+def _vae(
+    seed: int,
+    *,
+    blocks: tuple[int, ...] = VAE_BLOCKS,
+    sample_size: int = DEMO_RESOLUTION,
+    latent_channels: int = 4,
+):
     """A tiny AutoencoderKL that reconstructs the demo images by construction (see _exact_vae).
 
     Each block after the first halves the image (the latent scale). The weights are set, not
-    trained: exact, deterministic and instant, so the samples show what the UNet learned.
+    trained: exact, deterministic and instant, so the samples show what the model learned.
+    With 16 latent channels (SD3's and Flux's VAEs) it has no quant convs, as theirs; the
+    channels past the four colour ones stay zero.
     """
     import torch
     from diffusers import AutoencoderKL
@@ -209,10 +219,12 @@ def _vae(seed: int, *, blocks: tuple[int, ...] = VAE_BLOCKS, sample_size: int = 
         block_out_channels=blocks,
         down_block_types=("DownEncoderBlock2D",) * len(blocks),
         up_block_types=("UpDecoderBlock2D",) * len(blocks),
-        latent_channels=4,
+        latent_channels=latent_channels,
         layers_per_block=1,
         norm_num_groups=VAE_GROUPS,
         sample_size=sample_size,
+        use_quant_conv=latent_channels == 4,
+        use_post_quant_conv=latent_channels == 4,
     )
     _exact_vae(vae)
     return vae
@@ -238,7 +250,9 @@ def _exact_vae(vae) -> None:
     from diffusers.models.attention_processor import Attention
     from diffusers.models.resnet import Downsample2D, ResnetBlock2D, Upsample2D
 
-    to_latent = torch.tensor(LATENT_FROM_RGB)
+    latent = vae.config.latent_channels
+    to_latent = torch.zeros(latent, 3)
+    to_latent[: len(LATENT_FROM_RGB)] = torch.tensor(LATENT_FROM_RGB)
     to_rgb = torch.linalg.pinv(to_latent)  # least squares: the 4th channel is redundant
     with torch.no_grad():
         for module in vae.modules():
@@ -258,9 +272,10 @@ def _exact_vae(vae) -> None:
         enc, dec = vae.encoder, vae.decoder
         _pairs_in(enc.conv_in, torch.eye(3) * _SIGNAL)
         _pairs_out(enc.conv_out, to_latent / _SIGNAL * enc.conv_norm_out.eps**0.5)
-        enc.conv_out.bias[4:] = -30.0  # log-variance at its floor: the latents are the mean
-        _identity(vae.quant_conv, tap=0)
-        _identity(vae.post_quant_conv, tap=0)
+        enc.conv_out.bias[latent:] = -30.0  # log-variance at its floor: latents are the mean
+        for conv in (vae.quant_conv, vae.post_quant_conv):
+            if conv is not None:
+                _identity(conv, tap=0)
         _pairs_in(dec.conv_in, to_rgb * _SIGNAL)
         _pairs_out(dec.conv_out, torch.eye(3) / _SIGNAL * dec.conv_norm_out.eps**0.5)
         for norm in (enc.conv_norm_out, dec.conv_norm_out):

@@ -62,21 +62,25 @@ def _t5(vocab_size: int, seed: int):
     )  # fmt: skip
 
 
-def _vae(seed: int):
-    import torch
-    from diffusers import AutoencoderKL
+def _vae(seed: int, data_dir: Path | None):
+    """demo.py's exact VAE (average-pooling encoder, nearest-upsampling decoder) with 16
+    latent channels, scaled to unit variance on the demo images, and a shift factor as SD3's
+    and Flux's VAEs have (so the shift path is exercised)."""
+    from zerotuner.demo import _latent_scaling_factor
+    from zerotuner.demo import _vae as exact_vae
 
-    torch.manual_seed(seed)
-    return AutoencoderKL(
-        block_out_channels=(32, 32), down_block_types=("DownEncoderBlock2D",) * 2,
-        up_block_types=("UpDecoderBlock2D",) * 2, latent_channels=LATENT_CHANNELS,
-        layers_per_block=1, norm_num_groups=16, use_quant_conv=False, use_post_quant_conv=False,
-        scaling_factor=1.5305, shift_factor=0.0609,
-    )  # fmt: skip
+    vae = exact_vae(seed, latent_channels=LATENT_CHANNELS)
+    scale = _latent_scaling_factor(vae, data_dir) if data_dir else 1.0
+    vae.register_to_config(scaling_factor=scale, shift_factor=0.0609)
+    return vae
 
 
-def write_flow_model(model_dir: Path, *, family: FlowFamily, seed: int, corpus: list[str]) -> Path:
-    """Build the tiny `family` pipeline and `save_pretrained` it into `model_dir`."""
+def write_flow_model(
+    model_dir: Path, *, family: FlowFamily, seed: int, corpus: list[str],
+    data_dir: Path | None = None,
+) -> Path:  # fmt: skip
+    """Build the tiny `family` pipeline and `save_pretrained` it into `model_dir`
+    (`data_dir`: the demo images its VAE's scaling factor is measured on)."""
     import torch
     from diffusers import (
         FlowMatchEulerDiscreteScheduler,
@@ -92,7 +96,7 @@ def write_flow_model(model_dir: Path, *, family: FlowFamily, seed: int, corpus: 
     work = Path(tempfile.mkdtemp(prefix="zerotuner-tokenizers-"))
     clip_tokenizer = write_tokenizer(work / "clip", corpus)
     t5_tokenizer = write_t5_tokenizer(work / "t5", corpus)
-    vae = _vae(seed)
+    vae = _vae(seed, data_dir)
     t5 = _t5(len(t5_tokenizer), seed + 4)
     if family == "sd3":
         torch.manual_seed(seed + 1)
@@ -101,7 +105,7 @@ def write_flow_model(model_dir: Path, *, family: FlowFamily, seed: int, corpus: 
         clip_g = CLIPTextModelWithProjection(_text_config(len(clip_tokenizer), 32))
         torch.manual_seed(seed + 3)
         transformer = SD3Transformer2DModel(
-            sample_size=32, patch_size=2, in_channels=LATENT_CHANNELS, num_layers=2,
+            sample_size=16, patch_size=2, in_channels=LATENT_CHANNELS, num_layers=2,
             attention_head_dim=8, num_attention_heads=4, joint_attention_dim=T5_WIDTH,
             caption_projection_dim=32, pooled_projection_dim=32 + 32,
             out_channels=LATENT_CHANNELS, pos_embed_max_size=32,
