@@ -163,8 +163,9 @@ def prepare(
 
         found = blocks(model)
         # Every compiled block shares Module._call_impl's code object, whose cache holds one
-        # entry per block and shape: room for all of them, or dynamo falls back to eager.
-        limit = len(found) * max(1, shapes) + 8
+        # entry per block, shape and grad mode: room for the buckets plus two more (samples
+        # and validation run the blocks without grad), or dynamo falls back to eager.
+        limit = len(found) * (max(1, shapes) + 2)
         config = torch._dynamo.config
         config.recompile_limit = max(config.recompile_limit, limit)
         config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, limit)
