@@ -16,7 +16,8 @@ right before `deepspeed.initialize`:
 - Not done, on purpose: fused QKV (`fuse_qkv_projections`) adds `to_qkv` beside to_q/k/v, so
   the trained weights would live under new names (LoRA targets, checkpoints and exports
   break); channels_last, which DeepSpeed's ZeRO-1/2 flat buffers undo (the parameters become
-  views of one contiguous buffer) and which measured no faster on the CPU (bench `speed`).
+  views of one contiguous buffer) and which gave nothing measurable on the CPU (one paired
+  run of the 95M UNet, eager: 0.97 s/step channels_last vs 0.93-1.00 s/step).
 
 `ZT_COMPILE=auto` turns compiling on only where the bench showed it pays (`decide`).
 """
@@ -51,12 +52,13 @@ class Decision:
 def decide(setting: str | bool, *, accelerator: str, zero_stage: int) -> Decision:
     """Whether to compile the blocks, and why (what the plan and `check` say).
 
-    Measured (bench `speed`, README): on the CPU, inductor's first compile of the blocks
-    takes minutes (C++ codegen; ~4 min for the 4M-parameter bench UNet on 2 cores, seconds
-    with a warm cache) and steady steps stay at parity with eager, so `auto` leaves it off
-    there. ZeRO-3 gathers and frees each block's parameters in module hooks that dynamo would
-    trace, so it is never compiled. On CUDA at ZeRO 0-2 nothing is measured yet: `auto` stays
-    off until the GPU bench shows it pays; `ZT_COMPILE=true` turns it on."""
+    Measured (bench `speed`, README; 2 shared cores): on the CPU, inductor's cold compile
+    of the blocks takes minutes per bucket (C++ codegen: ~100 s for the tiny demo UNet, ~170 s
+    for the 95M bench UNet; seconds with a warm cache) and compiled steps were no faster
+    (tiny) or ~1.5x slower (95M) than eager, so `auto` leaves it off there. ZeRO-3 gathers
+    and frees each block's parameters in module hooks that dynamo would trace, so it is
+    never compiled. On CUDA at ZeRO 0-2 nothing is measured yet: `auto` stays off until the
+    GPU bench shows it pays; `ZT_COMPILE=true` turns it on."""
     name = env_name("compile")
     if zero_stage == 3:
         if setting is True:
