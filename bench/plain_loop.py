@@ -3,7 +3,8 @@
 One process, no DeepSpeed: load the SDXL pipeline with diffusers, encode the data folder's
 images and captions once (VAE latents, both text encoders' embeddings, as diffusers' own SDXL
 script precomputes them), then AdamW (torch's default implementation, same learning rate,
-betas, eps and weight decay as zerotuner's config) on the UNet, the pipeline's prediction
+betas, eps and weight decay as zerotuner's config; gradients clipped to norm 1 as in both
+zerotuner's config and diffusers' scripts) on the UNet, the pipeline's prediction
 type on its DDPM schedule, fp32, batches drawn in a seeded shuffle. Writes step times,
 losses and phase timestamps to --out as JSON. Eager: nothing compiled.
 """
@@ -91,6 +92,7 @@ def main() -> None:
                                        "time_ids": time_ids[idx]}).sample  # fmt: skip
         loss = F.mse_loss(pred.float(), target.float())
         loss.backward()
+        torch.nn.utils.clip_grad_norm_(unet.parameters(), 1.0)  # diffusers' scripts' default
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         losses.append(loss.item())

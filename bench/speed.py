@@ -19,6 +19,7 @@ import argparse
 import json
 import logging
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -167,7 +168,10 @@ def main(argv: list[str] | None = None) -> int:
     b = Bench(root=root, model=tiny.model, data=tiny.data, steps=3 if args.smoke else args.steps,
               warmup=1 if args.smoke else 3, pairs=args.rounds, disk_mib=0,
               smoke=args.smoke)  # fmt: skip
-    result = speed(b, models, 1 if args.smoke else args.rounds)
+    try:
+        result = speed(b, models, 1 if args.smoke else args.rounds)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
     result["params"] = {k: unet_parameters(m) for k, (m, _) in models.items()}
     result |= {"load_start": load_start, "load_end": report.load(),
                "wall_seconds": time.time() - started, "machine": report.machine(),
@@ -175,7 +179,14 @@ def main(argv: list[str] | None = None) -> int:
                    timespec="seconds")}  # fmt: skip
     stem = datetime.now(UTC).strftime("%Y-%m-%d") + ("-smoke" if args.smoke else "")
     path = args.out / f"{stem}.json"
-    results = json.loads(path.read_text()) if path.exists() else {}
+    # A new file gets the top-level keys bench/report.py reads, so `python -m bench --merge`
+    # can add the other suites to it later.
+    results = json.loads(path.read_text()) if path.exists() else {
+        "date": stem[:10], "started_utc": result["started_utc"], "smoke": args.smoke,
+        "machine": result["machine"], "load_start": load_start, "load_end": result["load_end"],
+        "wall_seconds": result["wall_seconds"],
+        "model": {"unet_params": result["params"].get("bench", result["params"]["tiny"])},
+    }  # fmt: skip
     results["speed"] = result
     args.out.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(results, indent=2, default=str) + "\n")
