@@ -1,10 +1,12 @@
 """speed.prepare: compiled blocks train the tiny demo UNet to the same losses as eager, keep
 every state_dict key, and build a bounded number of graphs across bucket shapes; ZT_COMPILE's
-rule and its refusals."""
+rule and its refusals; the light commands' start-up imports."""
 
 from __future__ import annotations
 
 import copy
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -128,3 +130,16 @@ def test_auto_rule_and_refusals(tmp_path, monkeypatch):
         speed.notes(Settings(compile=True), accelerator="cpu", zero_stage=2)
     assert e.value.exit_code == 3
     assert speed.notes(Settings(compile=False), accelerator="cpu", zero_stage=2)
+
+
+def test_light_commands_import_no_heavy_framework():
+    """The CLI and the commands that need no model import neither torch, diffusers nor
+    DeepSpeed (seconds of start-up each); `train` imports what its probe and plan use."""
+    light = ("cli", "commands.check", "commands.demo", "commands.export", "commands.builder",
+             "commands.what_if")  # fmt: skip
+    code = "; ".join(f"import zerotuner.{m}" for m in light) + (
+        "; import sys; print(sorted({m.split('.')[0] for m in sys.modules} & "
+        "{'torch', 'diffusers', 'deepspeed', 'transformers', 'peft'}))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "[]"
