@@ -11,7 +11,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from zerotuner import lora, trainable
+from zerotuner import lora, speed, trainable
 from zerotuner.deepspeed_config import Decisions, Normalized, normalize
 from zerotuner.errors import ConfigError
 from zerotuner.families import (
@@ -193,8 +193,9 @@ def preflight(
     unfit = () if require_fit or plan.choice.fits else (Note("warning", plan.reasons[0]),)
     notes = (
         *unfit,
-        Note("info", f"model family {model.family} ({model.reason}); UNet {shape.source}"),
+        Note("info", f"model family {model.family} ({model.reason}); model {shape.source}"),
         *lora.notes(settings),
+        *speed.notes(settings, accelerator=hardware.accelerator, zero_stage=decisions.zero_stage),
         *inputs.notes.notes,
         *normalized.notes,
     )

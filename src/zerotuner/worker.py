@@ -39,6 +39,7 @@ from zerotuner import (
     lora_text,
     model,
     samples,
+    speed,
 )
 from zerotuner.ema import EMA, full_state_dict
 from zerotuner.errors import EXIT_FAILURE, EXIT_OK, EXIT_SIGNAL, ZeroTunerError
@@ -197,6 +198,10 @@ class Run:
                 self.text_metadata = lora.metadata(lora_text.text_config(lora.adapter_settings(s)))
             self.adapter_shapes = lora.shapes(trained)
         params = [p for p in trained.parameters() if p.requires_grad]
+        speed.prepare(  # SDPA attention; compiled blocks where ZT_COMPILE decides so
+            self.components.unet, s, accelerator=self.job.device,
+            zero_stage=self.job.zero_stage, shapes=len(self.buckets),
+        )  # fmt: skip
         self.engine_, _, _, _ = deepspeed.initialize(
             model=trained, model_parameters=params, config=config
         )
@@ -251,6 +256,8 @@ class Run:
             load_batch=functools.partial(self._load_batch, texts=texts),
         )
         loop.train(self.engine_, self.steps(), ctx, sinks=self.sinks, after_step=self.after_step)
+        if graphs := speed.graphs_built():
+            log.info("speed: %d graphs compiled in this rank (blocks x bucket shapes)", graphs)
 
     def _load_batch(self, keys: list[int], gen: torch.Generator, *, texts: bool) -> dict:
         items = [self.items[i] for i in keys]
