@@ -17,6 +17,7 @@ from bench.benchmodel import unet_parameters, write_bench_model
 
 SUITES = (
     "overhead", "planner", "lora_vs_full", "nvme", "scaling", "stops", "gpu_paper", "load_peak",
+    "speed",
 )  # fmt: skip
 log = logging.getLogger("bench")
 
@@ -94,6 +95,14 @@ def main(argv: list[str] | None = None) -> int:
             from bench.load_peak import load_peak
 
             results["load_peak"] = load_peak(b)
+        if "speed" in wanted:
+            log.info("speed: the plain loop vs zerotuner (compile off/on), interleaved rounds")
+            from bench.speed import speed
+            from zerotuner.demo import write_demo
+
+            tiny = write_demo(root / "tiny-speed", seed=0, family="sdxl")
+            models = {"tiny": (tiny.model, tiny.data), "bench": (b.model, b.data)}
+            results["speed"] = speed(b, models, 1 if args.smoke else 3)
         if "gpu_paper" in wanted:
             from bench.paper import headline
 

@@ -203,6 +203,10 @@ def markdown(r: dict[str, Any]) -> str:
         from bench.load_peak import table
 
         out += table(r["load_peak"])
+    if r.get("speed"):
+        from bench.speed import table as speed_table
+
+        out += ["## Speed vs a plain loop", "", *speed_table(r["speed"]), ""]
     lv = r.get("lora_vs_full")
     if lv:
         out += lora_table(lv)
@@ -371,7 +375,7 @@ def merged(new: dict[str, Any], folder: Path) -> dict[str, Any]:
     old = json.loads(path.read_text())
     suites = (
         "overhead", "first_step", "planner", "lora_vs_full", "nvme", "scaling", "stops",
-        "gpu_paper", "load_peak",
+        "gpu_paper", "load_peak", "speed",
     )  # fmt: skip
     for key in suites:
         if key in new:
