@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from zerotuner import families
+from zerotuner import families, zero_init
 from zerotuner.errors import ConfigError
 from zerotuner.families import hub_cache_dir
 
@@ -96,10 +96,25 @@ class Components:
         self.tokenizers = []
 
 
-def load_unet(source: Path, *, gradient_checkpointing: bool, family: str = "sdxl") -> Any:
-    """The trainable denoiser (the family's UNet or transformer) in fp32: DeepSpeed casts it
-    to the configured precision itself."""
+def load_unet(
+    source: Path,
+    *,
+    gradient_checkpointing: bool,
+    family: str = "sdxl",
+    deepspeed_config: dict[str, Any] | None = None,
+) -> Any:
+    """The trainable denoiser (the family's UNet or transformer). At ZeRO-3 (`deepspeed_config`
+    given, stage 3) it is built inside deepspeed.zero.Init, each rank holding its partition
+    only (zero_init.py); else in fp32 whole: DeepSpeed casts it to the configured precision."""
     kind = families.get(family)
+    if zero_init.wanted(deepspeed_config):
+        assert deepspeed_config is not None
+        unet = zero_init.build(
+            kind.denoiser_class(), source / kind.denoiser, deepspeed_config,
+            gradient_checkpointing=gradient_checkpointing,
+        )  # fmt: skip
+        if unet is not None:
+            return unet
     unet = kind.denoiser_class().from_pretrained(
         source, subfolder=kind.denoiser, dtype=torch.float32
     )
@@ -132,7 +147,10 @@ def load_components(
     """`deepspeed_config`: the run's effective DeepSpeed config (None outside a training rank)."""
     kind = families.get(family)
     scheduler = kind.scheduler_class().from_pretrained(source, subfolder="scheduler")
-    unet = load_unet(source, gradient_checkpointing=gradient_checkpointing, family=family)
+    unet = load_unet(
+        source, gradient_checkpointing=gradient_checkpointing, family=family,
+        deepspeed_config=deepspeed_config,
+    )  # fmt: skip
     components = Components(family=family, source=source, unet=unet, scheduler=scheduler)
     if with_frozen:
         load_frozen(components, device=torch.device("cpu"), text_dtype=torch.float32)
