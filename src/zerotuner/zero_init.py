@@ -208,3 +208,49 @@ def _fill(model: torch.nn.Module, readers: dict[str, Reader]) -> None:
     for name, (buf, _) in _targets(model).items():
         if not hasattr(buf, "ds_id"):  # buffers are not partitioned: every rank reads them
             buf.copy_(readers[name].read(name))
+
+
+def partitioned(module: torch.nn.Module) -> bool:
+    """Whether ZeRO-3 already partitioned this module's parameters (built by `build`)."""
+    return any(hasattr(p, "ds_id") for p in module.parameters())
+
+
+def add_adapter(model: Any, config: Any, adapter_name: str) -> None:
+    """`model.add_adapter(config, adapter_name)`, also on a model `build` partitioned.
+
+    peft reads each target's base weight when it wraps it (Conv2d: its dimensions; DoRA: the
+    weight norm of its magnitude), and a partitioned weight is an empty placeholder. So the
+    targets are wrapped a batch at a time (at most one largest tensor of base weights), each
+    batch gathered on every rank while peft wraps it. Batches follow the module order of a single
+    call, so the adapter's random start draws the same numbers in the same order."""
+    if not partitioned(model):
+        model.add_adapter(config, adapter_name=adapter_name)
+        return
+    import copy
+    import re
+
+    import deepspeed
+    from peft import inject_adapter_in_model
+    from peft.tuners.tuners_utils import check_target_module_exists
+
+    targets = [(n, m) for n, m in model.named_modules() if check_target_module_exists(config, n)]
+    largest = max(p.ds_numel for p in model.parameters())
+    batches: list[list[tuple[str, torch.nn.Module]]] = [[]]
+    size = 0
+    for name, module in targets:
+        count = sum(p.ds_numel for p in module.parameters())
+        if batches[-1] and size + count > largest:
+            batches.append([])
+            size = 0
+        batches[-1].append((name, module))
+        size += count
+    config.base_model_name_or_path = None  # as diffusers' add_adapter does
+    for batch in batches:
+        part = copy.deepcopy(config)
+        part.target_modules = "|".join(re.escape(n) for n, _ in batch)  # full names: fullmatch
+        params = [p for _, m in batch for p in m.parameters()]
+        with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
+            inject_adapter_in_model(part, model, adapter_name)
+    model.peft_config = {adapter_name: config}  # the adapter's own config, not the last batch's
+    model._hf_peft_config_loaded = True
+    model.set_adapter(adapter_name)
