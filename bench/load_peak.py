@@ -1,34 +1,45 @@
 """load_peak: peak host RSS per rank from process start until the DeepSpeed engine is ready.
 
-Today's path ("full_copy"): every rank builds the whole UNet in fp32 before
-`deepspeed.initialize` partitions it. Measured with the bare loop (bench.bare, no step: its
-RSS high-water mark when the engine is ready) at ZeRO-3 with the optimizer and the parameters
-on NVMe, so no optimizer state sits in host memory to hide the load under, on a ~380M-parameter
-UNet at world 1 and 2 on the CPU; next to each row, the planner's load-phase figure per rank.
-The bare loop loads no VAE or text encoders, so the planner's "load" phase (rank runtime and
-the fp32 UNet) is what compares, not its "caching" phase.
+Two paths at ZeRO-3 with the optimizer and the parameters on NVMe (so no optimizer state sits
+in host memory to hide the load under), on a ~380M-parameter UNet, at world 1 and 2 on the CPU:
+"full_copy" (every rank builds the whole fp32 UNet, `deepspeed.initialize` partitions it;
+ZT_ZERO_INIT=false) and "zero_init" (built inside `deepspeed.zero.Init`, weights streamed in:
+zerotuner/zero_init.py). The ranks run zerotuner's own `model.load_unet` and then
+`deepspeed.initialize` with the config zerotuner's preflight produced (`python -m
+bench.load_peak`, under torchrun); no VAE or text encoders load, so the planner's "load" phase
+(runtime and the trained model) is what compares, not its "caching" phase. Next to each row,
+the planner's load figure per rank for that path.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
-from bench import runs
-from bench.benchmodel import write_bench_model
-from bench.suites import Bench, preflight_for
+STARTED = time.time()
 
 LOAD_BLOCKS = (256, 512, 1024)  # ~380M UNet parameters: the issue asks for >= 300M
 OFFLOAD = {"zero_stage": 3, "offload_optimizer": "nvme", "offload_param": "nvme"}
-# DeepSpeed's default sub_group_size (1e9 elements) makes the whole model one optimizer
-# sub-group, and initializing it holds its fp32 partition, gradient and both Adam moments in
-# memory at once (measured: 10 GB for this 380M model at world 1), hiding the load. Small
-# sub-groups keep that transient to ~5 x 4 bytes x 1e7.
+# Initializing the NVMe optimizer holds one sub-group's fp32 partition, gradient and both Adam
+# moments at once: at the config's 1e8 (plan_memory.SUB_GROUP_NVME) that is 1.6 GB, at the end
+# of the window measured here, on top of the load. Small sub-groups keep it to ~5 x 4 B x 1e7,
+# so what this measures is the load.
 SUB_GROUP = 10_000_000
+PATHS = ("full_copy", "zero_init")
 
 
-def load_peak(b: Bench) -> list[dict[str, Any]]:
-    """One row per world size (1 and 2; --smoke: world 1 on the small bench UNet)."""
+def load_peak(b: Any) -> list[dict[str, Any]]:
+    """One row per path and world size (1 and 2; --smoke: world 1 on the small bench UNet)."""
+    from bench.benchmodel import write_bench_model
+    from bench.suites import preflight_for
+
     paths = write_bench_model(
         b.root / "load-model", small=b.smoke, blocks=None if b.smoke else LOAD_BLOCKS
     )
@@ -36,50 +47,101 @@ def load_peak(b: Bench) -> list[dict[str, Any]]:
     rows = []
     for world in (1,) if b.smoke else (1, 2):
         pre, _ = preflight_for(lb, num_processes=world, **OFFLOAD)
-        choice, load = pre.plan.choice, pre.plan.load
-        name = f"load-peak-w{world}"
         config = pre.normalized.config
         config["zero_optimization"]["sub_group_size"] = SUB_GROUP
-        try:
-            run = runs.run_bare(b.work(name), paths.model, config, steps=0, world=world)
-        except RuntimeError as error:  # keep the other rows; say what failed
-            rows.append({"path": "full_copy", "world_size": world, "error": str(error)})
-            continue
-        peaks = [r["engine_ready_peak_rss_bytes"] for r in run.ranks]
-        planned = load.per_rank_bytes("load")
-        rows.append(row(world, pre.shape.unet_params, choice, peaks, planned) | {
-            "planned_load_parts_per_rank": {
-                k: load.per_rank[k] for k in load.phase_parts("load")},
-            "planned_load_host_bytes_per_node": load.phase_bytes("load"),
-            "planned_load_peak_host_bytes_per_node": load.peak_bytes,
-            # what the engine adds on the host before it is ready (swap buffers ...): the
-            # row's host tensors per rank, on top of the load
-            "planned_engine_host_parts_per_rank": {
-                k: v for k, v in choice.parts.items()
-                if k.startswith("host_per_rank.") and k != "host_per_rank.process"},
-            "sub_group_size": SUB_GROUP,
-            "engine_ready_seconds": run.rank0["times"]["engine_ready"]
-            - run.rank0["times"]["process_start"],
-        })  # fmt: skip
+        for path in PATHS:
+            try:
+                ranks = run_ranks(b.work(f"load-peak-{path}-w{world}"), paths.model, config,
+                                  world=world, path=path)  # fmt: skip
+            except RuntimeError as error:  # keep the other rows; say what failed
+                rows.append({"path": path, "world_size": world, "error": str(error)})
+                continue
+            rows.append(row(path, world, pre, ranks))
     return rows
 
 
-def row(world: int, params: int, choice: Any, peaks: list[int], planned: int) -> dict[str, Any]:
+def planned(pre: Any, path: str, world: int) -> Any:
+    """The planner's load peak for this path (zero_init: the ZeRO-3 row's)."""
+    from zerotuner.plan_memory import load_peak as plan_load
+
+    choice = pre.plan.choice
+    return plan_load(
+        pre.shape, ranks_per_node=world, precision=pre.plan.inputs["precision"], on_cpu=True,
+        zero_stage=choice.zero_stage if path == "zero_init" else None,
+        offload_param=choice.offload_param, world_size=world,
+    )  # fmt: skip
+
+
+def row(path: str, world: int, pre: Any, ranks: list[dict[str, Any]]) -> dict[str, Any]:
     """The issue's row, `{"path", "world_size", "params", "offload", "peak_rss_bytes"}`, with
     the planner's per-rank load figure beside it."""
-    offload = f"optimizer->{choice.offload_optimizer}, params->{choice.offload_param}"
-    peak = max(peaks)
+    choice = pre.plan.choice
+    load = planned(pre, path, world)
+    peaks = [r["engine_ready_peak_rss_bytes"] for r in ranks]
+    peak, plan = max(peaks), load.per_rank_bytes("load")
     return {
-        "path": "full_copy",
+        "path": path,
         "world_size": world,
-        "params": params,
-        "offload": offload,
+        "params": pre.shape.unet_params,
+        "offload": f"optimizer->{choice.offload_optimizer}, params->{choice.offload_param}",
         "zero_stage": choice.zero_stage,
         "peak_rss_bytes": peak,
         "peak_rss_bytes_per_rank": peaks,
-        "planned_load_bytes_per_rank": planned,
-        "error_percent": 100 * (planned - peak) / peak,
+        "loaded_peak_rss_bytes_per_rank": [r["loaded_peak_rss_bytes"] for r in ranks],
+        "planned_load_bytes_per_rank": plan,
+        "planned_load_parts_per_rank": {k: load.per_rank[k] for k in load.phase_parts("load")},
+        "error_percent": 100 * (plan - peak) / peak,
+        "sub_group_size": SUB_GROUP,
+        "engine_ready_seconds": ranks[0]["engine_ready"] - ranks[0]["process_start"],
     }
+
+
+def run_ranks(work: Path, model: Path, config: dict, *, world: int, path: str) -> list[dict]:
+    """`python -m bench.load_peak` under torchrun: `world` CPU ranks, one JSON each."""
+    from bench.runs import REPO, TIMEOUT, base_env, free_port
+
+    work.mkdir(parents=True, exist_ok=True)
+    (work / "deepspeed.json").write_text(json.dumps(config, indent=2))
+    env = base_env() | {
+        "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // world)),
+        "ZT_ZERO_INIT": "true" if path == "zero_init" else "false",
+    }
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={world}",
+        f"--master_port={free_port()}", "-m", "bench.load_peak", str(model),
+        str(work / "deepspeed.json"), str(work),
+    ]  # fmt: skip
+    done = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=TIMEOUT)
+    (work / "ranks.log").write_text(done.stdout + done.stderr)
+    if done.returncode != 0:
+        raise RuntimeError(f"ranks exited {done.returncode}; log in {work}/ranks.log")
+    return [json.loads((work / f"rank-{r}.json").read_text()) for r in range(world)]
+
+
+def peak_rss() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def rank_main(model: Path, config_file: Path, out: Path) -> None:
+    """One rank: zerotuner's load_unet (the path ZT_ZERO_INIT picks), then the engine."""
+    import deepspeed
+    import torch.distributed as dist
+    from deepspeed.accelerator import get_accelerator
+
+    from zerotuner.model import load_unet
+
+    deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name())
+    rank = dist.get_rank()
+    config = json.loads(config_file.read_text())
+    times = {"process_start": STARTED, "imported": time.time()}
+    unet = load_unet(model, gradient_checkpointing=True, deepspeed_config=config)
+    times["loaded"] = time.time()
+    loaded = peak_rss()
+    deepspeed.initialize(model=unet, model_parameters=list(unet.parameters()), config=config)
+    times["engine_ready"] = time.time()
+    record = {"loaded_peak_rss_bytes": loaded, "engine_ready_peak_rss_bytes": peak_rss()}
+    (out / f"rank-{rank}.json").write_text(json.dumps(record | times))
+    dist.barrier()
 
 
 def table(rows: list[dict[str, Any]]) -> list[str]:
@@ -88,9 +150,10 @@ def table(rows: list[dict[str, Any]]) -> list[str]:
     out = [
         "## Load peak (host RSS per rank until the engine is ready)",
         "",
-        "Bare loop, no step; ZeRO-3 with the optimizer and parameters on NVMe, CPU, fp32. "
-        "`full_copy`: every rank builds the whole fp32 UNet before `deepspeed.initialize`. "
-        "Planned: the plan's load phase per rank (rank runtime + the fp32 UNet).",
+        "ZeRO-3 with the optimizer and parameters on NVMe, CPU, fp32; zerotuner's load_unet, "
+        "then deepspeed.initialize, no step. `full_copy`: every rank builds the whole fp32 "
+        "UNet first; `zero_init`: built inside deepspeed.zero.Init, weights streamed in. "
+        "Planned: the plan's load phase per rank for that path.",
         "",
         "| path | world | params | offload | peak RSS per rank MB | planned MB | error |",
         "|---|---|---|---|---|---|---|",
@@ -106,3 +169,7 @@ def table(rows: list[dict[str, Any]]) -> list[str]:
             f"{r['error_percent']:+.1f} % |"
         )
     return [*out, ""]
+
+
+if __name__ == "__main__":
+    rank_main(Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3]))

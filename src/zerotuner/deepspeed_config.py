@@ -28,6 +28,7 @@ from zerotuner.optimizers import (
 )
 from zerotuner.pins import illegal_at
 from zerotuner.plan import bucket as plan_bucket
+from zerotuner.plan_memory import SUB_GROUP_NVME
 from zerotuner.settings import Settings, env_name, precision_name
 
 AIO_DEFAULTS = {
@@ -366,6 +367,8 @@ def _zero(ctx: _Context, d: Decisions, hardware: Hardware, shape: ModelShape) ->
     param = _offload_target(ctx, "offload_param", d.offload_param, stage)
     _offload_section(ctx, zero, "offload_optimizer", optimizer, stage, pin, shape)
     _offload_section(ctx, zero, "offload_param", param, stage, pin, shape)
+    if optimizer == "nvme":
+        _sub_group(ctx, zero)
     if "nvme" in (optimizer, param):
         _aio(ctx)
     elif "aio" in cfg:
@@ -374,6 +377,17 @@ def _zero(ctx: _Context, d: Decisions, hardware: Hardware, shape: ModelShape) ->
         for key in list(zero):
             if key != "stage":
                 zero.pop(key)
+
+
+def _sub_group(ctx: _Context, zero: dict[str, Any]) -> None:
+    """NVMe optimizer: one sub-group's fp32 state sits in host buffers (DeepSpeed's default,
+    1e9 elements, is the whole of most models); the planner's host row counts SUB_GROUP_NVME."""
+    size = zero.get("sub_group_size")
+    if size in (None, "auto"):
+        zero["sub_group_size"] = SUB_GROUP_NVME
+        ctx.n.info(f"zero_optimization.sub_group_size={SUB_GROUP_NVME} (NVMe optimizer swap)")
+    elif int(size) != SUB_GROUP_NVME:
+        ctx.n.info(f"zero_optimization.sub_group_size={size} kept (planned: {SUB_GROUP_NVME})")
 
 
 def _why_stage(ctx: _Context) -> str:

@@ -204,15 +204,18 @@ def bucket(shape: ModelShape) -> int:
 class LoadPeak:
     """Host bytes per node before the DeepSpeed engine is ready, phase by phase.
 
-    Today's path (no `deepspeed.zero.Init`): every local rank builds the whole trained UNet in
-    fp32 (`model.load_unet`), whatever the stage, and keeps it while the frozen VAE and text
-    encoders load and encode the dataset for the feature cache; `deepspeed.initialize` then
-    moves or partitions it. The peak is the caching phase: both are live.
+    "full_copy" (stages 0-2): every local rank builds the whole trained UNet in fp32
+    (`model.load_unet`) and keeps it while the frozen VAE and text encoders load and encode the
+    dataset for the feature cache; `deepspeed.initialize` then moves or partitions it.
+    "zero_init" (ZeRO-3, zero_init.py): each rank builds only its partition, in the training
+    dtype, and holds one largest tensor more while the weights stream in. Either way the peak is
+    the caching phase: the trained model and the frozen parts are both live.
     """
 
     ranks_per_node: int
-    per_rank: dict[str, int]  # process, cuda_host_context, trained_model_fp32, frozen_parts
+    per_rank: dict[str, int]  # process, cuda_host_context, the trained model's parts, frozen
     per_node: dict[str, int]  # entrypoint, torchrun_agent
+    path: str = "full_copy"
 
     def phase_parts(self, phase: str) -> tuple[str, ...]:
         """The per-rank parts live in `phase` ("load" or "caching")."""
@@ -228,22 +231,63 @@ class LoadPeak:
     def peak_bytes(self) -> int:
         return max(self.phase_bytes("load"), self.phase_bytes("caching"))
 
+    @property
+    def trained_bytes(self) -> int:
+        """Per rank: the trained model's host bytes while it loads (the full fp32 copy, or the
+        partition, its swap buffers and the staging of one tensor)."""
+        return sum(v for k, v in self.per_rank.items() if k in TRAINED_PARTS)
+
     def ranks_that_fit(self, usable: int) -> int:
         """How many ranks per node the usable host bytes hold through the load peak."""
         return max(0, (usable - sum(self.per_node.values())) // self.per_rank_bytes())
 
 
-def load_peak(shape: ModelShape, *, ranks_per_node: int, precision: str, on_cpu: bool) -> LoadPeak:
-    """The load-time host peak of today's path. The UNet is read in fp32 (DeepSpeed casts it
-    itself), LoRA's base included (the adapter is added after). The frozen parts count at the
-    training dtype, as the device's caching estimate does: the text encoders load in it, the
-    fp32 VAE is the smallest part, and on a GPU each part leaves the host for the device as
-    soon as it is loaded."""
+# What each load-time part is, for the plan's phase rows.
+LOAD_PART_NAMES = {
+    "process": "rank runtime",
+    "cuda_host_context": "CUDA host context",
+    "trained_model_fp32": "full fp32 UNet on every rank",
+    "trained_partition": "this rank's ZeRO-3 partition of the UNet (zero.Init)",
+    "param_swap_buffers": "NVMe parameter swap buffers (zero.Init)",
+    "load_staging": "one largest tensor read and gathered (zero.Init)",
+    "frozen_parts": "VAE and text encoders (caching)",
+}
+TRAINED_PARTS = ("trained_model_fp32", "trained_partition", "param_swap_buffers", "load_staging")
+
+
+def load_peak(
+    shape: ModelShape,
+    *,
+    ranks_per_node: int,
+    precision: str,
+    on_cpu: bool,
+    zero_stage: int | None = None,
+    offload_param: str = "none",
+    world_size: int = 1,
+) -> LoadPeak:
+    """The load-time host peak per node. Below ZeRO-3 (or `zero_stage` None: the path before
+    zero.Init) the UNet is read whole in fp32 (DeepSpeed casts it itself), LoRA's base included
+    (the adapter is added after). At ZeRO-3 (zero_init.py) a rank's host holds its partition in
+    the training dtype (the CPU accelerator's "device" is host memory; on a GPU without
+    parameter offload it is on the device), or with parameters on NVMe the swap buffers
+    zero.Init allocates; and one largest tensor twice: read from the file (fp32 assumed) on rank
+    0 and gathered in the training dtype on every rank. The frozen parts count at the training
+    dtype, as the device's caching estimate does: the text encoders load in it, the fp32 VAE is
+    the smallest part, and on a GPU each part leaves the host for the device once loaded."""
     p_bytes = 4 if precision == "no" else 2
     per_rank = {"process": RANK_PROCESS}
     if not on_cpu:
         per_rank["cuda_host_context"] = CUDA_HOST_CONTEXT
-    per_rank["trained_model_fp32"] = 4 * shape.unet_params
+    path = "zero_init" if zero_stage == 3 else "full_copy"
+    if path == "full_copy":
+        per_rank["trained_model_fp32"] = 4 * shape.unet_params
+    else:
+        if offload_param == "nvme":
+            size = max(shape.largest_param, min(PARAM_BUFFER_MAX, shape.unet_params // 8))
+            per_rank["param_swap_buffers"] = PARAM_BUFFERS * size * p_bytes
+        elif offload_param == "cpu" or on_cpu:
+            per_rank["trained_partition"] = p_bytes * shape.unet_params // world_size
+        per_rank["load_staging"] = (4 + p_bytes) * shape.largest_param
     per_rank["frozen_parts"] = p_bytes * shape.frozen_params
     per_node = {"entrypoint": ENTRYPOINT_PROCESS, "torchrun_agent": TORCHRUN_AGENT}
-    return LoadPeak(ranks_per_node, per_rank, per_node)
+    return LoadPeak(ranks_per_node, per_rank, per_node, path)
