@@ -230,20 +230,12 @@ def _fill(model: torch.nn.Module, readers: dict[str, Reader]) -> None:
 
     rank = dist.get_rank() if dist.is_initialized() else 0
     params = list(model.named_parameters())
-    largest = max(p.ds_numel for _, p in params)
-    batch: list[tuple[str, torch.nn.Parameter]] = []
-    size = 0
-    for name, param in [*params, (None, None)]:
-        if batch and (param is None or size + param.ds_numel > largest):
-            with deepspeed.zero.GatheredParameters([p for _, p in batch], modifier_rank=0):
-                if rank == 0:
-                    for n, p in batch:
-                        p.data.copy_(readers[n].read(n))
-            trim()
-            batch, size = [], 0
-        if param is not None:
-            batch.append((name, param))
-            size += param.ds_numel
+    for batch in batches(model, [(n, [p]) for n, p in params]):
+        with deepspeed.zero.GatheredParameters([p for _, ps in batch for p in ps], modifier_rank=0):
+            if rank == 0:
+                for n, (p,) in batch:
+                    p.data.copy_(readers[n].read(n))
+        trim()
     for name, (buf, _) in _targets(model).items():
         if not hasattr(buf, "ds_id"):  # buffers are not partitioned: every rank reads them
             buf.copy_(readers[name].read(name))
@@ -252,6 +244,35 @@ def _fill(model: torch.nn.Module, readers: dict[str, Reader]) -> None:
 def partitioned(module: torch.nn.Module) -> bool:
     """Whether ZeRO-3 already partitioned this module's parameters (built by `build`)."""
     return any(hasattr(p, "ds_id") for p in module.parameters())
+
+
+def batches(model: torch.nn.Module, items: list[tuple[str, list[Any]]]) -> list[list[Any]]:
+    """`items` (name, partitioned parameters) in order, cut into batches of at most one largest
+    parameter's elements, and, with parameters on NVMe, at most as many swapped parameters as
+    DeepSpeed has swap buffers (`offload_param.buffer_count`): a gather holds one buffer each."""
+    from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum
+
+    params = list(model.parameters())
+    largest = max(p.ds_numel for p in params)
+    swapper = next((p.nvme_swapper for p in params if hasattr(p, "nvme_swapper")), None)
+    buffers = len(swapper.available_buffer_ids) if swapper is not None else None
+
+    def swapped(ps: list[Any]) -> int:
+        return sum(
+            getattr(p.ds_tensor, "final_location", None) == OffloadDeviceEnum.nvme for p in ps
+        )
+
+    out: list[list[Any]] = []
+    size = swaps = 0
+    for name, ps in items:
+        numel, swaps_here = sum(p.ds_numel for p in ps), swapped(ps)
+        full = size + numel > largest or (buffers is not None and swaps + swaps_here > buffers)
+        if not out or (out[-1] and full):
+            out.append([])
+            size = swaps = 0
+        out[-1].append((name, ps))
+        size, swaps = size + numel, swaps + swaps_here
+    return out
 
 
 def add_adapter(model: Any, config: Any, adapter_name: str) -> None:
@@ -273,22 +294,11 @@ def add_adapter(model: Any, config: Any, adapter_name: str) -> None:
     from peft.tuners.tuners_utils import check_target_module_exists
 
     targets = [(n, m) for n, m in model.named_modules() if check_target_module_exists(config, n)]
-    largest = max(p.ds_numel for p in model.parameters())
-    batches: list[list[tuple[str, torch.nn.Module]]] = [[]]
-    size = 0
-    for name, module in targets:
-        count = sum(p.ds_numel for p in module.parameters())
-        if batches[-1] and size + count > largest:
-            batches.append([])
-            size = 0
-        batches[-1].append((name, module))
-        size += count
     config.base_model_name_or_path = None  # as diffusers' add_adapter does
-    for batch in batches:
+    for batch in batches(model, [(n, list(m.parameters())) for n, m in targets]):
         part = copy.deepcopy(config)
         part.target_modules = "|".join(re.escape(n) for n, _ in batch)  # full names: fullmatch
-        params = [p for _, m in batch for p in m.parameters()]
-        with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
+        with deepspeed.zero.GatheredParameters([p for _, ps in batch for p in ps]):
             inject_adapter_in_model(part, model, adapter_name)
     model.peft_config = {adapter_name: config}  # the adapter's own config, not the last batch's
     model._hf_peft_config_loaded = True
