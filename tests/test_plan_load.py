@@ -1,6 +1,8 @@
 """The load-time host peak: its own row in `zerotuner plan`, and a refusal (exit 3) when
-today's path (every rank builds the full fp32 UNet, then caches with the frozen parts) cannot
-fit the host, naming the setting that would help."""
+the full-copy path (every rank builds the full fp32 UNet, then caches with the frozen parts)
+cannot fit the host, naming the setting that would help. At ZeRO-3 (zero_init.py) a rank holds
+its partition and one tensor being streamed in instead; and the NVMe optimizer's sub-group is
+the one the planner counts."""
 
 from __future__ import annotations
 
@@ -13,6 +15,13 @@ from zerotuner.errors import EnvironmentUnfit
 from zerotuner.families import model_shape
 from zerotuner.hardware import GPU, GiB, Hardware
 from zerotuner.plan import make_plan
+from zerotuner.plan_memory import (
+    LOAD_PART_NAMES,
+    PARAM_BUFFERS,
+    RANK_PROCESS,
+    SUB_GROUP_NVME,
+    load_peak,
+)
 
 SDXL = model_shape("sdxl")
 PSI = SDXL.unet_params
@@ -105,3 +114,57 @@ def test_plan_cli_shows_the_phases_and_refuses_with_exit_3(capsys):
     assert cli.main([*base, "--host-memory", "64GiB"]) == 3
     err = capsys.readouterr().err
     assert "load peak" in err and "ZT_NUM_PROCESSES=4" in err and "Traceback" not in err
+
+
+def zero3_load(offload_param: str, *, on_cpu: bool = False, world: int = 8, shape=SDXL):
+    return load_peak(
+        shape, ranks_per_node=world, precision="bf16", on_cpu=on_cpu, zero_stage=3,
+        offload_param=offload_param, world_size=world,
+    )  # fmt: skip
+
+
+def test_zero_init_holds_a_partition_and_one_streamed_tensor_not_the_model():
+    full = load_peak(SDXL, ranks_per_node=8, precision="bf16", on_cpu=False)
+    assert full.path == "full_copy" and full.trained_bytes == 4 * PSI
+    staging = (4 + 2) * SDXL.largest_param  # read as fp32 on rank 0, gathered in bf16
+    on_device = zero3_load("none")  # the partition lives on the GPU
+    assert on_device.path == "zero_init" and "trained_model_fp32" not in on_device.per_rank
+    assert on_device.trained_bytes == staging
+    on_host = zero3_load("cpu")
+    assert on_host.per_rank["trained_partition"] == 2 * PSI // 8
+    assert on_host.trained_bytes == 2 * PSI // 8 + staging
+    on_disk = zero3_load("nvme")  # the swap buffers zero.Init allocates, the partition on disk
+    assert on_disk.per_rank["param_swap_buffers"] == PARAM_BUFFERS * 2 * 100_000_000
+    assert "trained_partition" not in on_disk.per_rank
+    # the frozen parts are live while caching, as on the full-copy path
+    assert on_host.per_rank["frozen_parts"] == full.per_rank["frozen_parts"]
+    # an 8-GPU SDXL node: ~107 GiB to start today, about a third with zero.Init
+    assert full.peak_bytes > 100 * GiB and on_host.peak_bytes < 40 * GiB
+    for load in (full, on_device, on_host, on_disk):  # every part has a name in the plan
+        assert set(load.per_rank) <= set(LOAD_PART_NAMES)
+
+
+def test_zero_init_load_is_the_issues_goal_on_the_cpu():
+    """On the CPU accelerator the partition is host memory: a rank's load phase is its
+    partition in the training dtype, one largest tensor (twice) and the runtime: within 1.3x of
+    params / world x bytes + largest tensor + runtime, for any world size."""
+    for world in (1, 2, 8):
+        load = zero3_load("none", on_cpu=True, world=world)
+        goal = 2 * PSI // world + 2 * SDXL.largest_param + RANK_PROCESS
+        assert goal <= load.per_rank_bytes("load") <= 1.3 * goal
+    assert zero3_load("none", on_cpu=True, world=2).trained_bytes < 0.3 * 4 * PSI
+
+
+def test_the_nvme_optimizer_config_uses_the_sub_group_the_planner_counts():
+    from zerotuner.deepspeed_config import Decisions, normalize
+    from zerotuner.hardware import cpu_only
+    from zerotuner.settings import Settings
+
+    def zero(base):
+        return normalize(
+            base, settings=Settings(offload_dir="/offload"), hardware=cpu_only(), shape=SDXL,
+            world_size=1, decisions=Decisions(3, "nvme", "nvme"), source="test.json",
+        ).config["zero_optimization"]  # fmt: skip
+
+    assert zero({})["sub_group_size"] == SUB_GROUP_NVME
+    assert zero({"zero_optimization": {"sub_group_size": 5e7}})["sub_group_size"] == 5e7  # kept
