@@ -7,8 +7,11 @@ ZT_ZERO_INIT=false) and "zero_init" (built inside `deepspeed.zero.Init`, weights
 zerotuner/zero_init.py). The ranks run zerotuner's own `model.load_unet` and then
 `deepspeed.initialize` with the config zerotuner's preflight produced (`python -m
 bench.load_peak`, under torchrun); no VAE or text encoders load, so the planner's "load" phase
-(runtime and the trained model) is what compares, not its "caching" phase. Next to each row,
-the planner's load figure per rank for that path.
+(runtime and the trained model) is what compares, not its "caching" phase. Each path loads the
+UNet saved in fp32 and in fp16: diffusers memory-maps an fp32 file and uses its pages as the
+weights (file-backed, shared by the ranks of a node in the page cache, counted in each rank's
+RSS once read), while fp16 weights cast to fp32 are memory of each rank's own. Beside each row,
+the planner's load figure per rank for that path and the issue's goal.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import os
 import resource
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -27,11 +31,6 @@ STARTED = time.time()
 
 LOAD_BLOCKS = (256, 512, 1024)  # ~380M UNet parameters: the issue asks for >= 300M
 OFFLOAD = {"zero_stage": 3, "offload_optimizer": "nvme", "offload_param": "nvme"}
-# Initializing the NVMe optimizer holds one sub-group's fp32 partition, gradient and both Adam
-# moments at once: at the config's 1e8 (plan_memory.SUB_GROUP_NVME) that is 1.6 GB, at the end
-# of the window measured here, on top of the load. Small sub-groups keep it to ~5 x 4 B x 1e7,
-# so what this measures is the load.
-SUB_GROUP = 10_000_000
 PATHS = ("full_copy", "zero_init")
 
 
@@ -44,20 +43,35 @@ def load_peak(b: Any) -> list[dict[str, Any]]:
         b.root / "load-model", small=b.smoke, blocks=None if b.smoke else LOAD_BLOCKS
     )
     lb = replace(b, model=paths.model, data=paths.data)
+    models = {"fp32": paths.model, "fp16": fp16_copy(paths.model, b.root / "load-model-fp16")}
     rows = []
     for world in (1,) if b.smoke else (1, 2):
         pre, _ = preflight_for(lb, num_processes=world, **OFFLOAD)
-        config = pre.normalized.config
-        config["zero_optimization"]["sub_group_size"] = SUB_GROUP
-        for path in PATHS:
-            try:
-                ranks = run_ranks(b.work(f"load-peak-{path}-w{world}"), paths.model, config,
-                                  world=world, path=path)  # fmt: skip
-            except RuntimeError as error:  # keep the other rows; say what failed
-                rows.append({"path": path, "world_size": world, "error": str(error)})
-                continue
-            rows.append(row(path, world, pre, ranks))
+        config = pre.normalized.config  # as zerotuner runs it (sub_group_size: the planner's)
+        for weights, model in models.items():
+            for path in PATHS:
+                name = f"load-peak-{path}-{weights}-w{world}"
+                try:
+                    ranks = run_ranks(b.work(name), model, config, world=world, path=path)
+                except RuntimeError as error:  # keep the other rows; say what failed
+                    rows.append({"path": path, "world_size": world, "weights": weights,
+                                 "error": str(error)})  # fmt: skip
+                    continue
+                rows.append(row(path, world, pre, ranks) | {"weights": weights})
     return rows
+
+
+def fp16_copy(model: Path, out: Path) -> Path:
+    """The pipeline with its UNet's weights saved in fp16, as many published fine-tunes are:
+    the full-copy path casts them to fp32 in memory of its own (not the file's pages)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(model, out, dirs_exist_ok=True)
+    weights = out / "unet" / "diffusion_pytorch_model.safetensors"
+    save_file({k: v.half() for k, v in load_file(weights).items()}, weights)
+    return out
 
 
 def planned(pre: Any, path: str, world: int) -> Any:
@@ -74,24 +88,38 @@ def planned(pre: Any, path: str, world: int) -> Any:
 
 def row(path: str, world: int, pre: Any, ranks: list[dict[str, Any]]) -> dict[str, Any]:
     """The issue's row, `{"path", "world_size", "params", "offload", "peak_rss_bytes"}`, with
-    the planner's per-rank load figure beside it."""
-    choice = pre.plan.choice
+    the planner's figures per rank beside it: the load phase of this path, and what the engine
+    holds once ready (the plan row's host parts, and on the CPU its device buckets: the CPU
+    accelerator's device memory is this process's). `goal_bytes`: the issue's target, params /
+    world in the training dtype + one largest tensor + those buffers + the rank runtime."""
+    from zerotuner.plan_memory import RANK_PROCESS
+
+    choice, shape = pre.plan.choice, pre.shape
     load = planned(pre, path, world)
+    p_bytes = 4 if pre.plan.inputs["precision"] == "no" else 2
+    engine = {k.split(".", 1)[1]: v for k, v in choice.parts.items()
+              if k.startswith("host_per_rank.") or k == "device.buckets"}  # fmt: skip
+    buffers = sum(v for k, v in engine.items() if k != "process")
+    goal = (shape.unet_params // world + shape.largest_param) * p_bytes + buffers + RANK_PROCESS
     peaks = [r["engine_ready_peak_rss_bytes"] for r in ranks]
-    peak, plan = max(peaks), load.per_rank_bytes("load")
+    peak = max(peaks)
     return {
         "path": path,
         "world_size": world,
-        "params": pre.shape.unet_params,
+        "params": shape.unet_params,
         "offload": f"optimizer->{choice.offload_optimizer}, params->{choice.offload_param}",
         "zero_stage": choice.zero_stage,
         "peak_rss_bytes": peak,
         "peak_rss_bytes_per_rank": peaks,
         "loaded_peak_rss_bytes_per_rank": [r["loaded_peak_rss_bytes"] for r in ranks],
-        "planned_load_bytes_per_rank": plan,
+        "peak_anon_bytes_per_rank": [r["peak_anon_bytes"] for r in ranks],
+        "peak_file_bytes_per_rank": [r["peak_file_bytes"] for r in ranks],
+        "planned_load_bytes_per_rank": load.per_rank_bytes("load"),
         "planned_load_parts_per_rank": {k: load.per_rank[k] for k in load.phase_parts("load")},
-        "error_percent": 100 * (plan - peak) / peak,
-        "sub_group_size": SUB_GROUP,
+        "planned_engine_parts_per_rank": engine,
+        "goal_bytes": goal,
+        "goal_ratio": peak / goal,
+        "sub_group_size": pre.normalized.config["zero_optimization"].get("sub_group_size"),
         "engine_ready_seconds": ranks[0]["engine_ready"] - ranks[0]["process_start"],
     }
 
@@ -122,6 +150,24 @@ def peak_rss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+class Sampler(threading.Thread):
+    """The highest anonymous and file-backed resident bytes seen (/proc/self/status, every
+    20 ms): a memory-mapped safetensors file counts in RSS once read, as file pages the ranks
+    of a node share in the page cache, where a copy in memory of its own is anonymous."""
+
+    def __init__(self) -> None:
+        super().__init__(daemon=True)
+        self.anon = self.file = 0
+
+    def run(self) -> None:
+        while True:
+            text = Path("/proc/self/status").read_text()
+            fields = dict(line.split(":", 1) for line in text.splitlines() if ":" in line)
+            self.anon = max(self.anon, int(fields["RssAnon"].split()[0]) * 1024)
+            self.file = max(self.file, int(fields["RssFile"].split()[0]) * 1024)
+            time.sleep(0.02)
+
+
 def rank_main(model: Path, config_file: Path, out: Path) -> None:
     """One rank: zerotuner's load_unet (the path ZT_ZERO_INIT picks), then the engine."""
     import deepspeed
@@ -130,6 +176,8 @@ def rank_main(model: Path, config_file: Path, out: Path) -> None:
 
     from zerotuner.model import load_unet
 
+    sampler = Sampler()
+    sampler.start()
     deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name())
     rank = dist.get_rank()
     config = json.loads(config_file.read_text())
@@ -139,7 +187,13 @@ def rank_main(model: Path, config_file: Path, out: Path) -> None:
     loaded = peak_rss()
     deepspeed.initialize(model=unet, model_parameters=list(unet.parameters()), config=config)
     times["engine_ready"] = time.time()
-    record = {"loaded_peak_rss_bytes": loaded, "engine_ready_peak_rss_bytes": peak_rss()}
+    time.sleep(0.05)  # one more sample
+    record = {
+        "loaded_peak_rss_bytes": loaded,
+        "engine_ready_peak_rss_bytes": peak_rss(),
+        "peak_anon_bytes": sampler.anon,
+        "peak_file_bytes": sampler.file,
+    }
     (out / f"rank-{rank}.json").write_text(json.dumps(record | times))
     dist.barrier()
 
@@ -147,26 +201,41 @@ def rank_main(model: Path, config_file: Path, out: Path) -> None:
 def table(rows: list[dict[str, Any]]) -> list[str]:
     """The results page's section."""
     mb = 2**20
+
+    def ranks(values: list[int]) -> str:
+        return " / ".join(f"{v / mb:.0f}" for v in values)
+
     out = [
         "## Load peak (host RSS per rank until the engine is ready)",
         "",
-        "ZeRO-3 with the optimizer and parameters on NVMe, CPU, fp32; zerotuner's load_unet, "
-        "then deepspeed.initialize, no step. `full_copy`: every rank builds the whole fp32 "
-        "UNet first; `zero_init`: built inside deepspeed.zero.Init, weights streamed in. "
-        "Planned: the plan's load phase per rank for that path.",
+        "ZeRO-3 with the optimizer and parameters on NVMe, CPU, fp32, the config zerotuner "
+        "produces; zerotuner's load_unet, then deepspeed.initialize, no step. `full_copy`: "
+        "every rank builds the whole fp32 UNet first; `zero_init`: built inside "
+        "deepspeed.zero.Init, weights streamed in. Weights: the UNet file's dtype (fp16 files are "
+        "cast to fp32). Loaded: the RSS peak after load_unet; "
+        "planned load: the plan's load phase per rank for that path. Engine ready: the RSS "
+        "peak until the engine is ready (its anonymous and file-backed peaks). Goal: params / "
+        "world x 4 B + one largest tensor + the plan's host buffers + the rank runtime.",
         "",
-        "| path | world | params | offload | peak RSS per rank MB | planned MB | error |",
-        "|---|---|---|---|---|---|---|",
+        "| path | weights | world | params | loaded MB | planned load MB | engine ready MB "
+        "| anon ; file MB | goal MB | ratio |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         if "error" in r:
-            out.append(f"| {r['path']} | {r['world_size']} | failed: {r['error']} |||||")
+            out.append(
+                f"| {r['path']} | {r.get('weights', 'fp32')} | {r['world_size']} "
+                f"| failed: {r['error']} |||||||"
+            )
             continue
-        ranks = " / ".join(f"{p / mb:.0f}" for p in r["peak_rss_bytes_per_rank"])
         out.append(
-            f"| {r['path']} | {r['world_size']} | {r['params'] / 1e6:.0f}M | {r['offload']} | "
-            f"{ranks} | {r['planned_load_bytes_per_rank'] / mb:.0f} | "
-            f"{r['error_percent']:+.1f} % |"
+            f"| {r['path']} | {r.get('weights', 'fp32')} | {r['world_size']} "
+            f"| {r['params'] / 1e6:.0f}M "
+            f"| {ranks(r['loaded_peak_rss_bytes_per_rank'])} "
+            f"| {r['planned_load_bytes_per_rank'] / mb:.0f} "
+            f"| {ranks(r['peak_rss_bytes_per_rank'])} "
+            f"| {ranks(r['peak_anon_bytes_per_rank'])} ; {ranks(r['peak_file_bytes_per_rank'])} "
+            f"| {r['goal_bytes'] / mb:.0f} | {r['goal_ratio']:.2f} |"
         )
     return [*out, ""]
 

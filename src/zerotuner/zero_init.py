@@ -1,7 +1,10 @@
 """The trained model built straight into ZeRO-3 partitions (`deepspeed.zero.Init`).
 
 Without it every rank builds the whole denoiser in fp32 before `deepspeed.initialize`
-partitions it: ranks x 4 bytes x params of host memory just to start (SDXL on 8 GPUs: ~82 GB).
+partitions it: ranks x 4 bytes x params of host memory just to start (SDXL on 8 GPUs: ~82 GB;
+diffusers memory-maps an fp32 safetensors file and keeps its pages as the weights, which the
+ranks of a node then share in the page cache, but weights stored in fp16 or bf16, as many
+published fine-tunes are, become fp32 memory of each rank's own).
 Here the model is constructed from its config inside `deepspeed.zero.Init` with the run's
 effective DeepSpeed config, so each module's parameters are cut into this rank's partition (in
 the training dtype, on the device, the host or NVMe as `offload_param` says) as soon as that
@@ -117,7 +120,6 @@ def build(
 ) -> Any | None:
     """The denoiser of `folder` (a diffusers model folder) partitioned by ZeRO-3 with its
     weights in; None when the folder has no safetensors weights."""
-
     files = weight_files(folder)
     if files is None:
         log.warning("%s has no %s: every rank loads the whole model first", folder, WEIGHTS)
