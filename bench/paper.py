@@ -221,3 +221,38 @@ def flow_plans_markdown() -> str:
                 f"({load / GiB:.1f}) | {row['disk_bytes'] / GiB:.1f} |"
             )
     return "\n".join(rows) + "\n"
+
+
+# Host RAM to start SDXL full fine-tuning on one 8 x 80 GB node (1024 px, batch 8 per GPU, bf16):
+# the load path before zero.Init (ZeRO-1: every rank builds the fp32 UNet) and at ZeRO-3.
+NODE_LOAD_ROWS = ((1, "none"), (3, "none"), (3, "cpu"), (3, "nvme"))
+
+
+def node_load_markdown() -> str:
+    """README's before/after table of the load peak on an 8-GPU node."""
+    from zerotuner.families import model_shape
+    from zerotuner.hardware import GPU, Hardware
+    from zerotuner.plan import make_plan
+
+    memory = 80 * GiB
+    node = Hardware(
+        "cuda", tuple(GPU(i, "H100", memory, memory, (9, 0)) for i in range(8)),
+        host_memory=2048 * GiB, cpu_count=64,
+    )  # fmt: skip
+    rows = [
+        "| SDXL full fine-tuning, 8 x 80 GB | load path | host to start (load peak) GiB "
+        "| per rank at load GiB | host while training GiB |",
+        "|---|---|---:|---:|---:|",
+    ]
+    for stage, offload_param in NODE_LOAD_ROWS:
+        plan = make_plan(
+            model_shape("sdxl"), node, resolution=1024, micro_batch=8, world_size=8,
+            zero_stage=stage, offload_param=offload_param, offload_disk_free=2 * 10**12,
+            mixed_precision="bf16",
+        )  # fmt: skip
+        load = plan.load
+        rows.append(
+            f"| {plan.choice.label()} | {load.path} | {load.peak_bytes / GiB:.1f} "
+            f"| {load.per_rank_bytes('load') / GiB:.1f} | {plan.choice.host_bytes / GiB:.1f} |"
+        )
+    return "\n".join(rows) + "\n"

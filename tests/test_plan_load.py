@@ -1,8 +1,8 @@
-"""The load-time host peak: its own row in `zerotuner plan`, and a refusal (exit 3) when
-the full-copy path (every rank builds the full fp32 UNet, then caches with the frozen parts)
-cannot fit the host, naming the setting that would help. At ZeRO-3 (zero_init.py) a rank holds
-its partition and one tensor being streamed in instead; and the NVMe optimizer's sub-group is
-the one the planner counts."""
+"""The load-time host peak: its own row in `zerotuner plan`. Below ZeRO-3 every rank builds the
+full fp32 UNet, then caches with the frozen parts; at ZeRO-3 (zero_init.py) a rank holds its
+partition and one tensor being streamed in instead. The planner takes ZeRO-3 when only its load
+fits the host, and refuses (exit 3) a plan whose load cannot fit, naming the setting that would
+help. The NVMe optimizer's sub-group is the one the planner counts."""
 
 from __future__ import annotations
 
@@ -57,41 +57,58 @@ def test_load_peak_is_every_ranks_fp32_unet_then_the_frozen_parts_while_caching(
     assert not any("model_load" in k for r in plan.rows for k in r.parts)
 
 
-def test_a_load_peak_over_the_host_is_refused_naming_fewer_ranks_per_node():
+def test_a_load_peak_over_the_host_takes_zero_3_whose_ranks_load_partitions():
+    plan = sdxl_plan(gpus(8, 80, 64))  # ZeRO-1 fits the GPUs; its full copies not the host
+    assert plan.choice.zero_stage == 3 and plan.load.path == "zero_init" and plan.load_fits
+    assert "trained_model_fp32" not in plan.load.per_rank
+    assert (
+        "ZeRO-1, no offload, no checkpointing fits the devices but not the load"
+        in (plan.reasons[1])
+    )
+    assert sdxl_plan(gpus(8, 80, 1024)).choice.zero_stage == 1  # with the host for it
+
+
+def test_a_pinned_stage_whose_load_does_not_fit_is_refused_naming_what_would():
     with pytest.raises(EnvironmentUnfit) as info:
-        sdxl_plan(gpus(8, 80, 64))  # every training row fits; the load does not
+        sdxl_plan(gpus(8, 80, 64), zero_stage=1)  # every training row fits; the load does not
     message = str(info.value)
     assert info.value.exit_code == 3 and "\n" not in message
     assert message.startswith("load peak ") and "usable host" in message
+    assert "full fp32 UNet on every rank (9.6 GiB)" in message
+    assert "ZT_ZERO_STAGE=3" in message
     assert "ZT_NUM_PROCESSES=4" in message and "host with at least" in message
-    assert "ZeRO-3" not in message  # not the answer until zero.Init lands
-    # the suggestion holds: 4 ranks per node (2 nodes of 4 keep the world size) fit
+    # each suggestion holds: ZeRO-3; 4 ranks per node (2 nodes of 4 keep the world size)
+    assert sdxl_plan(gpus(8, 80, 64), zero_stage=3).load_fits
     fewer = make_plan(
-        SDXL, gpus(8, 80, 64), resolution=1024, micro_batch=8, world_size=8, ranks_per_node=4
-    )
+        SDXL, gpus(8, 80, 64), resolution=1024, micro_batch=8, world_size=8, ranks_per_node=4,
+        zero_stage=1,
+    )  # fmt: skip
     assert fewer.load_fits and fewer.choice.fits
     assert fewer.load.peak_bytes <= 0.9 * 64 * GiB
 
 
 def test_one_rank_that_cannot_load_is_told_to_get_more_host_memory():
     with pytest.raises(EnvironmentUnfit) as info:
-        sdxl_plan(gpus(1, 80, 12))
+        sdxl_plan(gpus(1, 80, 12), zero_stage=1)
     message = str(info.value)
     assert "ZT_NUM_PROCESSES" not in message
     need = float(message.rsplit("at least ", 1)[1].split(" GiB")[0])
-    assert sdxl_plan(gpus(1, 80, need)).load_fits  # the host it names is enough
+    assert sdxl_plan(gpus(1, 80, need), zero_stage=1).load_fits  # the host it names is enough
     with pytest.raises(EnvironmentUnfit, match="load peak"):
-        sdxl_plan(gpus(1, 80, need - 0.2))
+        sdxl_plan(gpus(1, 80, need - 0.2), zero_stage=1)
+    with pytest.raises(EnvironmentUnfit) as info:  # not even zero.Init's load fits
+        sdxl_plan(gpus(1, 80, 4))
+    assert "load peak" in str(info.value) and "ZT_ZERO_STAGE" not in str(info.value)
 
 
 def test_config_without_fit_plans_anyway_and_says_the_load_does_not_fit():
-    plan = sdxl_plan(gpus(8, 80, 64), require_fit=False)
+    plan = sdxl_plan(gpus(8, 80, 64), require_fit=False, zero_stage=1)
     assert not plan.load_fits
     assert plan.reasons[0].startswith("the hardware planned for cannot run it: load peak")
     assert plan.to_dict()["load_peak"]["fits"] is False
 
 
-def test_plan_cli_shows_the_phases_and_refuses_with_exit_3(capsys):
+def test_plan_cli_shows_the_phases_and_refuses_with_exit_3(capsys, monkeypatch):
     argv = "plan --model-family sdxl --resolution 1024 --train-batch-size 8 --gpus 8"
     base = [*argv.split(), "--gpu-memory", "80GiB"]
     assert cli.main([*base, "--host-memory", "256GiB", "--json"]) == 0
@@ -111,9 +128,14 @@ def test_plan_cli_shows_the_phases_and_refuses_with_exit_3(capsys):
     for phase in ("load", "caching", "training"):
         assert f"\n  {phase} " in out
 
+    assert cli.main([*base, "--host-memory", "64GiB", "--json"]) == 0  # ZeRO-3 loads
+    data = json.loads(capsys.readouterr().out)["load_peak"]
+    assert data["path"] == "zero_init" and data["fits"]
+    monkeypatch.setenv("ZT_ZERO_STAGE", "1")
     assert cli.main([*base, "--host-memory", "64GiB"]) == 3
     err = capsys.readouterr().err
     assert "load peak" in err and "ZT_NUM_PROCESSES=4" in err and "Traceback" not in err
+    assert "ZT_ZERO_STAGE=3" in err
 
 
 def zero3_load(offload_param: str, *, on_cpu: bool = False, world: int = 8, shape=SDXL):
@@ -168,3 +190,21 @@ def test_the_nvme_optimizer_config_uses_the_sub_group_the_planner_counts():
 
     assert zero({})["sub_group_size"] == SUB_GROUP_NVME
     assert zero({"zero_optimization": {"sub_group_size": 5e7}})["sub_group_size"] == 5e7  # kept
+
+
+def test_readme_node_table_is_what_the_planner_says():
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    sys.path.insert(0, str(repo))  # bench/ is a top-level package beside src/
+    from bench.paper import node_load_markdown
+
+    table = node_load_markdown()
+    readme = (repo / "README.md").read_text()
+    start = readme.index("<!-- node-load:start -->\n") + len("<!-- node-load:start -->\n")
+    assert readme[start : readme.index("<!-- node-load:end -->")] == table
+    before, *after = [line.split(" | ") for line in table.splitlines()[2:]]
+    assert before[1] == "full_copy" and {row[1] for row in after} == {"zero_init"}
+    # starting an 8-GPU SDXL node takes a third of the host with zero.Init
+    assert all(3 * float(row[2]) < 1.2 * float(before[2]) for row in after)

@@ -22,7 +22,7 @@ from zerotuner.errors import ConfigError, EnvironmentUnfit
 from zerotuner.families import ModelShape, caption_cache_bytes
 from zerotuner.hardware import GiB, Hardware, auto_precision
 from zerotuner.pins import check_pins, legal, pin_text
-from zerotuner.plan_memory import LoadPeak, estimate, load_peak
+from zerotuner.plan_memory import LOAD_PART_NAMES, TRAINED_PARTS, LoadPeak, estimate, load_peak
 from zerotuner.plan_memory import bucket as bucket  # deepspeed_config sizes buckets with it
 from zerotuner.trainable import Training, full_unet
 
@@ -105,7 +105,7 @@ class Plan:
         out = {
             phase: {
                 "host_bytes": self.load.phase_bytes(phase),
-                "live": [PART_NAMES[k] for k in self.load.phase_parts(phase)],
+                "live": [LOAD_PART_NAMES[k] for k in self.load.phase_parts(phase)],
             }
             for phase in ("load", "caching")
         }
@@ -123,7 +123,7 @@ class Plan:
                 for r in self.rows
             ],
             "load_peak": {
-                "path": "full_copy",  # every rank builds the whole fp32 UNet (no zero.Init)
+                "path": self.load.path,  # full_copy below ZeRO-3, zero_init at ZeRO-3
                 "host_bytes": self.load.peak_bytes,
                 "host_usable_bytes": self.inputs["host_usable_bytes"],
                 "fits": self.load_fits,
@@ -135,13 +135,6 @@ class Plan:
         }
 
 
-# What each load-time part is, for the plan's phase rows.
-PART_NAMES = {
-    "process": "rank runtime",
-    "cuda_host_context": "CUDA host context",
-    "trained_model_fp32": "full fp32 UNet on every rank",
-    "frozen_parts": "VAE and text encoders (caching)",
-}
 TRAINING_LIVE = (
     "the choice's host parts (table's host column): the full copy and the frozen parts are gone"
 )
@@ -285,7 +278,15 @@ def make_plan(
         "ema": ema,
         "caption_cache_bytes": caption_cache_bytes(shape, max_sequence_length),
     }
-    load = load_peak(shape, ranks_per_node=ranks_per_node, precision=precision, on_cpu=on_cpu)
+
+    def load_for(row: Estimate, stage: int | None = None) -> LoadPeak:
+        """The load path `row` runs: zero.Init at ZeRO-3, every rank's full copy below."""
+        return load_peak(
+            shape, ranks_per_node=ranks_per_node, precision=precision, on_cpu=on_cpu,
+            zero_stage=row.zero_stage if stage is None else stage,
+            offload_param=row.offload_param, world_size=world_size,
+        )  # fmt: skip
+
     fitting = sorted((r for r in rows if r.fits), key=preference)
     if not fitting:
         closest = min(rows, key=lambda r: _overshoot(r, cap, on_cpu))
@@ -308,33 +309,64 @@ def make_plan(
             raise EnvironmentUnfit(message)
         # `zerotuner config` on a laptop: show the config for the closest option, and why.
         unfit = f"the hardware planned for cannot run it: {message}"
-        return Plan(tuple(rows), closest, (unfit,), inputs, load)
-    choice = fitting[0]
+        return Plan(tuple(rows), closest, (unfit,), inputs, load_for(closest))
+    # The host must also hold the load: below ZeRO-3 every rank of a node builds the full
+    # fp32 model, so a node with little host memory per GPU needs zero.Init's partitions.
+    loadable = [r for r in fitting if load_for(r).peak_bytes <= cap.host]
+    choice = (loadable or fitting)[0]
+    load = load_for(choice)
     reasons = _reasons(choice, rows, cap, precision, preference)
+    if choice is not fitting[0]:
+        reasons.insert(1, _load_reason(fitting[0], load_for(fitting[0]), cap))
     if training.type == "lora":
         reasons.insert(1, _lora_reason(choice, rows, training, precision))
     if load.peak_bytes > cap.host:
-        message = _load_unfit(load, cap)
+        zero3 = choice.zero_stage != 3 and load_for(choice, 3).peak_bytes <= cap.host
+        message = _load_unfit(load, cap, zero3=zero3)
         if require_fit:  # at preflight: before a rank starts, so before any download
             raise EnvironmentUnfit(message)
         reasons.insert(0, f"the hardware planned for cannot run it: {message}")
     return Plan(tuple(rows), choice, tuple(reasons), inputs, load)
 
 
-def _load_unfit(load: LoadPeak, cap: Capacity) -> str:
-    """One line: the load peak, what makes it, and the setting that would help."""
-    n, per_rank = load.ranks_per_node, load.per_rank
+def _load_unfit(load: LoadPeak, cap: Capacity, *, zero3: bool = False) -> str:
+    """One line: the load peak, what makes it, and the settings that would help (`zero3`:
+    ZeRO-3's zero.Init load would fit)."""
+    n = load.ranks_per_node
     need = math.ceil(load.peak_bytes / (1 - HOST_MARGIN) / GiB * 10) / 10  # rounded up
     ways = []
+    if zero3:
+        ways.append("set ZT_ZERO_STAGE=3 (zero.Init: each rank loads only its partition)")
     fewer = load.ranks_that_fit(cap.host)
     if 1 <= fewer < n:
         ways.append(f"set ZT_NUM_PROCESSES={fewer} (ranks per node; more nodes keep the world)")
     ways.append(f"use a host with at least {need:.1f} GiB of memory")
     return (
-        f"load peak {gib(load.peak_bytes)} > {gib(cap.host)} GiB usable host: each of the {n} "
-        f"rank(s) on a node builds the full fp32 UNet ({gib(per_rank['trained_model_fp32'])} GiB) "
-        f"and holds the VAE and text encoders ({gib(per_rank['frozen_parts'])} GiB) while "
-        f"caching, before DeepSpeed partitions anything; {' or '.join(ways)}"
+        f"load peak {gib(load.peak_bytes)} > {gib(cap.host)} GiB usable host: {_load_what(load)}; "
+        f"{' or '.join(ways)}"
+    )
+
+
+def _load_what(load: LoadPeak) -> str:
+    """What each rank holds at the load peak, in words."""
+    trained = ", ".join(
+        f"{LOAD_PART_NAMES[k]} ({gib(v)} GiB)"
+        for k, v in load.per_rank.items()
+        if k in TRAINED_PARTS
+    )
+    frozen = gib(load.per_rank["frozen_parts"])
+    return (
+        f"each of the {load.ranks_per_node} rank(s) on a node holds the "
+        f"{trained or 'no model weights'} and the VAE and text encoders ({frozen} GiB) while "
+        "caching" + (", before DeepSpeed partitions anything" if load.path == "full_copy" else "")
+    )
+
+
+def _load_reason(preferred: Estimate, load: LoadPeak, cap: Capacity) -> str:
+    return (
+        f"{preferred.label()} fits the devices but not the load (peak {gib(load.peak_bytes)} > "
+        f"{gib(cap.host)} GiB usable host: {_load_what(load)}); ZeRO-3 builds each rank's "
+        "partition only (zero.Init)"
     )
 
 
