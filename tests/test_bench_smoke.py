@@ -131,18 +131,37 @@ def test_gpu_paper_estimate_is_marked_and_complete():
     assert lora["flops"]["backward_per_image"] < estimate["flops"]["backward_per_image"]
 
 
-def test_load_peak_row_and_table_put_the_plan_beside_the_measurement():
-    from types import SimpleNamespace
+def test_load_peak_row_and_table_put_the_plan_beside_the_measurement(demo_dir, tmp_path):
+    from bench.load_peak import OFFLOAD, row, table
+    from bench.suites import Bench, preflight_for
 
-    from bench.load_peak import row, table
-
-    choice = SimpleNamespace(zero_stage=3, offload_optimizer="nvme", offload_param="nvme")
-    r = row(2, 380_475_908, choice, [2_000 * 2**20, 2_100 * 2**20], 2_200 * 2**20)
-    assert (r["path"], r["world_size"], r["offload"]) == (
-        "full_copy", 2, "optimizer->nvme, params->nvme",
+    b = Bench(tmp_path, demo_dir / "model", demo_dir / "data", 2, 0, 1, 64)
+    pre, _ = preflight_for(b, num_processes=2, **OFFLOAD)  # the config zerotuner would run
+    mb = 2**20
+    ranks = [
+        {
+            "loaded_peak_rss_bytes": (900 + r) * mb,
+            "engine_ready_peak_rss_bytes": (2_000 + 100 * r) * mb,
+            "peak_anon_bytes": (1_900 + r) * mb,
+            "peak_file_bytes": (50 + r) * mb,
+            "process_start": 10.0,
+            "engine_ready": 14.5,
+        }
+        for r in range(2)
+    ]
+    full, streamed = (row(path, 2, pre, ranks) for path in ("full_copy", "zero_init"))
+    assert (full["path"], full["world_size"], full["zero_stage"], full["offload"]) == (
+        "full_copy", 2, 3, "optimizer->nvme, params->nvme",
     )  # fmt: skip
-    assert r["peak_rss_bytes"] == 2_100 * 2**20 and round(r["error_percent"], 2) == 4.76
-    failed = {"path": "full_copy", "world_size": 1, "error": "bare loop exited 1"}
-    text = "\n".join(table([r, failed]))
-    assert "| full_copy | 2 | 380M | optimizer->nvme, params->nvme | 2000 / 2100 | 2200 |" in text
-    assert "failed: bare loop exited 1" in text
+    assert full["params"] == pre.shape.unet_params > 0
+    assert full["peak_rss_bytes"] == 2_100 * mb and full["engine_ready_seconds"] == 4.5
+    assert full["goal_ratio"] == pytest.approx(2_100 * mb / full["goal_bytes"])
+    # the planner's load phase: every rank's full fp32 copy vs its partition plus staging
+    assert "trained_model_fp32" in full["planned_load_parts_per_rank"]
+    assert "trained_model_fp32" not in streamed["planned_load_parts_per_rank"]
+    assert streamed["planned_load_bytes_per_rank"] < full["planned_load_bytes_per_rank"]
+    failed = {"path": "zero_init", "world_size": 1, "error": "ranks exited 1"}
+    text = "\n".join(table([full, failed]))
+    assert "| full_copy | fp32 | 2 |" in text and "| 900 / 901 |" in text
+    assert "| 2000 / 2100 | 1900 / 1901 ; 50 / 51 |" in text
+    assert "| zero_init | fp32 | 1 | failed: ranks exited 1 |" in text

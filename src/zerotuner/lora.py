@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from zerotuner import zero_init
 from zerotuner.errors import ConfigError
 from zerotuner.notes import Note
 from zerotuner.settings import Settings, env_name
@@ -205,7 +206,7 @@ def add_adapter(unet: Any, settings: Settings) -> list[torch.nn.Parameter]:
     # (ZeRO-3 partitions each rank's own copy: DeepSpeed broadcasts none), whatever the stage
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(settings.seed)
-        unet.add_adapter(config, adapter_name=ADAPTER)
+        zero_init.add_adapter(unet, config, ADAPTER)  # also on a ZeRO-3 partitioned UNet
     named = [(n, p) for n, p in unet.named_parameters() if p.requires_grad]
     if not named or any(".lora_" not in n for n, _ in named):
         raise RuntimeError("peft left base parameters trainable or added no adapter")
