@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -279,11 +280,55 @@ def test_plan_cli_probes_this_machine_with_settings(capsys, demo_dir, monkeypatc
         ("stabilityai/stable-diffusion-xl-base-1.0", "sdxl"),
         ("stabilityai/stable-diffusion-2-1", "sd2"),
         ("runwayml/stable-diffusion-v1-5", "sd1"),
+        ("black-forest-labs/FLUX.1-dev", "flux"),
+        ("stabilityai/stable-diffusion-3.5-large", "sd3"),
     ],
 )
-def test_family_from_hub_names(model, family):
+def test_family_from_hub_names(model, family, monkeypatch, tmp_path):
     assert resolve_family(model) == family
     assert resolve_family(model, "sd1") == "sd1"  # ZT_MODEL_FAMILY wins
+    # preflight with no hub in reach (HF_HUB_OFFLINE: conftest) plans the family the name says
+    from zerotuner.preflight import resolve_model
+    from zerotuner.settings import Settings
+
+    source = resolve_model(Settings(model=model, cache_dir=tmp_path))
+    assert source.family == family and "guessed from the hub id" in source.reason
+
+
+def test_a_hub_name_that_says_no_family_is_one_line_naming_the_setting(tmp_path):
+    from zerotuner.preflight import resolve_model
+    from zerotuner.settings import Settings
+
+    with pytest.raises(ConfigError) as info:
+        resolve_model(Settings(model="someone/my-model", cache_dir=tmp_path))
+    message = str(info.value)
+    assert "ZT_MODEL=someone/my-model" in message and "set ZT_MODEL_FAMILY" in message
+    assert "flux" in message and "\n" not in message and info.value.exit_code == 2
+
+
+def test_families_detected_from_a_transformer_config_alone_or_refused(tmp_path):
+    from zerotuner.families import detect_family
+
+    def folder(name: str, index: dict | None, config: dict) -> Path:
+        root = tmp_path / name
+        (root / "transformer").mkdir(parents=True)
+        (root / "transformer" / "config.json").write_text(json.dumps(config))
+        if index is not None:
+            (root / "model_index.json").write_text(json.dumps(index))
+        return root
+
+    assert detect_family(folder("flux", None, {"_class_name": "FluxTransformer2DModel"})) == "flux"
+    assert detect_family(folder("sd3", None, {"_class_name": "SD3Transformer2DModel"})) == "sd3"
+    with pytest.raises(ConfigError, match="a PixArtTransformer2DModel model; zerotuner trains"):
+        detect_family(folder("pixart", None, {"_class_name": "PixArtTransformer2DModel"}))
+    kandinsky = {
+        "_class_name": "KandinskyV22Pipeline",
+        "unet": ["diffusers", "UNet2DConditionModel"],
+    }
+    with pytest.raises(ConfigError) as info:  # a UNet, but not a Stable Diffusion pipeline
+        detect_family(folder("kandinsky", kandinsky, {"_class_name": "UNet2DConditionModel"}))
+    assert "a KandinskyV22Pipeline pipeline" in str(info.value)
+    assert "sdxl, sd1, sd2, sd3, flux" in str(info.value)
 
 
 def test_unknown_hub_name_asks_for_the_family():

@@ -423,7 +423,7 @@ def _reasons(
     ]
     cheaper = [r for r in rows if preference(r) < preference(choice)]
     if choice.offload_rank > 0:
-        blocked = [r for r in cheaper if r.offload_rank < choice.offload_rank]
+        blocked = [r for r in cheaper if r.offload_rank < choice.offload_rank and not r.fits]
         if blocked:
             best = min(blocked, key=lambda r: _overshoot(r, cap, on_cpu))
             out.append(f"less offload does not fit: best was {best.label()} ({best.short[0]})")
@@ -446,7 +446,8 @@ def _reasons(
             "a full 16-bit gradient copy (the seed measured this setup)"
         )
     if choice.zero_stage > 0 and choice.offload_rank == 0:
-        lower = [r for r in cheaper if r.zero_stage < choice.zero_stage]
+        # (a lower stage that fits was passed over for its load: _load_reason says so)
+        lower = [r for r in cheaper if r.zero_stage < choice.zero_stage and not r.fits]
         if lower:
             out.append(f"lower stages do not fit: {lower[0].label()} needs {lower[0].short[0]}")
     if choice.zero_stage == 0:

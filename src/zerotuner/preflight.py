@@ -15,10 +15,12 @@ from zerotuner import lora, speed, trainable
 from zerotuner.deepspeed_config import Decisions, Normalized, normalize
 from zerotuner.errors import ConfigError
 from zerotuner.families import (
+    FAMILIES,
     HUB_CONFIG_FILES,
     ModelShape,
     check_family_settings,
     detect_family,
+    guess_family,
     hub_cache_dir,
     model_shape,
 )
@@ -88,8 +90,13 @@ def resolve_model(settings: Settings) -> ModelSource:
     looks_local = settings.model.startswith(("/", ".", "~")) or settings.model.count("/") > 1
     if looks_local:
         raise ConfigError(f"{env_name('model')}={settings.model}: no such folder")
-    name = settings.model.lower()
-    family = "sdxl" if "xl" in name else "sd2" if "-2" in name or "v2" in name else "sd1"
+    family = guess_family(settings.model)
+    if family is None:
+        raise ConfigError(
+            f"{env_name('model')}={settings.model}: its configs cannot be read ({unreachable}) "
+            f"and the name does not say the model family; set {env_name('model_family')} to one "
+            f"of {', '.join(FAMILIES)}"
+        )
     reason = f"guessed from the hub id {settings.model!r} ({unreachable})"
     return ModelSource(family, None, reason, settings.model)
 

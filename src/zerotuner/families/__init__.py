@@ -29,6 +29,7 @@ REGISTRY: dict[str, tuple[str, str]] = {
     "flux": ("flow", "Flux"),
 }
 PIPELINES = {"StableDiffusion3Pipeline": "sd3", "FluxPipeline": "flux"}
+TRANSFORMERS = {"SD3Transformer2DModel": "sd3", "FluxTransformer2DModel": "flux"}
 T5_TOKENS = {"sd3": 256, "flux": 512}  # each pipeline's default max_sequence_length
 CLIP_TOKENS = 77
 
@@ -159,7 +160,8 @@ def detect_family(model_dir: Path) -> Family:
         pipeline = str(components.get("_class_name", ""))
         if pipeline in PIPELINES:
             return PIPELINES[pipeline]  # type: ignore[return-value]
-        if "transformer" in components or "unet" not in components and pipeline:
+        foreign = pipeline and not pipeline.startswith("StableDiffusion")
+        if foreign or "transformer" in components or "unet" not in components and pipeline:
             raise ConfigError(
                 f"ZT_MODEL={model_dir}: a {pipeline or 'transformer'} pipeline; zerotuner "
                 f"trains {', '.join(FAMILIES)} pipelines ({', '.join(PIPELINES)} and the "
@@ -171,9 +173,17 @@ def detect_family(model_dir: Path) -> Family:
     if config is None:
         raise ConfigError(
             f"ZT_MODEL={model_dir}: no model_index.json or unet/config.json; "
-            "set ZT_MODEL_FAMILY to sdxl, sd1 or sd2"
+            f"set ZT_MODEL_FAMILY to one of {', '.join(FAMILIES)}"
         )
     unet = json.loads(config.read_text())
+    name = unet.get("_class_name", "")
+    if name in TRANSFORMERS:  # a transformer without its pipeline's model_index.json
+        return TRANSFORMERS[name]  # type: ignore[return-value]
+    if "Transformer" in name:
+        raise ConfigError(
+            f"ZT_MODEL={model_dir}: a {name} model; zerotuner trains the "
+            f"{', '.join(TRANSFORMERS)} transformers and the UNets of sdxl, sd1 and sd2"
+        )
     if unet.get("addition_embed_type") == "text_time":
         return "sdxl"
     return "sd2" if unet.get("cross_attention_dim") == 1024 else "sd1"
@@ -199,21 +209,29 @@ def resolve_family(model: str, family_setting: str = "auto") -> Family:
     path = Path(model)
     if path.is_dir():
         return detect_family(path)
-    name = model.lower()
+    family = guess_family(model)
+    if family is None:
+        raise ConfigError(
+            f"ZT_MODEL={model}: cannot tell the model family from the name; set ZT_MODEL_FAMILY "
+            f"to one of {', '.join(FAMILIES)}"
+        )
+    return family
+
+
+def guess_family(hub_id: str) -> Family | None:
+    """The family a hub id's name says (when its configs cannot be read), or None."""
+    name = hub_id.lower()
     if "flux" in name:
         return "flux"
     if "stable-diffusion-3" in name or "sd3" in name:
         return "sd3"
     if "xl" in name:
         return "sdxl"
-    if "stable-diffusion-2" in name or "sd2" in name:
+    if "stable-diffusion-2" in name or "sd2" in name or "-2" in name or "v2" in name:
         return "sd2"
-    if "v1-" in name or "stable-diffusion-v1" in name or "sd1" in name:
+    if "v1-" in name or "stable-diffusion-v1" in name or "sd1" in name or "v1" in name:
         return "sd1"
-    raise ConfigError(
-        f"ZT_MODEL={model}: cannot tell the model family from the name; set ZT_MODEL_FAMILY "
-        f"to one of {', '.join(FAMILIES)}"
-    )
+    return None
 
 
 def frozen_params(
