@@ -253,6 +253,6 @@ def node_load_markdown() -> str:
         load = plan.load
         rows.append(
             f"| {plan.choice.label()} | {load.path} | {load.peak_bytes / GiB:.1f} "
-            f"| {load.per_rank_bytes('load') / GiB:.1f} | {plan.choice.host_bytes / GiB:.1f} |"
+            f"| {load.per_rank_bytes() / GiB:.1f} | {plan.choice.host_bytes / GiB:.1f} |"
         )
     return "\n".join(rows) + "\n"

@@ -167,3 +167,52 @@ def test_model_errors_name_the_setting(tmp_path: Path) -> None:
     # the tests run with HF_HUB_OFFLINE=1 (conftest): an uncached hub id cannot be fetched
     with pytest.raises(ConfigError, match="ZT_MODEL=someone/not-cached"):
         model.resolve_model("someone/not-cached", cache_dir=tmp_path)
+
+
+def test_frozen_parts_load_on_a_nodes_first_rank_and_leave_before_the_engine(
+    demo_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """caching.fill: only a node's first rank loads the VAE and text encoders (the node's share
+    of the cache); once it returns nothing holds them any more."""
+    import weakref
+
+    from zerotuner import caching, data, distributed, families
+    from zerotuner.settings import Settings
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # torchrun's view: 2 nodes of 2 ranks
+    for local, rank, expected in ((0, 0, (0, 2)), (1, 1, None), (0, 2, (1, 2)), (1, 3, None)):
+        monkeypatch.setenv("LOCAL_RANK", str(local))
+        assert distributed.node_leader(rank, 4) == expected
+
+    s = Settings(
+        model=str(demo_dir / "model"), data_dir=demo_dir / "data", cache_dir=tmp_path / "cache",
+        resolution=64,
+    )  # fmt: skip
+    components = model.load_components(
+        demo_dir / "model", "sdxl", gradient_checkpointing=False, with_frozen=False
+    )
+    conditioning = families.get("sdxl").configured(s)
+    dataset = data.scan(s.data_dir, log_skipped=False)
+    buckets = data.assign_buckets(dataset.items, 64, multiple=8)
+    loaded: list[weakref.ref] = []
+    real_load = model.load_frozen
+
+    def load_frozen(c, **kw):
+        real_load(c, **kw)
+        loaded.extend(weakref.ref(m) for m in (c.vae, *c.text_encoders))
+
+    monkeypatch.setattr(model, "load_frozen", load_frozen)
+
+    def fill(rank: int, local_world: int) -> caching.feature_cache.CacheStats:
+        monkeypatch.setenv("LOCAL_RANK", str(rank % local_world))
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", str(local_world))
+        return caching.fill(
+            s, demo_dir / "model", components, conditioning, dataset, buckets, rank=rank,
+            world=local_world, device=torch.device("cpu"), dtype=torch.float32,
+        )[2]  # fmt: skip
+
+    assert fill(1, 2).latents_encoded == 0 and loaded == []  # a second local rank loads nothing
+    stats = fill(0, 1)
+    assert stats.latents_encoded == len(dataset) > 0 and len(loaded) == 3  # VAE + 2 encoders
+    assert components.vae is None and components.text_encoders == []
+    assert all(ref() is None for ref in loaded)  # released: nothing refers to them

@@ -1,9 +1,11 @@
 """The caching phase of one rank: every image's latents and every caption's embeddings
-encoded once into the feature cache (cache.py), shared out among the ranks, before the engine
-starts; the frozen VAE and text encoders are released afterwards."""
+encoded once into the feature cache (cache.py), shared out among the nodes (each node's first
+rank encodes), before the engine starts; the frozen VAE and text encoders are released
+afterwards."""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +15,8 @@ from zerotuner import cache as feature_cache
 from zerotuner import data, distributed, model
 from zerotuner.families.unet import time_ids
 from zerotuner.settings import Settings
+
+log = logging.getLogger(__name__)
 
 
 def fill(
@@ -29,7 +33,9 @@ def fill(
     dtype: torch.dtype,
     texts: bool = True,
 ) -> tuple[feature_cache.FeatureCache, list[feature_cache.CacheItem], feature_cache.CacheStats]:
-    """Encode what the cache lacks (this rank's share) and wait for every rank's. `texts`
+    """Encode what the cache lacks and wait for every rank. One rank per node loads the VAE
+    and text encoders and encodes the node's share (a T5-XXL per rank would hold tens of GB of
+    host memory on a multi-GPU node); they are released before the engine starts. `texts`
     False: captions are not cached (the text encoders train, see lora_text.py)."""
     text_dirs = [d for pair in conditioning.text_subfolders for d in pair]
     features = feature_cache.FeatureCache(
@@ -55,9 +61,15 @@ def fill(
         captions = []
     # every rank lists the same missing entries before any rank writes one
     distributed.barrier()
-    my_latents = feature_cache.share(latents, rank, world)
-    my_texts = feature_cache.share(captions, rank, world)
+    leader = distributed.node_leader(rank, world)  # (node, nodes) on a node's first rank
+    my_latents = feature_cache.share(latents, *leader) if leader else []
+    my_texts = feature_cache.share(captions, *leader) if leader else []
     if my_latents or my_texts:
+        log.info(
+            "caching: this node's first rank loads the VAE and text encoders once for the "
+            "node and encodes %d images and %d captions (node %d of %d)",
+            len(my_latents), len(my_texts), *leader,
+        )  # fmt: skip
         model.load_frozen(components, device=device, text_dtype=dtype)
         features.encode_latents(
             [items[i] for i in my_latents], lambda px: model.encode_images(components.vae, px)

@@ -39,6 +39,15 @@ def init_distributed(*, device: str, master_addr: str, master_port: int) -> tupl
     return dist.get_rank(), dist.get_world_size()
 
 
+def node_leader(rank: int, world: int) -> tuple[int, int] | None:
+    """(this node's index, the number of nodes) on each node's first local rank, else None.
+    torchrun numbers the ranks of a node contiguously, LOCAL_WORLD_SIZE per node."""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
+    if int(os.environ.get("LOCAL_RANK", "0")) != 0:
+        return None
+    return rank // local, max(1, world // local)
+
+
 def barrier() -> None:
     if dist.is_available() and dist.is_initialized():
         dist.barrier()

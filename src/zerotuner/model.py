@@ -8,6 +8,7 @@ flags. This module knows nothing about distribution: deepspeed.initialize is in 
 
 from __future__ import annotations
 
+import gc
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -90,10 +91,15 @@ class Components:
     tokenizers: list[Any] = field(default_factory=list)
 
     def drop_frozen(self) -> None:
-        """After caching, the VAE and text encoders leave the device (and memory)."""
+        """After caching, the VAE and text encoders leave the device and the host before the
+        engine starts: their memory goes back, not into PyTorch's or glibc's free lists."""
         self.vae = None
         self.text_encoders = []
         self.tokenizers = []
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        zero_init.trim()
 
 
 def load_unet(

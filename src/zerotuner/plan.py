@@ -105,7 +105,11 @@ class Plan:
         out = {
             phase: {
                 "host_bytes": self.load.phase_bytes(phase),
-                "live": [LOAD_PART_NAMES[k] for k in self.load.phase_parts(phase)],
+                "live": [
+                    LOAD_PART_NAMES[k]
+                    for k in (*self.load.per_rank, *self.load.node_parts(phase))
+                    if k in LOAD_PART_NAMES
+                ],
             }
             for phase in ("load", "caching")
         }
@@ -354,11 +358,12 @@ def _load_what(load: LoadPeak) -> str:
         for k, v in load.per_rank.items()
         if k in TRAINED_PARTS
     )
-    frozen = gib(load.per_rank["frozen_parts"])
+    frozen = gib(load.per_node["frozen_parts"])
+    before = ", before DeepSpeed partitions anything" if load.path == "full_copy" else ""
     return (
         f"each of the {load.ranks_per_node} rank(s) on a node holds the "
-        f"{trained or 'no model weights'} and the VAE and text encoders ({frozen} GiB) while "
-        "caching" + (", before DeepSpeed partitions anything" if load.path == "full_copy" else "")
+        f"{trained or 'no model weights'}, and one of them the VAE and text encoders "
+        f"({frozen} GiB) while caching{before}"
     )
 
 

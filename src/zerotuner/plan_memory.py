@@ -205,27 +205,28 @@ class LoadPeak:
     """Host bytes per node before the DeepSpeed engine is ready, phase by phase.
 
     "full_copy" (stages 0-2): every local rank builds the whole trained UNet in fp32
-    (`model.load_unet`) and keeps it while the frozen VAE and text encoders load and encode the
-    dataset for the feature cache; `deepspeed.initialize` then moves or partitions it.
-    "zero_init" (ZeRO-3, zero_init.py): each rank builds only its partition, in the training
-    dtype, and holds one largest tensor more while the weights stream in. Either way the peak is
-    the caching phase: the trained model and the frozen parts are both live.
+    (`model.load_unet`) and keeps it while the dataset is encoded for the feature cache;
+    `deepspeed.initialize` then moves or partitions it. "zero_init" (ZeRO-3, zero_init.py): each
+    rank builds only its partition, in the training dtype, and holds one largest tensor more
+    while the weights stream in. The VAE and text encoders load once per node, on its first
+    rank, while caching (caching.py): the peak is the caching phase.
     """
 
     ranks_per_node: int
-    per_rank: dict[str, int]  # process, cuda_host_context, the trained model's parts, frozen
-    per_node: dict[str, int]  # entrypoint, torchrun_agent
+    per_rank: dict[str, int]  # process, cuda_host_context, the trained model's parts
+    per_node: dict[str, int]  # entrypoint, torchrun_agent, frozen_parts (caching only)
     path: str = "full_copy"
 
-    def phase_parts(self, phase: str) -> tuple[str, ...]:
-        """The per-rank parts live in `phase` ("load" or "caching")."""
-        return tuple(k for k in self.per_rank if phase == "caching" or k != "frozen_parts")
+    def node_parts(self, phase: str) -> tuple[str, ...]:
+        """The per-node parts live in `phase` ("load" or "caching")."""
+        return tuple(k for k in self.per_node if phase == "caching" or k != "frozen_parts")
 
-    def per_rank_bytes(self, phase: str = "caching") -> int:
-        return sum(self.per_rank[k] for k in self.phase_parts(phase))
+    def per_rank_bytes(self) -> int:
+        return sum(self.per_rank.values())
 
     def phase_bytes(self, phase: str) -> int:
-        return self.ranks_per_node * self.per_rank_bytes(phase) + sum(self.per_node.values())
+        node = sum(self.per_node[k] for k in self.node_parts(phase))
+        return self.ranks_per_node * self.per_rank_bytes() + node
 
     @property
     def peak_bytes(self) -> int:
@@ -250,7 +251,7 @@ LOAD_PART_NAMES = {
     "trained_partition": "this rank's ZeRO-3 partition of the UNet (zero.Init)",
     "param_swap_buffers": "NVMe parameter swap buffers (zero.Init)",
     "load_staging": "one largest tensor read and gathered (zero.Init)",
-    "frozen_parts": "VAE and text encoders (caching)",
+    "frozen_parts": "VAE and text encoders, once per node (caching)",
 }
 TRAINED_PARTS = ("trained_model_fp32", "trained_partition", "param_swap_buffers", "load_staging")
 
@@ -271,8 +272,9 @@ def load_peak(
     the training dtype (the CPU accelerator's "device" is host memory; on a GPU without
     parameter offload it is on the device), or with parameters on NVMe the swap buffers
     zero.Init allocates; and one largest tensor twice: read from the file (fp32 assumed) on rank
-    0 and gathered in the training dtype on every rank. The frozen parts count at the training
-    dtype, as the device's caching estimate does: the text encoders load in it, the fp32 VAE is
+    0 and gathered in the training dtype on every rank. The frozen parts load once per node (its
+    first rank encodes the node's share of the cache) and count at the training dtype, as the
+    device's caching estimate does: the text encoders load in it, the fp32 VAE is
     the smallest part, and on a GPU each part leaves the host for the device once loaded."""
     p_bytes = 4 if precision == "no" else 2
     per_rank = {"process": RANK_PROCESS}
@@ -288,6 +290,9 @@ def load_peak(
         elif offload_param == "cpu" or on_cpu:
             per_rank["trained_partition"] = p_bytes * shape.unet_params // world_size
         per_rank["load_staging"] = (4 + p_bytes) * shape.largest_param
-    per_rank["frozen_parts"] = p_bytes * shape.frozen_params
-    per_node = {"entrypoint": ENTRYPOINT_PROCESS, "torchrun_agent": TORCHRUN_AGENT}
+    per_node = {
+        "entrypoint": ENTRYPOINT_PROCESS,
+        "torchrun_agent": TORCHRUN_AGENT,
+        "frozen_parts": p_bytes * shape.frozen_params,
+    }
     return LoadPeak(ranks_per_node, per_rank, per_node, path)
