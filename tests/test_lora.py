@@ -189,6 +189,7 @@ def test_zero3_validation_samples_use_the_adapter(zero3, demo_dir: Path, tmp_pat
     "offload",
     [
         {"stage": 0},
+        {"stage": 1},
         {"stage": 2, "lora_rslora": True},
         {"stage": 2, "offload_optimizer": "cpu", "precision": "bf16"},
         {
@@ -199,7 +200,13 @@ def test_zero3_validation_samples_use_the_adapter(zero3, demo_dir: Path, tmp_pat
             "gradient_checkpointing": True,
         },
     ],
-    ids=["zero0", "zero2-rslora", "zero2-cpu-offload-bf16", "zero3-nvme-dora-checkpointing"],
+    ids=[
+        "zero0",
+        "zero1",
+        "zero2-rslora",
+        "zero2-cpu-offload-bf16",
+        "zero3-nvme-dora-checkpointing",
+    ],
 )
 def test_lora_at_other_stages(offload, tmp_path, demo_dir: Path, lora_cache: Path) -> None:
     """3 steps, a checkpoint at 2 (the adapter and its optimizer state only), and a restart from
@@ -314,9 +321,9 @@ def test_zero3_lora_resumes_on_another_stage_or_world_size(
     zero3, tmp_path, demo_dir, lora_cache, stage, world
 ) -> None:
     """Through the universal checkpoint: on 2 ranks at ZeRO-2 the same samples are seen, so
-    the losses match the uninterrupted run's; on 1 rank a run that ends at the checkpoint's
-    own step exports exactly the checkpoint's adapter (it was loaded, not trained afresh)."""
-    last = 12 if world == 2 else 8
+    the losses match the uninterrupted run's; on 1 rank the run continues from the
+    checkpoint's adapter (steps 9 and 10, near the step-8 adapter, not a fresh one)."""
+    last = 12 if world == 2 else 10
     stopped = tmp_path / "output"
     (stopped / "checkpoints").mkdir(parents=True)
     shutil.copytree(zero3 / "checkpoints" / "step-8", stopped / "checkpoints" / "step-8")
@@ -337,9 +344,12 @@ def test_zero3_lora_resumes_on_another_stage_or_world_size(
         before = [s["loss"] for s in tk.read_steps(zero3)]
         assert losses == pytest.approx(before[8:12], abs=1e-3)
     else:
+        assert [s["step"] for s in tk.read_steps(stopped)] == [9, 10]
         saved = checkpoint_adapter(zero3 / "checkpoints" / "step-8")
         assert final.keys() == saved.keys()
-        assert all(torch.equal(final[k], saved[k]) for k in saved)
+        moved = sum((final[k] - saved[k]).norm() ** 2 for k in saved) ** 0.5
+        size = sum(saved[k].norm() ** 2 for k in saved) ** 0.5
+        assert 0 < moved < 0.5 * size  # trained on, from the checkpoint's adapter
 
 
 @pytest.mark.slow

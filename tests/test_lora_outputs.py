@@ -164,6 +164,15 @@ def test_zero3_merged_pipeline_generates_as_base_plus_adapter(zero3, demo_dir, t
     unet = "unet/diffusion_pytorch_model.safetensors"
     exported = load_file(tmp_path / "out" / lora_files.MERGED / unet)
     written = load_file(zero3 / "final" / lora_files.MERGED / unet)
+    # The base never moved: what the trained ZeRO-3 engine gathered at the end, outside the
+    # adapter's targets, is the model file's tensors bit for bit; the targets moved by B.A.
+    base = load_file(demo_dir / "model" / unet)
+    targets = lora.parse_targets(TARGETS)
+    adapted = {k for k in base if any(lora._matches(k.rsplit(".", 1)[0], t) for t in targets)}
+    assert written.keys() == base.keys() and adapted and adapted < base.keys()
+    for key in base.keys() - adapted:
+        assert torch.equal(written[key], base[key]), key
+    assert all(not torch.equal(written[k], base[k]) for k in adapted if k.endswith(".weight"))
     assert exported.keys() == written.keys()
     for key in written:  # the same adapter, merged here with this process's thread count
         torch.testing.assert_close(exported[key], written[key], rtol=1e-6, atol=1e-6)

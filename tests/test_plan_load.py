@@ -209,3 +209,18 @@ def test_readme_node_table_is_what_the_planner_says():
     assert before[1] == "full_copy" and {row[1] for row in after} == {"zero_init"}
     # starting an 8-GPU SDXL node takes a third of the host with zero.Init
     assert all(3 * float(row[2]) < 1.2 * float(before[2]) for row in after)
+
+
+def test_a_lora_base_loads_in_16_bit_below_zero_3():
+    """A frozen base has no fp32 masters: below ZeRO-3 each rank reads it in the run's dtype."""
+    from zerotuner import lora, trainable
+
+    adapter = trainable.lora_adapter(SDXL, rank=16, targets=lora.PRESETS["attention"])
+    plan = sdxl_plan(gpus(8, 80, 1024), training=adapter)
+    assert plan.choice.zero_stage < 3 and plan.load.path == "full_copy"
+    assert plan.load.per_rank["base_model_16bit"] == 2 * PSI
+    assert "trained_model_fp32" not in plan.load.per_rank
+    full = sdxl_plan(gpus(8, 80, 1024))
+    assert full.load.peak_bytes - plan.load.peak_bytes == 8 * 2 * PSI
+    fp32 = sdxl_plan(gpus(8, 80, 1024), training=adapter, mixed_precision="no")
+    assert fp32.load.per_rank["trained_model_fp32"] == 4 * PSI  # no 16-bit dtype to load in

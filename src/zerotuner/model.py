@@ -108,10 +108,13 @@ def load_unet(
     gradient_checkpointing: bool,
     family: str = "sdxl",
     deepspeed_config: dict[str, Any] | None = None,
+    dtype: torch.dtype = torch.float32,
 ) -> Any:
     """The trainable denoiser (the family's UNet or transformer). At ZeRO-3 (`deepspeed_config`
     given, stage 3) it is built inside deepspeed.zero.Init, each rank holding its partition
-    only (zero_init.py); else in fp32 whole: DeepSpeed casts it to the configured precision."""
+    only (zero_init.py); else whole in `dtype`: fp32 for full training (DeepSpeed makes its
+    masters from it), the run's 16-bit dtype for a LoRA base, which DeepSpeed would cast to it
+    anyway and which has no masters."""
     kind = families.get(family)
     if zero_init.wanted(deepspeed_config):
         assert deepspeed_config is not None
@@ -121,9 +124,7 @@ def load_unet(
         )  # fmt: skip
         if unet is not None:
             return unet
-    unet = kind.denoiser_class().from_pretrained(
-        source, subfolder=kind.denoiser, dtype=torch.float32
-    )
+    unet = kind.denoiser_class().from_pretrained(source, subfolder=kind.denoiser, dtype=dtype)
     if gradient_checkpointing:
         unet.enable_gradient_checkpointing()
     unet.train()
@@ -149,13 +150,15 @@ def load_components(
     gradient_checkpointing: bool,
     with_frozen: bool = True,
     deepspeed_config: dict[str, Any] | None = None,
+    dtype: torch.dtype = torch.float32,
 ) -> Components:
-    """`deepspeed_config`: the run's effective DeepSpeed config (None outside a training rank)."""
+    """`deepspeed_config`: the run's effective DeepSpeed config (None outside a training rank);
+    `dtype`: the denoiser's below ZeRO-3 (see load_unet)."""
     kind = families.get(family)
     scheduler = kind.scheduler_class().from_pretrained(source, subfolder="scheduler")
     unet = load_unet(
         source, gradient_checkpointing=gradient_checkpointing, family=family,
-        deepspeed_config=deepspeed_config,
+        deepspeed_config=deepspeed_config, dtype=dtype,
     )  # fmt: skip
     components = Components(family=family, source=source, unet=unet, scheduler=scheduler)
     if with_frozen:

@@ -289,6 +289,7 @@ def make_plan(
             shape, ranks_per_node=ranks_per_node, precision=precision, on_cpu=on_cpu,
             zero_stage=row.zero_stage if stage is None else stage,
             offload_param=row.offload_param, world_size=world_size,
+            lora=training.type == "lora",
         )  # fmt: skip
 
     fitting = sorted((r for r in rows if r.fits), key=preference)

@@ -248,12 +248,16 @@ LOAD_PART_NAMES = {
     "process": "rank runtime",
     "cuda_host_context": "CUDA host context",
     "trained_model_fp32": "full fp32 UNet on every rank",
+    "base_model_16bit": "full 16-bit LoRA base UNet on every rank",
     "trained_partition": "this rank's ZeRO-3 partition of the UNet (zero.Init)",
     "param_swap_buffers": "NVMe parameter swap buffers (zero.Init)",
     "load_staging": "one largest tensor read and gathered (zero.Init)",
     "frozen_parts": "VAE and text encoders, once per node (caching)",
 }
-TRAINED_PARTS = ("trained_model_fp32", "trained_partition", "param_swap_buffers", "load_staging")
+TRAINED_PARTS = (
+    "trained_model_fp32", "base_model_16bit", "trained_partition", "param_swap_buffers",
+    "load_staging",
+)  # fmt: skip
 
 
 def load_peak(
@@ -265,10 +269,12 @@ def load_peak(
     zero_stage: int | None = None,
     offload_param: str = "none",
     world_size: int = 1,
+    lora: bool = False,
 ) -> LoadPeak:
     """The load-time host peak per node. Below ZeRO-3 (or `zero_stage` None: the path before
-    zero.Init) the UNet is read whole in fp32 (DeepSpeed casts it itself), LoRA's base included
-    (the adapter is added after). At ZeRO-3 (zero_init.py) a rank's host holds its partition in
+    zero.Init) the UNet is read whole in fp32 (DeepSpeed makes its masters from it), a LoRA base
+    (`lora`) in the run's 16-bit dtype (frozen: no masters; the adapter is added after). At
+    ZeRO-3 (zero_init.py) a rank's host holds its partition in
     the training dtype (the CPU accelerator's "device" is host memory; on a GPU without
     parameter offload it is on the device), or with parameters on NVMe the swap buffers
     zero.Init allocates; and one largest tensor twice: read from the file (fp32 assumed) on rank
@@ -281,7 +287,9 @@ def load_peak(
     if not on_cpu:
         per_rank["cuda_host_context"] = CUDA_HOST_CONTEXT
     path = "zero_init" if zero_stage == 3 else "full_copy"
-    if path == "full_copy":
+    if path == "full_copy" and lora and p_bytes == 2:  # a frozen base loads in 16-bit
+        per_rank["base_model_16bit"] = 2 * shape.unet_params
+    elif path == "full_copy":
         per_rank["trained_model_fp32"] = 4 * shape.unet_params
     else:
         if offload_param == "nvme":

@@ -126,6 +126,8 @@ class Run:
             gradient_checkpointing=job.gradient_checkpointing,
             with_frozen=False,
             deepspeed_config=job.deepspeed,
+            # a LoRA base is frozen: loaded straight in the run's dtype, no fp32 copy
+            dtype=self.dtype if s.training_type == "lora" else torch.float32,
         )
         self.conditioning = families.get(job.family).configured(s)
         self.objective = self.conditioning.objective(
