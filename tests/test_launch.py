@@ -431,3 +431,26 @@ def test_two_nodes_on_localhost_form_one_job(tmp_path):
     assert sorted(p.read_text() for p in out.glob("sum-*")) == ["2 2", "2 2"]
     assert [p.name for p in status0.glob("rank-*")] == ["rank-0.json"]
     assert [p.name for p in status1.glob("rank-*")] == ["rank-1.json"]
+
+
+def test_check_sizes_the_text_cache_against_the_free_space(
+    demo_job_env, flow_demo_dirs, capsys, monkeypatch
+):
+    import shutil
+    from collections import namedtuple
+
+    from zerotuner.data import scan
+
+    flux = flow_demo_dirs["flux"]
+    monkeypatch.setenv("ZT_MODEL", str(flux / "model"))
+    monkeypatch.setenv("ZT_DATA_DIR", str(flux / "data"))
+    captions = len({item.caption for item in scan(flux / "data", log_skipped=False).items})
+    code, out = _check(capsys)
+    (line,) = [line for line in out.splitlines() if " text cache " in line]
+    assert code == 0 and line.startswith("OK") and f" {captions} captions x " in line, out
+    assert "GiB free" in line
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(1, 1, 0))  # a full disk
+    code, out = _check(capsys)
+    (line,) = [line for line in out.splitlines() if " text cache " in line]
+    assert code == 3 and line.startswith("FAIL") and "ZT_CACHE_DIR" in line

@@ -95,7 +95,8 @@ def run(args: argparse.Namespace) -> int:
     elif "plan" in c.facts and "inputs" in c.facts:
         c.run("deepspeed config", lambda: _normalize(c))
     if _available("zerotuner.data"):
-        c.run("dataset", lambda: _dataset(c))
+        if c.run("dataset", lambda: _dataset(c)) and "plan" in c.facts:
+            c.run("text cache", lambda: _text_cache(c))
     else:
         c.skip("dataset", "zerotuner.data is not available")
     if "inputs" not in c.facts:  # their nvme_path may name the offload folder
@@ -297,7 +298,29 @@ def _dataset(c: Checks) -> tuple[str, list[str]]:
     warnings = [f"skipped {path}: {why}" for path, why in dataset.skipped[:5]]
     if len(dataset.skipped) > 5:
         warnings.append(f"... and {len(dataset.skipped) - 5} more skipped files")
+    c.facts["dataset"] = dataset
     return f"{len(dataset)} images in {settings.data_dir}", warnings
+
+
+def _text_cache(c: Checks) -> str:
+    """The captions' cached text states against the free space at ZT_CACHE_DIR (T5's make them
+    large: up to 4 MiB a caption for Flux)."""
+    import shutil
+
+    settings, plan = c.facts["settings"], c.facts["plan"]
+    captions = len({item.caption for item in c.facts["dataset"].items})
+    need = captions * plan.inputs["caption_cache_bytes"]
+    where = next(p for p in (settings.cache_dir, *settings.cache_dir.absolute().parents)
+                 if p.exists())  # fmt: skip
+    free = shutil.disk_usage(where).free
+    size = f"{captions} captions x {plan.inputs['caption_cache_bytes'] / 2**20:.2f} MiB = "
+    size += f"{need / 2**30:.2f} GiB at most (ZT_CACHE_DIR={settings.cache_dir})"
+    if need > free:
+        raise EnvironmentUnfit(
+            f"text cache: {size}, but {where} has {free / 2**30:.2f} GiB free; free space there, "
+            "point ZT_CACHE_DIR at a larger disk or shorten ZT_MAX_SEQUENCE_LENGTH"
+        )
+    return f"{size}; {free / 2**30:.1f} GiB free"
 
 
 def _offload(c: Checks) -> tuple[str, list[str]] | str:
