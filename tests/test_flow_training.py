@@ -1,6 +1,7 @@
 """SD3 and Flux.1 under DeepSpeed on 2 CPU ranks (real torchrun, real diffusers transformers):
-flow matching trains, checkpoints, samples with the family's pipeline, exports a folder that
-DiffusionPipeline loads and generates with, and resumes on one rank at another stage."""
+flow matching trains at ZeRO-2 and ZeRO-3 (CPU and NVMe offload), checkpoints, samples with the
+family's pipeline, exports a folder that DiffusionPipeline loads and generates with, and
+resumes on one rank at another stage."""
 
 from __future__ import annotations
 
@@ -25,6 +26,12 @@ RUNS = {
     "flux": {"stage": 3, "offload_optimizer": "nvme", "offload_param": "nvme", "ema": False},
 }
 RESUME_STAGE = {"sd3": 3, "flux": 2}
+# Each family at the stage its run above does not use, with the other offload.
+OTHER = {
+    "sd3": {"stage": 3, "offload_optimizer": "nvme", "offload_param": "nvme",
+            "gradient_checkpointing": True},
+    "flux": {"stage": 2, "offload_optimizer": "cpu", "offload_param": "none"},
+}  # fmt: skip
 
 
 def run(tmp: Path, demo: Path, family: str, *, stage: int, world: int = 2, output: Path,
@@ -133,6 +140,35 @@ def test_flow_families_resume_on_one_rank_at_another_stage(flow_run, tmp_path) -
     assert "converting once to universal" in log
     assert [s["step"] for s in tk.read_steps(stopped)] == list(range(SAVED + 1, STEPS + 1))
     assert (stopped / "final" / "transformer" / "config.json").is_file()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["sd3", "flux"])
+def test_flow_families_at_the_other_stage_train_and_export(family, flow_demo_dirs, tmp_path):
+    """SD3 at ZeRO-3 with NVMe offload and gradient checkpointing, Flux at ZeRO-2 with the
+    optimizer on the CPU: the held-out loss falls, and `zerotuner export` turns the checkpoint
+    into a folder the family's own pipeline loads and generates with."""
+    import numpy as np
+    from diffusers import DiffusionPipeline
+
+    from zerotuner.cli import main
+
+    demo, output = flow_demo_dirs[family], tmp_path / "output"
+    run(tmp_path, demo, family, output=output, checkpoint_every_steps=STEPS, **OTHER[family])
+    checkpoint = output / "checkpoints" / f"step-{STEPS}"
+    assert read_manifest(checkpoint)["zero_stage"] == OTHER[family]["stage"]
+    assert main(["export", str(checkpoint), str(tmp_path / "exported")]) == 0
+    base = DiffusionPipeline.from_pretrained(demo / "model")
+    exported = DiffusionPipeline.from_pretrained(tmp_path / "exported")
+    assert type(exported) is type(base)
+    before = held_out_loss(demo, family, base.transformer)
+    assert held_out_loss(demo, family, exported.transformer) < 0.97 * before
+    exported.set_progress_bar_config(disable=True)
+    image = exported(
+        PROMPT, num_inference_steps=2, height=64, width=64, output_type="np",
+        max_sequence_length=TOKENS, generator=torch.Generator().manual_seed(0),
+    ).images[0]  # fmt: skip
+    assert image.shape == (64, 64, 3) and np.isfinite(image).all()
 
 
 @pytest.mark.parametrize("family", ["sd3", "flux"])
