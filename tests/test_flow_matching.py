@@ -67,3 +67,44 @@ def test_flux_packing_round_trip_and_position_ids():
     ids = fm.image_ids(4, 6)
     assert ids.shape == (6, 3)
     assert ids.tolist() == [[0, r, c] for r in range(2) for c in range(3)]
+
+
+class Echo(torch.nn.Module):
+    """A denoiser that predicts its own input and records what it was called with: the loss is
+    then the mean of (noisy - target)^2, computable by hand from the same draws."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.anchor = torch.nn.Parameter(torch.zeros(1))  # where the objective finds the device
+        self.calls: list[dict] = []
+
+    def forward(self, hidden_states, **kwargs):
+        from types import SimpleNamespace
+
+        self.calls.append(kwargs)
+        return SimpleNamespace(sample=hidden_states)
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["sd3", "flux"])
+def test_the_loss_is_the_mse_against_the_velocity_target(packed):
+    latents = torch.randn(2, 4, 4, 6, generator=torch.Generator().manual_seed(1))
+    config = fm.FlowConfig(shift=3.0)
+    objective = fm.FlowObjective(config, packed=packed, guidance=3.5 if packed else None)
+    echo = Echo()
+    text = {"encoder_hidden_states": torch.zeros(2, 5, 8)}
+    loss = objective.loss(
+        echo, latents, text, generator=torch.Generator().manual_seed(7), dtype=torch.float32
+    )
+    gen = torch.Generator().manual_seed(7)  # the same draws, in the objective's order
+    noise = torch.randn(latents.shape, generator=gen)
+    sigmas = fm.sample_sigmas(2, config, gen)
+    s = sigmas.view(2, 1, 1, 1)
+    by_hand = (((1 - s) * latents + s * noise) - (noise - latents)).pow(2).mean()
+    assert loss.item() == pytest.approx(by_hand.item(), rel=1e-6)
+    (call,) = echo.calls
+    if packed:  # sigma itself, 2x2 patches of 4 x 6 latents: 6 tokens, ids per patch
+        torch.testing.assert_close(call["timestep"], sigmas)
+        assert call["img_ids"].shape == (6, 3) and call["txt_ids"].shape == (5, 3)
+        assert call["guidance"].tolist() == [3.5, 3.5]
+    else:  # SD3: the 0-1000 scale
+        torch.testing.assert_close(call["timestep"], sigmas * 1000)
