@@ -32,6 +32,9 @@ CASES = [
      "decisions": {"zero_stage": 3, "offload_optimizer": "cpu", "offload_param": "cpu"}},
     {"name": "stage3-nvme", "settings": {"offload_dir": "{offload}"},
      "decisions": {"zero_stage": 3, "offload_optimizer": "nvme", "offload_param": "nvme"}},
+    # SD3.5 Large on one 24 GB GPU (README): the optimizer on NVMe, the parameters on the GPU
+    {"name": "stage3-nvme-optimizer", "settings": {"offload_dir": "{offload}"},
+     "decisions": {"zero_stage": 3, "offload_optimizer": "nvme"}},
     # FLUX.1-dev on one 24 GB GPU (README): the optimizer on NVMe, the parameters in host RAM
     {"name": "stage3-nvme-optimizer-cpu-params", "settings": {"offload_dir": "{offload}"},
      "decisions": {"zero_stage": 3, "offload_optimizer": "nvme", "offload_param": "cpu"}},
@@ -70,3 +73,19 @@ def test_deepspeed_initializes_and_steps_with_every_normalized_config(world, tmp
     outcomes = [line for line in proc.stdout.splitlines() if line.startswith(("OK ", "FAIL "))]
     assert outcomes == [f"OK {c['name']}" for c in cases], proc.stdout[-3000:] + proc.stderr[-3000:]
     assert proc.returncode == 0
+
+
+def test_the_readmes_flow_plans_are_among_the_accepted_cases():
+    """Each choice of README's SD3.5 Large / FLUX.1-dev table is a stage and offload that a case
+    above runs through DeepSpeed."""
+    sys.path.insert(0, str(HERE.parent))  # bench/ is a top-level package beside src/
+    from bench.paper import FLOW_HARDWARE, FLOW_MODELS, flow_plan
+
+    accepted = {
+        (d["zero_stage"], d.get("offload_optimizer", "none"), d.get("offload_param", "none"))
+        for d in (c["decisions"] for c in CASES)
+    }
+    for _, family in FLOW_MODELS:
+        for _, gpus, gpu_gib, host_gib in FLOW_HARDWARE:
+            c = flow_plan(family, gpus, gpu_gib, host_gib)["choice"]
+            assert (c["zero_stage"], c["offload_optimizer"], c["offload_param"]) in accepted, c

@@ -38,7 +38,7 @@ def runs(tmp_path_factory, demo_dir) -> dict[tuple[str, str], tuple[Path, str]]:
             tmp = tmp_path_factory.mktemp(f"{offload}-{path}")
             proc, output = tk.train(
                 tmp, demo_dir, cache, stage=3, steps=STEPS, offload_optimizer=offload,
-                offload_param=offload, zero_init=str(path == "zero_init").lower(),
+                offload_param=offload, zero_init=str(path == "zero_init").lower(), ema=True,
             )  # fmt: skip
             tk.assert_ok(proc, tmp)
             out[offload, path] = output, proc.stdout + proc.stderr
@@ -60,9 +60,12 @@ def test_zero_init_trains_as_the_full_copy(runs, offload) -> None:
 
 
 def test_a_zero_init_checkpoint_resumes_on_one_rank_and_exports(runs, tmp_path, demo_dir):
-    """The NVMe run's checkpoint, one more step on 1 rank (zero.Init at world 1, the checkpoint
-    converted to universal), and the export loads in diffusers and generates."""
+    """The NVMe run's checkpoint (with its EMA), one more step on 1 rank (zero.Init at world
+    1, the checkpoint converted to universal), and the exports load in diffusers and generate:
+    final/ and final-ema/ from the engine, and `zerotuner export` of the 2-rank checkpoint."""
     from diffusers import DiffusionPipeline
+
+    from zerotuner.cli import main
 
     output, _ = runs["nvme", "zero_init"]
     moved = tmp_path / "output"
@@ -71,17 +74,19 @@ def test_a_zero_init_checkpoint_resumes_on_one_rank_and_exports(runs, tmp_path, 
     os.symlink(step, moved / "checkpoints" / step.name)  # the resume only reads it
     proc, _ = tk.train(
         tmp_path, demo_dir, tmp_path / "cache", stage=3, steps=STEPS + 1, world=1,
-        output=moved, offload_optimizer="nvme", offload_param="nvme",
+        output=moved, offload_optimizer="nvme", offload_param="nvme", ema=True,
     )  # fmt: skip
     tk.assert_ok(proc, tmp_path, world=1)
     log = proc.stdout + proc.stderr
-    assert BUILT in log and "resumed from" in log
+    assert BUILT in log and "resumed from" in log and "converting once to universal" in log
     assert [s["step"] for s in tk.read_steps(moved)] == [STEPS + 1]
-    pipe = DiffusionPipeline.from_pretrained(moved / "final")
-    pipe.set_progress_bar_config(disable=True)
-    gen = torch.Generator().manual_seed(0)
-    image = pipe("a red square", height=64, width=64, num_inference_steps=2, generator=gen)
-    assert image.images[0].size == (64, 64)
+    assert main(["export", str(step), str(tmp_path / "exported")]) == 0
+    for folder in (moved / "final", moved / "final-ema", tmp_path / "exported"):
+        pipe = DiffusionPipeline.from_pretrained(folder)
+        pipe.set_progress_bar_config(disable=True)
+        gen = torch.Generator().manual_seed(0)
+        image = pipe("a red square", height=64, width=64, num_inference_steps=2, generator=gen)
+        assert image.images[0].size == (64, 64), folder
 
 
 # --- a rank's memory while it loads -----------------------------------------------------------
