@@ -43,11 +43,11 @@ def unet_flops(batch: int = 1, latent: int = 128, lora_rank: int = 0) -> tuple[f
     from diffusers import UNet2DConditionModel
     from torch.utils.flop_counter import FlopCounterMode
 
-    from zerotuner.families import BUILTIN_UNET_CONFIGS
+    from zerotuner.families import REGISTRY
     from zerotuner.lora import ATTENTION, make_config
 
     with torch.device("meta"):
-        unet = UNet2DConditionModel.from_config(BUILTIN_UNET_CONFIGS["sdxl"])
+        unet = UNet2DConditionModel.from_config(REGISTRY["sdxl"].builtin_config)
         if lora_rank:
             unet.requires_grad_(False)
             adapter = {"rank": lora_rank, "alpha": lora_rank, "targets": ATTENTION}

@@ -10,9 +10,8 @@ import pytest
 from zerotuner import cli
 from zerotuner.errors import ConfigError, EnvironmentUnfit
 from zerotuner.families import (
-    BUILTIN_TRANSFORMER_COUNTS,
-    BUILTIN_UNET_COUNTS,
     FAMILIES,
+    REGISTRY,
     ModelShape,
     frozen_params,
     model_shape,
@@ -223,7 +222,9 @@ def test_ema_is_an_fp32_copy_on_the_host():
 
 @pytest.mark.slow
 def test_builtin_counts_match_the_configs_on_the_meta_device():
-    counts = BUILTIN_UNET_COUNTS | BUILTIN_TRANSFORMER_COUNTS  # SD3.5 Large 8.06B, Flux 11.9B
+    counts = {
+        f: spec.builtin_counts for f, spec in REGISTRY.items()
+    }  # SD3.5 Large 8.06B, Flux 11.9B
     for family in FAMILIES:
         shape = model_shape(family, recount=True)
         assert (shape.unet_params, shape.largest_param) == counts[family]

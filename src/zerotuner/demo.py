@@ -19,6 +19,8 @@ from typing import Literal
 
 from PIL import Image, ImageDraw
 
+from zerotuner.families import FLOW_FAMILIES
+
 log = logging.getLogger(__name__)
 
 DemoFamily = Literal["sdxl", "sd1", "sd2", "sd3", "flux"]
@@ -53,7 +55,7 @@ def write_demo(
     dir = Path(dir)
     data = write_dataset(dir / "data", seed=seed, count=images)
     captions = [p.read_text() for p in sorted(data.glob("*.txt"))]
-    if family in ("sd3", "flux"):
+    if family in FLOW_FAMILIES:
         from zerotuner.demo_flow import write_flow_model
 
         model = write_flow_model(

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from zerotuner import families
-from zerotuner.families import BUILTIN_TEXT_PARAMS
+from zerotuner.families import REGISTRY
 from zerotuner.families.base import ModelFamily
 
 TEXT_TARGETS = ("q_proj", "k_proj", "v_proj", "out_proj")
@@ -118,7 +118,7 @@ def adapter_size(
 ) -> tuple[int, int, int]:
     """(adapter parameters, elements of its largest tensor, base parameters) of the text
     encoders' adapters: q, k, v and out projections are hidden x hidden in every layer."""
-    layers, base = BUILTIN_TEXT_ENCODERS[family], BUILTIN_TEXT_PARAMS[family]
+    layers, base = BUILTIN_TEXT_ENCODERS[family], REGISTRY[family].text_params
     folders = tuple(folder for folder, _ in families.get(family).text_subfolders)
     if model_dir is not None and all((model_dir / f / "config.json").is_file() for f in folders):
         import transformers

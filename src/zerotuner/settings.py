@@ -23,6 +23,7 @@ from pydantic_settings import (
 )
 
 from zerotuner.errors import ConfigError
+from zerotuner.families import FAMILIES
 from zerotuner.files import load_mapping
 
 ENV_PREFIX = "ZT_"
@@ -50,7 +51,7 @@ class Settings(BaseSettings):
         "stabilityai/stable-diffusion-xl-base-1.0",
         description="Hub id or local folder of a diffusers pipeline to fine-tune.",
     )
-    model_family: Literal["auto", "sdxl", "sd1", "sd2", "sd3", "flux"] = Field(
+    model_family: Literal[("auto", *FAMILIES)] = Field(  # type: ignore[valid-type]
         "auto",
         description="Model family; `auto` reads it from model_index.json / the model's config.",
     )

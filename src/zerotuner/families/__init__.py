@@ -3,8 +3,9 @@ families (SD3 / SD3.5, Flux.1). This package's root knows what the planner and t
 need before any weights exist: detection from a pipeline's files, built-in configs and
 parameter shapes (the trained model is built on the meta device, `accelerate.init_empty_weights`,
 from a local config or from its family's built-in one, so planning works on a laptop with
-nothing downloaded). What each family is to the trainer lives in one module per family behind
-`base.ModelFamily`: `get(name)`.
+nothing downloaded). Each family is one `Spec` in REGISTRY, the torch-free facts every table
+here derives from, and one module behind `base.ModelFamily` with what it is to the trainer:
+`get(name)`. The loop, checkpoints, export and the planner never name a family.
 """
 
 from __future__ import annotations
@@ -13,105 +14,119 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from zerotuner.errors import ConfigError
 
-Family = Literal["sdxl", "sd1", "sd2", "sd3", "flux"]
-FAMILIES: tuple[Family, ...] = ("sdxl", "sd1", "sd2", "sd3", "flux")
-FLOW_FAMILIES = ("sd3", "flux")  # transformers trained by flow matching
-# The module and class of each family (imported on first use: planning needs no torch).
-REGISTRY: dict[str, tuple[str, str]] = {
-    "sdxl": ("unet", "SDXL"),
-    "sd1": ("unet", "StableDiffusion"),
-    "sd2": ("unet", "StableDiffusion"),
-    "sd3": ("flow", "SD3"),
-    "flux": ("flow", "Flux"),
-}
-PIPELINES = {"StableDiffusion3Pipeline": "sd3", "FluxPipeline": "flux"}
-TRANSFORMERS = {"SD3Transformer2DModel": "sd3", "FluxTransformer2DModel": "flux"}
-T5_TOKENS = {"sd3": 256, "flux": 512}  # each pipeline's default max_sequence_length
-CLIP_TOKENS = 77
+
+@dataclass(frozen=True)
+class Spec:
+    """A family's facts that need no torch: where its trainer lives, how a pipeline's files and
+    a hub id name it, its published model's config and sizes, and what a cached caption holds.
+    A new family is its module (one `base.ModelFamily` subclass) and one entry in REGISTRY."""
+
+    module: str  # zerotuner/families/<module>.py
+    cls: str  # the ModelFamily subclass there
+    # The published model's config (fields that differ from its class's defaults) and its
+    # (parameters, largest tensor), counted once on the meta device (tests/test_plan.py
+    # recounts them): building SDXL on the meta device costs seconds.
+    builtin_config: dict[str, Any]
+    builtin_counts: tuple[int, int]
+    text_params: int  # its text encoders' parameters (frozen: the planner counts them apart)
+    vae_params: int
+    flow: bool = False  # a transformer trained by flow matching
+    pipeline: str = ""  # the model_index.json `_class_name` that names it
+    transformer: str = ""  # its transformer's `_class_name` (a folder without model_index.json)
+    hub_markers: tuple[str, ...] = ()  # parts of a hub id's name that say it
+    guess_order: int = 0  # lower is tried first: markers that others' names contain go last
+    clip_tokens: int = 77  # CLIP tokens in a cached caption's states
+    t5_tokens: int = 0  # T5 tokens in them (the pipeline's default max_sequence_length)
+    layer_keys: tuple[str, ...] = ()  # a transformer's config fields that count its blocks
+
+    @property
+    def frozen_params(self) -> int:
+        return self.text_params + self.vae_params
+
+
+CLIP_L, CLIP_G, CLIP_G_SD3 = 123_060_480, 694_659_840, 123_650_304 + 694_659_840
+T5_XXL_PARAMS = 4_762_310_656  # the encoder of google/t5-v1_1-xxl
+VAE_PARAMS = 83_653_863  # the SD 1.x/2.x/XL VAE
+VAE16_PARAMS = 83_819_683  # SD3's and Flux's 16-channel VAE
+VAE_SCALE = 8  # pixels per latent cell in every family's VAE
+
+# The published models: stabilityai/stable-diffusion-xl-base-1.0, runwayml/stable-diffusion-v1-5,
+# stabilityai/stable-diffusion-2-1, stabilityai/stable-diffusion-3.5-large, black-forest-labs/
+# FLUX.1-dev.
+REGISTRY: dict[str, Spec] = {
+    "sdxl": Spec(
+        "unet", "SDXL",
+        {
+            "sample_size": 128,
+            "block_out_channels": [320, 640, 1280],
+            "down_block_types": ["DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"],
+            "up_block_types": ["CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"],
+            "transformer_layers_per_block": [1, 2, 10],
+            "attention_head_dim": [5, 10, 20],
+            "cross_attention_dim": 2048,
+            "use_linear_projection": True,
+            "addition_embed_type": "text_time",
+            "addition_time_embed_dim": 256,
+            "projection_class_embeddings_input_dim": 2816,
+        },
+        (2_567_463_684, 29_491_200), CLIP_L + CLIP_G, VAE_PARAMS,
+        hub_markers=("xl",), guess_order=2,
+    ),
+    "sd1": Spec(
+        "unet", "StableDiffusion",
+        {"sample_size": 64, "cross_attention_dim": 768, "attention_head_dim": 8},
+        (859_520_964, 29_491_200), CLIP_L, VAE_PARAMS,
+        hub_markers=("stable-diffusion-v1", "sd1", "v1"), guess_order=4,
+    ),
+    "sd2": Spec(
+        "unet", "StableDiffusion",
+        {"sample_size": 96, "cross_attention_dim": 1024, "attention_head_dim": [5, 10, 20, 20],
+         "use_linear_projection": True},
+        (865_910_724, 29_491_200), 340_387_840, VAE_PARAMS,  # OpenCLIP ViT-H
+        hub_markers=("stable-diffusion-2", "sd2", "-2", "v2"), guess_order=3,
+    ),
+    "sd3": Spec(
+        "flow", "SD3",
+        {"sample_size": 128, "patch_size": 2, "in_channels": 16, "num_layers": 38,
+         "attention_head_dim": 64, "num_attention_heads": 38, "joint_attention_dim": 4096,
+         "caption_projection_dim": 2432, "pooled_projection_dim": 2048, "out_channels": 16,
+         "pos_embed_max_size": 192, "qk_norm": "rms_norm"},
+        (8_056_627_520, 35_487_744), CLIP_G_SD3 + T5_XXL_PARAMS, VAE16_PARAMS,
+        flow=True, pipeline="StableDiffusion3Pipeline", transformer="SD3Transformer2DModel",
+        hub_markers=("stable-diffusion-3", "sd3"), guess_order=1, t5_tokens=256,
+        layer_keys=("num_layers",),
+    ),
+    "flux": Spec(
+        "flow", "Flux",
+        {"patch_size": 1, "in_channels": 64, "num_layers": 19, "num_single_layers": 38,
+         "attention_head_dim": 128, "num_attention_heads": 24, "joint_attention_dim": 4096,
+         "pooled_projection_dim": 768, "guidance_embeds": True, "axes_dims_rope": [16, 56, 56]},
+        (11_901_408_320, 56_623_104), CLIP_L + T5_XXL_PARAMS, VAE16_PARAMS,
+        flow=True, pipeline="FluxPipeline", transformer="FluxTransformer2DModel",
+        hub_markers=("flux",), guess_order=0, clip_tokens=0, t5_tokens=512,
+        layer_keys=("num_layers", "num_single_layers"),
+    ),
+}  # fmt: skip
+Family = str  # a key of REGISTRY
+FAMILIES: tuple[Family, ...] = tuple(REGISTRY)
+FLOW_FAMILIES = tuple(f for f, spec in REGISTRY.items() if spec.flow)
+PIPELINES = {spec.pipeline: f for f, spec in REGISTRY.items() if spec.pipeline}
+TRANSFORMERS = {spec.transformer: f for f, spec in REGISTRY.items() if spec.transformer}
 
 
 def get(name: str) -> Any:
-    """The family's `base.ModelFamily`."""
+    """The family's `base.ModelFamily` (its module imported on first use: planning needs no
+    torch)."""
     import importlib
 
     if name not in REGISTRY:
         raise ConfigError(f"ZT_MODEL_FAMILY={name}: expected one of {', '.join(FAMILIES)}")
-    module, cls = REGISTRY[name]
-    return getattr(importlib.import_module(f"zerotuner.families.{module}"), cls)(name)
-
-
-# The published UNet configs (stabilityai/stable-diffusion-xl-base-1.0,
-# runwayml/stable-diffusion-v1-5, stabilityai/stable-diffusion-2-1), fields that differ from
-# diffusers' UNet2DConditionModel defaults only.
-BUILTIN_UNET_CONFIGS: dict[Family, dict[str, Any]] = {
-    "sdxl": {
-        "sample_size": 128,
-        "block_out_channels": [320, 640, 1280],
-        "down_block_types": ["DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"],
-        "up_block_types": ["CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"],
-        "transformer_layers_per_block": [1, 2, 10],
-        "attention_head_dim": [5, 10, 20],
-        "cross_attention_dim": 2048,
-        "use_linear_projection": True,
-        "addition_embed_type": "text_time",
-        "addition_time_embed_dim": 256,
-        "projection_class_embeddings_input_dim": 2816,
-    },
-    "sd1": {"sample_size": 64, "cross_attention_dim": 768, "attention_head_dim": 8},
-    "sd2": {
-        "sample_size": 96,
-        "cross_attention_dim": 1024,
-        "attention_head_dim": [5, 10, 20, 20],
-        "use_linear_projection": True,
-    },
-}
-
-# Frozen parts (text encoders + VAE) of the published checkpoints, in parameters. They are only
-# on the device while latents and embeddings are cached, so the planner counts them separately.
-BUILTIN_TEXT_PARAMS: dict[Family, int] = {
-    "sdxl": 123_060_480 + 694_659_840,  # CLIP ViT-L + OpenCLIP ViT-bigG (with projection)
-    "sd1": 123_060_480,
-    "sd2": 340_387_840,  # OpenCLIP ViT-H
-}
-VAE_PARAMS = 83_653_863
-BUILTIN_FROZEN_PARAMS: dict[Family, int] = {
-    f: n + VAE_PARAMS for f, n in BUILTIN_TEXT_PARAMS.items()
-}
-T5_XXL_PARAMS = 4_762_310_656  # the encoder of google/t5-v1_1-xxl
-VAE16_PARAMS = 83_819_683  # SD3's and Flux's 16-channel VAE
-BUILTIN_FROZEN_PARAMS["sd3"] = 123_650_304 + 694_659_840 + T5_XXL_PARAMS + VAE16_PARAMS
-BUILTIN_FROZEN_PARAMS["flux"] = 123_060_480 + T5_XXL_PARAMS + VAE16_PARAMS
-# The published transformers (stabilityai/stable-diffusion-3.5-large, black-forest-labs/
-# FLUX.1-dev), fields that differ from the classes' defaults, and their (params, largest).
-BUILTIN_TRANSFORMER_CONFIGS: dict[str, dict[str, Any]] = {
-    "sd3": {
-        "sample_size": 128, "patch_size": 2, "in_channels": 16, "num_layers": 38,
-        "attention_head_dim": 64, "num_attention_heads": 38, "joint_attention_dim": 4096,
-        "caption_projection_dim": 2432, "pooled_projection_dim": 2048, "out_channels": 16,
-        "pos_embed_max_size": 192, "qk_norm": "rms_norm",
-    },
-    "flux": {
-        "patch_size": 1, "in_channels": 64, "num_layers": 19, "num_single_layers": 38,
-        "attention_head_dim": 128, "num_attention_heads": 24, "joint_attention_dim": 4096,
-        "pooled_projection_dim": 768, "guidance_embeds": True, "axes_dims_rope": [16, 56, 56],
-    },
-}  # fmt: skip
-BUILTIN_TRANSFORMER_COUNTS = {
-    "sd3": (8_056_627_520, 35_487_744),
-    "flux": (11_901_408_320, 56_623_104),
-}
-VAE_SCALE = 8  # pixels per latent cell in every family's VAE
-# (unet_params, largest_param) of the built-in configs, counted once on the meta device
-# (tests/test_plan.py recounts them): building SDXL on the meta device costs seconds.
-BUILTIN_UNET_COUNTS: dict[Family, tuple[int, int]] = {
-    "sdxl": (2_567_463_684, 29_491_200),
-    "sd1": (859_520_964, 29_491_200),
-    "sd2": (865_910_724, 29_491_200),
-}
+    spec = REGISTRY[name]
+    return getattr(importlib.import_module(f"zerotuner.families.{spec.module}"), spec.cls)(name)
 
 
 @dataclass(frozen=True)
@@ -135,12 +150,11 @@ class ModelShape:
 
 def caption_cache_bytes(shape: ModelShape, max_sequence_length: int | None = None) -> int:
     """Disk bytes of one caption's cached text states: CLIP's 77 tokens in fp32 for the UNet
-    families; SD3's 77 + T5's, Flux's T5 tokens, in bf16 (T5-XXL is 4096 wide)."""
-    if shape.family not in FLOW_FAMILIES:
-        return CLIP_TOKENS * shape.text_width * 4
-    t5 = max_sequence_length or T5_TOKENS[shape.family]
-    tokens = t5 + (CLIP_TOKENS if shape.family == "sd3" else 0)
-    return tokens * shape.text_width * 2
+    families; a flow family's CLIP and T5 tokens in bf16 (T5-XXL is 4096 wide)."""
+    spec = REGISTRY[shape.family]
+    if not spec.flow:
+        return spec.clip_tokens * shape.text_width * 4
+    return (spec.clip_tokens + (max_sequence_length or spec.t5_tokens)) * shape.text_width * 2
 
 
 # A hub model's files the planner reads (a few KB): the pipeline index and each part's config.
@@ -182,7 +196,8 @@ def detect_family(model_dir: Path) -> Family:
     if "Transformer" in name:
         raise ConfigError(
             f"ZT_MODEL={model_dir}: a {name} model; zerotuner trains the "
-            f"{', '.join(TRANSFORMERS)} transformers and the UNets of sdxl, sd1 and sd2"
+            f"{', '.join(TRANSFORMERS)} transformers and the UNets of "
+            f"{', '.join(f for f, spec in REGISTRY.items() if not spec.flow)}"
         )
     if unet.get("addition_embed_type") == "text_time":
         return "sdxl"
@@ -221,16 +236,9 @@ def resolve_family(model: str, family_setting: str = "auto") -> Family:
 def guess_family(hub_id: str) -> Family | None:
     """The family a hub id's name says (when its configs cannot be read), or None."""
     name = hub_id.lower()
-    if "flux" in name:
-        return "flux"
-    if "stable-diffusion-3" in name or "sd3" in name:
-        return "sd3"
-    if "xl" in name:
-        return "sdxl"
-    if "stable-diffusion-2" in name or "sd2" in name or "-2" in name or "v2" in name:
-        return "sd2"
-    if "v1-" in name or "stable-diffusion-v1" in name or "sd1" in name or "v1" in name:
-        return "sd1"
+    for family, spec in sorted(REGISTRY.items(), key=lambda item: item[1].guess_order):
+        if any(marker in name for marker in spec.hub_markers):
+            return family
     return None
 
 
@@ -270,15 +278,15 @@ def model_shape(
     A built-in family uses its stored counts unless `recount`.
     """
     config_path = unet_config_path(model_dir) if model_dir else None
-    if family in FLOW_FAMILIES:
+    spec = REGISTRY[family]
+    if spec.flow:
         return _transformer_shape(family, model_dir, config_path, recount=recount)
     if config_path is None and not recount:
-        params, largest = BUILTIN_UNET_COUNTS[family]
-        native = int(BUILTIN_UNET_CONFIGS[family]["sample_size"]) * VAE_SCALE
+        params, largest = spec.builtin_counts
+        native = int(spec.builtin_config["sample_size"]) * VAE_SCALE
         return ModelShape(
-            family, params, largest, BUILTIN_FROZEN_PARAMS[family], native,
-            f"built-in {family} config",
-            text_width=int(BUILTIN_UNET_CONFIGS[family]["cross_attention_dim"]),
+            family, params, largest, spec.frozen_params, native, f"built-in {family} config",
+            text_width=int(spec.builtin_config["cross_attention_dim"]),
         )  # fmt: skip
 
     from accelerate import init_empty_weights
@@ -288,7 +296,7 @@ def model_shape(
         config = UNet2DConditionModel.load_config(str(config_path.parent))
         source = str(config_path)
     else:
-        config = BUILTIN_UNET_CONFIGS[family]
+        config = spec.builtin_config
         source = f"built-in {family} config"
     with init_empty_weights():
         unet = UNet2DConditionModel.from_config(config)
@@ -297,7 +305,7 @@ def model_shape(
         family=family,
         unet_params=sum(sizes),
         largest_param=max(sizes),
-        frozen_params=BUILTIN_FROZEN_PARAMS[family]
+        frozen_params=spec.frozen_params
         if config_path is None or model_dir is None
         else frozen_params(model_dir),
         native_resolution=int(unet.config.sample_size) * vae_scale(model_dir),
@@ -315,8 +323,7 @@ def meta_model(family: str, model_dir: Path | None = None) -> Any:
 
     cls = get(family).denoiser_class()
     path = unet_config_path(model_dir) if model_dir else None
-    builtin = BUILTIN_UNET_CONFIGS | BUILTIN_TRANSFORMER_CONFIGS
-    config = cls.load_config(str(path.parent)) if path else builtin[family]  # type: ignore[index]
+    config = cls.load_config(str(path.parent)) if path else REGISTRY[family].builtin_config
     with init_empty_weights():
         return cls.from_config(config)
 
@@ -342,11 +349,10 @@ def _transformer_shape(
     """model_shape of a flow-matching transformer (SD3's or Flux's), counted like a UNet,
     with its activations from its layers and width (`transformer_activations`)."""
     native = 1024  # SD3.5 and Flux.1 are trained at 1024 px
-    frozen = (
-        frozen_params(model_dir) if model_dir and config_path else BUILTIN_FROZEN_PARAMS[family]
-    )
+    spec = REGISTRY[family]
+    frozen = frozen_params(model_dir) if model_dir and config_path else spec.frozen_params
     if config_path is None and not recount:
-        params, largest = BUILTIN_TRANSFORMER_COUNTS[family]
+        params, largest = spec.builtin_counts
         source = f"built-in {family} config"
     else:
         from accelerate import init_empty_weights
@@ -355,7 +361,7 @@ def _transformer_shape(
         if config_path is not None:
             config, source = cls.load_config(str(config_path.parent)), str(config_path)
         else:
-            config, source = BUILTIN_TRANSFORMER_CONFIGS[family], f"built-in {family} config"
+            config, source = spec.builtin_config, f"built-in {family} config"
         with init_empty_weights():
             model = cls.from_config(config)
         sizes = [p.numel() for p in model.parameters()]
@@ -363,7 +369,7 @@ def _transformer_shape(
     config = (
         get(family).denoiser_class().load_config(str(config_path.parent))
         if config_path is not None
-        else BUILTIN_TRANSFORMER_CONFIGS[family]
+        else spec.builtin_config
     )
     return ModelShape(
         family, params, largest, frozen, native, source,
@@ -378,13 +384,10 @@ def transformer_activations(family: str, config: dict[str, Any]) -> tuple[int, i
     arXiv 2205.05198, with fused attention: no tokens^2 term), and with it the layer inputs
     (2 x tokens x width each) plus one layer recomputed. Tokens: the image's patches (2x2
     latent cells) and the text's (SD3: CLIP 77 + T5 256; Flux: T5 512)."""
-    image_tokens = (1024 // VAE_SCALE // 2) ** 2
+    spec = REGISTRY[family]
+    tokens = (1024 // VAE_SCALE // 2) ** 2 + spec.clip_tokens + spec.t5_tokens
     width = int(config["num_attention_heads"]) * int(config["attention_head_dim"])
-    if family == "flux":
-        layers = int(config["num_layers"]) + int(config["num_single_layers"])
-        tokens = image_tokens + 512
-    else:
-        layers, tokens = int(config["num_layers"]), image_tokens + 77 + 256
+    layers = sum(int(config[key]) for key in spec.layer_keys)
     per_layer = 34 * tokens * width
     return layers * per_layer, layers * 2 * tokens * width + per_layer
 
@@ -401,7 +404,7 @@ def check_family_settings(settings: Any, family: str) -> None:
     one the family cannot do yet, is one line, exit 2."""
     from zerotuner.settings import env_name
 
-    flow = family in FLOW_FAMILIES
+    flow = REGISTRY[family].flow
     kind = "flow matching (SD3, Flux)" if flow else "a DDPM UNet (SD 1.x/2.x/XL)"
     foreign = FLOW_SETTINGS if not flow else UNET_SETTINGS
     problems = [

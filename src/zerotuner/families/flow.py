@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 
-from zerotuner.families import T5_TOKENS
+from zerotuner.families import REGISTRY
 from zerotuner.families.base import ModelFamily
 
 if TYPE_CHECKING:
@@ -25,7 +25,8 @@ if TYPE_CHECKING:
 class FlowFamily(ModelFamily):
     denoiser: str = "transformer"
     cache_dtype: torch.dtype = torch.bfloat16
-    max_sequence_length: int = T5_TOKENS["sd3"]  # T5 tokens per caption (the pipeline's)
+    max_sequence_length: int = REGISTRY["sd3"].t5_tokens  # T5 tokens per caption (the pipeline's)
+    packed: bool = False  # latents enter as 2x2 patches with position ids (Flux)
 
     def configured(self, settings: Settings) -> FlowFamily:
         """The family with the run's T5 length (ZT_MAX_SEQUENCE_LENGTH, else its default)."""
@@ -62,7 +63,7 @@ class FlowFamily(ModelFamily):
             logit_std=settings.logit_std, mode_scale=settings.mode_scale,
         )  # fmt: skip
         guidance = settings.train_guidance if model_config.get("guidance_embeds") else None
-        return FlowObjective(config, packed=self.name == "flux", guidance=guidance)
+        return FlowObjective(config, packed=self.packed, guidance=guidance)
 
     def pipeline_kwargs(self, settings: Settings) -> dict[str, Any]:
         return {"max_sequence_length": self.max_sequence_length}
@@ -119,7 +120,8 @@ class Flux(FlowFamily):
         ("text_encoder", "tokenizer"),
         ("text_encoder_2", "tokenizer_2"),
     )
-    max_sequence_length: int = T5_TOKENS["flux"]
+    max_sequence_length: int = REGISTRY["flux"].t5_tokens
+    packed: bool = True
 
     def denoiser_class(self) -> type:
         from diffusers import FluxTransformer2DModel
