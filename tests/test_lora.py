@@ -232,6 +232,46 @@ def test_lora_at_other_stages(offload, tmp_path, demo_dir: Path, lora_cache: Pat
 
 
 @pytest.mark.slow
+def test_pissa_at_zero2_resumes_and_exports_for_the_published_base(
+    tmp_path, demo_dir: Path, lora_cache: Path
+) -> None:
+    """ZT_LORA_INIT=pissa on 2 ranks at ZeRO-2: the checkpoint holds the rank-r adapter, the
+    files its rank-2r plain LoRA; a restart from step 2 (PiSSA redone on the base read again)
+    ends bit for bit, and `zerotuner export` of the checkpoint (the start recomputed from the
+    base) writes the same files, which change a plain pipeline's UNet."""
+    from zerotuner.cli import main
+
+    pissa = {"stage": 2, "lora_init": "pissa", "lora_targets": "attention"}
+    proc, output = train(tmp_path, demo_dir, lora_cache, steps=SHORT, checkpoint_every_steps=2,
+                         **pissa)  # fmt: skip
+    tk.assert_ok(proc, tmp_path)
+    final = load_file(output / "final" / lora_files.ADAPTER_FILE)
+    saved = checkpoint_adapter(output / "checkpoints" / f"step-{SHORT}")
+    assert final.keys() == saved.keys() and len(final) > 0
+    for key, tensor in saved.items():  # r rows of A (columns of B) trained, r more the start's
+        grown = 0 if ".lora_A." in key else 1
+        assert final[key].shape[grown] == 2 * tensor.shape[grown] == 2 * RANK, key
+    again = tmp_path / "again"
+    (again / "output" / "checkpoints").mkdir(parents=True)
+    shutil.copytree(output / "checkpoints" / "step-2", again / "output" / "checkpoints" / "step-2")
+    proc, resumed = train(again, demo_dir, lora_cache, steps=SHORT, checkpoint_every_steps=2,
+                          **pissa)  # fmt: skip
+    tk.assert_ok(proc, again)
+    again_final = load_file(resumed / "final" / lora_files.ADAPTER_FILE)
+    assert all(torch.equal(again_final[k], final[k]) for k in final)
+    checkpoint = output / "checkpoints" / f"step-{SHORT}"
+    assert main(["export", str(checkpoint), str(tmp_path / "exported")]) == 0
+    exported = load_file(tmp_path / "exported" / lora_files.ADAPTER_FILE)
+    assert exported.keys() == final.keys()
+    for key in final:  # the start from this process's SVD of the same base weights
+        torch.testing.assert_close(exported[key], final[key], rtol=1e-5, atol=1e-5)
+    pipe = plain_pipeline(demo_dir)
+    base = unet_output(pipe.unet)
+    pipe.load_lora_weights(output / "final")
+    assert not torch.allclose(unet_output(pipe.unet), base, atol=1e-4)
+
+
+@pytest.mark.slow
 def test_zero3_lora_resumes_at_the_next_step(zero3, tmp_path, demo_dir, lora_cache) -> None:
     """Restarted from its step-8 checkpoint, the run ends where the uninterrupted one did."""
     stopped = tmp_path / "output"

@@ -236,3 +236,62 @@ def test_dora_at_zero3_trains_as_at_zero2(tmp_path, demo_dir, lora_cache) -> Non
         torch.testing.assert_close(zero3[key], zero2[key], rtol=1e-3, atol=1e-3)
     moved = [k for k in zero3 if ".lora_B." in k and zero3[k].abs().sum() > 0]
     assert moved, "the DoRA adapter did not train"
+
+
+@pytest.mark.parametrize(("init", "rslora"), [("pissa", False), ("olora", True)])
+def test_pissa_and_olora_adapters_are_written_for_the_published_base(
+    demo_dir, tmp_path, init, rslora
+) -> None:
+    """PiSSA / OLoRA move part of each target weight into the adapter: the files are the plain
+    LoRA of rank 2r that turns the untouched base into the trained model (a plain pipeline's
+    load_lora_weights, the kohya copy and the merged UNet all reproduce it), with the scale
+    kept (alpha != rank, rsLoRA too)."""
+    from diffusers import UNet2DConditionModel
+
+    from zerotuner.export import load_part
+
+    settings = lora_settings(lora_targets="attention", lora_init=init, lora_rslora=rslora)
+    unet = UNet2DConditionModel.from_pretrained(demo_dir / "model", subfolder="unet")
+    before = unet_output(unet)
+    lora.add_adapter(unet, settings)
+    torch.testing.assert_close(unet_output(unet), before, rtol=1e-4, atol=1e-4)  # same start
+    initial = lora.initial_adapter(unet, settings)
+    gen = torch.Generator().manual_seed(1)
+    for name, param in unet.named_parameters():
+        if ".lora_" in name:  # "training": move the adapter away from its start
+            param.data.add_(torch.randn(param.shape, generator=gen) * 0.1)
+    trained = unet_output(unet)
+    assert not torch.allclose(trained, before, atol=1e-3)
+    state = {n: p.detach().clone() for n, p in unet.named_parameters() if p.requires_grad}
+    meta = lora.metadata(lora.lora_config(settings))
+    out = lora_files.write_adapter(
+        "sdxl", state, lora.shapes(unet), meta, tmp_path / "final", initial=initial,
+        merge_base=demo_dir / "model",
+    )  # fmt: skip
+    pipe = plain_pipeline(demo_dir)
+    pipe.load_lora_weights(out)
+    torch.testing.assert_close(unet_output(pipe.unet), trained, rtol=1e-4, atol=1e-4)
+    assert pipe.unet.peft_config["default_0"].r == 2 * RANK
+    pipe = plain_pipeline(demo_dir)
+    pipe.load_lora_weights(out, weight_name=lora_files.KOHYA_FILE)
+    torch.testing.assert_close(unet_output(pipe.unet), trained, rtol=1e-4, atol=1e-4)
+    merged = load_part(out / lora_files.MERGED, "unet")
+    torch.testing.assert_close(unet_output(merged), trained, rtol=1e-4, atol=1e-4)
+
+
+def test_pissa_is_refused_where_it_cannot_work(demo_dir) -> None:
+    from zerotuner.errors import ConfigError
+    from zerotuner.families import meta_model
+
+    with pytest.raises(ConfigError, match="ZT_LORA_INIT=pissa with ZT_LORA_DORA=true"):
+        lora.check_settings(lora_settings(lora_init="pissa", lora_dora=True))
+    with pytest.raises(ConfigError, match="ZT_LORA_INIT=olora with ZT_LORA_TEXT_ENCODER"):
+        lora.check_settings(lora_settings(lora_init="olora", lora_text_encoder=True))
+    unet = meta_model("sdxl", demo_dir / "model")
+    with pytest.raises(ConfigError, match="conv1, conv_in.* name convolutions"):
+        lora.check_targets(unet, ("to_q", "conv1", "conv_in"), "pissa")
+    lora.check_targets(unet, lora.PRESETS["attention"], "pissa")
+    with pytest.raises(ConfigError) as info:
+        lora.check_init_stage(lora_settings(lora_init="pissa"), 3)
+    assert "ZT_ZERO_STAGE=2" in str(info.value) and info.value.exit_code == 2
+    lora.check_init_stage(lora_settings(lora_init="pissa"), 2)

@@ -36,9 +36,11 @@ PRESETS: dict[str, tuple[str, ...]] = {
 }
 LORA_FIELDS = (
     "lora_rank", "lora_alpha", "lora_dropout", "lora_targets", "lora_dora", "lora_rslora",
-    "lora_merge", "lora_text_encoder",
+    "lora_init", "lora_merge", "lora_text_encoder",
 )  # fmt: skip
-LORA_LAYERS = (torch.nn.Linear, torch.nn.Conv2d)  # what peft can wrap in a diffusers UNet
+LORA_LAYERS = (torch.nn.Linear, torch.nn.Conv2d)
+# peft's initialisers that read the base weights (Linear layers only), by ZT_LORA_INIT
+INITS = {"pissa": "PiSSA", "olora": "OLoRA"}  # what peft can wrap in a diffusers UNet
 
 
 def check_settings(settings: Settings) -> None:
@@ -56,6 +58,15 @@ def check_settings(settings: Settings) -> None:
             parse_targets(settings.lora_targets)
         except ConfigError as error:
             problems.extend(error.problems)
+        if settings.lora_init != "gaussian":
+            for name, on in (("lora_dora", settings.lora_dora),
+                             ("lora_text_encoder", settings.lora_text_encoder)):  # fmt: skip
+                if on:
+                    problems.append(
+                        f"{env_name('lora_init')}={settings.lora_init} with {env_name(name)}="
+                        f"true: not offered; set {env_name('lora_init')}=gaussian or unset "
+                        f"{env_name(name)}"
+                    )
     if problems:
         raise ConfigError(problems[0], problems=problems)
 
@@ -66,7 +77,9 @@ def notes(settings: Settings) -> list[Note]:
         return []
     targets = ",".join(parse_targets(settings.lora_targets))
     variants = [name for name, on in (("DoRA", settings.lora_dora),
-                                      ("rsLoRA", settings.lora_rslora)) if on]  # fmt: skip
+                                      ("rsLoRA", settings.lora_rslora),
+                                      (INITS.get(settings.lora_init, ""),
+                                       settings.lora_init != "gaussian")) if on]  # fmt: skip
     shown = f" ({', '.join(variants)})" if variants else ""
     said = [
         Note(
@@ -75,6 +88,16 @@ def notes(settings: Settings) -> list[Note]:
             "the plan counts the adapter as trained and the base UNet as frozen (weights only)",
         )
     ]
+    if settings.lora_init != "gaussian":
+        said.append(
+            Note(
+                "info",
+                f"{env_name('lora_init')}={settings.lora_init}: the adapter starts from the base "
+                "weights and the base keeps the rest (W - scale B0 A0); the files written are "
+                "the plain LoRA of rank 2 x rank that turns the published base into the trained "
+                "model",
+            )
+        )
     if settings.lora_text_encoder:
         said.append(
             Note(
@@ -145,8 +168,10 @@ def adapter_size(
     return total, largest
 
 
-def check_targets(unet: torch.nn.Module, targets: Iterable[str]) -> None:
-    """Every target must name at least one Linear/Conv2d layer of this UNet."""
+def check_targets(unet: torch.nn.Module, targets: Iterable[str], init: str = "gaussian") -> None:
+    """Every target must name at least one Linear/Conv2d layer of this UNet (only Linear
+    layers for peft's PiSSA / OLoRA: their SVD / QR is of a matrix)."""
+    targets = tuple(targets)
     layers = [n for n, m in unet.named_modules() if isinstance(m, LORA_LAYERS)]
     missing = [t for t in targets if not any(_matches(n, t) for n in layers)]
     if missing:
@@ -155,6 +180,34 @@ def check_targets(unet: torch.nn.Module, targets: Iterable[str]) -> None:
             f"{', '.join(missing)}; valid names: {', '.join(short_names(unet))} "
             f"(or a preset: {', '.join(PRESETS)})"
         )
+    convs = sorted({t for n, m in unet.named_modules() for t in targets
+                    if isinstance(m, torch.nn.Conv2d) and _matches(n, t)})  # fmt: skip
+    if init != "gaussian" and convs:
+        raise ConfigError(
+            f"{env_name('lora_init')}={init}: {', '.join(convs)} name convolutions, and "
+            f"{INITS[init]} starts from a linear layer's weight matrix; target linear layers "
+            f"only (e.g. attention) or set {env_name('lora_init')}=gaussian"
+        )
+
+
+def check_init_stage(settings: Settings, zero_stage: int) -> None:
+    """PiSSA / OLoRA read and rewrite the base weights as the adapter is added: ZeRO-3 holds
+    only a shard of each."""
+    if settings.training_type == "lora" and settings.lora_init != "gaussian" and zero_stage == 3:
+        raise ConfigError(
+            f"{env_name('lora_init')}={settings.lora_init}: {INITS[settings.lora_init]} reads "
+            "each base weight whole, and ZeRO-3 partitions them; use ZeRO 0-2 (set "
+            f"{env_name('zero_stage')}=2, with offload if it must) or "
+            f"{env_name('lora_init')}=gaussian"
+        )
+
+
+def initial_adapter(module: torch.nn.Module, settings: Settings) -> dict[str, torch.Tensor] | None:
+    """A PiSSA / OLoRA adapter's starting weights (lora_files.plain_lora needs them to write
+    the adapter for the published base), right after add_adapter; None for gaussian's."""
+    if settings.lora_init == "gaussian":
+        return None
+    return {n: p.detach().cpu().clone() for n, p in module.named_parameters() if ".lora_" in n}
 
 
 def check_model_targets(settings: Settings, family: str, model_dir: Path | None) -> None:
@@ -162,7 +215,8 @@ def check_model_targets(settings: Settings, family: str, model_dir: Path | None)
     weights read; a hub model not yet fetched is checked against its family's config)."""
     from zerotuner.families import meta_model
 
-    check_targets(meta_model(family, model_dir), parse_targets(settings.lora_targets))
+    targets = parse_targets(settings.lora_targets)
+    check_targets(meta_model(family, model_dir), targets, settings.lora_init)
 
 
 def lora_config(settings: Settings) -> Any:
@@ -178,6 +232,7 @@ def adapter_settings(settings: Settings) -> dict[str, Any]:
         "targets": list(parse_targets(settings.lora_targets)),
         "dora": settings.lora_dora,
         "rslora": settings.lora_rslora,
+        "init": settings.lora_init,
         "text_encoder": settings.lora_text_encoder,
     }
 
@@ -189,7 +244,9 @@ def make_config(adapter: dict[str, Any]) -> Any:
         r=adapter["rank"],
         lora_alpha=adapter["alpha"],
         lora_dropout=adapter.get("dropout", 0.0),
-        init_lora_weights="gaussian",  # A random, B zero: training starts at the base model
+        # gaussian: A random, B zero, training starts at the base model; pissa / olora: from
+        # the base weights, which keep the rest (see plain_lora)
+        init_lora_weights=adapter.get("init", "gaussian"),
         target_modules=list(adapter["targets"]),
         use_dora=adapter.get("dora", False),
         use_rslora=adapter.get("rslora", False),
@@ -200,7 +257,7 @@ def add_adapter(unet: Any, settings: Settings) -> list[torch.nn.Parameter]:
     """Freeze the base, add the adapter (fp32; DeepSpeed casts the module as configured) and
     return the parameters the optimizer gets: the adapter's only."""
     config = lora_config(settings)
-    check_targets(unet, config.target_modules)
+    check_targets(unet, config.target_modules, settings.lora_init)
     unet.requires_grad_(False)
     # lora_A's random start from ZT_SEED: every rank and every run starts from the same adapter
     # (ZeRO-3 partitions each rank's own copy: DeepSpeed broadcasts none), whatever the stage
@@ -318,11 +375,11 @@ def check_resume(manifest: dict[str, Any], settings: Settings, path: Path) -> No
         )
     if wanted != "lora":
         return
-    before = {"dora": False, "text_encoder": False} | manifest.get("lora", {})
+    before = {"dora": False, "text_encoder": False, "init": "gaussian"} | manifest.get("lora", {})
     now = manifest_entries(settings)["lora"]
     for key, setting in (
         ("rank", "lora_rank"), ("targets", "lora_targets"), ("dora", "lora_dora"),
-        ("text_encoder", "lora_text_encoder"),
+        ("text_encoder", "lora_text_encoder"), ("init", "lora_init"),
     ):  # fmt: skip
         if before.get(key) != now[key]:
             shown = ",".join(before.get(key, [])) if key == "targets" else before.get(key)

@@ -64,6 +64,7 @@ def write_gathered(
     out: Path,
     text_metadata: dict[str, Any] | None = None,
     merge_base: Path | None = None,
+    initial: dict[str, torch.Tensor] | None = None,
 ) -> bool:
     """The engine's adapter gathered from every rank and written by rank 0 into `out` (a
     collective; a refusal fails every rank, not only rank 0). True on rank 0."""
@@ -76,7 +77,7 @@ def write_gathered(
         assert state is not None
         write_adapter(
             family, state, expected, adapter_metadata, out, text_metadata=text_metadata,
-            merge_base=merge_base,
+            merge_base=merge_base, initial=initial,
         )  # fmt: skip
 
     on_rank0(rank, write)
@@ -136,12 +137,16 @@ def write_adapter(
     *,
     text_metadata: dict[str, Any] | None = None,
     merge_base: Path | None = None,
+    initial: dict[str, torch.Tensor] | None = None,
 ) -> Path:
     """`out/pytorch_lora_weights.safetensors` (diffusers layout, metadata included) and its
     kohya copy, built in a folder beside `out` and renamed into place; refused when the adapter
     is not whole. `text_metadata`: the text encoders' LoraConfig when they trained. With
-    `merge_base`, also `out/merged/`: that pipeline with the adapter fused."""
+    `merge_base`, also `out/merged/`: that pipeline with the adapter fused. `initial`: a PiSSA /
+    OLoRA adapter's starting weights (see plain_lora)."""
     check_adapter(state, expected)
+    if initial is not None:
+        state, adapter_metadata = plain_lora(state, initial, adapter_metadata)
     # peft's key names, as diffusers' newer LoRA examples save them: its older `lora.down` /
     # `lora.up` names exist only for attention layers, and a file mixing both with conv or
     # feed-forward targets loads without those layers
@@ -177,6 +182,27 @@ def write_adapter(
         shutil.rmtree(out)
     tmp.rename(out)
     return out
+
+
+def plain_lora(
+    state: dict[str, torch.Tensor], initial: dict[str, torch.Tensor], adapter: dict[str, Any]
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """A PiSSA / OLoRA adapter as the plain LoRA that turns the published base into the trained
+    model. Such an adapter starts at (A0, B0) taken from the base weights, which keep
+    W - s B0 A0; trained to (A, B) the model is W + s (B A - B0 A0) = W + s [B, -B0] [A; A0]: a
+    LoRA of rank 2r with the same scale s (peft's own conversion for save_pretrained), so its
+    alpha doubles (rsLoRA's s = alpha / sqrt(r): times sqrt 2)."""
+    out = {k: v for k, v in state.items() if ".lora_A." not in k and ".lora_B." not in k}
+    for key, a in state.items():
+        if ".lora_A." in key:
+            b = key.replace(".lora_A.", ".lora_B.")
+            out[key] = torch.cat([a, initial[key].to(a.dtype)], dim=0)
+            out[b] = torch.cat([state[b], -initial[b].to(state[b].dtype)], dim=1)
+    grow = math.sqrt(2) if adapter.get("use_rslora") else 2.0
+    return out, adapter | {
+        "r": 2 * adapter["r"], "lora_alpha": adapter["lora_alpha"] * grow,
+        "init_lora_weights": True,
+    }  # fmt: skip
 
 
 def merged_state(
@@ -222,7 +248,7 @@ def export_checkpoint(
     from zerotuner.export import checkpoint_unet_state
 
     adapter, family = manifest["lora"], manifest["family"]
-    config = make_config(adapter)
+    config = make_config(adapter | {"init": "gaussian"})  # its shapes: nothing to read here
     unet = families.meta_model(family, base)
     unet.requires_grad_(False)
     unet.add_adapter(config, adapter_name=ADAPTER)
@@ -230,8 +256,16 @@ def export_checkpoint(
     if adapter.get("text_encoder"):
         module = lora_text.meta_module(unet, base, family, adapter)
         text_metadata = metadata(lora_text.text_config(adapter))
+    initial = None
+    if adapter.get("init", "gaussian") != "gaussian":  # its start, from the base weights again
+        from zerotuner.export import load_part
+
+        start = load_part(base, families.get(family).denoiser)
+        start.add_adapter(make_config(adapter), adapter_name=ADAPTER)
+        initial = {n: p.detach() for n, p in start.named_parameters() if ".lora_" in n}
     state = checkpoint_unet_state(checkpoint, ema=ema)
     return write_adapter(
         family, {name: t for name, t in state.items() if ".lora_" in name}, shapes(module),
         metadata(config), out, text_metadata=text_metadata, merge_base=base if merged else None,
+        initial=initial,
     )  # fmt: skip

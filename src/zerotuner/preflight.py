@@ -188,6 +188,7 @@ def preflight(
         model_dir=model.local_dir,
     )
     decisions = decisions_from(plan)
+    lora.check_init_stage(settings, decisions.zero_stage)
     normalized = normalize(
         inputs.deepspeed,
         settings=settings,

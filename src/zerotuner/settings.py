@@ -157,6 +157,12 @@ class Settings(BaseSettings):
         description="rsLoRA (peft's use_rslora): scale = alpha / sqrt(rank) instead of alpha / "
         "rank, so a higher rank does not shrink the update.",
     )
+    lora_init: Literal["gaussian", "pissa", "olora"] = Field(
+        "gaussian",
+        description="How the adapter starts: `gaussian` (A random, B zero: at the base model), "
+        "or from the base weights' principal components (`pissa`: SVD) or an orthonormal "
+        "basis (`olora`: QR), which move them into the adapter; ZeRO 0-2, linear targets.",
+    )
     lora_merge: bool = Field(
         False,
         description="Also write `final/merged/`: a whole diffusers pipeline with the adapter "

@@ -96,6 +96,7 @@ class Run:
         self.ema: EMA | None = None
         self.base_digest: str | None = None  # LoRA: sha256 of the base weights it sits on
         self.text_metadata: dict[str, Any] | None = None  # LoRA on the text encoders too
+        self.initial_adapter: dict[str, torch.Tensor] | None = None  # PiSSA / OLoRA's start
         self.stop = StopRequest()
 
     def phase(self, name: str) -> None:
@@ -191,6 +192,7 @@ class Run:
         trained = self.components.unet
         if s.training_type == "lora":  # before ZeRO-3 partitions the UNet
             lora.add_adapter(trained, s)
+            self.initial_adapter = lora.initial_adapter(trained, s)  # PiSSA / OLoRA: the start
             self.adapter_metadata = lora.metadata(lora.lora_config(s))
             if s.lora_text_encoder:
                 trained, self.tokenizers = lora_text.build(
@@ -355,7 +357,7 @@ class Run:
                     lora_files.write_adapter(
                         self.job.family, self.ema.state_dict(), self.adapter_shapes,
                         self.adapter_metadata, s.output_dir / "final-ema",
-                        text_metadata=self.text_metadata,
+                        text_metadata=self.text_metadata, initial=self.initial_adapter,
                     )  # fmt: skip
                 self._loss_curve()
                 log.info(
@@ -381,6 +383,7 @@ class Run:
             self.engine_.module, rank=self.rank, family=self.job.family,
             expected=self.adapter_shapes, adapter_metadata=self.adapter_metadata, out=out,
             text_metadata=self.text_metadata, merge_base=self.source if merge else None,
+            initial=self.initial_adapter,
         )  # fmt: skip
 
     def _loss_curve(self) -> None:
