@@ -209,14 +209,19 @@ def test_zero3_validation_samples_use_the_adapter(zero3, demo_dir: Path, tmp_pat
     ],
 )
 def test_lora_at_other_stages(offload, tmp_path, demo_dir: Path, lora_cache: Path) -> None:
-    """3 steps, a checkpoint at 2 (the adapter and its optimizer state only), and a restart from
-    it in a fresh folder (the base read again from the model files) that ends bit for bit where
-    the run did: DeepSpeed's own load at every stage, our NVMe path at ZeRO-3."""
+    """3 steps, a checkpoint at 2 (the adapter and its optimizer state only), the adapter
+    lowering the held-out loss in a plain pipeline, and a restart from the checkpoint in a fresh
+    folder (the base read again from the model files) that ends bit for bit where the run did:
+    DeepSpeed's own load at every stage, our NVMe path at ZeRO-3."""
     proc, output = train(
         tmp_path, demo_dir, lora_cache, steps=SHORT, checkpoint_every_steps=2, **offload
     )
     tk.assert_ok(proc, tmp_path)
     final = assert_only_the_adapter_trained(output, demo_dir, SHORT)
+    pipe = plain_pipeline(demo_dir)  # a plain pipeline loads it, and the loss falls
+    before = held_out_loss(pipe, demo_dir)
+    pipe.load_lora_weights(output / "final")
+    assert held_out_loss(pipe, demo_dir) < before  # (3 steps: by about 1 %)
     again = tmp_path / "again"
     (again / "output" / "checkpoints").mkdir(parents=True)
     shutil.copytree(output / "checkpoints" / "step-2", again / "output" / "checkpoints" / "step-2")
