@@ -93,29 +93,38 @@ def held_out_loss(demo: Path, family: str, transformer, draws: int = 4) -> float
     return float(sum(losses)) / draws
 
 
+def assert_trained_and_generates(demo: Path, family: str, folder: Path):
+    """`folder` is the family's pipeline, its transformer has a lower held-out loss than the
+    base's, and it generates an image; returns the pipeline."""
+    import numpy as np
+    from diffusers import DiffusionPipeline
+
+    base = DiffusionPipeline.from_pretrained(demo / "model")
+    pipe = DiffusionPipeline.from_pretrained(folder)
+    assert type(pipe) is type(base)
+    before = held_out_loss(demo, family, base.transformer)
+    assert held_out_loss(demo, family, pipe.transformer) < 0.97 * before
+    pipe.set_progress_bar_config(disable=True)
+    image = pipe(
+        PROMPT, num_inference_steps=2, height=64, width=64, output_type="np",
+        max_sequence_length=TOKENS, generator=torch.Generator().manual_seed(0),
+    ).images[0]  # fmt: skip
+    assert image.shape == (64, 64, 3) and np.isfinite(image).all()
+    return pipe
+
+
 @pytest.mark.slow
 def test_flow_families_train_sample_and_export(flow_run) -> None:
     """The loss on held-out draws falls; samples come from the family's pipeline; final/ is a
     pipeline folder that loads and generates; the checkpoint says what it is."""
-    import numpy as np
     from diffusers import DiffusionPipeline
 
     family, demo, output, log = flow_run
     assert [s["step"] for s in tk.read_steps(output)] == list(range(1, STEPS + 1))
     assert "flow matching (sigmas logit_normal(0, 1)" in log
-    base = DiffusionPipeline.from_pretrained(demo / "model")
-    final = DiffusionPipeline.from_pretrained(output / "final")
-    assert type(final) is type(base)
-    before = held_out_loss(demo, family, base.transformer)
-    assert held_out_loss(demo, family, final.transformer) < 0.97 * before
+    final = assert_trained_and_generates(demo, family, output / "final")
     (sample,) = (output / "samples" / f"step-{STEPS}").glob("*.png")
     assert sample.stat().st_size > 0 and (output / "samples" / "base-vs-trained.png").is_file()
-    final.set_progress_bar_config(disable=True)
-    image = final(
-        PROMPT, num_inference_steps=2, height=64, width=64, output_type="np",
-        max_sequence_length=TOKENS, generator=torch.Generator().manual_seed(0),
-    ).images[0]  # fmt: skip
-    assert image.shape == (64, 64, 3) and np.isfinite(image).all()
     manifest = read_manifest(output / "checkpoints" / f"step-{SAVED}")
     assert (manifest["family"], manifest["zero_stage"]) == (family, RUNS[family]["stage"])
     if RUNS[family]["ema"]:
@@ -148,9 +157,6 @@ def test_flow_families_at_the_other_stage_train_and_export(family, flow_demo_dir
     """SD3 at ZeRO-3 with NVMe offload and gradient checkpointing, Flux at ZeRO-2 with the
     optimizer on the CPU: the held-out loss falls, and `zerotuner export` turns the checkpoint
     into a folder the family's own pipeline loads and generates with."""
-    import numpy as np
-    from diffusers import DiffusionPipeline
-
     from zerotuner.cli import main
 
     demo, output = flow_demo_dirs[family], tmp_path / "output"
@@ -158,17 +164,7 @@ def test_flow_families_at_the_other_stage_train_and_export(family, flow_demo_dir
     checkpoint = output / "checkpoints" / f"step-{STEPS}"
     assert read_manifest(checkpoint)["zero_stage"] == OTHER[family]["stage"]
     assert main(["export", str(checkpoint), str(tmp_path / "exported")]) == 0
-    base = DiffusionPipeline.from_pretrained(demo / "model")
-    exported = DiffusionPipeline.from_pretrained(tmp_path / "exported")
-    assert type(exported) is type(base)
-    before = held_out_loss(demo, family, base.transformer)
-    assert held_out_loss(demo, family, exported.transformer) < 0.97 * before
-    exported.set_progress_bar_config(disable=True)
-    image = exported(
-        PROMPT, num_inference_steps=2, height=64, width=64, output_type="np",
-        max_sequence_length=TOKENS, generator=torch.Generator().manual_seed(0),
-    ).images[0]  # fmt: skip
-    assert image.shape == (64, 64, 3) and np.isfinite(image).all()
+    assert_trained_and_generates(demo, family, tmp_path / "exported")
 
 
 @pytest.mark.parametrize("family", ["sd3", "flux"])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -287,8 +288,14 @@ def test_second_signal_kills_every_rank_at_once(tmp_path):
     assert code == 1  # no checkpoint confirmed: a retry must not count on one
     pids = [int(p.read_text()) for p in out.glob("ready-*")]
     assert len(pids) == 2
+    # SIGKILLed, not waited out (grace 600 s): gone within moments of the launcher returning
+    # (the kernel may still be tearing a process down as it returns)
+    alive = []
     for pid in pids:
-        assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == "zombie"
+        with contextlib.suppress(psutil.NoSuchProcess):
+            alive.append(psutil.Process(pid))
+    _, running = psutil.wait_procs(alive, timeout=10)
+    assert all(p.status() == "zombie" for p in running if p.is_running())
 
 
 @pytest.mark.slow
