@@ -66,7 +66,7 @@ def intervals(steps: list[dict]) -> list[float]:
 def preflight_for(b: Bench, **settings: Any) -> tuple[Any, dict[str, float]]:
     """zerotuner's preflight in this process with the bench's ZT_* (timed: settings, probe,
     plan), exactly as `zerotuner train` calls it."""
-    from zerotuner.hardware import probe
+    from zerotuner.hardware_probe import probe
     from zerotuner.preflight import preflight
     from zerotuner.settings import load_settings
 

@@ -126,9 +126,9 @@ def test_cuda_without_a_gpu_exits_2_not_3_with_one_line_naming_the_flags(tmp_pat
 
 
 def test_a_platform_deepspeed_cannot_run_on_exits_2_not_3(monkeypatch, capsys, tmp_path):
-    import zerotuner.hardware
+    import zerotuner.hardware_probe
 
-    monkeypatch.setattr(zerotuner.hardware, "probe", lambda *a, **k: Hardware("mps"))
+    monkeypatch.setattr(zerotuner.hardware_probe, "probe", lambda *a, **k: Hardware("mps"))
     code, out, err = run_config(monkeypatch, capsys, tmp_path, ZT_DEVICE="auto")
     assert code == 2 and out == ""
     [line] = err.strip().splitlines()

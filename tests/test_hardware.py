@@ -18,10 +18,9 @@ from zerotuner.hardware import (
     describe,
     host_memory,
     join_gpus,
-    probe,
-    probe_facts,
     require_supported,
 )
+from zerotuner.hardware_probe import probe, probe_facts
 
 A = "GPU-aaaaaaaa-0000-0000-0000-000000000000"
 B = "GPU-bbbbbbbb-0000-0000-0000-000000000000"
@@ -295,7 +294,7 @@ def old_driver_host(monkeypatch):
     import pynvml
     import torch
 
-    import zerotuner.hardware
+    import zerotuner.hardware_probe
 
     def is_available():
         warnings.warn(CUDA_TOO_OLD, UserWarning, stacklevel=2)
@@ -308,7 +307,7 @@ def old_driver_host(monkeypatch):
     monkeypatch.setattr(pynvml, "nvmlSystemGetDriverVersion", lambda: "550.54.15")
     monkeypatch.setattr(pynvml, "nvmlSystemGetCudaDriverVersion", lambda: 12040)
     monkeypatch.setattr(pynvml, "nvmlDeviceGetCount", lambda: 2)
-    monkeypatch.setattr(zerotuner.hardware, "_ds_ops", lambda *a: OPS_OK)  # not what is tested
+    monkeypatch.setattr(zerotuner.hardware_probe, "_ds_ops", lambda *a: OPS_OK)  # not tested here
     for key, value in {"ZT_DEVICE": "auto", "ZT_METRICS_PORT": "0"}.items():
         monkeypatch.setenv(key, value)
     return monkeypatch
@@ -351,7 +350,7 @@ import warnings
 import pynvml
 import torch
 
-import zerotuner.hardware
+import zerotuner.hardware_probe
 
 
 def _is_available():
@@ -365,7 +364,7 @@ pynvml.nvmlInit = pynvml.nvmlShutdown = lambda: None
 pynvml.nvmlSystemGetDriverVersion = lambda: "550.54.15"
 pynvml.nvmlSystemGetCudaDriverVersion = lambda: 12040
 pynvml.nvmlDeviceGetCount = lambda: 2
-zerotuner.hardware._ds_ops = lambda *a: ()
+zerotuner.hardware_probe._ds_ops = lambda *a: ()
 """
 
 

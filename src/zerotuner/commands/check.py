@@ -163,7 +163,8 @@ def _folders(c: Checks) -> str:
 
 def _hardware(c: Checks) -> tuple[str, list[str]]:
     from zerotuner.commands.plan import describe_hardware
-    from zerotuner.hardware import probe, require_supported
+    from zerotuner.hardware import require_supported
+    from zerotuner.hardware_probe import probe
 
     hardware = probe(c.facts["settings"].device)
     require_supported(hardware)

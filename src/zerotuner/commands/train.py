@@ -18,7 +18,7 @@ from pathlib import Path
 from zerotuner.checkpoint import REMOTE_LATEST, checkpoints_dir
 from zerotuner.commands.plan import plan_json, render
 from zerotuner.errors import EXIT_OK, ZeroTunerError
-from zerotuner.hardware import probe
+from zerotuner.hardware_probe import probe
 from zerotuner.inputs import UserInputs, apply_implied_settings, read_user_inputs
 from zerotuner.job import Job
 from zerotuner.job_folders import refuse_overlaps

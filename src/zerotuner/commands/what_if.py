@@ -80,7 +80,8 @@ def described_hardware(args: argparse.Namespace, device_setting: str) -> Hardwar
 
 def hardware_for(args: argparse.Namespace, settings: Settings, *, ops: bool = True) -> Hardware:
     """The described machine, else this one probed (ROCm and MPS refused, exit 3)."""
-    from zerotuner.hardware import probe, require_supported
+    from zerotuner.hardware import require_supported
+    from zerotuner.hardware_probe import probe
 
     hardware = described_hardware(args, settings.device)
     if hardware is None:
@@ -106,7 +107,8 @@ def offload_disk_free(args: argparse.Namespace, settings: Settings) -> int | Non
 
 
 def _host_memory() -> int:
-    from zerotuner.hardware import host_memory, probe_facts
+    from zerotuner.hardware import host_memory
+    from zerotuner.hardware_probe import probe_facts
 
     facts = probe_facts("cpu", {}, ops=False)
     return host_memory(facts.mem_total, facts.cgroup_limit)
