@@ -306,19 +306,17 @@ def _dataset(c: Checks) -> tuple[str, list[str]]:
 def _text_cache(c: Checks) -> str:
     """The captions' cached text states against the free space at ZT_CACHE_DIR (T5's make them
     large: up to 4 MiB a caption for Flux)."""
-    import shutil
+    from zerotuner.offload import free_bytes_at
 
     settings, plan = c.facts["settings"], c.facts["plan"]
     captions = len({item.caption for item in c.facts["dataset"].items})
     need = captions * plan.inputs["caption_cache_bytes"]
-    where = next(p for p in (settings.cache_dir, *settings.cache_dir.absolute().parents)
-                 if p.exists())  # fmt: skip
-    free = shutil.disk_usage(where).free
+    free = free_bytes_at(settings.cache_dir) or 0
     size = f"{captions} captions x {plan.inputs['caption_cache_bytes'] / 2**20:.2f} MiB = "
     size += f"{need / 2**30:.2f} GiB at most (ZT_CACHE_DIR={settings.cache_dir})"
     if need > free:
         raise EnvironmentUnfit(
-            f"text cache: {size}, but {where} has {free / 2**30:.2f} GiB free; free space there, "
+            f"text cache: {size}, but only {free / 2**30:.2f} GiB are free there; free space, "
             "point ZT_CACHE_DIR at a larger disk or shorten ZT_MAX_SEQUENCE_LENGTH"
         )
     return f"{size}; {free / 2**30:.1f} GiB free"
