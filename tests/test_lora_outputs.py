@@ -255,7 +255,7 @@ def test_pissa_and_olora_adapters_are_written_for_the_published_base(
     before = unet_output(unet)
     lora.add_adapter(unet, settings)
     torch.testing.assert_close(unet_output(unet), before, rtol=1e-4, atol=1e-4)  # same start
-    initial = lora.initial_adapter(unet, settings)
+    initial = lora.initial_adapter(unet, settings.lora_init)
     gen = torch.Generator().manual_seed(1)
     for name, param in unet.named_parameters():
         if ".lora_" in name:  # "training": move the adapter away from its start

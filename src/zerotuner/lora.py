@@ -202,10 +202,10 @@ def check_init_stage(settings: Settings, zero_stage: int) -> None:
         )
 
 
-def initial_adapter(module: torch.nn.Module, settings: Settings) -> dict[str, torch.Tensor] | None:
+def initial_adapter(module: torch.nn.Module, init: str) -> dict[str, torch.Tensor] | None:
     """A PiSSA / OLoRA adapter's starting weights (lora_files.plain_lora needs them to write
     the adapter for the published base), right after add_adapter; None for gaussian's."""
-    if settings.lora_init == "gaussian":
+    if init == "gaussian":
         return None
     return {n: p.detach().cpu().clone() for n, p in module.named_parameters() if ".lora_" in n}
 

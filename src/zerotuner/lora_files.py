@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import save_file
 
 from zerotuner import families
-from zerotuner.lora import ADAPTER, make_config, metadata, shapes
+from zerotuner.lora import ADAPTER, initial_adapter, make_config, metadata, shapes
 
 log = logging.getLogger(__name__)
 
@@ -256,13 +256,13 @@ def export_checkpoint(
     if adapter.get("text_encoder"):
         module = lora_text.meta_module(unet, base, family, adapter)
         text_metadata = metadata(lora_text.text_config(adapter))
-    initial = None
-    if adapter.get("init", "gaussian") != "gaussian":  # its start, from the base weights again
+    initial, init = None, adapter.get("init", "gaussian")
+    if init != "gaussian":  # its start, from the base weights again
         from zerotuner.export import load_part
 
         start = load_part(base, families.get(family).denoiser)
         start.add_adapter(make_config(adapter), adapter_name=ADAPTER)
-        initial = {n: p.detach() for n, p in start.named_parameters() if ".lora_" in n}
+        initial = initial_adapter(start, init)
     state = checkpoint_unet_state(checkpoint, ema=ema)
     return write_adapter(
         family, {name: t for name, t in state.items() if ".lora_" in name}, shapes(module),

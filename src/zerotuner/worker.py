@@ -192,7 +192,7 @@ class Run:
         trained = self.components.unet
         if s.training_type == "lora":  # before ZeRO-3 partitions the UNet
             lora.add_adapter(trained, s)
-            self.initial_adapter = lora.initial_adapter(trained, s)  # PiSSA / OLoRA: the start
+            self.initial_adapter = lora.initial_adapter(trained, s.lora_init)  # PiSSA, OLoRA
             self.adapter_metadata = lora.metadata(lora.lora_config(s))
             if s.lora_text_encoder:
                 trained, self.tokenizers = lora_text.build(
