@@ -317,12 +317,12 @@ def make_plan(
         return Plan(tuple(rows), closest, (unfit,), inputs, load_for(closest))
     # The host must also hold the load: below ZeRO-3 every rank of a node builds the full
     # fp32 model, so a node with little host memory per GPU needs zero.Init's partitions.
-    loadable = [r for r in fitting if load_for(r).peak_bytes <= cap.host]
-    choice = (loadable or fitting)[0]
-    load = load_for(choice)
+    loads = [load_for(r) for r in fitting]
+    pick = next((i for i, load in enumerate(loads) if load.peak_bytes <= cap.host), 0)
+    choice, load = fitting[pick], loads[pick]
     reasons = _reasons(choice, rows, cap, precision, preference)
-    if choice is not fitting[0]:
-        reasons.insert(1, _load_reason(fitting[0], load_for(fitting[0]), cap))
+    if pick:
+        reasons.insert(1, _load_reason(fitting[0], loads[0], cap))
     if training.type == "lora":
         reasons.insert(1, _lora_reason(choice, rows, training, precision))
     if load.peak_bytes > cap.host:
