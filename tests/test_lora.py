@@ -241,15 +241,18 @@ def test_pissa_at_zero2_resumes_and_exports_for_the_published_base(
     tmp_path, demo_dir: Path, lora_cache: Path
 ) -> None:
     """ZT_LORA_INIT=pissa on 2 ranks at ZeRO-2: the checkpoint holds the rank-r adapter, the
-    files its rank-2r plain LoRA; a restart from step 2 (PiSSA redone on the base read again)
-    ends bit for bit, and `zerotuner export` of the checkpoint (the start recomputed from the
-    base) writes the same files, which change a plain pipeline's UNet."""
+    files (and the validation samples made from them) its rank-2r plain LoRA; a restart from
+    step 2 (PiSSA redone on the base read again) ends bit for bit, one on 1 rank at ZeRO-1
+    continues, and `zerotuner export` of the checkpoint (the start recomputed from the base)
+    writes the same files, which change a plain pipeline's UNet."""
     from zerotuner.cli import main
 
     pissa = {"stage": 2, "lora_init": "pissa", "lora_targets": "attention"}
     proc, output = train(tmp_path, demo_dir, lora_cache, steps=SHORT, checkpoint_every_steps=2,
-                         **pissa)  # fmt: skip
+                         validation_prompts=[PROMPT], **pissa)  # fmt: skip
     tk.assert_ok(proc, tmp_path)
+    (sample,) = (output / "samples" / f"step-{SHORT}").glob("*.png")  # through the files
+    assert sample.stat().st_size > 0
     final = load_file(output / "final" / lora_files.ADAPTER_FILE)
     saved = checkpoint_adapter(output / "checkpoints" / f"step-{SHORT}")
     assert final.keys() == saved.keys() and len(final) > 0
@@ -274,6 +277,24 @@ def test_pissa_at_zero2_resumes_and_exports_for_the_published_base(
     base = unet_output(pipe.unet)
     pipe.load_lora_weights(output / "final")
     assert not torch.allclose(unet_output(pipe.unet), base, atol=1e-4)
+    # on 1 rank at ZeRO-1 (the universal checkpoint), the step-2 checkpoint trains step 3
+    one = tmp_path / "one"
+    (one / "output" / "checkpoints").mkdir(parents=True)
+    shutil.copytree(output / "checkpoints" / "step-2", one / "output" / "checkpoints" / "step-2")
+    job = tk.write_job(one / "job.json", model=demo_dir / "model", world=1,
+                       deepspeed=tk.ds_config(1, world=1, steps=SHORT, lr=LR))  # fmt: skip
+    env = tk.settings_env(
+        model=demo_dir / "model", data=demo_dir / "data", output=one / "output",
+        cache=lora_cache, max_steps=SHORT, training_type="lora", lora_rank=RANK,
+        lora_alpha=ALPHA, lora_init="pissa", lora_targets="attention",
+    )  # fmt: skip
+    proc = tk.run_ranks(one, env, job_file=job, world=1)
+    tk.assert_ok(proc, one, world=1)
+    assert "converting once to universal" in proc.stdout + proc.stderr
+    assert [s["step"] for s in tk.read_steps(one / "output")] == [SHORT]
+    moved = load_file(one / "output" / "final" / lora_files.ADAPTER_FILE)
+    assert moved.keys() == final.keys()
+    assert all(moved[k].shape == final[k].shape for k in final)
 
 
 @pytest.mark.slow
