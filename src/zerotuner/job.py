@@ -3,17 +3,22 @@
 The entrypoint (one per node) turns settings + hardware into a Job, writes it as JSON and
 points `ZT_JOB_FILE` at it for the ranks. A rank reads its settings again from the same
 environment (secrets never pass through this file) and its decisions from here.
+
+The ranks start before the job is decided (`launch.start_ranks`), so their imports overlap the
+entrypoint's planning; each waits in `wait_for_job` until the file appears.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 JOB_FILE_ENV = "ZT_JOB_FILE"
+LAUNCHER_PID_ENV = "ZT_LAUNCHER_PID"  # the entrypoint that will write the job file
 
 
 @dataclass(frozen=True)
@@ -57,3 +62,27 @@ class Job:
 def load_job(path: str | os.PathLike[str] | None = None) -> Job:
     path = path or os.environ[JOB_FILE_ENV]
     return Job.from_json(Path(path).read_text())
+
+
+def wait_for_job(path: str | os.PathLike[str] | None = None, *, poll: float = 0.02) -> Path:
+    """The job file, once the entrypoint has written it (atomically: `Job.write`).
+
+    An entrypoint that gives up before (a refused setting, a signal) kills the waiting ranks;
+    one that died without doing so leaves them nothing to wait for: they exit (status 1)."""
+    found = Path(path or os.environ[JOB_FILE_ENV])
+    launcher = os.environ.get(LAUNCHER_PID_ENV)
+    while not found.exists():
+        if launcher and not _alive(int(launcher)):
+            raise SystemExit(1)
+        time.sleep(poll)
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process under a reused pid: it is not ours
+        return False
+    return True

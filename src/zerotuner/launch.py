@@ -31,9 +31,10 @@ from zerotuner.errors import (
     EXIT_OK,
     EXIT_SIGNAL,
     ConfigError,
+    ZeroTunerError,
 )
 from zerotuner.hardware import Hardware
-from zerotuner.job import JOB_FILE_ENV
+from zerotuner.job import JOB_FILE_ENV, LAUNCHER_PID_ENV
 from zerotuner.records import STATUS_DIR_ENV, read_rank_statuses
 
 log = logging.getLogger(__name__)
@@ -249,92 +250,138 @@ def _kill_all(proc: subprocess.Popen, known: set[Any]) -> None:
         os.killpg(proc.pid, signal.SIGKILL)
 
 
-def run_ranks(
-    argv: list[str],
-    env: Mapping[str, str],
-    *,
-    status_dir: Path,
-    grace_seconds: float,
-    expected_ranks: int | None = None,
-) -> int:
-    """Run torchrun to the end and return the public exit code.
+class StoppedBeforeStart(ZeroTunerError):
+    """SIGTERM/SIGINT while the entrypoint was still planning: nothing ran, nothing to save."""
 
-    First SIGTERM/SIGINT: forwarded to torchrun, which forwards it to every rank (give it
-    `--shutdown-timeout` >= grace_seconds). A second signal, or ranks still running
-    `grace_seconds` after the first, and the whole tree is killed at once.
+    exit_code = EXIT_SIGNAL
+
+
+class Ranks:
+    """torchrun and this node's ranks, from `start_ranks` to `wait`'s public exit code.
+
+    Started before the job file exists (`released=False`), the ranks import torch, DeepSpeed
+    and diffusers while the entrypoint plans, then wait for the file (`job.wait_for_job`).
+    Until `release()` a signal raises `StoppedBeforeStart` in the entrypoint, whose caller
+    `cancel()`s the waiting ranks. After it, the first SIGTERM/SIGINT is forwarded to torchrun,
+    which forwards it to every rank (give it `--shutdown-timeout` >= grace_seconds); a second
+    signal, or ranks still running `grace_seconds` after the first, kills the whole tree.
     """
-    status_dir = Path(status_dir)
-    status_dir.mkdir(parents=True, exist_ok=True)
-    for stale in status_dir.glob("rank-*.json"):
-        stale.unlink()  # an earlier run's statuses must not decide this run's exit code
 
-    # The handlers go in before torchrun starts: a signal in between must reach it, not end
-    # this process and leave torchrun (in a session of its own) running.
-    state: dict[str, Any] = {"signals": 0, "deadline": None, "known": set(), "pending": None}
-    proc: subprocess.Popen | None = None
+    def __init__(
+        self,
+        argv: list[str],
+        env: Mapping[str, str],
+        *,
+        status_dir: Path,
+        grace_seconds: float,
+        expected_ranks: int | None = None,
+        released: bool = True,
+    ) -> None:
+        self.status_dir = Path(status_dir)
+        self.status_dir.mkdir(parents=True, exist_ok=True)
+        for stale in self.status_dir.glob("rank-*.json"):
+            stale.unlink()  # an earlier run's statuses must not decide this run's exit code
+        self.grace_seconds, self.expected_ranks = grace_seconds, expected_ranks
+        self.released = released
+        self.launcher = "torchrun" if "zerotuner.torchrun" in argv else "the rank"
+        self.signals, self.deadline, self.known = 0, None, set()
+        self.proc: subprocess.Popen | None = None
+        pending = None
 
-    def act(signum: int) -> None:
+        def on_signal(signum: int, _frame: Any) -> None:
+            nonlocal pending
+            name = signal.Signals(signum).name
+            if not self.released:
+                raise StoppedBeforeStart(f"stopped by {name} before training: exit 143")
+            self.signals += 1
+            if self.signals == 1:
+                log.warning("%s: asking the ranks to checkpoint and stop (%.0f s; again to kill "
+                            "now)", name, grace_seconds)  # fmt: skip
+                self.deadline = time.monotonic() + grace_seconds
+            else:
+                log.warning("second signal: killing every rank now")
+            if self.proc is None:
+                pending = signum  # acted on as soon as torchrun exists
+            else:
+                self._act(signum)
+
+        # The handlers go in before torchrun starts: a signal in between must reach it, not
+        # end this process and leave torchrun (in a session of its own) running.
+        self._previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            self.proc = subprocess.Popen(argv, env=dict(env), start_new_session=True)
+        except BaseException:
+            self._restore()
+            raise
+        if pending is not None:
+            self._act(pending)
+
+    def _act(self, signum: int) -> None:
         """Forward the first signal to torchrun; the second kills the whole tree."""
-        assert proc is not None
-        state["known"] |= _descendants(proc.pid)
-        if state["signals"] == 1:
+        assert self.proc is not None
+        self.known |= _descendants(self.proc.pid)
+        if self.signals == 1:
             with contextlib.suppress(ProcessLookupError):
-                os.kill(proc.pid, signum)
+                os.kill(self.proc.pid, signum)
         else:
-            _kill_all(proc, state["known"])
+            _kill_all(self.proc, self.known)
 
-    def on_signal(signum: int, _frame: Any) -> None:
-        state["signals"] += 1
-        if state["signals"] == 1:
-            log.warning(
-                "%s: asking the ranks to checkpoint and stop (%.0f s; again to kill now)",
-                signal.Signals(signum).name,
-                grace_seconds,
-            )
-            state["deadline"] = time.monotonic() + grace_seconds
-        else:
-            log.warning("second signal: killing every rank now")
-        if proc is None:
-            state["pending"] = signum  # acted on as soon as torchrun exists
-        else:
-            act(signum)
-
-    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
-    try:
-        proc = subprocess.Popen(argv, env=dict(env), start_new_session=True)
-        if state["pending"] is not None:
-            act(state["pending"])
-        while True:
-            try:
-                code = proc.wait(timeout=0.5)
-                break
-            except subprocess.TimeoutExpired:
-                state["known"] |= _descendants(proc.pid)
-                deadline = state["deadline"]
-                if deadline is not None and time.monotonic() > deadline:
-                    log.warning(
-                        "ranks still running %.0f s after the signal: killing", grace_seconds
-                    )
-                    _kill_all(proc, state["known"])
-                    state["deadline"] = None
-        # Workers live in sessions of their own: none may outlive torchrun.
-        _kill({p for p in state["known"] if p.is_running()})
-    finally:
-        for sig, handler in previous.items():
+    def _restore(self) -> None:
+        for sig, handler in self._previous.items():
             signal.signal(sig, handler)
 
-    statuses = read_rank_statuses(status_dir)
-    if expected_ranks is not None and len(statuses) < expected_ranks and code == 0:
-        log.warning("%d of %d ranks reported a status", len(statuses), expected_ranks)
-    result = exit_code(code, statuses, signalled=state["signals"] > 0)
-    if expected_ranks is not None and result == EXIT_SIGNAL and len(statuses) < expected_ranks:
-        result = EXIT_FAILURE  # a rank died without confirming its checkpoint
-    log.info("torchrun exited %s; ranks reported %s -> exit %d", code,
-             {s.rank: s.exit_code for s in statuses}, result)  # fmt: skip
-    return result
+    def release(self) -> None:
+        """The job file is written: the ranks go on, and signals reach them."""
+        self.released = True
+
+    def cancel(self) -> None:
+        """The job will not run: kill the waiting ranks (nothing of theirs to save yet)."""
+        assert self.proc is not None
+        _kill_all(self.proc, self.known | _descendants(self.proc.pid))
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=10)
+        self._restore()
+
+    def wait(self) -> int:
+        """Run torchrun to the end and return the public exit code."""
+        assert self.proc is not None
+        try:
+            while True:
+                try:
+                    code = self.proc.wait(timeout=0.5)
+                    break
+                except subprocess.TimeoutExpired:
+                    self.known |= _descendants(self.proc.pid)
+                    if self.deadline is not None and time.monotonic() > self.deadline:
+                        log.warning("ranks still running %.0f s after the signal: killing",
+                                    self.grace_seconds)  # fmt: skip
+                        _kill_all(self.proc, self.known)
+                        self.deadline = None
+            # Workers live in sessions of their own: none may outlive torchrun.
+            _kill({p for p in self.known if p.is_running()})
+        finally:
+            self._restore()
+        return self._exit_code(code)
+
+    def _exit_code(self, code: int) -> int:
+        statuses = read_rank_statuses(self.status_dir)
+        expected = self.expected_ranks
+        if expected is not None and len(statuses) < expected and code == 0:
+            log.warning("%d of %d ranks reported a status", len(statuses), expected)
+        result = exit_code(code, statuses, signalled=self.signals > 0)
+        if expected is not None and result == EXIT_SIGNAL and len(statuses) < expected:
+            result = EXIT_FAILURE  # a rank died without confirming its checkpoint
+        log.info("%s exited %s; ranks reported %s -> exit %d", self.launcher, code,
+                 {s.rank: s.exit_code for s in statuses}, result)  # fmt: skip
+        return result
 
 
-def launch(
+def run_ranks(argv: list[str], env: Mapping[str, str], **kwargs: Any) -> int:
+    """Run torchrun (its job file written) to the end and return the public exit code."""
+    return Ranks(argv, env, **kwargs).wait()
+
+
+def start_ranks(
     topology: Topology,
     hardware: Hardware,
     *,
@@ -343,8 +390,9 @@ def launch(
     grace_seconds: float,
     environ: Mapping[str, str] | None = None,
     module: str = "zerotuner.worker",
-) -> int:
-    """Run this node's ranks to the end: the public exit code.
+    released: bool = False,
+) -> Ranks:
+    """Start this node's ranks; with `released=False` they wait for `job_file` to appear.
 
     `status_dir` must be local to the node (e.g. under /tmp): it holds this node's ranks only.
     torchrun gets `grace_seconds` to let ranks save after SIGTERM; we wait a little longer so
@@ -353,7 +401,6 @@ def launch(
     if topology.master_port == 0:
         # torchrun's static rendezvous cannot use port 0 itself: take a free one now.
         topology = dataclasses.replace(topology, master_port=free_port(topology.master_addr))
-    argv = torchrun_command(topology, module=module, shutdown_timeout=int(grace_seconds))
     env = worker_env(
         os.environ if environ is None else environ,
         topology,
@@ -361,10 +408,27 @@ def launch(
         job_file=job_file,
         status_dir=status_dir,
     )
-    return run_ranks(
+    env[LAUNCHER_PID_ENV] = str(os.getpid())
+    if topology.world_size == 1:
+        # torchrun's agent would be one more interpreter importing torch (about 1 s before
+        # the rank starts) to supervise a single process: the rank runs as this process's
+        # child with the variables torchrun gives a rank, and signals reach it directly.
+        argv = [sys.executable, "-m", module]
+        env |= {"RANK": "0", "LOCAL_RANK": "0", "GROUP_RANK": "0", "WORLD_SIZE": "1",
+                "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": topology.master_addr,
+                "MASTER_PORT": str(topology.master_port)}  # fmt: skip
+    else:
+        argv = torchrun_command(topology, module=module, shutdown_timeout=int(grace_seconds))
+    return Ranks(
         argv,
         env,
         status_dir=status_dir,
         grace_seconds=grace_seconds + 5,
         expected_ranks=topology.nproc_per_node,
+        released=released,
     )
+
+
+def launch(topology: Topology, hardware: Hardware, **kwargs: Any) -> int:
+    """Run this node's ranks, their job file already written, to the end: the exit code."""
+    return start_ranks(topology, hardware, released=True, **kwargs).wait()

@@ -24,6 +24,8 @@ right before `deepspeed.initialize`:
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import logging
 import shutil
 from dataclasses import dataclass
@@ -192,3 +194,57 @@ def graphs_built() -> int:
     from torch._dynamo.utils import counters
 
     return int(counters["stats"]["unique_graphs"])
+
+
+def skip_lone_allreduce(engine: Any) -> bool:
+    """One data-parallel rank at ZeRO-0: turn off DeepSpeed's post-backward all-reduce.
+
+    With nobody to reduce with, it still flattens every gradient into a bucket, "reduces" it
+    over a group of one and copies it back: py-spy put a quarter of a 95M UNet's CPU step
+    there. Dividing by a world size of 1 changes nothing, so the step is the same. ZeRO-1/2's
+    reduction fills the partitions their optimizer steps on and must run; ZeRO-3 has its own."""
+    if engine.zero_optimization_stage() != 0 or engine.dp_world_size != 1:
+        return False
+    engine.enable_backward_allreduce = False
+    log.info("speed: one data-parallel rank at ZeRO-0: DeepSpeed's gradient all-reduce skipped")
+    return True
+
+
+def warm_cpu_info() -> None:
+    """Ask py-cpuinfo once per process, in the background.
+
+    Loading a JIT-built DeepSpeed CPU op (FusedAdam, CPU Adam, shm comm) recomputes its
+    compiler flags before finding the build up to date, and each flag asks
+    `cpuinfo.get_cpu_info()`, which runs a subprocess: about 1 s each, twice per op, all
+    inside `deepspeed.initialize`. The answer cannot change within a process: one call, made
+    in a thread while the rank loads its model, answers every later one (a caller that comes
+    while it runs waits for it rather than starting another). Prebuilt ops never ask."""
+    import threading
+
+    try:
+        import cpuinfo
+    except ImportError:  # DeepSpeed falls back to lscpu itself
+        return
+    if not hasattr(cpuinfo.get_cpu_info, "__wrapped__"):
+        cpuinfo.get_cpu_info = _once(cpuinfo.get_cpu_info)
+    threading.Thread(target=_ask, args=(cpuinfo.get_cpu_info,), name="cpuinfo", daemon=True).start()
+
+
+def _once(ask: Any) -> Any:
+    import threading
+
+    lock, answer = threading.Lock(), []
+
+    @functools.wraps(ask)
+    def once() -> Any:
+        with lock:
+            if not answer:
+                answer.append(ask())  # a failure is not kept: the next caller asks again
+            return answer[0]
+
+    return once
+
+
+def _ask(get_cpu_info: Any) -> None:
+    with contextlib.suppress(Exception):  # DeepSpeed asks again, and handles the failure
+        get_cpu_info()

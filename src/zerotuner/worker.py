@@ -43,7 +43,7 @@ from zerotuner import (
 )
 from zerotuner.ema import EMA, full_state_dict
 from zerotuner.errors import EXIT_FAILURE, EXIT_OK, EXIT_SIGNAL, ZeroTunerError
-from zerotuner.job import Job, load_job
+from zerotuner.job import Job, load_job, wait_for_job
 from zerotuner.records import Sink, write_rank_status
 from zerotuner.settings import Settings, load_settings
 from zerotuner.stop import Stopped, StopRequest
@@ -210,6 +210,7 @@ class Run:
             model=trained, model_parameters=params, config=config
         )
         log.info("DeepSpeed engine ready (ZeRO-%d)", self.engine_.zero_optimization_stage())
+        speed.skip_lone_allreduce(self.engine_)
         if self.rank == 0:  # the entrypoint logs it; the run folder keeps it
             _write_json(self.run_dir / "deepspeed.json", config)
         self.start_step = 0
@@ -444,10 +445,13 @@ def train(settings: Settings, job: Job, *, sinks: Sequence[Sink] | None = None) 
     return code
 
 
-def _quiet_libraries() -> None:
-    """No per-file progress bars from diffusers/transformers in a training log."""
+def _import_libraries() -> None:
+    """diffusers' model classes and transformers, imported while the entrypoint still plans
+    (seconds, the family not known yet: one import brings every denoiser class); no per-file
+    progress bars from either in a training log."""
     import diffusers
     import transformers
+    from diffusers import AutoencoderKL, UNet2DConditionModel  # noqa: F401
 
     diffusers.utils.logging.disable_progress_bar()
     transformers.utils.logging.disable_progress_bar()
@@ -455,27 +459,28 @@ def _quiet_libraries() -> None:
 
 
 def main() -> None:
-    """torchrun's entry: settings, job, logging, then train(); exits with the rank's code."""
+    """torchrun's entry: settings, imports, the job, logging, then train(); exits with the
+    rank's code. The entrypoint starts the ranks before it has planned: the imports here
+    overlap its planning, then `wait_for_job` waits for the job file."""
     from zerotuner.logs import demote_known_noise, rank_level, setup_logging
 
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    speed.warm_cpu_info()  # deepspeed.initialize asks for it; the answer comes meanwhile
     demote_known_noise()  # before DeepSpeed's import, which may print some
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING)
     try:
-        job = load_job()
-        if job.device == "cpu":
-            os.environ.setdefault("DS_ACCELERATOR", "cpu")
         settings = load_settings()
+        level = rank_level(settings.log_level, rank)
+        logging.getLogger().setLevel(level)  # ZT_LOG_LEVEL=debug shows what the import prints
+        import deepspeed  # noqa: F401 - its logger must exist before ours adopts it
+
+        _import_libraries()
+        job = load_job(wait_for_job())  # DS_ACCELERATOR came with the launcher's environment
     except ZeroTunerError as error:
         for line in error.problems:
             print(f"zerotuner: error: {line}", file=sys.stderr, flush=True)
         write_rank_status(rank, error.exit_code, str(error))
         sys.exit(error.exit_code)
-    level = rank_level(settings.log_level, rank)
-    logging.getLogger().setLevel(level)  # ZT_LOG_LEVEL=debug shows what the import prints too
-    import deepspeed  # noqa: F401 - its logger must exist before ours adopts it
-
-    _quiet_libraries()
     token = settings.hf_token.get_secret_value() if settings.hf_token else None
     setup_logging(
         rank=rank, world_size=world, log_format=settings.log_format, level=level, secrets=[token]

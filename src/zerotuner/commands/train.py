@@ -1,7 +1,8 @@
 """`zerotuner train`: the entrypoint's job on one node, from settings to the ranks' exit code.
 
-probe -> topology -> (mount the offload device) -> preflight (plan + DeepSpeed config) ->
-prepare the offload dir -> write the Job -> torchrun ranks -> public exit code. The metrics
+probe -> topology -> start the torchrun ranks (they import, then wait for the Job) -> (mount
+the offload device) -> preflight (plan + DeepSpeed config) -> prepare the offload dir -> write
+the Job (the ranks go on) -> public exit code. The metrics
 endpoint serves from the first line to the last, so downloads and caching are visible too.
 """
 
@@ -22,7 +23,7 @@ from zerotuner.hardware_probe import probe
 from zerotuner.inputs import UserInputs, apply_implied_settings, read_user_inputs
 from zerotuner.job import Job
 from zerotuner.job_folders import refuse_overlaps
-from zerotuner.launch import launch, resolve_topology
+from zerotuner.launch import resolve_topology, start_ranks
 from zerotuner.logs import rank_level, setup_logging
 from zerotuner.offload import mounted_offload_device, prepare_offload_dir
 from zerotuner.preflight import Preflight, preflight
@@ -85,6 +86,32 @@ def _train(settings: Settings, inputs: UserInputs, server, stack: ExitStack) -> 
     for warning in hardware.warnings:
         log.warning("%s", warning)
     topology = resolve_topology(settings, hardware, os.environ)
+    run_dir = Path(tempfile.mkdtemp(prefix="zerotuner-job-"))
+    status_dir = run_dir / "status"
+    job_file = run_dir / "job.json"
+    # The ranks start now and import torch, DeepSpeed and diffusers while this process plans;
+    # they wait for the job file, written below once the plan holds.
+    ranks = start_ranks(
+        topology, hardware, job_file=job_file, status_dir=status_dir,
+        grace_seconds=settings.stop_grace_seconds,
+    )  # fmt: skip
+    try:
+        pusher = _prepare(settings, inputs, server, stack, hardware, topology, job_file)
+    except BaseException:
+        ranks.cancel()
+        raise
+    ranks.release()
+    code = ranks.wait()
+    if code == EXIT_OK and topology.node_rank == 0:
+        _say_where_outputs_are(settings)
+    if pusher is not None:
+        _finish_pushing(pusher, settings, code)
+    return code
+
+
+def _prepare(settings, inputs, server, stack, hardware, topology, job_file):  # noqa: ANN001, ANN202
+    """Everything before the ranks may go: the plan, the offload volume, the job file, and on
+    node 0 the checkpoint pusher (which may first fetch the checkpoint to resume from)."""
     if settings.offload_device:
         stack.enter_context(
             mounted_offload_device(
@@ -105,10 +132,6 @@ def _train(settings: Settings, inputs: UserInputs, server, stack: ExitStack) -> 
         for warning in report.warnings:
             log.warning("%s", warning)
     job = job_from(pre)
-    run_dir = Path(tempfile.mkdtemp(prefix="zerotuner-job-"))
-    status_dir = run_dir / "status"
-    status_dir.mkdir()
-    job_file = job.write(run_dir / "job.json")
     if server is not None:
         server.set_job(job)
         server.set_plan(plan_json(pre.plan, pre.hardware))
@@ -124,18 +147,8 @@ def _train(settings: Settings, inputs: UserInputs, server, stack: ExitStack) -> 
             pusher = _start_pusher(settings, server)
         else:  # an earlier run's remote no longer holds back the local rotation
             (checkpoints_dir(settings.output_dir) / REMOTE_LATEST).unlink(missing_ok=True)
-    code = launch(
-        topology,
-        hardware,
-        job_file=job_file,
-        status_dir=status_dir,
-        grace_seconds=settings.stop_grace_seconds,
-    )
-    if code == EXIT_OK and topology.node_rank == 0:
-        _say_where_outputs_are(settings)
-    if pusher is not None:
-        _finish_pushing(pusher, settings, code)
-    return code
+    job.write(job_file)  # the waiting ranks go on from here
+    return pusher
 
 
 # After a successful run the final export may be tens of GB: it gets up to an hour to upload.

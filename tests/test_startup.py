@@ -1,0 +1,235 @@
+"""Start-up and per-step work that is not the model's: ranks started before the plan (they wait
+for the job file, and a refused plan or a signal leaves none behind), one rank without
+torchrun's agent, DeepSpeed's all-reduce skipped for a lone ZeRO-0 rank (same parameters),
+and py-cpuinfo asked once per process."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+from trainkit import ENTRYPOINT, entrypoint_env
+
+from zerotuner import speed
+from zerotuner.hardware import cpu_only
+from zerotuner.job import LAUNCHER_PID_ENV, wait_for_job
+from zerotuner.launch import StoppedBeforeStart, Topology, free_port, start_ranks
+from zerotuner.records import read_rank_statuses
+
+# A rank that waits for its job file like the worker, then reports what it found and who
+# started it (its parent: the launcher itself when there is one rank, else torchrun).
+WAITER = textwrap.dedent(
+    """
+    import os, signal, sys, time
+    from pathlib import Path
+    from zerotuner.job import wait_for_job
+    from zerotuner.records import write_rank_status
+
+    rank, out = int(os.environ["RANK"]), Path(os.environ["TEST_OUT"])
+    (out / f"waiting-{rank}").write_text(f"{os.getpid()} {os.getppid()}")
+    job = wait_for_job()
+
+    def stop(signum, frame):
+        write_rank_status(rank, 143, "stopped by signal after checkpoint")
+        sys.exit(143)
+
+    signal.signal(signal.SIGTERM, stop)
+    (out / f"started-{rank}").write_text(job.read_text())
+    if os.environ.get("TEST_MODE") == "wait":
+        while True:
+            time.sleep(0.1)
+    write_rank_status(rank, 0, "done")
+    """
+)
+
+
+def _ranks(tmp_path: Path, nproc: int, mode: str = "exit"):
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "waiter.py").write_text(WAITER)
+    out = tmp_path / "out"
+    out.mkdir()
+    environ = dict(os.environ, TEST_OUT=str(out), TEST_MODE=mode)
+    environ["PYTHONPATH"] = os.pathsep.join([str(tmp_path / "pkg"), *sys.path])
+    ranks = start_ranks(
+        Topology(1, 0, nproc, "127.0.0.1", free_port(), "test"), cpu_only(cpu_count=2),
+        job_file=tmp_path / "job.json", status_dir=tmp_path / "status", grace_seconds=30,
+        environ=environ, module="waiter",
+    )  # fmt: skip
+    return ranks, out
+
+
+def _waiting(out: Path, n: int) -> list[tuple[int, int]]:
+    deadline = time.monotonic() + 120
+    while len(list(out.glob("waiting-*"))) < n and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return [tuple(map(int, p.read_text().split())) for p in sorted(out.glob("waiting-*"))]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_ranks_started_early_wait_for_the_job_then_run(tmp_path, nproc):
+    ranks, out = _ranks(tmp_path, nproc)
+    try:
+        waiting = _waiting(out, nproc)
+        time.sleep(0.5)
+        assert not list(out.glob("started-*"))  # nothing runs before the plan is written
+        (tmp_path / "job.json").write_text('{"planned": true}')
+        ranks.release()
+        assert ranks.wait() == 0
+    finally:
+        ranks.cancel()
+    started = [(out / f"started-{r}").read_text() for r in range(nproc)]
+    assert started == ['{"planned": true}'] * nproc
+    # one rank runs as the launcher's own child: no torchrun agent in between
+    assert (ranks.launcher == "the rank") == (nproc == 1)
+    assert all((parent == os.getpid()) == (nproc == 1) for _, parent in waiting)
+
+
+@pytest.mark.slow
+def test_a_refused_plan_leaves_no_waiting_rank(tmp_path):
+    ranks, out = _ranks(tmp_path, 2)
+    pids = [pid for pid, _ in _waiting(out, 2)]
+    ranks.cancel()
+    gone, alive = psutil.wait_procs([psutil.Process(p) for p in pids if psutil.pid_exists(p)], 10)
+    assert not [p for p in alive if p.status() != psutil.STATUS_ZOMBIE]
+    assert ranks.proc.poll() is not None and read_rank_statuses(tmp_path / "status") == []
+
+
+@pytest.mark.slow
+def test_a_signal_while_planning_stops_before_training(tmp_path):
+    """Before the job file: the signal ends the planning (the caller cancels the ranks). After
+    it: forwarded to the rank, which stops as after a checkpoint (143)."""
+    ranks, out = _ranks(tmp_path, 1, mode="wait")
+    try:
+        _waiting(out, 1)
+        with pytest.raises(StoppedBeforeStart, match="stopped by SIGTERM before training"):
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)  # the handler raises in this thread, here
+    finally:
+        ranks.cancel()
+    assert StoppedBeforeStart("x").exit_code == 143
+
+    again = tmp_path / "again"
+    again.mkdir()
+    ranks, out = _ranks(again, 1, mode="wait")
+    (again / "job.json").write_text("{}")
+    ranks.release()
+    threading.Thread(target=_signal_when, args=(out / "started-0",), daemon=True).start()
+    assert ranks.wait() == 143
+
+
+def _signal_when(path: Path) -> None:
+    deadline = time.monotonic() + 120
+    while not path.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
+def test_a_rank_whose_launcher_died_stops_waiting(tmp_path, monkeypatch):
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    monkeypatch.setenv(LAUNCHER_PID_ENV, str(dead.pid))
+    started = time.monotonic()
+    with pytest.raises(SystemExit) as stopped:
+        wait_for_job(tmp_path / "never.json")
+    assert stopped.value.code == 1 and time.monotonic() - started < 5
+
+
+@pytest.mark.slow
+def test_entrypoint_refusing_the_plan_leaves_no_rank_behind(demo_dir, tmp_path):
+    """The ranks start before preflight; a plan that cannot run (exit 3: nothing fits the host)
+    ends them."""
+    env = entrypoint_env(demo_dir, tmp_path, ZT_RESOLUTION="4096", ZT_TRAIN_BATCH_SIZE="512")
+    proc = subprocess.Popen([ENTRYPOINT, "train"], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    out = proc.communicate(timeout=300)[0]
+    assert proc.returncode == 3 and "nothing fits" in out, out[-2000:]
+    assert "Traceback" not in out, out[-3000:]
+    left = []
+    for p in psutil.process_iter(["environ"]):
+        try:
+            if (p.info["environ"] or {}).get(LAUNCHER_PID_ENV) == str(proc.pid):
+                left.append(p)
+        except psutil.Error:
+            continue
+    assert not left, [p.cmdline() for p in left]
+
+
+def test_cpu_info_is_asked_once_however_many_callers():
+    calls = []
+
+    def ask():
+        calls.append(threading.get_ident())
+        time.sleep(0.2)
+        if len(calls) == 1:
+            raise OSError("first try fails")  # not kept: the next caller asks again
+        return {"arch": "X86_64", "flags": ["avx2"]}
+
+    once = speed._once(ask)
+    with pytest.raises(OSError):
+        once()
+    threads = [threading.Thread(target=once) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert once() == {"arch": "X86_64", "flags": ["avx2"]} and len(calls) == 2
+
+
+# A lone rank at ZeRO-0 with and without DeepSpeed's all-reduce: the same parameters after
+# three AdamW steps with clipping; at ZeRO-1 the reduction stays (its optimizer steps on it).
+LONE = textwrap.dedent(
+    """
+    import json, os, sys
+    import deepspeed, torch
+    from zerotuner import speed
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    result = {}
+    for stage, skip in ((0, False), (0, True), (1, True)):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.GELU(), torch.nn.Linear(32, 8))
+        config = {"train_micro_batch_size_per_gpu": 4, "gradient_clipping": 0.5,
+                  "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+                  "zero_optimization": {"stage": stage}}
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                          config=config)
+        skipped = speed.skip_lone_allreduce(engine) if skip else False
+        gen = torch.Generator().manual_seed(1)
+        for _ in range(3):
+            x = torch.randn(4, 8, generator=gen)
+            engine.backward(engine(x).pow(2).mean())
+            engine.step()
+        result[f"{stage}-{skip}"] = {"skipped": skipped,
+            "allreduce": engine.enable_backward_allreduce,
+            "params": [p.detach().flatten().tolist() for p in model.parameters()]}
+    print("RESULT " + json.dumps(result))
+    """
+)
+
+
+@pytest.mark.slow
+def test_a_lone_zero0_rank_skips_the_all_reduce_and_steps_the_same(tmp_path):
+    script = tmp_path / "lone.py"
+    script.write_text(LONE)
+    env = dict(os.environ, RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(free_port()), DS_ACCELERATOR="cpu")  # fmt: skip
+    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True,
+                          timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    line = next(x for x in done.stdout.splitlines() if x.startswith("RESULT "))
+    result = json.loads(line[len("RESULT ") :])
+    kept, skipped, zero1 = result["0-False"], result["0-True"], result["1-True"]
+    assert kept["allreduce"] and not kept["skipped"]
+    assert skipped["skipped"] and not skipped["allreduce"]
+    assert skipped["params"] == kept["params"]  # bit for bit: a group of one changes nothing
+    assert not zero1["skipped"] and zero1["allreduce"]
