@@ -55,16 +55,28 @@ def train_until_launch(monkeypatch):
     handlers, level = list(root.handlers), root.level
     launched: list[dict] = []
 
-    def record(topology, hardware, *, job_file, status_dir, grace_seconds):
-        seen = {"job": json.loads(Path(job_file).read_text())}
-        port = os.environ.get("ZT_METRICS_PORT", "0")
-        if port != "0":
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as r:
-                seen["metrics"] = r.read().decode()
-        launched.append(seen)
-        return 0
+    class Recorded:
+        """The ranks `train` starts, recording the job they are released with: the job file
+        and, while it is written, the metrics endpoint."""
 
-    monkeypatch.setattr(train_command, "launch", record)
+        def __init__(self, topology, hardware, *, job_file, status_dir, grace_seconds):
+            self.job_file = job_file
+
+        def release(self):
+            seen = {"job": json.loads(Path(self.job_file).read_text())}
+            port = os.environ.get("ZT_METRICS_PORT", "0")
+            if port != "0":
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as r:
+                    seen["metrics"] = r.read().decode()
+            launched.append(seen)
+
+        def wait(self):
+            return 0
+
+        def cancel(self):
+            pass
+
+    monkeypatch.setattr(train_command, "start_ranks", Recorded)
     yield launched
     root.handlers[:] = handlers  # train configures the root logger of its process
     root.setLevel(level)

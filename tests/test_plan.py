@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -453,3 +454,31 @@ def test_a_cuda_rank_adds_the_cuda_host_context_to_the_runtime():
     assert cuda["host_per_rank.process"] == cpu["host_per_rank.process"] < 1 * GiB
     fixed = cuda["host_per_rank.process"] + cuda["host_per_rank.cuda_host_context"]
     assert 1.5 * GiB < fixed < 2.5 * GiB  # a CUDA rank's host memory besides its tensors
+
+
+def test_counts_from_safetensors_headers_equal_the_meta_models(
+    demo_dir, sd1_demo_dir, sd2_demo_dir, flow_demo_dirs, tmp_path
+):
+    """The entrypoint counts a local UNet from its weight files' headers (no diffusers
+    import); the meta-device count agrees for every family (the transformers are counted
+    there), and a folder without safetensors weights is still counted, on the meta device."""
+    from diffusers import UNet2DConditionModel
+
+    from zerotuner.families import meta_model
+    from zerotuner.families.stored import stored_counts
+
+    models = {"sdxl": demo_dir, "sd1": sd1_demo_dir, "sd2": sd2_demo_dir, **flow_demo_dirs}
+    for family, folder in models.items():
+        model = folder / "model"
+        shape = model_shape(family, model)
+        sizes = [p.numel() for p in meta_model(family, model).parameters()]
+        assert (shape.unet_params, shape.largest_param) == (sum(sizes), max(sizes)), family
+    copy = tmp_path / "bin"
+    shutil.copytree(demo_dir / "model", copy)
+    unet = UNet2DConditionModel.from_pretrained(copy / "unet")
+    for weights in (copy / "unet").glob("*.safetensors"):
+        weights.unlink()
+    unet.save_pretrained(copy / "unet", safe_serialization=False)  # pytorch_model .bin only
+    assert stored_counts(copy / "unet") is None
+    meta, stored = model_shape("sdxl", copy), model_shape("sdxl", demo_dir / "model")
+    assert (meta.unet_params, meta.largest_param) == (stored.unet_params, stored.largest_param)

@@ -11,12 +11,15 @@ import argparse
 import json
 import os
 import sys
+from typing import TYPE_CHECKING
 
 from zerotuner.commands import what_if
 from zerotuner.errors import ConfigError, EnvironmentUnfit
 from zerotuner.inputs import apply_implied_settings, read_user_inputs
-from zerotuner.preflight import Preflight, preflight
 from zerotuner.settings import load_settings
+
+if TYPE_CHECKING:
+    from zerotuner.preflight import Preflight
 
 DESCRIBE = (
     "to check the config for the hardware it is for, describe that: "
@@ -35,6 +38,7 @@ def evaluate(args: argparse.Namespace) -> tuple[Preflight, str | None]:
     """What `config` prints, computed (the builder page calls it too): the preflight, and the
     described hardware in words (None when this machine was probed)."""
     from zerotuner.commands.plan import describe_hardware
+    from zerotuner.preflight import preflight  # torch, through lora: not for --help
 
     settings = load_settings(**what_if.settings_overrides(args))
     if what_if.is_described(args):  # DeepSpeed only parses the JSON: skip its device probe

@@ -15,7 +15,6 @@ from zerotuner.driver import describe_driver
 from zerotuner.families import FAMILIES, FLOW_FAMILIES
 from zerotuner.hardware import Hardware
 from zerotuner.plan import Plan, gib
-from zerotuner.preflight import plan_for
 from zerotuner.settings import precision_name
 
 
@@ -53,6 +52,8 @@ def build_plan(args: argparse.Namespace) -> tuple[Plan, Hardware]:
         model_dir = source.local_dir
     hardware = what_if.hardware_for(args, settings, ops=True)
     topology = what_if.topology_for(settings, hardware)
+    from zerotuner.preflight import plan_for  # torch, through lora: not for --help
+
     plan = plan_for(
         settings,
         shape,

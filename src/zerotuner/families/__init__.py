@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from zerotuner.errors import ConfigError
+from zerotuner.families.stored import stored_config, stored_counts
 
 
 @dataclass(frozen=True)
@@ -246,14 +247,17 @@ def frozen_params(
     model_dir: Path,
     parts: tuple[str, ...] = ("text_encoder", "text_encoder_2", "text_encoder_3", "vae"),
 ) -> int:
-    """Parameters of the text encoders and VAE (or `parts`) of a local pipeline, counted on
-    the meta device."""
+    """Parameters of the text encoders and VAE (or `parts`) of a local pipeline, from their
+    safetensors headers, else counted on the meta device."""
     from accelerate import init_empty_weights
 
     total = 0
     for sub in parts:
         folder = model_dir / sub
         if not (folder / "config.json").is_file():
+            continue
+        if stored := stored_counts(folder):
+            total += stored[0]
             continue
         with init_empty_weights():
             if sub == "vae":
@@ -289,6 +293,12 @@ def model_shape(
             text_width=int(spec.builtin_config["cross_attention_dim"]),
         )  # fmt: skip
 
+    if config_path is not None and model_dir is not None:
+        folder = config_path.parent
+        stored, config = stored_counts(folder), stored_config(folder, UNET_KEYS)
+        if stored and config:
+            return _unet_shape(family, model_dir, config, *stored, str(config_path), frozen=True)
+
     from accelerate import init_empty_weights
     from diffusers import UNet2DConditionModel
 
@@ -301,18 +311,38 @@ def model_shape(
     with init_empty_weights():
         unet = UNet2DConditionModel.from_config(config)
     sizes = [p.numel() for p in unet.parameters()]
+    frozen = config_path is not None and model_dir is not None
+    return _unet_shape(family, model_dir, unet.config, sum(sizes), max(sizes), source,
+                       frozen=frozen)  # fmt: skip
+
+
+UNET_KEYS = ("sample_size", "block_out_channels", "cross_attention_dim")
+
+
+def _unet_shape(
+    family: Family,
+    model_dir: Path | None,
+    config: Any,
+    params: int,
+    largest: int,
+    source: str,
+    *,
+    frozen: bool,
+) -> ModelShape:
+    """A UNet's ModelShape from its config and counts; `frozen`: count model_dir's frozen
+    parts, else the family's published ones."""
     return ModelShape(
         family=family,
-        unet_params=sum(sizes),
-        largest_param=max(sizes),
-        frozen_params=spec.frozen_params
-        if config_path is None or model_dir is None
-        else frozen_params(model_dir),
-        native_resolution=int(unet.config.sample_size) * vae_scale(model_dir),
+        unet_params=params,
+        largest_param=largest,
+        frozen_params=frozen_params(model_dir)
+        if frozen and model_dir
+        else REGISTRY[family].frozen_params,
+        native_resolution=int(config["sample_size"]) * vae_scale(model_dir),
         source=source,
-        base_channels=int(unet.config.block_out_channels[0]),
+        base_channels=int(config["block_out_channels"][0]),
         vae_channels=_vae_channels(model_dir) if model_dir else 128,
-        text_width=int(unet.config.cross_attention_dim),
+        text_width=int(config["cross_attention_dim"]),
     )
 
 

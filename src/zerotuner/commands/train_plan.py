@@ -1,0 +1,115 @@
+"""What `zerotuner train` does while the ranks start: the plan, the offload volume, the job.
+
+`train` starts the ranks first (they import torch, DeepSpeed and diffusers, seconds); this
+module, imported after that, plans meanwhile and writes the job file they wait for. Nothing
+here runs before the ranks exist, so its imports (torch, through the planner's modules) cost
+the ranks nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+
+from zerotuner.checkpoint import REMOTE_LATEST, checkpoints_dir
+from zerotuner.commands.plan import plan_json, render
+from zerotuner.job import Job
+from zerotuner.offload import mounted_offload_device, prepare_offload_dir
+from zerotuner.preflight import Preflight, preflight
+from zerotuner.settings import Settings
+
+log = logging.getLogger("zerotuner.train")
+
+
+def prepare(settings, inputs, server, stack, hardware, topology, job_file):  # noqa: ANN001, ANN201
+    """Everything before the ranks may go: the plan, the offload volume, the job file, and on
+    node 0 the checkpoint pusher (which may first fetch the checkpoint to resume from)."""
+    if settings.offload_device:
+        stack.enter_context(
+            mounted_offload_device(
+                settings.offload_device, settings.offload_dir, allow_format=settings.offload_format
+            )
+        )
+    pre = preflight(settings, hardware=hardware, topology=topology, inputs=inputs)
+    _log_decisions(pre)
+    choice = pre.plan.choice
+    if "nvme" in (choice.offload_optimizer, choice.offload_param):
+        # Once per node, before any rank starts: stale swap files make a resume load garbage.
+        report = prepare_offload_dir(
+            settings.offload_dir, need_bytes=choice.disk_bytes, nvme=True, clean=True
+        )
+        log.info("offload volume: %s", report.summary())
+        for removed in report.removed:
+            log.info("removed stale swap data: %s", removed)
+        for warning in report.warnings:
+            log.warning("%s", warning)
+    job = job_from(pre)
+    if server is not None:
+        server.set_job(job)
+        server.set_plan(plan_json(pre.plan, pre.hardware))
+        server.set_phase("loading")
+    log.info(
+        "launching %d rank(s) on node %d of %d (world size %d, %s)",
+        topology.nproc_per_node, topology.node_rank, topology.nnodes, topology.world_size,
+        topology.source,
+    )  # fmt: skip
+    pusher = None
+    if topology.node_rank == 0:  # node 0 commits the checkpoints
+        if settings.push_to:
+            pusher = _start_pusher(settings, server)
+        else:  # an earlier run's remote no longer holds back the local rotation
+            (checkpoints_dir(settings.output_dir) / REMOTE_LATEST).unlink(missing_ok=True)
+    job.write(job_file)  # the waiting ranks go on from here
+    return pusher
+
+
+def _start_pusher(settings: Settings, server):  # noqa: ANN001, ANN202 - optional server
+    """Node 0: resume from the remote when this machine has no checkpoint, then push each new
+    one in the background (see zerotuner.push)."""
+    from zerotuner import push
+    from zerotuner.remote import probe
+
+    store = push.open_remote(settings)
+    probe(store)  # credentials and write access, before the ranks spend GPU time
+    if settings.resume == "auto":
+        push.fetch_latest(store, settings.output_dir)
+    pusher = push.Pusher(store, settings.output_dir, keep=settings.checkpoints_keep).start()
+    if server is not None:
+        server.registry.register(push.PushCollector(pusher.stats))
+    log.info("pushing checkpoints, the final export and run records to %s", store.url)
+    return pusher
+
+
+def job_from(pre: Preflight) -> Job:
+    d, t = pre.decisions, pre.topology
+    return Job(
+        family=pre.model.family,
+        model=pre.model.job_model,
+        revision=pre.model.revision,
+        resolution=pre.resolution,
+        zero_stage=d.zero_stage,
+        offload_optimizer=d.offload_optimizer,
+        offload_param=d.offload_param,
+        gradient_checkpointing=d.gradient_checkpointing,
+        mixed_precision=pre.normalized.mixed_precision,
+        device="cpu" if pre.hardware.accelerator == "cpu" else "cuda",
+        world_size=t.world_size,
+        nnodes=t.nnodes,
+        nproc_per_node=t.nproc_per_node,
+        node_rank=t.node_rank,
+        master_addr=t.master_addr,
+        master_port=t.master_port,
+        deepspeed=pre.normalized.config,
+        notes=tuple(str(n) for n in pre.notes),
+    )
+
+
+def _log_decisions(pre: Preflight) -> None:
+    """The plan, every normalization change, and the effective DeepSpeed config."""
+    log.info("plan:\n%s", render(pre.plan, pre.hardware))
+    for note in pre.notes:
+        if note.level == "warning":
+            log.warning("%s", note.message)
+        else:
+            log.info("%s", note)
+    log.info("effective DeepSpeed config:\n%s", json.dumps(pre.normalized.config, indent=2))
