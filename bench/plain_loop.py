@@ -2,11 +2,11 @@
 
 One process, no DeepSpeed: load the SDXL pipeline with diffusers, encode the data folder's
 images and captions once (VAE latents, both text encoders' embeddings, as diffusers' own SDXL
-script precomputes them), then AdamW (torch's default implementation, same learning rate,
-betas, eps and weight decay as zerotuner's config; gradients clipped to norm 1 as in both
-zerotuner's config and diffusers' scripts) on the UNet, the pipeline's prediction
-type on its DDPM schedule, fp32, batches drawn in a seeded shuffle. Writes step times,
-losses and phase timestamps to --out as JSON. Eager: nothing compiled.
+script precomputes them), then AdamW (torch's default implementation, or `--fused-adamw` its
+fused kernel; same learning rate, betas, eps and weight decay as zerotuner's config; gradients
+clipped to norm 1 as in both zerotuner's config and diffusers' scripts) on the UNet, the
+pipeline's prediction type on its DDPM schedule, fp32, batches drawn in a seeded shuffle.
+Writes step times, losses and phase timestamps to --out as JSON. Eager: nothing compiled.
 """
 
 from __future__ import annotations
@@ -55,6 +55,7 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=1e-4)
     parser.add_argument("--weight-decay", type=float, default=1e-2)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--fused-adamw", action="store_true", help="torch's fused AdamW kernel")
     args = parser.parse_args()
 
     times = {"process_start": STARTED}
@@ -71,7 +72,8 @@ def main() -> None:
     times["data_ready"] = time.time()
     unet.train()
     optimizer = torch.optim.AdamW(unet.parameters(), lr=args.lr, betas=(0.9, 0.999), eps=1e-8,
-                                  weight_decay=args.weight_decay)  # fmt: skip
+                                  weight_decay=args.weight_decay,
+                                  fused=args.fused_adamw or None)  # fmt: skip
     gen = torch.Generator().manual_seed(args.seed)
     order = torch.randperm(len(latents), generator=gen)
     step_seconds, losses, at = [], [], 0

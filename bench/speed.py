@@ -2,7 +2,8 @@
 
 One process, batch 4, 64 px, fp32, the same model, data and AdamW settings; per model (the
 demo's tiny UNet and the bench's SDXL-shaped UNet) every round runs each variant once, in
-the same order (plain, ZeRO-0, ZeRO-0 compiled, ZeRO-2, ZeRO-2 compiled), so a burst of load
+the same order (plain, plain with torch's fused AdamW, ZeRO-0, ZeRO-0 compiled, ZeRO-2, ZeRO-2
+compiled), so a burst of load
 from others on the shared machine hits one round, not one variant. Per run: steady s/step
 (median after the warm-up steps), time to first step and wall time, both from the moment the
 process is spawned. Per round: each zerotuner variant's ratio to that round's plain run; the
@@ -33,8 +34,9 @@ from bench.suites import Bench, median, steady
 
 log = logging.getLogger("bench")
 BATCH = 4
-VARIANTS = (  # name, ZT_* (None: the plain loop)
+VARIANTS = (  # name, ZT_* (None: the plain loop; a tuple: the plain loop with these flags)
     ("plain", None),
+    ("plain-fused", ("--fused-adamw",)),
     ("zt-z0", {"zero_stage": 0, "compile": "false"}),
     ("zt-z0-compile", {"zero_stage": 0, "compile": "true"}),
     ("zt-z2", {"zero_stage": 2, "compile": "false"}),
@@ -42,11 +44,13 @@ VARIANTS = (  # name, ZT_* (None: the plain loop)
 )
 
 
-def run_plain(work: Path, model: Path, data: Path, *, steps: int) -> dict[str, Any]:
+def run_plain(
+    work: Path, model: Path, data: Path, *, steps: int, flags: tuple[str, ...] = ()
+) -> dict[str, Any]:
     work.mkdir(parents=True, exist_ok=True)
     out = work / "plain.json"
     cmd = [sys.executable, "-m", "bench.plain_loop", "--model", str(model), "--data", str(data),
-           "--out", str(out), "--steps", str(steps), "--batch", str(BATCH)]  # fmt: skip
+           "--out", str(out), "--steps", str(steps), "--batch", str(BATCH), *flags]  # fmt: skip
     spawned = time.time()
     done = subprocess.run(cmd, env=runs.base_env(), cwd=runs.REPO, capture_output=True,
                           text=True, timeout=runs.TIMEOUT)  # fmt: skip
@@ -68,7 +72,9 @@ def run_zerotuner(work: Path, model: Path, data: Path, *, steps: int, **zt: Any)
     return {"step_seconds": [x["step_seconds"] for x in r.steps],
             "losses": [x["loss"] for x in r.steps],
             "first_step_s": r.steps[0]["timestamp"] - r.spawned, "wall_s": r.ended - r.spawned,
-            "graphs": graphs[-1].rsplit("speed: ", 1)[-1] if graphs else None}  # fmt: skip
+            "graphs": graphs[-1].rsplit("speed: ", 1)[-1] if graphs else None,
+            # when the plan was logged, the ranks released, loading and caching began
+            "marks_s": {k: v - r.spawned for k, v in r.marks.items()}}  # fmt: skip
 
 
 def speed(b: Bench, models: dict[str, tuple[Path, Path]], rounds: int) -> dict[str, Any]:
@@ -81,8 +87,10 @@ def speed(b: Bench, models: dict[str, tuple[Path, Path]], rounds: int) -> dict[s
                 work = b.work(f"speed-{name}-{variant}-{i}")
                 log.info("speed: %s %s round %d", name, variant, i)
                 try:
-                    r = (run_plain(work, model, data, steps=b.steps) if zt is None
-                         else run_zerotuner(work, model, data, steps=b.steps, **zt))  # fmt: skip
+                    if isinstance(zt, dict):
+                        r = run_zerotuner(work, model, data, steps=b.steps, **zt)
+                    else:
+                        r = run_plain(work, model, data, steps=b.steps, flags=zt or ())
                 except RuntimeError as error:  # keep the other runs; say what failed
                     r = {"error": str(error)}
                 r["steady_s"] = (median(steady(r["step_seconds"], b.warmup))

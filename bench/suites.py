@@ -155,7 +155,9 @@ def first_step(b: Bench, over: dict[str, Any], split: dict[str, float]) -> dict[
             "probe": split["probe"],
             "plan (preflight: model shape, plan, normalize)": split["plan"],
             "job file + offload dir": m["launching"] - m["planned"],
-            "launch (torchrun, rank imports, process group)": m["loading"] - m["launching"],
+            # the ranks start before the plan: what is left of their start-up after the job
+            "ranks' start-up left (imports overlap the plan; process group)": m["loading"]
+            - m["launching"],
             "model load": m["caching"] - m["loading"],
             "cache (latents + text embeddings)": m["cached"] - m["caching"],
             "engine init (deepspeed.initialize, resume check)": step1_start - m["cached"],

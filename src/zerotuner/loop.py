@@ -136,11 +136,17 @@ def train_step(engine: Any, micro_batches: list[Any], step: int, ctx: LoopContex
     return torch.stack(losses).mean()
 
 
-def grad_norm(engine: Any) -> float | None:
+def step_scalars(loss: torch.Tensor, engine: Any) -> tuple[float, float | None]:
+    """The step's mean loss and gradient norm, copied to the host together: the step's one
+    device sync (what steps.jsonl and the sinks need)."""
     norm = engine.get_global_grad_norm()
-    if norm is None:
-        return None
-    return float(norm.item() if isinstance(norm, torch.Tensor) else norm)  # sync (a scalar)
+    if not isinstance(norm, torch.Tensor):
+        return loss.item(), None if norm is None else float(norm)
+    both = torch.stack(
+        [loss.detach().float().reshape(()), norm.float().reshape(()).to(loss.device)]
+    )
+    value, norm_value = both.tolist()
+    return value, norm_value
 
 
 def train(
@@ -158,12 +164,12 @@ def train(
     started = time.perf_counter()
     for step, micro_batches in steps:
         lr = float(engine.get_lr()[0])  # the rate this step uses; the scheduler moves at its end
-        loss = train_step(engine, micro_batches, step, ctx)
+        loss, norm = step_scalars(train_step(engine, micro_batches, step, ctx), engine)
         record = StepRecord(
             step=step,
-            loss=loss.item(),  # sync: one scalar per step, for steps.jsonl and the sinks
+            loss=loss,
             lr=lr,
-            grad_norm=grad_norm(engine),
+            grad_norm=norm,
             step_seconds=time.perf_counter() - started,
             samples=ctx.samples_per_step,
             timestamp=time.time(),

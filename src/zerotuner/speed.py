@@ -20,6 +20,11 @@ right before `deepspeed.initialize`:
   run of the 95M UNet, eager: 0.97 s/step channels_last vs 0.93-1.00 s/step).
 
 `ZT_COMPILE=auto` turns compiling on only where the bench showed it pays (`decide`).
+
+Around the model: a lone ZeRO-0 rank skips DeepSpeed's gradient all-reduce
+(`skip_lone_allreduce`), and py-cpuinfo is asked once per process, early (`warm_cpu_info`).
+The start-up itself (ranks started before the plan, one rank without torchrun's agent) is
+`launch.start_ranks`'s.
 """
 
 from __future__ import annotations
