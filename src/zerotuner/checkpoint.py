@@ -168,7 +168,7 @@ def _commit(
         "step": step,
         "ema_updates": ema_updates,
         "files": {name[p]: p.stat().st_size for p in paths},
-        "sha256": {name[p]: _sha256(p) for p in paths},
+        "sha256": dict(zip((name[p] for p in paths), _sha256_all(paths), strict=True)),
     }
     write_atomic(root / tag / MANIFEST, json.dumps(manifest, indent=2, sort_keys=True))
     write_atomic(root / LATEST, tag)
@@ -233,6 +233,15 @@ def _test_hook(name: str) -> None:
     seconds = os.environ.get(name)  # test-only: not a setting
     if seconds:
         time.sleep(float(seconds))
+
+
+def _sha256_all(paths: list[Path]) -> list[str]:
+    """Every file's sha256, files in parallel: hashlib releases the GIL while it hashes, and
+    rank 0 hashes every rank's shards (tens of GB for an SDXL checkpoint)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=max(1, min(len(paths), os.cpu_count() or 1))) as pool:
+        return list(pool.map(_sha256, paths))
 
 
 def _sha256(path: Path) -> str:

@@ -36,13 +36,12 @@ def load_pipeline(
     as saved; `lora_dir`: a LoRA adapter loaded on top."""
     from diffusers import DiffusionPipeline
 
-    from zerotuner.export import denoiser_part, load_part
+    from zerotuner.export import built_part, denoiser_part
 
     parts = {}
     if unet_state is not None:
         part = denoiser_part(base)
-        parts[part] = load_part(base, part, weights=False)
-        parts[part].load_state_dict(unet_state)
+        parts[part] = built_part(base, part, unet_state)
     pipe = DiffusionPipeline.from_pretrained(base, dtype=torch.float32, **parts)
     if lora_dir is not None:
         pipe.load_lora_weights(lora_dir)
