@@ -176,11 +176,12 @@ def main(argv: list[str] | None = None) -> int:
     b = Bench(root=root, model=tiny.model, data=tiny.data, steps=3 if args.smoke else args.steps,
               warmup=1 if args.smoke else 3, pairs=args.rounds, disk_mib=0,
               smoke=args.smoke)  # fmt: skip
+    params = {k: unet_parameters(m) for k, (m, _) in models.items()}  # before the folder goes
     try:
         result = speed(b, models, 1 if args.smoke else args.rounds)
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    result["params"] = {k: unet_parameters(m) for k, (m, _) in models.items()}
+    result["params"] = params
     result |= {"load_start": load_start, "load_end": report.load(),
                "wall_seconds": time.time() - started, "machine": report.machine(),
                "started_utc": datetime.fromtimestamp(started, UTC).isoformat(
