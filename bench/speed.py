@@ -34,8 +34,8 @@ from bench.suites import Bench, median, steady
 
 log = logging.getLogger("bench")
 BATCH = 4
-VARIANTS = (  # name, ZT_* (None: the plain loop; a tuple: the plain loop with these flags)
-    ("plain", None),
+VARIANTS = (  # name, ZT_* for zerotuner, or (a tuple) the plain loop's flags
+    ("plain", ()),
     ("plain-fused", ("--fused-adamw",)),
     ("zt-z0", {"zero_stage": 0, "compile": "false"}),
     ("zt-z0-compile", {"zero_stage": 0, "compile": "true"}),
@@ -90,7 +90,7 @@ def speed(b: Bench, models: dict[str, tuple[Path, Path]], rounds: int) -> dict[s
                     if isinstance(zt, dict):
                         r = run_zerotuner(work, model, data, steps=b.steps, **zt)
                     else:
-                        r = run_plain(work, model, data, steps=b.steps, flags=zt or ())
+                        r = run_plain(work, model, data, steps=b.steps, flags=zt)
                 except RuntimeError as error:  # keep the other runs; say what failed
                     r = {"error": str(error)}
                 r["steady_s"] = (median(steady(r["step_seconds"], b.warmup))

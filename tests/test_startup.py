@@ -20,9 +20,10 @@ import pytest
 from trainkit import ENTRYPOINT, entrypoint_env
 
 from zerotuner import speed
+from zerotuner.errors import StoppedBeforeStart
 from zerotuner.hardware import cpu_only
 from zerotuner.job import LAUNCHER_PID_ENV, wait_for_job
-from zerotuner.launch import StoppedBeforeStart, Topology, free_port, start_ranks
+from zerotuner.launch import Topology, free_port, start_ranks
 from zerotuner.records import read_rank_statuses
 
 # A rank that waits for its job file like the worker, then reports what it found and who

@@ -32,3 +32,10 @@ class EnvironmentUnfit(ZeroTunerError):
     """The hardware or volumes cannot run the job as configured (exit 3)."""
 
     exit_code = EXIT_ENVIRONMENT
+
+
+class StoppedBeforeStart(ZeroTunerError):
+    """SIGTERM/SIGINT while the entrypoint was still planning: nothing ran, nothing to save
+    (exit 143, as a stop after a checkpoint: a retry starts the job)."""
+
+    exit_code = EXIT_SIGNAL

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes.util
+import dataclasses
 import os
 import resource
 import shutil
@@ -33,8 +34,7 @@ def probe(device_setting: str = "auto", environ: Any = None, *, ops: bool = True
 def probe_facts(device_setting: str, environ: Any, *, ops: bool = True) -> Facts:
     gpu = device_setting != "cpu"
     cuda, hip, mps, cuda_error = _torch_devices() if gpu else ((), False, False, None)
-    accelerator = "cuda" if cuda and not hip else "cpu"
-    return Facts(
+    facts = Facts(
         cuda=cuda,
         nvml=_nvml_devices() if cuda and not hip else None,
         hip=hip,
@@ -45,12 +45,19 @@ def probe_facts(device_setting: str, environ: Any, *, ops: bool = True) -> Facts
         shm_bytes=_fs_size("/dev/shm"),
         memlock_bytes=_memlock(),
         environ={k: v for k, v in environ.items() if k.startswith("NVIDIA_")},
-        ops=_ds_ops(accelerator, environ) if ops else (),
         libaio=ctypes.util.find_library("aio") is not None,
         driver=probe_driver() if gpu and not hip else None,
         image_cuda=image_cuda() if gpu and not hip else None,
         cuda_error=cuda_error,
     )
+    return with_ops(facts, environ) if ops else facts
+
+
+def with_ops(facts: Facts, environ: Any) -> Facts:
+    """`facts` (probed with ops=False) completed with DeepSpeed's op builders: the one part
+    of the probe that imports DeepSpeed, so `train` places its ranks before asking it."""
+    accelerator = "cuda" if facts.cuda and not facts.hip else "cpu"
+    return dataclasses.replace(facts, ops=_ds_ops(accelerator, environ))
 
 
 def _torch_devices() -> tuple[tuple[CudaDevice, ...], bool, bool, str | None]:

@@ -81,8 +81,6 @@ def wait_for_job(path: str | os.PathLike[str] | None = None, *, poll: float = 0.
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's process under a reused pid: it is not ours
+    except (ProcessLookupError, PermissionError):  # gone, or a reused pid that is not ours
         return False
     return True

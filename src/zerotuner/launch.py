@@ -31,7 +31,7 @@ from zerotuner.errors import (
     EXIT_OK,
     EXIT_SIGNAL,
     ConfigError,
-    ZeroTunerError,
+    StoppedBeforeStart,
 )
 from zerotuner.hardware import Hardware
 from zerotuner.job import JOB_FILE_ENV, LAUNCHER_PID_ENV
@@ -250,12 +250,6 @@ def _kill_all(proc: subprocess.Popen, known: set[Any]) -> None:
         os.killpg(proc.pid, signal.SIGKILL)
 
 
-class StoppedBeforeStart(ZeroTunerError):
-    """SIGTERM/SIGINT while the entrypoint was still planning: nothing ran, nothing to save."""
-
-    exit_code = EXIT_SIGNAL
-
-
 class Ranks:
     """torchrun and this node's ranks, from `start_ranks` to `wait`'s public exit code.
 
@@ -374,11 +368,6 @@ class Ranks:
         log.info("%s exited %s; ranks reported %s -> exit %d", self.launcher, code,
                  {s.rank: s.exit_code for s in statuses}, result)  # fmt: skip
         return result
-
-
-def run_ranks(argv: list[str], env: Mapping[str, str], **kwargs: Any) -> int:
-    """Run torchrun (its job file written) to the end and return the public exit code."""
-    return Ranks(argv, env, **kwargs).wait()
 
 
 def start_ranks(

@@ -465,7 +465,8 @@ def main() -> None:
     from zerotuner.logs import demote_known_noise, rank_level, setup_logging
 
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
-    speed.warm_cpu_info()  # deepspeed.initialize asks for it; the answer comes meanwhile
+    if os.environ.get("DS_ACCELERATOR") == "cpu":  # JIT-built ops: deepspeed.initialize asks
+        speed.warm_cpu_info()  # for it; the answer comes while the rank imports
     demote_known_noise()  # before DeepSpeed's import, which may print some
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING)
     try:

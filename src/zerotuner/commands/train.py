@@ -16,7 +16,8 @@ from contextlib import ExitStack
 from pathlib import Path
 
 from zerotuner.errors import EXIT_OK, ZeroTunerError
-from zerotuner.hardware_probe import probe
+from zerotuner.hardware import describe
+from zerotuner.hardware_probe import probe_facts, with_ops
 from zerotuner.inputs import UserInputs, apply_implied_settings, read_user_inputs
 from zerotuner.job_folders import refuse_overlaps
 from zerotuner.launch import resolve_topology, start_ranks
@@ -77,7 +78,8 @@ def _start_metrics(settings: Settings, stack: ExitStack):  # noqa: ANN202 - opti
 
 def _train(settings: Settings, inputs: UserInputs, server, stack: ExitStack) -> int:  # noqa: ANN001
     # Enough to place the ranks (no DeepSpeed op builders: on the CPU, no torch import yet).
-    placement = probe(settings.device, ops=False)
+    facts = probe_facts(settings.device, os.environ, ops=False)
+    placement = describe(facts, settings.device)
     topology = resolve_topology(settings, placement, os.environ)
     run_dir = Path(tempfile.mkdtemp(prefix="zerotuner-job-"))
     status_dir = run_dir / "status"
@@ -89,12 +91,15 @@ def _train(settings: Settings, inputs: UserInputs, server, stack: ExitStack) -> 
         grace_seconds=settings.stop_grace_seconds,
     )  # fmt: skip
     try:
-        hardware = probe(settings.device)
+        hardware = describe(with_ops(facts, os.environ), settings.device)
         for warning in hardware.warnings:
             log.warning("%s", warning)
         from zerotuner.commands.train_plan import prepare  # imports torch: after the ranks
 
-        pusher = prepare(settings, inputs, server, stack, hardware, topology, job_file)
+        pusher = prepare(
+            settings, inputs, hardware=hardware, topology=topology, job_file=job_file,
+            server=server, stack=stack,
+        )  # fmt: skip
     except BaseException:
         ranks.cancel()
         raise

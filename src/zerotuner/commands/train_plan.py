@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import json
 import logging
+from contextlib import ExitStack
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 from zerotuner.checkpoint import REMOTE_LATEST, checkpoints_dir
 from zerotuner.commands.plan import plan_json, render
@@ -18,10 +21,26 @@ from zerotuner.offload import mounted_offload_device, prepare_offload_dir
 from zerotuner.preflight import Preflight, preflight
 from zerotuner.settings import Settings
 
+if TYPE_CHECKING:
+    from zerotuner.hardware import Hardware
+    from zerotuner.inputs import UserInputs
+    from zerotuner.launch import Topology
+    from zerotuner.metrics_server import MetricsServer
+    from zerotuner.push import Pusher
+
 log = logging.getLogger("zerotuner.train")
 
 
-def prepare(settings, inputs, server, stack, hardware, topology, job_file):  # noqa: ANN001, ANN201
+def prepare(
+    settings: Settings,
+    inputs: UserInputs,
+    *,
+    hardware: Hardware,
+    topology: Topology,
+    job_file: Path,
+    server: MetricsServer | None,
+    stack: ExitStack,
+) -> Pusher | None:
     """Everything before the ranks may go: the plan, the offload volume, the job file, and on
     node 0 the checkpoint pusher (which may first fetch the checkpoint to resume from)."""
     if settings.offload_device:
@@ -63,7 +82,7 @@ def prepare(settings, inputs, server, stack, hardware, topology, job_file):  # n
     return pusher
 
 
-def _start_pusher(settings: Settings, server):  # noqa: ANN001, ANN202 - optional server
+def _start_pusher(settings: Settings, server: MetricsServer | None) -> Pusher:
     """Node 0: resume from the remote when this machine has no checkpoint, then push each new
     one in the background (see zerotuner.push)."""
     from zerotuner import push
