@@ -486,7 +486,13 @@ def main() -> None:
     setup_logging(
         rank=rank, world_size=world, log_format=settings.log_format, level=level, secrets=[token]
     )
-    sys.exit(train(settings, job))
+    code = train(settings, job)
+    # Done and recorded (status written, files closed, group left): interpreter teardown
+    # once aborted a finished rank in C++ destructors (SIGABRT), failing a done run.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":
