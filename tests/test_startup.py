@@ -188,6 +188,8 @@ def test_cpu_info_is_asked_once_however_many_callers():
 
 # A lone rank at ZeRO-0 with and without DeepSpeed's all-reduce: the same parameters after
 # three AdamW steps with clipping; at ZeRO-1 the reduction stays (its optimizer steps on it).
+# Then DeepSpeed's ZeRO-0 clip against the foreach one, with the clip binding (norm 0.05) and
+# not (norm 100): the same parameters, and the norm reported to the engine.
 LONE = textwrap.dedent(
     """
     import json, os, sys
@@ -196,22 +198,31 @@ LONE = textwrap.dedent(
 
     deepspeed.init_distributed(dist_backend="gloo")
     result = {}
-    for stage, skip in ((0, False), (0, True), (1, True)):
+    for stage, skip, foreach, clip in ((0, False, False, 0.05), (0, True, False, 0.05),
+                                       (1, True, True, 0.05), (0, True, True, 0.05),
+                                       (0, True, False, 100.0), (0, True, True, 100.0)):
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.GELU(), torch.nn.Linear(32, 8))
-        config = {"train_micro_batch_size_per_gpu": 4, "gradient_clipping": 0.5,
+        config = {"train_micro_batch_size_per_gpu": 4, "gradient_clipping": clip,
                   "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
                   "zero_optimization": {"stage": stage}}
         engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
                                           config=config)
         skipped = speed.skip_lone_allreduce(engine) if skip else False
+        clipped = speed.foreach_clip(engine) if foreach else False
         gen = torch.Generator().manual_seed(1)
+        norms = []
         for _ in range(3):
             x = torch.randn(4, 8, generator=gen)
-            engine.backward(engine(x).pow(2).mean())
+            loss = engine(x).pow(2).mean()
+            engine.backward(loss)
+            grads = [p.grad for p in model.parameters() if p.grad is not None]  # ZeRO-1: none
+            expected = torch.nn.utils.get_total_norm(grads) if grads else torch.tensor(0.0)
             engine.step()
-        result[f"{stage}-{skip}"] = {"skipped": skipped,
-            "allreduce": engine.enable_backward_allreduce,
+            norm = engine.get_global_grad_norm()
+            norms.append([float(expected), None if norm is None else float(norm)])
+        result[f"{stage}-{skip}-{foreach}-{clip}"] = {"skipped": skipped, "foreach": clipped,
+            "allreduce": engine.enable_backward_allreduce, "norms": norms,
             "params": [p.detach().flatten().tolist() for p in model.parameters()]}
     print("RESULT " + json.dumps(result))
     """
@@ -219,7 +230,7 @@ LONE = textwrap.dedent(
 
 
 @pytest.mark.slow
-def test_a_lone_zero0_rank_skips_the_all_reduce_and_steps_the_same(tmp_path):
+def test_a_lone_zero0_rank_skips_the_all_reduce_and_clips_with_foreach_kernels(tmp_path):
     script = tmp_path / "lone.py"
     script.write_text(LONE)
     env = dict(os.environ, RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
@@ -229,8 +240,21 @@ def test_a_lone_zero0_rank_skips_the_all_reduce_and_steps_the_same(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     line = next(x for x in done.stdout.splitlines() if x.startswith("RESULT "))
     result = json.loads(line[len("RESULT ") :])
-    kept, skipped, zero1 = result["0-False"], result["0-True"], result["1-True"]
+    kept, skipped, zero1 = (
+        result["0-False-False-0.05"],
+        result["0-True-False-0.05"],
+        result["1-True-True-0.05"],
+    )
     assert kept["allreduce"] and not kept["skipped"]
     assert skipped["skipped"] and not skipped["allreduce"]
     assert skipped["params"] == kept["params"]  # bit for bit: a group of one changes nothing
     assert not zero1["skipped"] and zero1["allreduce"]
+    assert not zero1["foreach"]  # ZeRO-1 clips its own flat partition
+    ds, fe = skipped, result["0-True-True-0.05"]
+    assert fe["foreach"] and all(e > 0.05 for e, _ in fe["norms"])  # the clip binds every step
+    assert ds["norms"][0][1] is None  # DeepSpeed's ZeRO-0 clip reports no norm
+    assert [n for _, n in fe["norms"]] == pytest.approx([e for e, _ in fe["norms"]], rel=1e-6)
+    for a, b in zip(fe["params"], ds["params"], strict=True):  # the norm is summed in another
+        assert a == pytest.approx(b, rel=1e-5, abs=1e-7)  # order: the same to float tolerance
+    loose_ds, loose_fe = result["0-True-False-100.0"], result["0-True-True-100.0"]
+    assert loose_fe["params"] == loose_ds["params"]  # a factor of 1 skipped: bit for bit

@@ -215,6 +215,47 @@ def skip_lone_allreduce(engine: Any) -> bool:
     return True
 
 
+def foreach_clip(engine: Any) -> bool:
+    """ZeRO-0 without DeepSpeed's fp16/bf16 optimizer: clip the gradients in two foreach passes.
+
+    DeepSpeed clips there with a Python loop: one `.norm()` call per parameter, an all-reduce
+    of the (already identical) norm over the data-parallel group, then one `mul_` per
+    parameter; on a 95M UNet that was 70 ms of a 0.48 s CPU step, torch's foreach norm and
+    multiply 40 ms. The norm is the same 2-norm and the factor the same
+    min(1, max_norm / (norm + 1e-6)); the gradients are equal on every rank once reduced, so
+    no collective is needed. The norm is handed to the engine the way DeepSpeed's own
+    optimizers do (`optimizer._global_grad_norm`), so steps.jsonl and the metrics get a
+    gradient norm at ZeRO-0 too (DeepSpeed's clip returned it to nobody). ZeRO-1/2/3 and the
+    16-bit optimizers clip their flat fp32 partitions themselves."""
+    import torch
+
+    if (
+        engine.zero_optimization_stage() != 0
+        or engine.fp16_enabled()
+        or engine.bfloat16_enabled()
+        or engine.gradient_clipping() <= 0
+    ):
+        return False
+    params = [p for p in engine.module.parameters() if p.requires_grad]
+    max_norm = float(engine.gradient_clipping())
+    optimizer = engine.optimizer
+
+    def clip() -> None:
+        norm = torch.nn.utils.get_total_norm(
+            [p.grad for p in params if p.grad is not None], foreach=True
+        )
+        optimizer._global_grad_norm = norm
+        # A factor of 1 changes nothing: on the CPU, reading the norm costs no device sync, so
+        # the multiply (a pass over every gradient) is skipped when the norm is in bounds.
+        if norm.device.type == "cpu" and float(norm) + 1e-6 <= max_norm:
+            return
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)
+
+    engine.clip_fp32_gradients = clip
+    log.info("speed: ZeRO-0 gradients clipped to norm %g with foreach kernels", max_norm)
+    return True
+
+
 def warm_cpu_info() -> None:
     """Ask py-cpuinfo once per process, in the background.
 

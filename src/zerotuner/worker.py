@@ -211,6 +211,7 @@ class Run:
         )
         log.info("DeepSpeed engine ready (ZeRO-%d)", self.engine_.zero_optimization_stage())
         speed.skip_lone_allreduce(self.engine_)
+        speed.foreach_clip(self.engine_)
         if self.rank == 0:  # the entrypoint logs it; the run folder keeps it
             _write_json(self.run_dir / "deepspeed.json", config)
         self.start_step = 0
