@@ -59,6 +59,12 @@ class Run:
     metrics: str = ""  # the last /metrics text read after a finished step
     api: dict[str, Any] = field(default_factory=dict)  # the last /api/run read with it
     signalled_at_step: int | None = None
+    spawned: float = 0.0  # time.time() when the entrypoint was started
+
+    def first_step_s(self) -> float | None:
+        """Seconds from the entrypoint's spawn to its first finished step."""
+        steps = self.steps()
+        return steps[0]["timestamp"] - self.spawned if steps else None
 
     def steps(self) -> list[dict[str, Any]]:
         path = self.output / "run" / "steps.jsonl"
@@ -86,12 +92,12 @@ def train(
     stop` does: the entrypoint only) once that many steps are in steps.jsonl."""
     output = Path(env["ZT_OUTPUT_DIR"])
     port = int(env.get("ZT_METRICS_PORT", "0"))
-    started = time.monotonic()
+    started, spawned = time.monotonic(), time.time()
     proc = subprocess.Popen(
         [ENTRYPOINT, "train"], env=env, cwd=REPO, stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT, text=True, start_new_session=True,
     )  # fmt: skip
-    run = Run(returncode=-1, log="", output=output, seconds=0.0)
+    run = Run(returncode=-1, log="", output=output, seconds=0.0, spawned=spawned)
     chunks: list[str] = []
     reader = threading.Thread(target=lambda: chunks.extend(proc.stdout), daemon=True)
     reader.start()
@@ -171,15 +177,41 @@ def run_bare_cuda(
         "--config", str(config_file), "--steps", str(steps), "--out", str(out),
         "--resolution", str(resolution),
     ]  # fmt: skip
+    _run_bench("bench.bare", cmd, env, work / "bare.log")
+    return json.loads((out / "rank-0.json").read_text())
+
+
+def run_plain_cuda(
+    work: Path, model_dir: Path, *, steps: int, resolution: int, batch: int
+) -> dict[str, Any]:
+    """bench.plain_loop (the loop a user writes by hand: diffusers, torch AdamW, no DeepSpeed)
+    on the GPU under bf16 autocast, diffusers' scripts' default; returns its result with
+    `first_step_s` counted from the moment it was spawned, as for `train`."""
+    work.mkdir(parents=True, exist_ok=True)
+    out = work / "plain.json"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ZT_")}
+    cmd = [
+        sys.executable, "-m", "bench.plain_loop", "--model", str(model_dir / "model"),
+        "--data", str(model_dir / "data"), "--out", str(out), "--steps", str(steps),
+        "--batch", str(batch), "--resolution", str(resolution), "--device", "cuda",
+        "--mixed-precision", "bf16",
+    ]  # fmt: skip
+    spawned = time.time()
+    _run_bench("bench.plain_loop", cmd, env, work / "plain.log")
+    result = json.loads(out.read_text())
+    return result | {"first_step_s": result["times"]["first_step"] - spawned}
+
+
+def _run_bench(name: str, cmd: list[str], env: dict[str, str], log: Path) -> None:
+    """Run bench's `name` from the repo root, its output kept in `log`; raises with its tail."""
     done = subprocess.run(
         cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=RUN_TIMEOUT
     )
-    (work / "bare.log").write_text(done.stdout + done.stderr)
+    log.write_text(done.stdout + done.stderr)
     if done.returncode != 0:
         raise RuntimeError(
-            f"bench.bare exited {done.returncode}:\n{(done.stdout + done.stderr)[-3000:]}"
+            f"{name} exited {done.returncode}:\n{(done.stdout + done.stderr)[-3000:]}"
         )
-    return json.loads((out / "rank-0.json").read_text())
 
 
 def median(values: list[float]) -> float:
