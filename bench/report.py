@@ -27,6 +27,8 @@ def machine() -> dict[str, Any]:
     return {
         "cpu": cpu,
         "cores": os.cpu_count(),
+        # the vector ISA torch's CPU kernels use (AVX2, AVX512): hosts differ between sessions
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "ram_gib": round(mem / GiB, 1),
         "gpu": None,
         "accelerator": "DeepSpeed CPU accelerator (gloo)",
@@ -55,7 +57,8 @@ def markdown(r: dict[str, Any]) -> str:
     out = [
         f"# zerotuner bench {r['date']}",
         "",
-        f"Machine: {m['cpu']}, {m['cores']} cores, {m['ram_gib']} GiB RAM, no GPU "
+        f"Machine: {m['cpu']} ({m.get('cpu_capability', 'ISA not recorded')}), {m['cores']} "
+        f"cores, {m['ram_gib']} GiB RAM, no GPU "
         f"({m['accelerator']}); torch {m['torch']}, DeepSpeed {m['deepspeed']}, diffusers "
         f"{m['diffusers']}. Load average at start {r['load_start']}, at end {r['load_end']} "
         "(a shared machine: other jobs ran at the same time, so timings are noisy). "
