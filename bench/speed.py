@@ -45,12 +45,20 @@ VARIANTS = (  # name, ZT_* for zerotuner, or (a tuple) the plain loop's flags
 
 
 def run_plain(
-    work: Path, model: Path, data: Path, *, steps: int, flags: tuple[str, ...] = ()
+    work: Path,
+    model: Path,
+    data: Path,
+    *,
+    steps: int,
+    batch: int = BATCH,
+    flags: tuple[str, ...] = (),
 ) -> dict[str, Any]:
+    """bench.plain_loop to its end (`flags`: its other options, e.g. --device cuda); its step
+    times and losses, and its first step and wall time counted from the spawn."""
     work.mkdir(parents=True, exist_ok=True)
     out = work / "plain.json"
     cmd = [sys.executable, "-m", "bench.plain_loop", "--model", str(model), "--data", str(data),
-           "--out", str(out), "--steps", str(steps), "--batch", str(BATCH), *flags]  # fmt: skip
+           "--out", str(out), "--steps", str(steps), "--batch", str(batch), *flags]  # fmt: skip
     spawned = time.time()
     done = subprocess.run(cmd, env=runs.base_env(), cwd=runs.REPO, capture_output=True,
                           text=True, timeout=runs.TIMEOUT)  # fmt: skip

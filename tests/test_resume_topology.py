@@ -81,6 +81,9 @@ def test_stage_changes_resume_everything(chain, reference, demo_dir) -> None:
     output, logs = chain
     # ZeRO 1 -> 2 is DeepSpeed's own load
     _assert_follows(output, reference, demo_dir, logs, [False, True, True, True, False])
+    # every stage reports the gradient norm, ZeRO-0 (speed.foreach_clip) the same as ZeRO-2
+    got, want = tk.read_steps(output), tk.read_steps(reference)
+    assert [s["grad_norm"] for s in got] == pytest.approx([s["grad_norm"] for s in want], rel=1e-3)
 
 
 def test_world_size_changes_keep_the_weights(chain, tmp_path, demo_dir, cache) -> None:

@@ -257,4 +257,5 @@ def test_a_lone_zero0_rank_skips_the_all_reduce_and_clips_with_foreach_kernels(t
     for a, b in zip(fe["params"], ds["params"], strict=True):  # the norm is summed in another
         assert a == pytest.approx(b, rel=1e-5, abs=1e-7)  # order: the same to float tolerance
     loose_ds, loose_fe = result["0-True-False-100.0"], result["0-True-True-100.0"]
+    assert loose_fe["foreach"] and all(e < 100.0 for e, _ in loose_fe["norms"])
     assert loose_fe["params"] == loose_ds["params"]  # a factor of 1 skipped: bit for bit

@@ -177,41 +177,28 @@ def run_bare_cuda(
         "--config", str(config_file), "--steps", str(steps), "--out", str(out),
         "--resolution", str(resolution),
     ]  # fmt: skip
-    _run_bench("bench.bare", cmd, env, work / "bare.log")
+    done = subprocess.run(
+        cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=RUN_TIMEOUT
+    )
+    (work / "bare.log").write_text(done.stdout + done.stderr)
+    if done.returncode != 0:
+        raise RuntimeError(
+            f"bench.bare exited {done.returncode}:\n{(done.stdout + done.stderr)[-3000:]}"
+        )
     return json.loads((out / "rank-0.json").read_text())
 
 
 def run_plain_cuda(
     work: Path, model_dir: Path, *, steps: int, resolution: int, batch: int
 ) -> dict[str, Any]:
-    """bench.plain_loop (the loop a user writes by hand: diffusers, torch AdamW, no DeepSpeed)
-    on the GPU under bf16 autocast, diffusers' scripts' default; returns its result with
-    `first_step_s` counted from the moment it was spawned, as for `train`."""
-    work.mkdir(parents=True, exist_ok=True)
-    out = work / "plain.json"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("ZT_")}
-    cmd = [
-        sys.executable, "-m", "bench.plain_loop", "--model", str(model_dir / "model"),
-        "--data", str(model_dir / "data"), "--out", str(out), "--steps", str(steps),
-        "--batch", str(batch), "--resolution", str(resolution), "--device", "cuda",
-        "--mixed-precision", "bf16",
-    ]  # fmt: skip
-    spawned = time.time()
-    _run_bench("bench.plain_loop", cmd, env, work / "plain.log")
-    result = json.loads(out.read_text())
-    return result | {"first_step_s": result["times"]["first_step"] - spawned}
+    """bench's plain loop (what a user writes by hand: diffusers, torch AdamW, no DeepSpeed)
+    on the GPU under bf16 autocast, diffusers' scripts' default (bench.speed.run_plain)."""
+    from bench.speed import run_plain
 
-
-def _run_bench(name: str, cmd: list[str], env: dict[str, str], log: Path) -> None:
-    """Run bench's `name` from the repo root, its output kept in `log`; raises with its tail."""
-    done = subprocess.run(
-        cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=RUN_TIMEOUT
+    flags = ("--resolution", str(resolution), "--device", "cuda", "--mixed-precision", "bf16")
+    return run_plain(
+        work, model_dir / "model", model_dir / "data", steps=steps, batch=batch, flags=flags
     )
-    log.write_text(done.stdout + done.stderr)
-    if done.returncode != 0:
-        raise RuntimeError(
-            f"{name} exited {done.returncode}:\n{(done.stdout + done.stderr)[-3000:]}"
-        )
 
 
 def median(values: list[float]) -> float:
