@@ -20,7 +20,7 @@ from test_deploy import (
     run,
 )
 
-from zerotuner.errors import EXIT_CONFIG, EXIT_ENVIRONMENT
+from zerotuner.errors import EXIT_CONFIG, EXIT_DIVERGED, EXIT_ENVIRONMENT
 
 
 @pytest.mark.parametrize("version", [K8S_OLDEST, K8S_VERSION])
@@ -87,7 +87,7 @@ def test_podmonitor_scrapes_the_trainer_pods_metrics_port() -> None:
 
 
 @pytest.mark.parametrize("job", of_kind("Job"), ids=lambda j: j["metadata"]["name"])
-def test_jobs_fail_fast_on_exit_2_and_3_and_checkpoint_on_sigterm(job: dict) -> None:
+def test_jobs_fail_fast_on_exit_2_3_and_4_and_checkpoint_on_sigterm(job: dict) -> None:
     spec = job["spec"]
     pod = spec["template"]["spec"]
     assert pod["restartPolicy"] == "Never"  # required by podFailurePolicy
@@ -96,7 +96,7 @@ def test_jobs_fail_fast_on_exit_2_and_3_and_checkpoint_on_sigterm(job: dict) -> 
     (fail,) = [r for r in rules if r["action"] == "FailJob"]
     codes = fail["onExitCodes"]
     assert codes["operator"] == "In"
-    assert set(codes["values"]) == {EXIT_CONFIG, EXIT_ENVIRONMENT}
+    assert set(codes["values"]) == {EXIT_CONFIG, EXIT_ENVIRONMENT, EXIT_DIVERGED}
     assert codes["containerName"] in {c["name"] for c in pod["containers"]}
     (ignore,) = [r for r in rules if r["action"] == "Ignore"]
     assert ignore["onPodConditions"] == [{"type": "DisruptionTarget", "status": "True"}]

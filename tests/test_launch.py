@@ -155,6 +155,8 @@ def test_worker_env_gpu_and_cpu(tmp_path):
         (1, [0, 2], False, 2),
         (1, [3], False, 3),
         (1, [2, 3], False, 2),
+        (1, [4, 4], False, 4),  # diverged: every rank decides alike
+        (1, [4, 2], False, 2),
         (1, [143, 143], True, 143),
         (1, [143, 143], False, 1),
         (1, [143], True, 143),

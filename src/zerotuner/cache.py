@@ -6,9 +6,10 @@ everything the tensor depends on:
   digest of its bytes) and its bucket -- so a changed image, resolution or bucket re-encodes
   only that image;
 - a text embedding: the text encoders and tokenizers, and the caption.
-Each rank encodes its share of the missing entries (round-robin), writes them atomically, and
-after a barrier every rank reads any entry from the shared folder. A restart finds them all
-and loads no VAE at all; `CacheStats` says how many were encoded and reused.
+Each node's first rank encodes the node's share of the missing entries (round-robin), writes
+them atomically, and after a barrier every rank reads any entry from the shared folder. A
+restart finds them all and loads no VAE at all; `CacheStats` says how many were encoded and
+reused.
 """
 
 from __future__ import annotations
@@ -73,6 +74,10 @@ def component_key(source: Path, subfolders: Iterable[str]) -> str:
     return digest.hexdigest()[:16]
 
 
+def _none(count: int) -> None:
+    pass
+
+
 def _digest(*parts: object) -> str:
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:32]
 
@@ -99,8 +104,11 @@ class FeatureCache:
         texts = [c for c in captions if not self.text_path(c).is_file()]
         return latents, texts
 
-    def encode_latents(self, items: list[CacheItem], encode: Callable) -> None:
-        """Encode (and write) the given items, batching images of the same bucket."""
+    def encode_latents(
+        self, items: list[CacheItem], encode: Callable, progress: Callable[[int], None] = _none
+    ) -> None:
+        """Encode (and write) the given items, batching images of the same bucket;
+        `progress(n)` after each batch of n images."""
         rows: dict[str, dict[str, torch.Tensor]] = defaultdict(dict)
         by_bucket: dict[tuple[int, int], list[CacheItem]] = {}
         for item in items:
@@ -118,13 +126,17 @@ class FeatureCache:
                         rows[chunk[i].name][f"time_ids{suffix}"] = time_ids
                 for item in chunk:
                     _save(rows.pop(item.name), self.latent_path(item))
+                progress(len(chunk))
 
-    def encode_texts(self, captions: list[str], encode: Callable) -> None:
+    def encode_texts(
+        self, captions: list[str], encode: Callable, progress: Callable[[int], None] = _none
+    ) -> None:
         for start in range(0, len(captions), ENCODE_BATCH):
             chunk = captions[start : start + ENCODE_BATCH]
             embeds = encode(chunk)
             for i, caption in enumerate(chunk):
                 _save({k: v[i].contiguous() for k, v in embeds.items()}, self.text_path(caption))
+            progress(len(chunk))
 
     def load_batch(
         self, items: list[CacheItem], generator: torch.Generator | None = None, *, texts=True

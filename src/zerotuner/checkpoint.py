@@ -302,6 +302,17 @@ def committed_checkpoints(root: Path) -> list[Path]:
     return [p for p in root.iterdir() if STEP_DIR.match(p.name) and read_manifest(p) is not None]
 
 
+def last_committed(output_dir: Path) -> Path | None:
+    """The checkpoint `latest` names when it is committed, else the newest committed one; the
+    files are not re-hashed (a message's answer to "where do I resume from")."""
+    root = checkpoints_dir(output_dir)
+    pointer = root / LATEST
+    tag = pointer.read_text().strip() if pointer.is_file() else None
+    if tag and read_manifest(root / tag) is not None:
+        return root / tag
+    return max(committed_checkpoints(root), key=_step_of, default=None)
+
+
 def find_resume(resume: str, output_dir: Path) -> Path | None:
     """The checkpoint to resume from: `never`, `auto` (latest committed) or a path."""
     if resume == "never":
@@ -447,3 +458,29 @@ def _replay_cpu_adam_steps(engine: Any) -> None:
         return
     for step in range(1, engine.global_steps - engine.skipped_steps + 1):
         update(step)
+
+
+def check_family(manifest: dict[str, Any], *, family: str, model: str, path: Path) -> None:
+    """Refuse (exit 2, one line) to resume a checkpoint trained on another model family: its
+    tensors have other shapes, and DeepSpeed would fail mid-load with a size mismatch."""
+    saved = manifest.get("family")
+    if saved is not None and saved != family:
+        raise ConfigError(
+            f"ZT_MODEL={model}: a {family} model, but the checkpoint to resume ({path}) trained "
+            f"a {saved} model; set ZT_MODEL back to it, or ZT_RESUME=never or another "
+            "ZT_OUTPUT_DIR to start afresh"
+        )
+
+
+def resume_candidate(resume: str, output_dir: Path) -> Path | None:
+    """The checkpoint `find_resume` would most likely pick, without hashing its files: what
+    the entrypoint checks against the job before any rank loads (the ranks verify it)."""
+    if resume != "auto":
+        return find_resume(resume, output_dir)  # a path: only its manifest is read
+    root = checkpoints_dir(output_dir)
+    pointer = root / LATEST
+    tag = pointer.read_text().strip() if pointer.is_file() else ""
+    if tag and STEP_DIR.match(tag) and read_manifest(root / tag) is not None:
+        return root / tag
+    committed = committed_checkpoints(root)
+    return max(committed, key=_step_of) if committed else None

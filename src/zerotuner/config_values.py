@@ -9,6 +9,7 @@ import logging
 import math
 from typing import Any
 
+from zerotuner.files import MAX_INT, short_repr
 from zerotuner.notes import Notes
 
 # Keys DeepSpeed wants as whole numbers; users write 1e8, "2", 5e8.
@@ -31,11 +32,36 @@ BOOL_KEYS = {
 def is_number(value: Any) -> bool:
     if isinstance(value, bool):
         return False
-    if isinstance(value, int | float):
+    if isinstance(value, int):
+        return True  # math.isfinite(10**400) raises OverflowError
+    if isinstance(value, float):
         return math.isfinite(value)
     if isinstance(value, str):
         try:
             return math.isfinite(float(value))
+        except ValueError:
+            return False
+    return False
+
+
+def whole_number(value: Any) -> int | None:
+    """2, 2.0, "2", "1e8" as an int in 0..2**63-1; None for anything else."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        number = value
+    elif is_number(value) and float(value).is_integer():
+        number = int(float(value))
+    else:
+        return None
+    return number if 0 <= number <= MAX_INT else None
+
+
+def non_finite(value: Any) -> bool:
+    """NaN or an infinity, as a number or as text ("nan", "-Infinity", "1e400")."""
+    if isinstance(value, float):
+        return not math.isfinite(value)
+    if isinstance(value, str):
+        try:
+            return not math.isfinite(float(value))
         except ValueError:
             return False
     return False
@@ -49,14 +75,14 @@ def coerce_numbers(tree: Any, prefix: str, n: Notes) -> None:
         path = f"{prefix}{key}"
         if isinstance(value, dict):
             coerce_numbers(value, f"{path}.", n)
-        elif value == "auto" or value is None:
-            continue
+        elif value == "auto" or value is None or non_finite(value):
+            continue  # no_non_finite names it
         elif key in INT_KEYS:
-            number = float(value) if is_number(value) else None
-            if number is None or not number.is_integer() or number < 0:
-                n.error(f"{path}={value!r}: expected a whole number >= 0")
-            elif not isinstance(value, int) or isinstance(value, bool):
-                tree[key] = int(number)
+            number = whole_number(value)
+            if number is None:
+                n.error(f"{path}={short_repr(value)}: expected a whole number in 0..2**63-1")
+            elif number is not value:
+                tree[key] = number
         elif key in BOOL_KEYS and isinstance(value, str):
             word = value.strip().lower()
             if word in ("true", "1", "yes", "on"):
@@ -65,6 +91,21 @@ def coerce_numbers(tree: Any, prefix: str, n: Notes) -> None:
                 tree[key] = False
             else:
                 n.error(f"{path}={value!r}: expected true or false")
+
+
+def no_non_finite(tree: Any, prefix: str, n: Notes) -> None:
+    """NaN and infinity anywhere, as numbers or as text ("nan", "-Infinity"): DeepSpeed would
+    train with them (a NaN clip norm or LR gives NaN weights that export as a success)."""
+    if isinstance(tree, dict):
+        for key, value in tree.items():
+            if not str(key).endswith("path"):  # a folder may be called `inf`
+                no_non_finite(value, f"{prefix}{key}.", n)
+    elif isinstance(tree, list):
+        for i, value in enumerate(tree):
+            no_non_finite(value, f"{prefix.rstrip('.')}[{i}].", n)
+    elif non_finite(tree):
+        where = prefix.rstrip(".")
+        n.error(f"{where}={short_repr(tree)}: expected a finite number (no NaN or infinity)")
 
 
 def no_auto_left(tree: Any, prefix: str, n: Notes) -> None:

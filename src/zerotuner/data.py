@@ -19,8 +19,10 @@ import logging
 import math
 import os
 import re
+import stat
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,6 +38,16 @@ PIL_FORMATS = {"PNG", "JPEG", "MPO", "WEBP"}  # MPO: multi-picture JPEG from pho
 METADATA_FILE = "metadata.jsonl"
 COMPANION_SUFFIXES = {".txt", ".jsonl", ".json", ".md", ".yaml", ".yml", ".toml"}
 EXIF_ORIENTATION = 0x0112
+# Tokenizers keep 77 (CLIP) to 512 (T5) tokens, a few KiB of text: a caption is read up to this
+# many bytes (a 20 MB caption file once cost 75 s and 4 GiB while caching).
+CAPTION_BYTES = 64 * 1024
+METADATA_LINE_BYTES = 64 * 2**20  # one metadata.jsonl line; longer is an input error
+IMAGE_BYTES = 2 * 2**30  # above PIL's pixel limit (~179 MP) even uncompressed at 16-bit RGBA
+# /data is often a mount: a link leading out of it reads files the user did not mean to train on.
+LINK_OUT = "links outside the data folder"
+SUMMARY_EXAMPLES = 3  # paths named per kind of skipped file
+SUMMARY_KINDS = 8  # kinds of skipped file listed, one line each
+UPSCALE_NOTICE = 1.1  # enlarging an image by more than this is worth a warning
 Size = tuple[int, int]  # (width, height) in pixels
 
 
@@ -56,9 +68,22 @@ class Dataset:
     root: Path
     items: tuple[Item, ...]
     skipped: tuple[tuple[Path, str], ...]  # (path, reason) for every file left out
+    cut_captions: tuple[str, ...] = ()  # where a caption over CAPTION_BYTES was cut short
 
     def __len__(self) -> int:
         return len(self.items)
+
+    def warnings(self) -> list[str]:
+        """What a user should know about this folder, in a few lines however many files:
+        one line per kind of skipped file, one for captions cut short."""
+        lines = skip_summary(self.root, self.skipped)
+        if self.cut_captions:
+            lines.append(
+                f"{_count(len(self.cut_captions), 'caption')} longer than "
+                f"{CAPTION_BYTES // 1024} KiB cut to that (the tokenizer keeps far less): "
+                + _examples(self.cut_captions)
+            )
+        return lines
 
 
 @dataclass(frozen=True)
@@ -98,10 +123,11 @@ def scan(
             f"ZT_DATA_DIR={data_dir}: no such directory; mount a folder of PNG, JPEG or WebP "
             "images (captions in sidecar .txt files or metadata.jsonl) there"
         )
-    metadata = _read_metadata(data_dir)
+    files, skipped = _walk(data_dir)
+    metadata = _read_metadata([p for p in files if p.name == METADATA_FILE])
+    sidecars = {p for p in files if p.suffix == ".txt"}
     candidates: list[Path] = []
-    skipped: list[tuple[Path, str]] = []
-    for path in _walk(data_dir):
+    for path in files:
         suffix = path.suffix.lower()
         if suffix in IMAGE_SUFFIXES:
             candidates.append(path)
@@ -131,38 +157,134 @@ def scan(
         and any(known.get(k) != p for k, p in _keyed(data_dir, candidates, probed))
     ):
         _write_index(index, data_dir, dict(_keyed(data_dir, candidates, probed)))
-    items = []
+    items, cut = [], []
     for path, result in zip(candidates, probed, strict=True):
         if result.size is None:
             skipped.append((path, result.reason))
             continue
-        caption = _caption(path, data_dir, metadata)
+        caption, cut_at = _caption(path, data_dir, sidecars, metadata, skipped)
+        if cut_at:
+            cut.append(cut_at)
         items.append(
             Item(path, caption, result.size, result.file_size, result.mtime_ns, result.digest)
         )
     skipped.sort()
-    if log_skipped:
-        for path, reason in skipped:
-            log.warning("skipping %s: %s", path.relative_to(data_dir), reason)
+    dataset = Dataset(data_dir, tuple(items), tuple(skipped), tuple(sorted(cut)))
     if not items:
-        found = f"; {len(skipped)} file(s) skipped, see warnings" if skipped else ""
+        found = f"; {len(skipped)} file(s) skipped, listed below" if skipped else ""
         raise ConfigError(
-            f"ZT_DATA_DIR={data_dir}: no usable images{found}; expected PNG, JPEG or WebP "
-            "files (searched recursively) with captions in sidecar .txt files or metadata.jsonl"
+            "",
+            problems=[
+                f"ZT_DATA_DIR={data_dir}: no usable images{found}; expected PNG, JPEG or WebP "
+                "files (searched recursively) with captions in sidecar .txt files or "
+                "metadata.jsonl",
+                *dataset.warnings(),
+            ],
         )
-    return Dataset(root=data_dir, items=tuple(items), skipped=tuple(skipped))
+    if log_skipped:
+        for line in dataset.warnings():
+            log.warning("%s", line)
+    return dataset
 
 
-def _walk(root: Path) -> list[Path]:
-    """Regular files under root in a stable order; hidden files and folders are not data."""
+def _walk(root: Path) -> tuple[list[Path], list[tuple[Path, str]]]:
+    """Regular files under root in a stable order, and the entries left out with why.
+
+    Hidden files and folders are not data. Links are followed while they stay inside the data
+    folder (LINK_OUT); each real folder is read once, so a link loop ends. Only regular files
+    are kept: a FIFO or a device (a link to /dev/zero) would block or never end.
+    """
+    real_root = root.resolve()
+    skipped: list[tuple[Path, str]] = []
+    seen = {_inode(real_root)}
+
+    def unreadable(error: OSError) -> None:
+        skipped.append((Path(error.filename), f"unreadable folder ({error.strerror})"))
+
     found = []
-    for folder, dirs, files in os.walk(root, followlinks=True):
-        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
-        for name in sorted(files):
-            if name.startswith(".") or name == METADATA_FILE:
+    for folder, dirs, files in os.walk(root, onerror=unreadable, followlinks=True):
+        kept = []
+        for name in sorted(d for d in dirs if not d.startswith(".")):
+            path = Path(folder) / name
+            real = path.resolve()
+            if not real.is_relative_to(real_root):
+                skipped.append((path, LINK_OUT))
+            elif _inode(real) not in seen:  # else read already, through another link
+                seen.add(_inode(real))
+                kept.append(name)
+        dirs[:] = kept
+        for name in sorted(f for f in files if not f.startswith(".")):
+            path = Path(folder) / name
+            try:
+                mode = path.stat().st_mode
+            except OSError as exc:
+                skipped.append((path, f"unreadable ({exc.strerror or exc})"))
                 continue
-            found.append(Path(folder) / name)
-    return found
+            if path.is_symlink() and not path.resolve().is_relative_to(real_root):
+                skipped.append((path, LINK_OUT))  # (its folder is inside: checked above)
+            elif not stat.S_ISREG(mode):
+                skipped.append((path, "not a regular file (a FIFO, socket or device)"))
+            else:
+                found.append(path)
+    return found, skipped
+
+
+def _inode(path: Path) -> tuple[int, int]:
+    info = path.stat()
+    return info.st_dev, info.st_ino
+
+
+@contextmanager
+def _open_regular(path: Path):
+    """A binary reader of a regular file. O_NONBLOCK: a file swapped for a FIFO since the
+    walk fails here instead of blocking the scan."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    with os.fdopen(fd, "rb") as reader:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(f"{path}: not a regular file")
+        yield reader
+
+
+def _prefix(raw: bytes, limit: int) -> tuple[str, bool]:
+    """UTF-8 text of at most `limit` bytes of raw, and whether it was cut."""
+    if len(raw) <= limit:
+        return raw.decode("utf-8", errors="replace"), False
+    return raw[:limit].decode("utf-8", errors="ignore"), True  # no half character at the end
+
+
+def skip_summary(root: Path, skipped: Sequence[tuple[Path, str]]) -> list[str]:
+    """One line per kind of skipped file (the reason before its parenthesis): how many, and the
+    first few paths. Ten thousand unreadable files make one line, not ten thousand."""
+    kinds: dict[str, list[tuple[str, str]]] = {}
+    for path, reason in skipped:
+        kind, _, detail = reason.partition(" (")
+        name = path.relative_to(root).as_posix() if path.is_relative_to(root) else str(path)
+        kinds.setdefault(kind, []).append((name, detail.removesuffix(")")))
+    lines = []
+    for kind, entries in sorted(kinds.items(), key=lambda k: -len(k[1]))[:SUMMARY_KINDS]:
+        details = {detail for _, detail in entries}
+        if len(details) == 1 and (detail := details.pop()):
+            kind, names = f"{kind} ({detail})", [name for name, _ in entries]
+        else:
+            names = [f"{n} ({d})" if d else n for n, d in entries]
+        lines.append(f"skipped {_count(len(entries), 'file')}, {kind}: {_examples(names)}")
+    if len(kinds) > SUMMARY_KINDS:
+        rest = sorted(kinds.items(), key=lambda k: -len(k[1]))[SUMMARY_KINDS:]
+        lines.append(
+            f"skipped {_count(sum(len(e) for _, e in rest), 'more file')} of "
+            f"{len(rest)} other kinds"
+        )
+    return lines
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
+def _examples(names: Sequence[str]) -> str:
+    shown = ", ".join(names[:SUMMARY_EXAMPLES])
+    more = len(names) - SUMMARY_EXAMPLES
+    return shown + (f" and {more} more" if more > 0 else "")
 
 
 @dataclass(frozen=True)
@@ -178,11 +300,14 @@ class _Probe:
 
 def _probe(path: Path) -> _Probe:
     try:
-        stat = path.stat()
-        data = path.read_bytes()
+        with _open_regular(path) as reader:
+            info = os.fstat(reader.fileno())
+            data = reader.read() if info.st_size <= IMAGE_BYTES else b""
     except OSError as exc:
         return _Probe(-1, -1, None, reason=f"unreadable ({exc.strerror or exc})")
-    stamp = (stat.st_size, stat.st_mtime_ns)
+    stamp = (info.st_size, info.st_mtime_ns)
+    if info.st_size > IMAGE_BYTES:
+        return _Probe(*stamp, None, reason=f"too large (over {IMAGE_BYTES // 2**30} GiB)")
     try:
         with Image.open(io.BytesIO(data)) as image:
             if image.format not in PIL_FORMATS:
@@ -229,40 +354,77 @@ def _write_index(index: Path, root: Path, probes: dict[str, _Probe]) -> None:
         log.warning("could not write the dataset index %s: %s", index, exc)
 
 
-def _read_metadata(root: Path) -> dict[Path, str]:
-    """Captions from every metadata.jsonl (Hugging Face imagefolder layout), by image path.
+def _read_metadata(files: list[Path]) -> dict[Path, tuple[str, bool]]:
+    """Captions from every metadata.jsonl (Hugging Face imagefolder layout), by image path:
+    (caption, whether it was cut to CAPTION_BYTES).
 
-    `file_name` is relative to the folder holding the metadata file. A malformed line is an
-    input error: silently falling back to file names would train on the wrong captions.
+    `file_name` is relative to the folder holding the metadata file. A malformed, unreadable
+    or overlong line is an input error: silently falling back to file names would train on
+    the wrong captions.
     """
-    captions: dict[Path, str] = {}
-    for meta in sorted(root.rglob(METADATA_FILE)):
-        lines = meta.read_text(encoding="utf-8", errors="replace").splitlines()
-        for number, line in enumerate(lines, start=1):
+    captions: dict[Path, tuple[str, bool]] = {}
+    for meta in files:
+        for number, line in _lines(meta):
             if not line.strip():
                 continue
             try:
                 row = json.loads(line)
                 name, text = row["file_name"], row.get("text", row.get("caption"))
-            except (ValueError, KeyError, TypeError) as exc:
+                image = (meta.parent / name).resolve()
+            except (ValueError, KeyError, TypeError, RecursionError) as exc:
                 raise ConfigError(
                     f"ZT_DATA_DIR: {meta} line {number}: expected a JSON object with "
                     f'"file_name" and "text" ({type(exc).__name__}: {exc})'
                 ) from None
-            captions[(meta.parent / name).resolve()] = "" if text is None else str(text).strip()
+            text = "" if text is None else str(text)
+            caption, cut = _prefix(text.encode("utf-8", "replace"), CAPTION_BYTES)
+            captions[image] = (caption.strip(), cut)
     return captions
 
 
-def _caption(path: Path, root: Path, metadata: dict[Path, str]) -> str:
-    """Sidecar .txt first, then metadata.jsonl, then the file name."""
+def _lines(meta: Path) -> Iterator[tuple[int, str]]:
+    """(number, text) of each line of a metadata file, none longer than METADATA_LINE_BYTES."""
+    try:
+        with _open_regular(meta) as reader:
+            number = 0
+            while raw := reader.readline(METADATA_LINE_BYTES + 1):
+                number += 1
+                if len(raw) > METADATA_LINE_BYTES:
+                    raise ConfigError(
+                        f"ZT_DATA_DIR: {meta} line {number}: longer than "
+                        f"{METADATA_LINE_BYTES // 2**20} MiB; captions are cut to "
+                        f"{CAPTION_BYTES // 1024} KiB anyway, shorten it"
+                    )
+                yield number, raw.decode("utf-8", errors="replace")
+    except OSError as exc:
+        raise ConfigError(
+            f"ZT_DATA_DIR: {meta}: unreadable ({exc.strerror or exc}); it holds captions"
+        ) from None
+
+
+def _caption(
+    path: Path,
+    root: Path,
+    sidecars: set[Path],
+    metadata: dict[Path, tuple[str, bool]],
+    skipped: list[tuple[Path, str]],
+) -> tuple[str, str | None]:
+    """Sidecar .txt first, then metadata.jsonl, then the file name; with where the caption
+    came from when it was cut to CAPTION_BYTES. An unreadable sidecar joins `skipped`."""
     sidecar = path.with_suffix(".txt")
-    if sidecar.is_file():
-        return sidecar.read_text(encoding="utf-8", errors="replace").strip()
+    if sidecar in sidecars:
+        try:
+            with _open_regular(sidecar) as reader:
+                text, cut = _prefix(reader.read(CAPTION_BYTES + 1), CAPTION_BYTES)
+            return text.strip(), sidecar.relative_to(root).as_posix() if cut else None
+        except OSError as exc:
+            skipped.append((sidecar, f"unreadable ({exc.strerror or exc})"))
     caption = metadata.get(path.resolve())
     if caption is not None:
-        return caption
+        where = f"{path.relative_to(root).as_posix()} in {METADATA_FILE}"
+        return caption[0], where if caption[1] else None
     words = [w for w in re.split(r"[\s_\-.]+", path.stem) if w and not w.isdigit()]
-    return " ".join(words)
+    return " ".join(words), None
 
 
 # --- aspect-ratio buckets -------------------------------------------------------------------
@@ -307,6 +469,24 @@ def assign_buckets(
     for index, item in enumerate(items):
         groups.setdefault(nearest_bucket(item.size, sizes), []).append(index)
     return dict(sorted(groups.items()))
+
+
+def upscale_warning(dataset: Dataset, resolution: int, *, multiple: int = 64) -> str | None:
+    """A line saying how many images are enlarged by more than 10% to cover their bucket at
+    this resolution, and by how much at most (upscaled images teach blur); None if none."""
+    buckets = assign_buckets(dataset.items, resolution, multiple=multiple)
+    scales = [
+        max(bw / dataset.items[i].size[0], bh / dataset.items[i].size[1])
+        for (bw, bh), indices in buckets.items()
+        for i in indices
+    ]
+    upscaled = [scale for scale in scales if scale > UPSCALE_NOTICE]
+    if not upscaled:
+        return None
+    return (
+        f"{len(upscaled)} of {len(scales)} images are smaller than {resolution} px and will be "
+        f"upscaled (up to {max(upscaled):.1f}x): use larger images or a lower ZT_RESOLUTION"
+    )
 
 
 # --- loading one example ------------------------------------------------------------------------

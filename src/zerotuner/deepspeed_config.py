@@ -14,7 +14,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from zerotuner.config_values import coerce_numbers, deepspeed_accepts, is_number, no_auto_left
+from zerotuner.config_values import (
+    coerce_numbers,
+    deepspeed_accepts,
+    is_number,
+    no_auto_left,
+    no_non_finite,
+)
 from zerotuner.families import ModelShape
 from zerotuner.hardware import Hardware, auto_precision
 from zerotuner.notes import Note, Notes
@@ -91,6 +97,7 @@ def normalize(
     cfg = copy.deepcopy(base) if isinstance(base, dict) else {}
     n = Notes()
     ctx = _Context(cfg, settings, n, source or "the DeepSpeed config")
+    no_non_finite(cfg, "", n)
     coerce_numbers(cfg, "", n)
     _batch(ctx, world_size)
     _optimizer(ctx)
@@ -476,7 +483,13 @@ def _nvme_path(ctx: _Context, key: str, section: dict[str, Any], offload_dir: st
     (offload_path); a real path that differs from it here was never resolved: refused."""
     current = section.get("nvme_path")
     if current is not None and is_placeholder(current):
-        ctx.n.info(f"zero_optimization.{key}.nvme_path placeholder {current!r} -> {offload_dir}")
+        message = (
+            f"zero_optimization.{key}.nvme_path placeholder {current!r} -> {offload_dir} "
+            f"({env_name('offload_dir')})"
+        )
+        # An example path copied from the docs is a value the user may think is used: shown
+        # by default (a change); "auto", "none" or an empty one asked to be filled (info).
+        (ctx.n.change if str(current).strip().startswith("/") else ctx.n.info)(message)
     elif current is not None and not same_folder(str(current), offload_dir):
         where = f"zero_optimization.{key}.nvme_path in {ctx.source}"
         ctx.n.error(conflict(Path(offload_dir), NvmePath(Path(str(current)), where)))

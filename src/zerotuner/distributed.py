@@ -1,23 +1,40 @@
 """The ranks' process group: joining it, the collectives the worker's phases share, leaving it.
 
 A lone process (no torchrun) is rank 0 of 1 and every collective here is then a no-op.
+
+Collectives fail after ZT_COLLECTIVE_TIMEOUT_SECONDS. A phase whose length grows with the
+data (caching: one rank per node encodes while the others wait) waits in `PatientBarrier`
+instead: no deadline while every rank is alive.
 """
 
 from __future__ import annotations
 
 import contextlib
 import io
+import itertools
 import logging
 import os
+import threading
+import time
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
+from zerotuner.errors import ZeroTunerError
+
 log = logging.getLogger(__name__)
 
+POLL_SECONDS = 0.5  # how often a waiting rank asks the store whether all have arrived
+BEAT_SECONDS = 5.0  # how often each rank in a PatientBarrier says it is alive
+SILENT_SECONDS = 60.0  # a rank silent this long is gone
 
-def init_distributed(*, device: str, master_addr: str, master_port: int) -> tuple[int, int]:
-    """Join the process group torchrun described (gloo on CPU); returns (rank, world size)."""
+
+def init_distributed(
+    *, device: str, master_addr: str, master_port: int, timeout_seconds: float = 600
+) -> tuple[int, int]:
+    """Join the process group torchrun described (gloo on CPU); returns (rank, world size).
+    `timeout_seconds`: how long a collective may wait for the other ranks."""
     import deepspeed
 
     for name, default in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
@@ -31,7 +48,10 @@ def init_distributed(*, device: str, master_addr: str, master_port: int) -> tupl
         failed = True
         try:
             with contextlib.redirect_stdout(printed):
-                deepspeed.init_distributed(dist_backend="gloo" if device == "cpu" else "nccl")
+                deepspeed.init_distributed(
+                    dist_backend="gloo" if device == "cpu" else "nccl",
+                    timeout=timedelta(seconds=timeout_seconds),
+                )
             failed = False
         finally:
             if text := printed.getvalue().strip():
@@ -51,6 +71,98 @@ def node_leader(rank: int, world: int) -> tuple[int, int] | None:
 def barrier() -> None:
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
+
+
+class PatientBarrier:
+    """Barriers with no deadline, for phases as long as the data (use as a context manager).
+
+    `wait()` counts this rank in at a key of torchrun's TCP store and polls it until every rank
+    is in: no collective runs, so the process group's timeout does not apply. No endless wait
+    either: each rank counts a heartbeat key up every BEAT_SECONDS (a thread), and a waiting
+    rank fails when a rank it watches stays still for `silent_seconds`. Each rank watches its
+    own node's ranks: when one dies, torchrun sends the others SIGTERM, which the worker only
+    notes until caching ends, and SIGKILL only after ZT_STOP_GRACE_SECONDS. Rank 0 watches
+    every rank: its failure stops node 0, whose torchrun hosts the store, so every other
+    rank's poll fails too.
+    """
+
+    _names = itertools.count()  # each barrier of a run gets its own keys
+
+    def __init__(
+        self,
+        name: str,
+        *,
+        store: dist.Store | None = None,
+        rank: int | None = None,
+        world: int | None = None,
+        silent_seconds: float = SILENT_SECONDS,
+    ) -> None:
+        grouped = dist.is_available() and dist.is_initialized()
+        self.store = store or (dist.distributed_c10d._get_default_store() if grouped else None)
+        self.rank = rank if rank is not None else (dist.get_rank() if grouped else 0)
+        self.world = world if world is not None else (dist.get_world_size() if grouped else 1)
+        self.prefix = f"zerotuner/{name}/{next(self._names)}"
+        self.silent_seconds = silent_seconds
+        self._rounds = 0
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", str(self.world)))
+        node = self.rank // local * local
+        self.watched = range(self.world) if self.rank == 0 else range(node, node + local)
+        self._stop = threading.Event()
+        self._beat = threading.Thread(target=self._beat_loop, daemon=True)
+
+    def __enter__(self) -> PatientBarrier:
+        if self.store is not None:
+            self._beat.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        if self._beat.is_alive():
+            self._beat.join(timeout=BEAT_SECONDS)
+
+    def _beat_loop(self) -> None:
+        key = f"{self.prefix}/beat/{self.rank}"
+        while True:
+            with contextlib.suppress(Exception):  # a store gone: the wait says so
+                self.store.add(key, 1)
+            if self._stop.wait(BEAT_SECONDS):
+                return
+
+    def wait(self) -> None:
+        """Return once every rank has called wait() as many times as this one."""
+        if self.store is None or self.world == 1:
+            return
+        self._rounds += 1
+        key = f"{self.prefix}/round/{self._rounds}"
+        beats: dict[int, tuple[int, float]] = {}  # rank -> (its count, when it last changed)
+        checked = 0.0
+        try:
+            self.store.add(key, 1)
+            while self.store.add(key, 0) < self.world:
+                time.sleep(POLL_SECONDS)
+                if time.monotonic() - checked > BEAT_SECONDS:
+                    self._check_alive(beats)  # one read per rank, once a beat
+                    checked = time.monotonic()
+        except ZeroTunerError:
+            raise
+        except Exception as error:  # noqa: BLE001 - the store's host (node 0) is gone
+            raise ZeroTunerError(
+                f"lost torchrun's store while waiting for the other ranks ({error}); "
+                "another node stopped"
+            ) from None
+
+    def _check_alive(self, beats: dict[int, tuple[int, float]]) -> None:
+        now = time.monotonic()
+        for rank in self.watched:
+            count = self.store.add(f"{self.prefix}/beat/{rank}", 0)
+            last = beats.get(rank)
+            if last is None or last[0] != count:
+                beats[rank] = (count, now)
+            elif now - last[1] > self.silent_seconds:
+                raise ZeroTunerError(
+                    f"rank {rank} gave no sign of life for {self.silent_seconds:.0f} s while "
+                    "the others waited for it (its node stopped?); stopping the job"
+                )
 
 
 def all_sum(values: list[int]) -> list[int]:

@@ -9,6 +9,8 @@ EXIT_OK = 0
 EXIT_FAILURE = 1  # unexpected: a retry may help
 EXIT_CONFIG = 2  # configuration or input error: never retry
 EXIT_ENVIRONMENT = 3  # the machine cannot run this job: never retry
+EXIT_DIVERGED = 4  # the loss or gradients stayed non-finite: never retry as-is (lower the
+# learning rate, change the precision; the last committed checkpoint is kept)
 EXIT_SIGNAL = 143  # stopped by SIGTERM/SIGINT after a committed checkpoint: a retry resumes
 
 
@@ -39,3 +41,10 @@ class StoppedBeforeStart(ZeroTunerError):
     (exit 143, as a stop after a checkpoint: a retry starts the job)."""
 
     exit_code = EXIT_SIGNAL
+
+
+class Diverged(ZeroTunerError):
+    """Training went non-finite and stayed so for ZT_MAX_NONFINITE_STEPS steps in a row, or
+    the weights themselves did (exit 4). Nothing non-finite was saved, exported or pushed."""
+
+    exit_code = EXIT_DIVERGED

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from zerotuner.errors import ConfigError
-from zerotuner.files import load_mapping, parse_json, read_text
+from zerotuner.files import MAX_INT, check_values, load_mapping, parse_json, read_text
 from zerotuner.notes import Notes
 from zerotuner.offload_path import NvmePath, resolve_offload_dir, user_nvme_path
 from zerotuner.settings import Settings, env_name, file_errors
@@ -75,7 +75,9 @@ def read_user_inputs(settings: Settings) -> UserInputs:
 def _read_deepspeed(value: str | dict[str, Any]) -> tuple[dict[str, Any], str]:
     """Inline JSON text, a path to a JSON file, or a mapping from the config file."""
     if isinstance(value, dict):
-        return value, "the config file's deepspeed_config block"
+        where = "the config file's deepspeed_config block"
+        check_values(value, source=where)  # read by files.py already, unless passed in code
+        return value, where
     text = value.strip()
     if text.startswith("{"):
         data, where = parse_json(text, source=DS_SETTING), f"{DS_SETTING} (inline JSON)"
@@ -196,6 +198,8 @@ def _whole(
             number = int(value.strip())
     if number is not None and number == unset:
         return None
+    if number is not None and number > MAX_INT:
+        raise ConfigError(f"{where}: {key}: expected a whole number below 2**63")
     if number is None or number < low or (high is not None and number > high):
         valid = f"{low}..{high}" if high is not None else f">= {low}"
         raise ConfigError(f"{where}: {key}={value!r}: expected a whole number {valid}")

@@ -1,4 +1,5 @@
-"""The job's folders must not overlap the training data.
+"""The job's folders: they must not overlap the training data, and the ones a run writes must
+be writable folders.
 
 The dataset is every image under ZT_DATA_DIR, found again at each start: an output folder
 inside it makes a run's own samples and loss curve the next run's training data, a cache or
@@ -11,9 +12,10 @@ Paths are compared as the OS resolves them: `~`, relative parts and symlinks.
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 
-from zerotuner.errors import ConfigError
+from zerotuner.errors import ConfigError, EnvironmentUnfit
 from zerotuner.settings import Settings, env_name
 
 # (folder, what goes wrong when it is the data folder or inside it)
@@ -60,6 +62,37 @@ def refuse_overlaps(settings: Settings) -> str:
     if problems:
         raise ConfigError(problems[0], problems=problems)
     return "data, output, cache and offload folders do not overlap"
+
+
+# The folders a run writes to (the offload folder is checked where NVMe offload prepares it).
+WRITTEN = ("output_dir", "cache_dir")
+
+
+def writable(path: Path, setting: str) -> str:
+    """Raise EnvironmentUnfit (exit 3) unless files can be created in `path`, or in its nearest
+    existing parent when it is still to be created; else describe it. `check` and `train` both
+    call this before any rank starts, so a read-only mount fails in a second, not after
+    loading."""
+    existing = next((p for p in (path, *path.absolute().parents) if p.exists()), Path("/"))
+    if not existing.is_dir():
+        raise EnvironmentUnfit(
+            f"{setting}={path}: {existing} is a file, not a folder; point {setting} at a folder "
+            "(or mount a volume there)"
+        )
+    try:  # a file that vanishes on close: the only test root cannot fool (root ignores modes)
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as exc:
+        raise EnvironmentUnfit(
+            f"{setting}={path} is not writable ({exc.strerror} in {existing}): mount a "
+            "read-write volume there"
+        ) from None
+    return f"{path} writable" + ("" if existing == path else " (will be created)")
+
+
+def require_writable(settings: Settings) -> list[str]:
+    """`writable` for every folder a run writes; one description each."""
+    return [writable(getattr(settings, name), env_name(name)) for name in WRITTEN]
 
 
 def _shown(path: Path) -> str:

@@ -26,6 +26,7 @@ from typing import Any
 
 from zerotuner.errors import (
     EXIT_CONFIG,
+    EXIT_DIVERGED,
     EXIT_ENVIRONMENT,
     EXIT_FAILURE,
     EXIT_OK,
@@ -218,6 +219,8 @@ def exit_code(torchrun_code: int, statuses: list[Any], *, signalled: bool) -> in
         return EXIT_CONFIG
     if EXIT_ENVIRONMENT in codes:
         return EXIT_ENVIRONMENT
+    if EXIT_DIVERGED in codes:  # every rank decides alike; one saying so is enough
+        return EXIT_DIVERGED
     if signalled and codes and all(c == EXIT_SIGNAL for c in codes):
         return EXIT_SIGNAL
     if torchrun_code == 0 and all(c == EXIT_OK for c in codes):

@@ -9,6 +9,7 @@ what the uninterrupted run would have drawn, with no RNG state to carry in check
 from __future__ import annotations
 
 import json
+import math
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -18,6 +19,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from zerotuner.errors import Diverged
+from zerotuner.nonfinite import PlainStepGuard, Streak, poison, resume_hint
 from zerotuner.records import Sink, StepRecord
 
 
@@ -115,14 +118,16 @@ class LoopContext:
     accumulation: int
     samples_per_step: int  # micro-batch * accumulation * world size
     load_batch: Callable[[Any, torch.Generator], dict[str, torch.Tensor]]
+    guard: PlainStepGuard | None = None  # ZeRO-0 fp32: the skip DeepSpeed lacks there
+    streak: Streak | None = None  # non-finite steps in a row: exit 4 past the limit
 
 
 def forward_backward(engine: Any, batch: dict[str, torch.Tensor], ctx: LoopContext, gen) -> Any:
-    """One micro-batch: loss, then engine.backward (DeepSpeed scales for accumulation)."""
+    """One micro-batch: loss, then engine.backward (DeepSpeed scales for accumulation). A
+    non-finite loss gets NaN gradients, so the step is skipped on every rank (nonfinite)."""
     kwargs = ctx.conditioning.model_kwargs(batch, ctx.dtype)
     loss = ctx.objective.loss(engine, batch["latents"], kwargs, generator=gen, dtype=ctx.dtype)
-    engine.backward(loss)
-    engine.step()  # steps the optimizer and LR only at the accumulation boundary
+    engine.backward(poison(loss))
     return loss.detach()
 
 
@@ -133,12 +138,23 @@ def train_step(engine: Any, micro_batches: list[Any], step: int, ctx: LoopContex
         gen = step_generator(ctx.seed, step, micro, ctx.rank)
         batch = ctx.load_batch(keys, gen)
         losses.append(forward_backward(engine, batch, ctx, gen))
-    return torch.stack(losses).mean()
+        if micro == len(micro_batches) - 1:
+            mean = torch.stack(losses).mean()
+            if ctx.guard is not None:
+                ctx.guard.loss = mean  # read with the norm the skip decides on, in one sync
+        engine.step()  # steps the optimizer and LR only at the accumulation boundary
+    return mean
 
 
-def step_scalars(loss: torch.Tensor, engine: Any) -> tuple[float, float | None]:
+def step_scalars(
+    loss: torch.Tensor, engine: Any, guard: PlainStepGuard | None = None
+) -> tuple[float, float | None]:
     """The step's mean loss and gradient norm, copied to the host together: the step's one
-    device sync (what steps.jsonl and the sinks need)."""
+    device sync (what steps.jsonl and the sinks need). At ZeRO-0 in fp32 the guard already
+    made it, to decide the skip."""
+    if guard is not None and guard.scalars is not None:
+        scalars, guard.scalars = guard.scalars, None
+        return scalars
     norm = engine.get_global_grad_norm()
     if not isinstance(norm, torch.Tensor):
         return loss.item(), None if norm is None else float(norm)
@@ -155,16 +171,26 @@ def train(
     ctx: LoopContext,
     *,
     sinks: list[Sink],
-    after_step: Callable[[int], None],
+    after_step: Callable[[StepRecord], None],
 ) -> int:
     """Run optimizer steps from `steps` ((step number, its micro-batches) pairs, already
     positioned for a resume); `after_step` runs EMA, checkpoints, samples and stop checks.
-    Returns the last finished step."""
+    Returns the last finished step. Raises Diverged (exit 4) when `ctx.streak` says so."""
     last = 0
     started = time.perf_counter()
     for step, micro_batches in steps:
         lr = float(engine.get_lr()[0])  # the rate this step uses; the scheduler moves at its end
-        loss, norm = step_scalars(train_step(engine, micro_batches, step, ctx), engine)
+        skipped_before = engine.skipped_steps  # DeepSpeed counts the steps it discards
+        try:
+            mean = train_step(engine, micro_batches, step, ctx)
+        except Exception as error:
+            if LOSS_SCALE_FLOOR not in str(error):
+                raise
+            raise Diverged(
+                f"training diverged: fp16 gradients still overflowed at step {step} with "
+                f"DeepSpeed's minimum loss scale. {_resume_hint(ctx)}"
+            ) from None
+        loss, norm = step_scalars(mean, engine, ctx.guard)
         record = StepRecord(
             step=step,
             loss=loss,
@@ -173,13 +199,24 @@ def train(
             step_seconds=time.perf_counter() - started,
             samples=ctx.samples_per_step,
             timestamp=time.time(),
+            skipped=engine.skipped_steps > skipped_before,
         )
         for sink in sinks:
             sink.on_step(record)
+        if ctx.streak is not None:
+            ctx.streak.update(record)  # raises Diverged after too many skipped in a row
         last = step
-        after_step(step)
+        after_step(record)
         started = time.perf_counter()
     return last
+
+
+# DeepSpeed's fp16 loss scaler raises a plain Exception saying so (fp16/loss_scaler.py).
+LOSS_SCALE_FLOOR = "loss scale already at minimum"
+
+
+def _resume_hint(ctx: LoopContext) -> str:
+    return resume_hint(ctx.streak.last_checkpoint() if ctx.streak else None)
 
 
 class StepsJsonlSink:
@@ -212,12 +249,13 @@ class StepsJsonlSink:
             self._open(record.step)
         line = {
             "step": record.step,
-            "loss": record.loss,
+            "loss": _finite_or_none(record.loss),  # strict JSON: no NaN or Infinity
             "lr": record.lr,
             "step_seconds": round(record.step_seconds, 6),
             "samples": record.samples,
-            "grad_norm": record.grad_norm,
+            "grad_norm": _finite_or_none(record.grad_norm),
             "timestamp": record.timestamp,
+            "skipped": record.skipped,  # non-finite: the weights did not change (nonfinite)
         }
         self._file.write(json.dumps(line) + "\n")
 
@@ -228,3 +266,7 @@ class StepsJsonlSink:
     def close(self) -> None:
         if self._file is not None:
             self._file.close()
+
+
+def _finite_or_none(value: float | None) -> float | None:
+    return value if value is not None and math.isfinite(value) else None

@@ -80,6 +80,7 @@ EXTRA_METRICS = (
     "zerotuner_offload_dir_size_bytes",
     "zerotuner_phase",
     "zerotuner_healthy",
+    "zerotuner_nonfinite_steps_total",
 )
 # Node phases, in the order a run goes through them; `zerotuner_phase{phase}` is 1 for one.
 PHASES = (
@@ -249,6 +250,7 @@ class PrometheusSink:
         self._m.steps.labels(r)
         self._m.samples.labels(r)
         self._m.skipped.labels(r)
+        self._m.nonfinite.labels(r)
         self._m.step_seconds.labels(r)
         self._m.checkpoint_seconds.labels(r)
         self._m.last_checkpoint_step.labels(r).set(0)  # 0: no checkpoint in this run yet
@@ -267,6 +269,8 @@ class PrometheusSink:
         share = record.samples / self._world  # this rank's part of the step's samples
         m.step_seconds.labels(r).observe(record.step_seconds)
         m.steps.labels(r).inc()
+        if record.skipped:
+            m.nonfinite.labels(r).inc()
         m.samples.labels(r).inc(share)
         m.loss.labels(r).set(record.loss)
         m.lr.labels(r).set(record.lr)
@@ -343,6 +347,13 @@ class _RankMetrics:
         self.skipped = Counter(
             "zerotuner_dataset_skipped_files_total",
             "Dataset files skipped (unreadable, no caption, too small).",
+            rank,
+            registry=registry,
+        )
+        self.nonfinite = Counter(
+            "zerotuner_nonfinite_steps_total",
+            "Optimizer steps skipped because the loss or gradient norm was non-finite "
+            "(the weights did not change).",
             rank,
             registry=registry,
         )

@@ -27,9 +27,8 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from socketserver import ThreadingMixIn
 from typing import Any
-from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
 
 from prometheus_client import CollectorRegistry, make_wsgi_app
 from prometheus_client.core import GaugeMetricFamily, Metric
@@ -37,6 +36,7 @@ from prometheus_client.multiprocess import MultiProcessCollector
 
 from zerotuner import __version__, web
 from zerotuner.errors import EnvironmentUnfit
+from zerotuner.http_limits import ConnectionLimits, StrictRequests
 from zerotuner.metrics import MULTIPROC_DIR_ENV, PHASE_ENTERED, PHASES
 from zerotuner.run_page import RunView
 
@@ -233,18 +233,26 @@ class NodeCollector:
             yield family
 
 
-class _Server(ThreadingMixIn, WSGIServer):
-    daemon_threads = True
-    request_queue_size = 256  # socketserver's default backlog of 5 drops bursts of scrapes
+PROBES = ("/healthz", "/readyz")
 
 
-class _QuietHandler(WSGIRequestHandler):
+class _Server(ConnectionLimits, WSGIServer):
+    """Bounded (see `zerotuner.http_limits`); the probes get through a storm of connections."""
+
+
+class _QuietHandler(StrictRequests, WSGIRequestHandler):
     def log_message(self, format: str, *args: Any) -> None:
         pass  # one line per scrape would drown the training log
 
 
 class MetricsServer:
-    """The HTTP endpoint, in a background thread of the entrypoint process."""
+    """The HTTP endpoint, in a background thread of the entrypoint process.
+
+    Connections are bounded (`zerotuner.http_limits`): a read or write waits at most
+    `idle_timeout` s, a connection lives at most `request_timeout` s, and at most
+    `max_connections` are served at once; beyond that /healthz and /readyz still get through
+    (a liveness probe must not restart training because scrapers hold the port), the rest 503.
+    """
 
     def __init__(
         self,
@@ -258,6 +266,9 @@ class MetricsServer:
         clock: Callable[[], float] = time.time,
         output_dir: str | os.PathLike[str] | None = None,
         history_interval: float | None = 5.0,
+        idle_timeout: float = 5.0,
+        request_timeout: float = 30.0,
+        max_connections: int = 64,
     ) -> None:
         if source is None:
             folder = multiproc_dir or os.environ.get(MULTIPROC_DIR_ENV)
@@ -273,6 +284,12 @@ class MetricsServer:
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(self.collector)
         self._metrics_app = make_wsgi_app(self.registry)
+        self._limits = {
+            "idle_timeout": idle_timeout,
+            "request_timeout": request_timeout,
+            "max_connections": max_connections,
+            "priority_paths": PROBES,
+        }
         self._httpd: _Server | None = None
         self._thread: threading.Thread | None = None
         # The run page: OUTPUT/run records, and per-rank metrics sampled every few seconds.
@@ -313,16 +330,16 @@ class MetricsServer:
     # -- HTTP ----------------------------------------------------------------------------------
     def _app(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> list[bytes]:
         path = environ.get("PATH_INFO", "/")
-        if path in ("/healthz", "/readyz"):
+        if environ.get("REQUEST_METHOD", "GET") not in ("GET", "HEAD"):
+            start_response("405 Method Not Allowed", [("Allow", "GET, HEAD")])
+            return [b"read-only: GET /, /metrics, /healthz or /readyz\n"]
+        if path in PROBES:
             ok, text = self.healthz() if path == "/healthz" else self.readyz()
             status = "200 OK" if ok else "503 Service Unavailable"
             start_response(status, [("Content-Type", "text/plain; charset=utf-8")])
             return [text.encode() + b"\n"]
         if path == "/metrics":
             return self._metrics_app(environ, start_response)
-        if environ.get("REQUEST_METHOD", "GET") not in ("GET", "HEAD"):
-            start_response("405 Method Not Allowed", [("Allow", "GET, HEAD")])
-            return [b"read-only: GET /, /metrics, /healthz or /readyz\n"]
         found = self._run_page(path)
         if found is not None:
             body, media = found
@@ -361,14 +378,13 @@ class MetricsServer:
         if ":" in self.host:  # an IPv6 address such as "::"
             server_class = type("_Server6", (_Server,), {"address_family": socket.AF_INET6})
         try:
-            self._httpd = make_server(
-                self.host, self._port, self._app, server_class, handler_class=_QuietHandler
-            )
+            self._httpd = server_class((self.host, self._port), _QuietHandler, **self._limits)
         except OSError as exc:
             raise EnvironmentUnfit(
                 f"ZT_METRICS_PORT={self._port}: cannot listen on {self.host}:{self._port} "
                 f"({exc.strerror}); choose a free port, or 0 to disable the endpoint"
             ) from None
+        self._httpd.set_app(self._app)
         self._thread = threading.Thread(
             target=self._httpd.serve_forever, name="zerotuner-metrics", daemon=True
         )

@@ -32,6 +32,7 @@ NETWORK_FS = {"nfs", "nfs4", "cifs", "smb3", "smbfs", "ceph", "glusterfs", "lust
               "gpfs", "9p", "virtiofs", "afs"}  # fmt: skip
 MEMORY_FS = {"tmpfs", "ramfs"}
 ALIGN = 4096
+SYSFS = Path("/sys")
 
 
 @dataclass(frozen=True)
@@ -138,21 +139,30 @@ def _read_mounts() -> list[Mount]:
     return parse_mounts(Path("/proc/mounts").read_text())
 
 
-def _rotational(source: str) -> bool | None:
-    """/sys/block/<disk>/queue/rotational for a device or one of its partitions."""
-    name = Path(os.path.realpath(source)).name if source.startswith("/dev/") else ""
-    if not name:
-        return None
-    block = Path("/sys/class/block") / name
-    if not block.exists():
-        return None
-    disk = block.resolve()
-    if (disk / "partition").exists():
-        disk = disk.parent
-    try:
-        return (disk / "queue" / "rotational").read_text().strip() == "1"
-    except OSError:
-        return None
+def rotational(folder: Path, source: str, *, sysfs: Path | None = None) -> bool | None:
+    """queue/rotational of the disk holding `folder` (a partition's parent disk).
+
+    Found by the folder's device number (/sys/dev/block/MAJ:MIN), which holds inside
+    containers where /proc/mounts names a /dev/root or /dev/mapper node absent from /dev; else
+    by the mount's source name. None when neither leads to a disk (tmpfs, overlay, network).
+    """
+    sysfs = sysfs or SYSFS
+    blocks = []
+    with contextlib.suppress(OSError):
+        dev = os.stat(folder).st_dev
+        if os.major(dev):  # 0: an anonymous device (tmpfs, overlay, btrfs subvolume)
+            blocks.append(sysfs / "dev" / "block" / f"{os.major(dev)}:{os.minor(dev)}")
+    if source.startswith("/dev/"):
+        blocks.append(sysfs / "class" / "block" / Path(os.path.realpath(source)).name)
+    for block in blocks:
+        try:
+            disk = block.resolve(strict=True)
+            if (disk / "partition").exists():
+                disk = disk.parent
+            return (disk / "queue" / "rotational").read_text().strip() == "1"
+        except OSError:
+            continue
+    return None
 
 
 def free_bytes_at(path: Path) -> int | None:
@@ -216,7 +226,7 @@ def prepare_offload_dir(
     created = False
     if not path.exists():
         if not create:
-            return _report_missing(path, need_bytes)
+            return _report_missing(path, need_bytes, nvme=nvme)
         try:
             path.mkdir(parents=True)
         except OSError as exc:
@@ -228,7 +238,7 @@ def prepare_offload_dir(
         raise ConfigError(f"ZT_OFFLOAD_DIR={path}: not a directory")
     real = path.resolve()
     mount = mount_for(real, _read_mounts()) or Mount("/", "?", "unknown")
-    kind = device_kind(mount.fstype, mount.source, _rotational(mount.source))
+    kind = device_kind(mount.fstype, mount.source, rotational(real, mount.source))
     why = refusal(kind, path, nvme=nvme)
     if why:
         raise EnvironmentUnfit(why)
@@ -264,14 +274,19 @@ def prepare_offload_dir(
     )  # fmt: skip
 
 
-def _report_missing(path: Path, need_bytes: int) -> OffloadReport:
+def _report_missing(path: Path, need_bytes: int, *, nvme: bool) -> OffloadReport:
+    """What the volume train would create the folder on gets: the same verdicts."""
     parent = next((p for p in path.absolute().parents if p.exists()), Path("/"))
     mount = mount_for(parent.resolve(), _read_mounts()) or Mount("/", "?", "unknown")
-    kind = device_kind(mount.fstype, mount.source, _rotational(mount.source))
+    kind = device_kind(mount.fstype, mount.source, rotational(parent, mount.source))
+    why = refusal(kind, path, nvme=nvme)
+    if why:
+        raise EnvironmentUnfit(why)
     note = f"ZT_OFFLOAD_DIR={path} does not exist yet: train creates it"
     free = free_bytes_at(path) or 0
+    warnings = (note, *advice(kind, path, nvme=nvme))
     return OffloadReport(
-        path, False, mount.fstype, kind, mount.source, free, need_bytes, None, (), (note,)
+        path, False, mount.fstype, kind, mount.source, free, need_bytes, None, (), warnings
     )
 
 

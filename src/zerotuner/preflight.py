@@ -11,7 +11,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from zerotuner import lora, speed, trainable
+from zerotuner import checkpoint, lora, speed, trainable
 from zerotuner.deepspeed_config import Decisions, Normalized, normalize
 from zerotuner.errors import ConfigError
 from zerotuner.families import (
@@ -166,6 +166,7 @@ def preflight(
     require_supported(hardware)
     model = resolve_model(settings)
     check_family_settings(settings, model.family)
+    check_resume(settings, model.family)
     shape = model_shape(model.family, model.local_dir)  # type: ignore[arg-type]
     if settings.training_type == "lora":
         lora.check_model_targets(settings, model.family, model.local_dir)
@@ -211,6 +212,17 @@ def preflight(
         settings, inputs, hardware, model, shape, resolution, topology, decisions, plan,
         normalized, notes,
     )  # fmt: skip
+
+
+def check_resume(settings: Settings, family: str) -> None:
+    """The checkpoint a resume would load must be of this model family and training type
+    (and a LoRA's adapter shape): refused here, before any rank loads a weight."""
+    path = checkpoint.resume_candidate(settings.resume, settings.output_dir)
+    if path is None:
+        return
+    manifest = checkpoint.read_manifest(path) or {}
+    checkpoint.check_family(manifest, family=family, model=settings.model, path=path)
+    lora.check_resume(manifest, settings, path)
 
 
 def plan_for(

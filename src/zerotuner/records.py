@@ -25,6 +25,7 @@ class StepRecord:
     step_seconds: float  # wall time of this optimizer step
     samples: int  # samples in this step across all ranks
     timestamp: float  # time.time() when the step finished
+    skipped: bool = False  # non-finite loss or gradient norm: the weights did not change
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))

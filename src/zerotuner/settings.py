@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from pydantic import AliasChoices, Field, SecretStr, ValidationError, field_validator
+from pydantic_core import PydanticCustomError
 from pydantic_settings import (
     BaseSettings,
     NoDecode,
@@ -24,7 +25,7 @@ from pydantic_settings import (
 
 from zerotuner.errors import ConfigError
 from zerotuner.families import FAMILIES
-from zerotuner.files import load_mapping
+from zerotuner.files import MAX_INT, load_mapping, parse_json, short_repr
 
 ENV_PREFIX = "ZT_"
 DEFAULT_CONFIG_FILE = Path("/config/zerotuner.yaml")
@@ -44,6 +45,7 @@ class Settings(BaseSettings):
         extra="forbid",
         frozen=True,
         validate_default=True,
+        allow_inf_nan=False,  # every float setting: `inf`, `nan`, 1e400 are exit 2
     )
 
     # --- model and data ---------------------------------------------------------------
@@ -91,6 +93,10 @@ class Settings(BaseSettings):
     )
     weight_decay: float = Field(1e-2, ge=0, description="Optimizer weight decay.")
     gradient_clipping: float = Field(1.0, ge=0, description="Max gradient norm; 0 disables.")
+    max_nonfinite_steps: int = Field(
+        5, ge=1, description="Steps in a row with a non-finite loss or gradient norm (each "
+        "skipped, the weights unchanged) before the run stops with exit 4.",
+    )  # fmt: skip
     mixed_precision: Literal["auto", "bf16", "fp16", "no"] = Field(
         "auto", description="`auto`: bf16 where the GPU supports it, else fp16; `no` on CPU."
     )
@@ -239,6 +245,13 @@ class Settings(BaseSettings):
     hang_timeout_seconds: float = Field(
         1800, gt=0, description="/healthz fails when no step finished for this long."
     )
+    collective_timeout_seconds: float = Field(
+        600,
+        gt=0,
+        description="How long a rank waits in a collective (barrier, all-reduce) of the process "
+        "group before failing. Caching waits do not depend on it: ranks waiting for the encoding "
+        "rank wait as long as it keeps working.",
+    )
     log_format: Literal["text", "json"] = Field("text", description="Log line format.")
     log_level: Literal["debug", "info", "warning"] = Field(
         "info",
@@ -260,15 +273,28 @@ class Settings(BaseSettings):
         description="Hugging Face token (env `HF_TOKEN` or a secret file `hf_token`).",
     )
 
+    @field_validator("*")
+    @classmethod
+    def _int64(cls, value: Any) -> Any:
+        """Every whole-number setting fits 64 bits (10**400 steps or seed overflow later)."""
+        if isinstance(value, int) and not isinstance(value, bool) and abs(value) > MAX_INT:
+            raise PydanticCustomError("int_too_large", "Input should be a number below 2**63")
+        return value
+
     @field_validator("validation_prompts", mode="before")
     @classmethod
     def _split_prompts(cls, value: Any) -> Any:
         if isinstance(value, str):
             text = value.strip()
             if text.startswith("["):
-                import json
-
-                return json.loads(text)
+                try:  # the shared reader: depth, duplicate and number limits included
+                    return parse_json(text, source="JSON")
+                except ConfigError as error:
+                    raise PydanticCustomError(
+                        "json_invalid",
+                        "a JSON list of prompts or `|`-separated text ({why})",
+                        {"why": str(error)},
+                    ) from None
             return [p.strip() for p in text.split("|") if p.strip()]
         return value
 
@@ -470,7 +496,7 @@ def format_validation_error(error: ValidationError) -> list[str]:
         if msgs and msgs[0].startswith("unknown setting"):
             lines.append(f"'{field}': {msgs[0]}")
             continue
-        shown = "***" if _is_secret(field) else repr(value)
+        shown = "***" if _is_secret(field) else short_repr(value)
         lines.append(f"{name}={shown}: expected {' or '.join(msgs)}")
     return lines
 

@@ -247,7 +247,8 @@ def foreach_clip(engine: Any) -> bool:
         norm = torch.nn.utils.get_total_norm(
             [p.grad for p in params if p.grad is not None], foreach=True
         )
-        optimizer._global_grad_norm = norm
+        # step_norm: nonfinite.PlainStepGuard decides on this norm rather than take another
+        optimizer._global_grad_norm = optimizer.step_norm = norm
         # A factor of 1 changes nothing: on the CPU, reading the norm costs no device sync, so
         # the multiply (a pass over every gradient) is skipped when the norm is in bounds.
         if norm.device.type == "cpu" and float(norm) + 1e-6 <= max_norm:

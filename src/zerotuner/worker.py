@@ -7,7 +7,8 @@ loading -> caching -> training (with checkpointing and validating) -> exporting.
 only module that calls `deepspeed.initialize`.
 
 Each rank writes its exit status (records.write_rank_status): 0 done, 2 ConfigError,
-3 EnvironmentUnfit, 1 anything else; torchrun itself exits 1 for every failure.
+3 EnvironmentUnfit, 4 Diverged (non-finite steps, see zerotuner.nonfinite), 1 anything else;
+torchrun itself exits 1 for every failure.
 """
 
 from __future__ import annotations
@@ -38,13 +39,21 @@ from zerotuner import (
     lora_files,
     lora_text,
     model,
+    nonfinite,
     samples,
     speed,
 )
 from zerotuner.ema import EMA, full_state_dict
-from zerotuner.errors import EXIT_FAILURE, EXIT_OK, EXIT_SIGNAL, ZeroTunerError
+from zerotuner.errors import (
+    EXIT_DIVERGED,
+    EXIT_FAILURE,
+    EXIT_OK,
+    EXIT_SIGNAL,
+    Diverged,
+    ZeroTunerError,
+)
 from zerotuner.job import Job, load_job, wait_for_job
-from zerotuner.records import Sink, write_rank_status
+from zerotuner.records import Sink, StepRecord, write_rank_status
 from zerotuner.settings import Settings, load_settings
 from zerotuner.stop import Stopped, StopRequest
 
@@ -98,6 +107,8 @@ class Run:
         self.text_metadata: dict[str, Any] | None = None  # LoRA on the text encoders too
         self.initial_adapter: dict[str, torch.Tensor] | None = None  # PiSSA / OLoRA's start
         self.stop = StopRequest()
+        self.guard: nonfinite.PlainStepGuard | None = None
+        self.due: set[str] = set()  # "save", "validate": due at a skipped step, done at the next
 
     def phase(self, name: str) -> None:
         for sink in self.sinks:
@@ -155,6 +166,9 @@ class Run:
                 len(self.dataset), len(self.dataset.skipped), len(self.buckets),
                 self.objective.describe(),
             )  # fmt: skip
+            multiple = self._bucket_multiple()
+            if upscaled := data.upscale_warning(self.dataset, job.resolution, multiple=multiple):
+                log.warning("%s", upscaled)
 
     def _bucket_multiple(self) -> int:
         """Bucket sides must survive the VAE's downsampling and the denoiser's (the UNet's
@@ -212,6 +226,7 @@ class Run:
         log.info("DeepSpeed engine ready (ZeRO-%d)", self.engine_.zero_optimization_stage())
         speed.skip_lone_allreduce(self.engine_)
         speed.foreach_clip(self.engine_)
+        self.guard = nonfinite.guard_plain_optimizer(self.engine_)  # ZeRO-0 fp32's skip
         if self.rank == 0:  # the entrypoint logs it; the run folder keeps it
             _write_json(self.run_dir / "deepspeed.json", config)
         self.start_step = 0
@@ -260,8 +275,15 @@ class Run:
             accumulation=self.engine_.gradient_accumulation_steps(),
             samples_per_step=self.engine_.train_batch_size(),  # micro * accumulation * world
             load_batch=functools.partial(self._load_batch, texts=texts),
-        )
+            guard=self.guard,
+            streak=nonfinite.Streak(
+                s.max_nonfinite_steps, rank=self.rank,
+                counts=not self.engine_.fp16_enabled(),  # fp16: the loss scaler's skips
+                last_checkpoint=lambda: checkpoint.last_committed(s.output_dir),
+            ),
+        )  # fmt: skip
         loop.train(self.engine_, self.steps(), ctx, sinks=self.sinks, after_step=self.after_step)
+        ctx.streak.summary()
         if graphs := speed.graphs_built():
             log.info("speed: %d graphs compiled in this rank (blocks x bucket shapes)", graphs)
 
@@ -273,24 +295,43 @@ class Run:
             batch["input_ids"] = self.conditioning.tokens(self.tokenizers, captions)
         return batch
 
-    def after_step(self, step: int) -> None:
-        s = self.settings
-        if self.ema is not None:
+    def after_step(self, record: StepRecord) -> None:
+        s, step = self.settings, record.step
+        if self.ema is not None and not record.skipped:  # a skipped step changed no weight
             self.ema.update(self.engine_.module)
-        last = step == s.max_steps  # the end-of-run checkpoint and samples follow in finish()
+        if s.checkpoint_every_steps and step % s.checkpoint_every_steps == 0:
+            self.due.add("save")
+        every = s.validation_every_steps
+        if s.validation_prompts and every and step % every == 0:
+            self.due.add("validate")
+        # the end-of-run checkpoint and samples follow in finish(); a checkpoint or samples due
+        # at a skipped (non-finite) step wait for the next step that applies, so no checkpoint
+        # lands inside a run of them
+        act = step != s.max_steps and not record.skipped
         saved = False
-        if not last and s.checkpoint_every_steps and step % s.checkpoint_every_steps == 0:
+        if act and "save" in self.due:
             self.save(step)
             saved = True
         if self.stop.agreed():
             if not saved:
-                self.save(step)
+                self.save(step)  # the weights of the last step that applied
             raise Stopped(step, self.stop.name)
-        every = s.validation_every_steps
-        if not last and s.validation_prompts and every and step % every == 0:
+        if act and "validate" in self.due:
             self.validate(step)
 
+    def require_finite_weights(self, step: int, doing: str) -> None:
+        """Nothing is committed, rendered or exported from non-finite weights (an update
+        that overflowed them despite a finite gradient norm: a far too high learning rate)."""
+        if not nonfinite.weights_finite(self.engine_.module):
+            last = checkpoint.last_committed(self.settings.output_dir)
+            raise Diverged(
+                f"training diverged: the weights are non-finite after step {step}; not "
+                f"{doing} them. {nonfinite.resume_hint(last)}"
+            )
+
     def save(self, step: int) -> None:
+        self.require_finite_weights(step, "saving")
+        self.due.discard("save")
         self.phase("checkpointing")
         s, job = self.settings, self.job
         meta = {
@@ -318,6 +359,8 @@ class Run:
         self.phase("training")
 
     def validate(self, step: int) -> None:
+        self.require_finite_weights(step, "sampling")
+        self.due.discard("validate")
         self.phase("validating")
         s = self.settings
         render = functools.partial(
@@ -351,6 +394,7 @@ class Run:
             self.save(step)
         if s.validation_prompts:
             self.validate(step)
+        self.require_finite_weights(step, "exporting")  # a resume at the last step saves none
         self.phase("exporting")
         if s.training_type == "lora":
             final = s.output_dir / "final"
@@ -403,8 +447,9 @@ def train(settings: Settings, job: Job, *, sinks: Sequence[Sink] | None = None) 
     rank, code, message = int(os.environ.get("RANK", "0")), EXIT_FAILURE, ""
     try:
         rank, world = distributed.init_distributed(
-            device=job.device, master_addr=job.master_addr, master_port=job.master_port
-        )
+            device=job.device, master_addr=job.master_addr, master_port=job.master_port,
+            timeout_seconds=settings.collective_timeout_seconds,
+        )  # fmt: skip
         lora.check_settings(settings)  # preflight did too; a launcher of its own may not
         families.check_family_settings(settings, job.family)
         if rank == 0:  # before anything looks for a checkpoint to resume
@@ -412,7 +457,9 @@ def train(settings: Settings, job: Job, *, sinks: Sequence[Sink] | None = None) 
         distributed.barrier()
         resume = checkpoint.find_resume(settings.resume, settings.output_dir)  # hashes files
         if resume:
-            lora.check_resume(checkpoint.read_manifest(resume) or {}, settings, resume)
+            manifest = checkpoint.read_manifest(resume) or {}
+            checkpoint.check_family(manifest, family=job.family, model=job.model, path=resume)
+            lora.check_resume(manifest, settings, resume)
         if sinks is None:
             sinks = build_sinks(settings, job, rank=rank, resume=resume)
         run = Run(settings, job, sinks=sinks, rank=rank, world=world)
@@ -432,8 +479,10 @@ def train(settings: Settings, job: Job, *, sinks: Sequence[Sink] | None = None) 
         log.warning("%s: exit %d, a restart resumes %s", stopped, code, resumes)
     except ZeroTunerError as error:
         code, message = error.exit_code, str(error)
-        for line in error.problems:
-            print(f"zerotuner: error: {line}", file=sys.stderr, flush=True)
+        # every rank diverges at the same step: rank 0 says it once
+        if rank == 0 or not isinstance(error, Diverged):
+            for line in error.problems:
+                print(f"zerotuner: error: {line}", file=sys.stderr, flush=True)
     except Exception as error:  # noqa: BLE001 - the status must be written whatever happened
         traceback.print_exc()
         code, message = EXIT_FAILURE, f"{type(error).__name__}: {error}"
@@ -441,7 +490,7 @@ def train(settings: Settings, job: Job, *, sinks: Sequence[Sink] | None = None) 
         for sink in sinks or ():
             sink.close()
         write_rank_status(rank, code, message)
-        if code in (EXIT_OK, EXIT_SIGNAL):  # every rank got here together: leave in step
+        if code in (EXIT_OK, EXIT_SIGNAL, EXIT_DIVERGED):  # every rank got here together
             distributed.leave_group()
     return code
 

@@ -14,7 +14,6 @@ import os
 import re
 import socket
 import sys
-import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -105,7 +104,8 @@ def run(args: argparse.Namespace) -> int:
         c.run("offload", lambda: _offload(c))
     else:
         c.skip("offload", "needs a plan to know what NVMe offload needs")
-    c.run("output dir", lambda: _writable_dir(c.facts["settings"].output_dir, "ZT_OUTPUT_DIR"))
+    c.run("output dir", lambda: _writable(c, "output_dir"))
+    c.run("cache dir", lambda: _writable(c, "cache_dir"))
     c.run("metrics port", lambda: _port(c))
     if c.facts["settings"].push_to:
         c.run("push remote", lambda: _remote(c))
@@ -185,7 +185,7 @@ def _topology(c: Checks) -> str:
 
 def _model(c: Checks) -> tuple[str, list[str]]:
     from zerotuner.families import model_shape, unet_config_path
-    from zerotuner.preflight import resolve_model
+    from zerotuner.preflight import check_resume, resolve_model
 
     settings = c.facts["settings"]
     local = Path(settings.model).expanduser()
@@ -207,6 +207,7 @@ def _model(c: Checks) -> tuple[str, list[str]]:
         warnings = []
     else:
         where, warnings = _hub_access(settings)
+    check_resume(settings, source.family)  # the checkpoint a resume would load fits it
     shape = model_shape(source.family, source.local_dir)  # type: ignore[arg-type]
     c.facts["shape"] = shape
     c.facts["model_dir"] = source.local_dir  # sizes a LoRA adapter in the plan
@@ -292,13 +293,15 @@ def _normalize(c: Checks) -> tuple[str, list[str]]:
 
 
 def _dataset(c: Checks) -> tuple[str, list[str]]:
-    from zerotuner.data import scan
+    from zerotuner.data import scan, upscale_warning
 
     settings = c.facts["settings"]
     dataset = scan(settings.data_dir, log_skipped=False, write_index=False)
-    warnings = [f"skipped {path}: {why}" for path, why in dataset.skipped[:5]]
-    if len(dataset.skipped) > 5:
-        warnings.append(f"... and {len(dataset.skipped) - 5} more skipped files")
+    warnings = dataset.warnings()  # the lines train logs
+    shape = c.facts.get("shape")  # as train: ZT_RESOLUTION, else the family's own
+    resolution = settings.resolution or (shape.native_resolution if shape else None)
+    if resolution and (upscaled := upscale_warning(dataset, resolution)):
+        warnings.append(upscaled)
     c.facts["dataset"] = dataset
     return f"{len(dataset)} images in {settings.data_dir}", warnings
 
@@ -357,17 +360,11 @@ def _offload(c: Checks) -> tuple[str, list[str]] | str:
     return report.summary(), list(report.warnings)
 
 
-def _writable_dir(path: Path, setting: str) -> str:
-    existing = next((p for p in (path, *path.absolute().parents) if p.exists()), Path("/"))
-    try:  # a file that vanishes on close: the only test root cannot fool
-        with tempfile.TemporaryFile(dir=existing):
-            pass
-    except OSError as exc:
-        raise EnvironmentUnfit(
-            f"{setting}={path} is not writable ({exc.strerror} in {existing}): mount a "
-            "read-write volume there"
-        ) from None
-    return f"{path} writable" + ("" if existing == path else " (will be created)")
+def _writable(c: Checks, name: str) -> str:
+    from zerotuner.job_folders import writable
+    from zerotuner.settings import env_name
+
+    return writable(getattr(c.facts["settings"], name), env_name(name))
 
 
 def _port(c: Checks) -> str:

@@ -19,7 +19,7 @@ from zerotuner.errors import EXIT_OK, ZeroTunerError
 from zerotuner.hardware import describe
 from zerotuner.hardware_probe import probe_facts, with_ops
 from zerotuner.inputs import UserInputs, apply_implied_settings, read_user_inputs
-from zerotuner.job_folders import refuse_overlaps
+from zerotuner.job_folders import refuse_overlaps, require_writable
 from zerotuner.launch import resolve_topology, start_ranks
 from zerotuner.logs import rank_level, setup_logging
 from zerotuner.settings import Settings, load_settings
@@ -38,6 +38,7 @@ def run(args: argparse.Namespace) -> int:
     # the metrics watch, the device is mounted at, and preflight plans and checks.
     settings = apply_implied_settings(settings, inputs)
     refuse_overlaps(settings)  # before the metrics, a mount or a scan touch any of them
+    require_writable(settings)  # a read-only or file output fails here, not after loading
     token = settings.hf_token.get_secret_value() if settings.hf_token else None
     level = rank_level(settings.log_level, 0)
     setup_logging(rank=0, log_format=settings.log_format, level=level, secrets=[token])
