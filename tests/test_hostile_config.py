@@ -171,6 +171,17 @@ def test_a_file_over_the_size_cap_is_refused(env, capsys, tmp_path, setting):
     refused(*config(capsys), f"{setting}={path}", "larger than 4 MiB")
 
 
+def test_a_secret_file_over_the_size_cap_is_refused_without_showing_it(env, capsys, tmp_path):
+    """/run/secrets takes the same reader: a huge or binary hf_token is one line that shows
+    none of its content."""
+    secrets = tmp_path / "secrets"
+    secrets.mkdir()
+    (secrets / "hf_token").write_text("hf_" + "s" * MAX_FILE_BYTES)
+    env.setenv("ZT_SECRETS_DIR", str(secrets))
+    line = refused(*config(capsys), f"ZT_SECRETS_DIR={secrets / 'hf_token'}", "larger than 4 MiB")
+    assert "sss" not in line
+
+
 # --- 3. deep nesting, numbers too large, duplicate keys -----------------------------------------
 
 

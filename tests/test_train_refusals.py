@@ -86,24 +86,36 @@ def test_a_read_only_mount_is_refused_before_the_ranks(demo_dir, tmp_path, setti
     assert f"{setting}={ro / 'inside'} is not writable (Read-only file system" in line
 
 
-def _foreign_checkpoint(output: Path, family: str, training_type: str = "full") -> Path:
-    """A committed checkpoint's manifest as worker.save writes it, for a run of `family`."""
-    step = output / "checkpoints" / "step-4"
-    step.mkdir(parents=True)
-    manifest = {"step": 4, "family": family, "training_type": training_type, "zero_stage": 2,
-                "world_size": 2, "files": {}, "sha256": {}}  # fmt: skip
-    (step / "zerotuner.json").write_text(json.dumps(manifest))
-    (output / "checkpoints" / "latest").write_text("step-4")
-    return step
+@pytest.fixture(scope="module")
+def sdxl_run(demo_dir, tmp_path_factory) -> Path:
+    """A real 2-step run of the SDXL demo (one rank, ZeRO-0) with a committed checkpoint: its
+    output folder."""
+    tmp = tmp_path_factory.mktemp("sdxl-run")
+    env = entrypoint_env(demo_dir, tmp, ZT_NUM_PROCESSES="1", ZT_ZERO_STAGE="0",
+                         ZT_MAX_STEPS="2", ZT_CHECKPOINT_EVERY_STEPS="2")  # fmt: skip
+    code, out, _ = _run(env, "train")
+    assert code == 0, out[-3000:]
+    return tmp / "output"
+
+
+def test_a_checkpoint_records_what_it_trained(sdxl_run, demo_dir):
+    from zerotuner.checkpoint import read_manifest
+    from zerotuner.families import model_shape
+
+    manifest = read_manifest(sdxl_run / "checkpoints" / "step-2")
+    assert manifest["family"] == "sdxl"
+    assert manifest["denoiser_params"] == model_shape("sdxl", demo_dir / "model").unet_params
 
 
 def test_resuming_another_familys_checkpoint_is_refused_before_the_ranks(
-    demo_dir, sd1_demo_dir, tmp_path
+    sdxl_run, sd1_demo_dir, tmp_path
 ):
-    """An SDXL run's checkpoint in ZT_OUTPUT_DIR, an SD 1.x model now: refused by `config`,
+    """The SDXL run's checkpoint in ZT_OUTPUT_DIR, an SD 1.x model now: refused by `config`,
     `check` and `train` alike, with one line, before a rank loads anything."""
-    step = _foreign_checkpoint(tmp_path / "output", "sdxl")
-    env = entrypoint_env(sd1_demo_dir, tmp_path, ZT_RESUME="auto", ZT_MAX_STEPS="2")
+    output = tmp_path / "output"
+    shutil.copytree(sdxl_run / "checkpoints", output / "checkpoints")
+    step = output / "checkpoints" / "step-2"
+    env = entrypoint_env(sd1_demo_dir, tmp_path, ZT_RESUME="auto", ZT_MAX_STEPS="4")
     line = _refused_alike(env, "model", 2)
     assert line == (
         f"ZT_MODEL={sd1_demo_dir / 'model'}: a sd1 model, but the checkpoint to resume ({step}) "
@@ -115,15 +127,37 @@ def test_resuming_another_familys_checkpoint_is_refused_before_the_ranks(
     assert (step / "zerotuner.json").is_file()  # the checkpoint is kept
     # an explicit path names the same checkpoint and gets the same answer
     explicit = entrypoint_env(sd1_demo_dir, tmp_path, ZT_OUTPUT_DIR=str(tmp_path / "elsewhere"),
-                              ZT_RESUME=str(step), ZT_MAX_STEPS="2")  # fmt: skip
+                              ZT_RESUME=str(step), ZT_MAX_STEPS="4")  # fmt: skip
     code, out, _ = _run(explicit, "train")
     assert code == 2 and _errors(out) == [line], out[-2000:]
 
 
-def test_resuming_a_lora_checkpoint_as_full_is_refused_before_the_ranks(demo_dir, tmp_path):
+def _edited_copy(run: Path, output: Path, **manifest_changes) -> Path:
+    """The run's checkpoints under `output`, step-2's manifest changed as another run's
+    would read."""
+    shutil.copytree(run / "checkpoints", output / "checkpoints")
+    step = output / "checkpoints" / "step-2"
+    manifest = json.loads((step / "zerotuner.json").read_text())
+    (step / "zerotuner.json").write_text(json.dumps(manifest | manifest_changes))
+    return step
+
+
+def test_resuming_a_checkpoint_of_another_size_is_refused_before_the_ranks(
+    sdxl_run, demo_dir, tmp_path
+):
+    """The same family, a network of another size (an SDXL fine-tune of other widths)."""
+    step = _edited_copy(sdxl_run, tmp_path / "output", denoiser_params=123)
+    env = entrypoint_env(demo_dir, tmp_path, ZT_RESUME="auto", ZT_MAX_STEPS="4")
+    line = _refused_alike(env, "model", 2)
+    assert line.startswith(f"ZT_MODEL={demo_dir / 'model'}: its denoiser has ")
+    assert f"the checkpoint to resume ({step}) trained one of 123 (another sdxl model)" in line
+
+
+def test_resuming_a_lora_checkpoint_as_full_is_refused_before_the_ranks(
+    sdxl_run, demo_dir, tmp_path
+):
     """The training-type check the ranks made after loading now runs in preflight too."""
-    step = _foreign_checkpoint(tmp_path / "output", "sdxl", training_type="lora")
-    env = entrypoint_env(demo_dir, tmp_path, ZT_RESUME="auto", ZT_MAX_STEPS="2")
+    step = _edited_copy(sdxl_run, tmp_path / "output", training_type="lora")
+    env = entrypoint_env(demo_dir, tmp_path, ZT_RESUME="auto", ZT_MAX_STEPS="4")
     line = _refused_alike(env, "model", 2)
     assert line.startswith("ZT_TRAINING_TYPE=full: the checkpoint to resume") and str(step) in line
-    shutil.rmtree(step)

@@ -460,15 +460,26 @@ def _replay_cpu_adam_steps(engine: Any) -> None:
         update(step)
 
 
-def check_family(manifest: dict[str, Any], *, family: str, model: str, path: Path) -> None:
-    """Refuse (exit 2, one line) to resume a checkpoint trained on another model family: its
-    tensors have other shapes, and DeepSpeed would fail mid-load with a size mismatch."""
+def check_model(
+    manifest: dict[str, Any], *, family: str, denoiser_params: int | None, model: str, path: Path
+) -> None:
+    """Refuse (exit 2, one line) to resume a checkpoint trained on another model family or on
+    a network of another size: its tensors have other shapes, and DeepSpeed would fail
+    mid-load with a size mismatch. (Manifests from before the count was recorded are checked
+    by family only.)"""
+    fresh = "set ZT_MODEL back to it, or ZT_RESUME=never or another ZT_OUTPUT_DIR to start afresh"
     saved = manifest.get("family")
     if saved is not None and saved != family:
         raise ConfigError(
             f"ZT_MODEL={model}: a {family} model, but the checkpoint to resume ({path}) trained "
-            f"a {saved} model; set ZT_MODEL back to it, or ZT_RESUME=never or another "
-            "ZT_OUTPUT_DIR to start afresh"
+            f"a {saved} model; {fresh}"
+        )
+    params = manifest.get("denoiser_params")
+    if params is not None and denoiser_params is not None and params != denoiser_params:
+        raise ConfigError(
+            f"ZT_MODEL={model}: its denoiser has {denoiser_params:,} parameters, but the "
+            f"checkpoint to resume ({path}) trained one of {params:,} (another {family} "
+            f"model); {fresh}"
         )
 
 

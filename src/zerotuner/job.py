@@ -39,6 +39,9 @@ class Job:
     master_addr: str = "127.0.0.1"
     master_port: int = 29500
     revision: str | None = None  # a hub model's commit, as the entrypoint read its configs
+    # the trained network's parameter count: checkpoint manifests record it, so a resume onto
+    # a model of other shapes is refused before any rank loads (checkpoint.check_model)
+    denoiser_params: int | None = None
     deepspeed: dict[str, Any] = field(default_factory=dict)
     notes: tuple[str, ...] = ()  # what was decided and why, for the log
 

@@ -166,8 +166,8 @@ def preflight(
     require_supported(hardware)
     model = resolve_model(settings)
     check_family_settings(settings, model.family)
-    check_resume(settings, model.family)
     shape = model_shape(model.family, model.local_dir)  # type: ignore[arg-type]
+    check_resume(settings, model.family, shape)
     if settings.training_type == "lora":
         lora.check_model_targets(settings, model.family, model.local_dir)
     resolution = settings.resolution or shape.native_resolution
@@ -214,14 +214,17 @@ def preflight(
     )  # fmt: skip
 
 
-def check_resume(settings: Settings, family: str) -> None:
-    """The checkpoint a resume would load must be of this model family and training type
-    (and a LoRA's adapter shape): refused here, before any rank loads a weight."""
+def check_resume(settings: Settings, family: str, shape: ModelShape) -> None:
+    """The checkpoint a resume would load must be of this model family, size and training
+    type (and a LoRA's adapter shape): refused here, before any rank loads a weight."""
     path = checkpoint.resume_candidate(settings.resume, settings.output_dir)
     if path is None:
         return
     manifest = checkpoint.read_manifest(path) or {}
-    checkpoint.check_family(manifest, family=family, model=settings.model, path=path)
+    checkpoint.check_model(
+        manifest, family=family, denoiser_params=shape.unet_params, model=settings.model,
+        path=path,
+    )  # fmt: skip
     lora.check_resume(manifest, settings, path)
 
 

@@ -25,7 +25,7 @@ from pydantic_settings import (
 
 from zerotuner.errors import ConfigError
 from zerotuner.families import FAMILIES
-from zerotuner.files import MAX_INT, load_mapping, parse_json, short_repr
+from zerotuner.files import MAX_INT, load_mapping, parse_json, read_text, short_repr
 
 ENV_PREFIX = "ZT_"
 DEFAULT_CONFIG_FILE = Path("/config/zerotuner.yaml")
@@ -438,10 +438,9 @@ class SecretsDirSource(PydanticBaseSettingsSource):
                 with file_errors(env_name("secrets_dir"), path):
                     if not path.is_file():
                         continue
-                    try:
-                        out[source_key(name)] = path.read_text(encoding="utf-8").strip()
-                    except UnicodeDecodeError:  # the message would show some of the bytes
-                        raise ConfigError(f"{path}: not a UTF-8 text file") from None
+                    # the shared reader: size-capped, and its errors never show the content
+                    text = read_text(path, setting=env_name("secrets_dir"))
+                    out[source_key(name)] = text.strip()
                 break
         return out
 

@@ -338,6 +338,7 @@ class Run:
             "base_model": str(self.source),
             "model": job.model,
             "family": job.family,
+            "denoiser_params": job.denoiser_params,
             "zero_stage": job.zero_stage,
             "world_size": self.world,
             "mixed_precision": job.mixed_precision,
@@ -458,7 +459,10 @@ def train(settings: Settings, job: Job, *, sinks: Sequence[Sink] | None = None) 
         resume = checkpoint.find_resume(settings.resume, settings.output_dir)  # hashes files
         if resume:
             manifest = checkpoint.read_manifest(resume) or {}
-            checkpoint.check_family(manifest, family=job.family, model=job.model, path=resume)
+            checkpoint.check_model(
+                manifest, family=job.family, denoiser_params=job.denoiser_params,
+                model=job.model, path=resume,
+            )  # fmt: skip
             lora.check_resume(manifest, settings, resume)
         if sinks is None:
             sinks = build_sinks(settings, job, rank=rank, resume=resume)

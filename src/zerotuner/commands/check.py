@@ -207,8 +207,8 @@ def _model(c: Checks) -> tuple[str, list[str]]:
         warnings = []
     else:
         where, warnings = _hub_access(settings)
-    check_resume(settings, source.family)  # the checkpoint a resume would load fits it
     shape = model_shape(source.family, source.local_dir)  # type: ignore[arg-type]
+    check_resume(settings, source.family, shape)  # the checkpoint a resume would load fits
     c.facts["shape"] = shape
     c.facts["model_dir"] = source.local_dir  # sizes a LoRA adapter in the plan
     detail = f"{where}; {source.family} ({source.reason}); UNet {shape.unet_params / 1e6:.1f}M"
