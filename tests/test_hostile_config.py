@@ -431,3 +431,28 @@ def test_check_warns_about_nvme_offload_on_a_rotational_disk(
     warning = f"WARN offload          ZT_OFFLOAD_DIR={folder} is on a rotational disk"
     assert any(line.startswith(warning) for line in offload_lines) is spinning, out
     assert code == 0, out
+
+
+# --- the model folder's own JSON files ---------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("name", "damage", "expected"),
+    [
+        ("model_index.json", "{", "invalid JSON at line 1"),
+        ("unet/config.json", '{"a": 1, "a": 2}', "duplicate key 'a'"),
+        ("vae/config.json", "{}" + " " * MAX_FILE_BYTES, "larger than 4 MiB"),
+    ],
+)
+def test_a_broken_model_folder_json_is_one_line(env, capsys, tmp_path, demo_dir, name, damage,
+                                                expected):  # fmt: skip
+    """The model's index and configs go through the same reader: a broken, duplicate-keyed or
+    oversized file is one line naming ZT_MODEL (was: a JSONDecodeError traceback)."""
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(demo_dir / "model", model)
+    target = model / name
+    target.write_text(damage)
+    env.setenv("ZT_MODEL", str(model))
+    refused(*config(capsys), f"ZT_MODEL={target}", expected)

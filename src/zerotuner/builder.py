@@ -3,6 +3,11 @@
 `evaluate` runs the very functions `zerotuner config --explain` and `zerotuner plan --json`
 run, in an environment that holds exactly the form's settings (builder_form.compose), so the
 page cannot disagree with the CLI (tests/test_builder_cli.py compares them on a table of cases).
+
+A form never reaches the network nor the process's credentials: it is evaluated offline
+(HF_HUB_OFFLINE for the duration, which no form can undo: a form sets ZT_* names only), with
+no token in the environment and no secrets folder, so a hub id is judged from the local cache
+or by its name.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import os
 import re
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 from zerotuner.builder_form import DEEPSPEED, compose
@@ -22,25 +28,37 @@ from zerotuner.settings import ENV_PREFIX
 _ENVIRONMENT = threading.Lock()  # os.environ is the process's: one evaluation at a time
 
 
-# Where this machine keeps the hub cache and the token: the server's own, unless the form says.
-MACHINE_SETTINGS = ("ZT_CACHE_DIR", "ZT_SECRETS_DIR", "ZT_HF_TOKEN")
+# Where this machine keeps the hub cache: the server's own, unless the form says.
+MACHINE_SETTINGS = ("ZT_CACHE_DIR",)
+# The token, wherever the process holds it: hidden while a form is evaluated.
+TOKEN_VARIABLES = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "ZT_HF_TOKEN")
+# A config file that holds nothing (a regular file: the config reader takes no device).
+EMPTY_CONFIG = str(Path(__file__).resolve().parent / "web" / "empty.yaml")
 
 
 @contextlib.contextmanager
 def environment(env: dict[str, str]) -> Iterator[None]:
     """os.environ with exactly these ZT_* settings (the server's own are hidden, but for
     MACHINE_SETTINGS); no config file is read unless the form names one: the form is the
-    whole configuration."""
+    whole configuration. Offline, without a token or secrets folder, whatever `env` says."""
+    from huggingface_hub import constants as hub
+
     with _ENVIRONMENT:
-        saved = dict(os.environ)
+        saved, offline = dict(os.environ), hub.HF_HUB_OFFLINE
         try:
             for key in [k for k in os.environ if k.upper().startswith(ENV_PREFIX)]:
                 if key.upper() not in MACHINE_SETTINGS:
                     del os.environ[key]
             os.environ.update(env)
-            os.environ.setdefault("ZT_CONFIG_FILE", os.devnull)  # reads as an empty mapping
+            os.environ.setdefault("ZT_CONFIG_FILE", EMPTY_CONFIG)
+            for key in [k for k in os.environ if k.upper() in TOKEN_VARIABLES]:
+                del os.environ[key]  # any case: the settings read the environment's names so
+            os.environ["ZT_SECRETS_DIR"] = os.devnull  # no file can be under it
+            os.environ["HF_HUB_OFFLINE"] = "1"  # for what is imported while evaluating
+            hub.HF_HUB_OFFLINE = True  # read at import: huggingface_hub checks this one
             yield
         finally:
+            hub.HF_HUB_OFFLINE = offline
             os.environ.clear()
             os.environ.update(saved)
 

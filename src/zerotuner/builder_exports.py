@@ -14,7 +14,7 @@ from typing import Any
 import yaml
 
 from zerotuner.builder import environment
-from zerotuner.builder_form import DEEPSPEED, Composed
+from zerotuner.builder_form import DEEPSPEED, SETTING_NAME, Composed
 from zerotuner.errors import ConfigError
 from zerotuner.settings import Settings, env_name, field_of, load_settings
 
@@ -25,6 +25,9 @@ FORMATS = {
     "deepspeed": ("deepspeed.json", "application/json"),
     "yaml": ("zerotuner.yaml", "application/yaml"),
 }
+# Every character a reader of lines may split on (docker's env file: LF; str.splitlines: all
+# of these) and NUL: an env file's value is taken literally (no quoting), so they are refused.
+LINE_BREAKS = frozenset("\n\r\x00\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029")
 # Folders the container's mounts fix (README, DESIGN volumes): a Job's config leaves them out.
 MOUNTED = ("data_dir", "output_dir", "cache_dir", "offload_dir", "config_file", "secrets_dir")
 SERVICE = "zerotuner"  # compose.yaml's service
@@ -60,8 +63,12 @@ def _validated(env: dict[str, str]) -> Settings:
     """The settings the file will give: an export of settings that do not load is refused with
     the same lines `config` prints."""
     for key, value in env.items():
-        if "\n" in value or "\r" in value:
-            raise ConfigError(f"{key}: a line break cannot go in an env file; use one line")
+        if not SETTING_NAME.fullmatch(key):  # compose lets no other name in; a file never has one
+            raise ConfigError(f"{key!r}: not a setting name")
+        if any(c in LINE_BREAKS for c in value):
+            raise ConfigError(
+                f"{key}: a line break (or NUL) cannot go in an env file; use one line"
+            )
     with environment(env):
         return load_settings()
 

@@ -8,6 +8,7 @@ into ZT_DEEPSPEED_CONFIG) and `hardware` (the what-if flags of `config` and `pla
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import types
@@ -120,6 +121,11 @@ HARDWARE = {
 }
 OPTIMIZER_NAMES = (*TRAINABLE, *REPLACED_BY_ADAMW, *REFUSED)
 DEEPSPEED = env_name("deepspeed_config")
+PARTS = ("settings", "deepspeed", "hardware")  # what a form holds
+# What `compose` lets into the environment it evaluates in: ZT_* names, never a secret. The
+# server takes less: only the settings the page shows (`accepted`).
+SETTING_NAME = re.compile(r"ZT_[A-Z0-9_]+")
+SECRET_SETTINGS = ("ZT_HF_TOKEN",)
 
 
 def _choices(annotation: Any) -> list[str] | None:
@@ -212,12 +218,77 @@ class Composed:
     notes: list[str] = field(default_factory=list)  # what the composition left out, and why
 
 
+@functools.cache
+def shown_settings() -> frozenset[str]:
+    """The ZT_* names of the settings the page shows."""
+    names = {f["name"] for s in form_fields() for f in s["fields"]}
+    return frozenset(n for n in names if not n.startswith(("hw.", "ds.")))
+
+
+def accepted(form: Any) -> dict[str, Any]:
+    """The form as a request may send it, or ConfigError naming the first key the page does not
+    show (HF_ENDPOINT, LD_PRELOAD, ZT_HF_TOKEN, ZT_CONFIG_FILE, a name with `=` or a line break
+    in it: a form never names anything else) or value no environment can hold."""
+    if not isinstance(form, dict):
+        raise ConfigError("not a form: expected a JSON object of settings, deepspeed, hardware")
+    for key in form:
+        if key not in PARTS:
+            raise ConfigError(f"{shown(key)}: not part of a form; it holds {', '.join(PARTS)}")
+    for key, value in _strings(form.get("settings"), "settings").items():
+        if key.upper() not in shown_settings():
+            raise ConfigError(
+                f"{shown(key)}: not a setting of this form; the builder takes only the settings "
+                "it shows"
+            )
+        _text_value(key.upper(), value)
+    for key, value in _strings(form.get("deepspeed"), "deepspeed").items():
+        if key.removeprefix("ds.") not in EXTRAS:
+            raise ConfigError(f"ds.{shown(key)}: not a DeepSpeed option of this form")
+        _text_value(f"ds.{key.removeprefix('ds.')}", value)
+    for key, value in _strings(form.get("hardware"), "hardware").items():
+        if key not in HARDWARE:
+            raise ConfigError(
+                f"hw.{shown(key)}: not a hardware field; valid: {', '.join(HARDWARE)}"
+            )
+        _text_value(f"hw.{key}", value)
+    return form
+
+
+def shown(text: str, limit: int = 80) -> str:
+    """A name from a request as one line of an answer: as it is when it is a plain name, else
+    escaped (a line break, NUL or `=` shows as such) and shortened."""
+    if len(text) <= limit and re.fullmatch(r"[A-Za-z0-9_.:/-]+", text):
+        return text
+    escaped = ascii(text)
+    return escaped if len(escaped) <= limit else escaped[: limit - 4] + "...'"
+
+
+def _text_value(where: str, value: str) -> None:
+    """A value the process environment can hold: no NUL, nothing that is not UTF-8."""
+    if "\x00" in value:
+        raise ConfigError(f"{where}: the value contains a NUL character")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ConfigError(f"{where}: the value is not valid text (a lone surrogate)") from None
+
+
 def compose(form: dict[str, Any]) -> Composed:
     """Settings from the form. Raises ConfigError naming the form field for values that have no
-    setting to report them (the DeepSpeed options, the hardware flags)."""
+    setting to report them (the DeepSpeed options, the hardware flags), and for a key that is
+    no ZT_* name or is a secret (it would go into the environment the form is evaluated in)."""
     settings = _strings(form.get("settings"), "settings")
     extras = _strings(form.get("deepspeed"), "deepspeed")
     hardware = _strings(form.get("hardware"), "hardware")
+    for key, value in settings.items():
+        if not SETTING_NAME.fullmatch(key.upper()) or key.upper() in SECRET_SETTINGS:
+            raise ConfigError(
+                f"{shown(key)}: not a zerotuner setting a form may set (ZT_* names, no secrets)"
+            )
+        _text_value(key.upper(), value)
+    for part, prefix in ((extras, "ds."), (hardware, "hw.")):
+        for key, value in part.items():
+            _text_value(prefix + shown(key.removeprefix(prefix)), value)
     env = {k.upper(): v for k, v in settings.items() if v.strip() != ""}
     if "ZT_VALIDATION_PROMPTS" in env and not env["ZT_VALIDATION_PROMPTS"].lstrip().startswith("["):
         lines = [p.strip() for p in env["ZT_VALIDATION_PROMPTS"].splitlines() if p.strip()]

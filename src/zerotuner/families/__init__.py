@@ -10,14 +10,13 @@ here derives from, and one module behind `base.ModelFamily` with what it is to t
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from zerotuner.errors import ConfigError
-from zerotuner.families.stored import stored_config, stored_counts
+from zerotuner.families.stored import model_json, stored_config, stored_counts
 
 
 @dataclass(frozen=True)
@@ -171,7 +170,7 @@ def detect_family(model_dir: Path) -> Family:
     """SDXL has a second text encoder and `text_time` conditioning; SD2 attends with 1024 dims."""
     index = model_dir / "model_index.json"
     if index.is_file():
-        components = json.loads(index.read_text())
+        components = model_json(index)
         pipeline = str(components.get("_class_name", ""))
         if pipeline in PIPELINES:
             return PIPELINES[pipeline]  # type: ignore[return-value]
@@ -190,7 +189,7 @@ def detect_family(model_dir: Path) -> Family:
             f"ZT_MODEL={model_dir}: no model_index.json or unet/config.json; "
             f"set ZT_MODEL_FAMILY to one of {', '.join(FAMILIES)}"
         )
-    unet = json.loads(config.read_text())
+    unet = model_json(config)
     name = unet.get("_class_name", "")
     if name in TRANSFORMERS:  # a transformer without its pipeline's model_index.json
         return TRANSFORMERS[name]  # type: ignore[return-value]
@@ -362,7 +361,7 @@ def vae_scale(model_dir: Path | None) -> int:
     """Pixels per latent cell: 8 for the published VAEs, 2 for the tiny demo VAE."""
     config = model_dir / "vae" / "config.json" if model_dir else None
     if config is not None and config.is_file():
-        return 2 ** (len(json.loads(config.read_text())["block_out_channels"]) - 1)
+        return 2 ** (len(model_json(config)["block_out_channels"]) - 1)
     return VAE_SCALE
 
 
@@ -370,7 +369,7 @@ def _vae_channels(model_dir: Path) -> int:
     config = model_dir / "vae" / "config.json"
     if not config.is_file():
         return 128
-    return int(json.loads(config.read_text()).get("block_out_channels", [128])[0])
+    return int(model_json(config).get("block_out_channels", [128])[0])
 
 
 def _transformer_shape(

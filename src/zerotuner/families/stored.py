@@ -12,9 +12,11 @@ not for SD3's transformer (its positional embedding is one).
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
+from typing import Any
+
+from zerotuner.files import load_mapping
 
 STEMS = ("diffusion_pytorch_model", "model")  # diffusers' and transformers' weight files
 
@@ -33,6 +35,12 @@ def stored_counts(folder: Path) -> tuple[int, int] | None:
     return (sum(sizes), max(sizes)) if sizes else None
 
 
+def model_json(path: Path) -> dict[str, Any]:
+    """A JSON file of the model's folder (an index, a config), read through the user-file
+    reader: a broken, huge or special file is one line naming ZT_MODEL, not a traceback."""
+    return load_mapping(path, setting="ZT_MODEL")
+
+
 def weight_files(folder: Path) -> list[Path] | None:
     """The files `from_pretrained` loads without a variant: one file, or an index's shards."""
     for stem in STEMS:
@@ -41,7 +49,7 @@ def weight_files(folder: Path) -> list[Path] | None:
             return [single]
         index = folder / f"{stem}.safetensors.index.json"
         if index.is_file():
-            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            names = sorted(set(model_json(index)["weight_map"].values()))
             files = [folder / name for name in names]
             return files if all(f.is_file() for f in files) else None
     return None
@@ -52,5 +60,5 @@ def stored_config(folder: Path, keys: tuple[str, ...]) -> dict | None:
     path = folder / "config.json"
     if not path.is_file():
         return None
-    config = json.loads(path.read_text())
+    config = model_json(path)
     return config if all(k in config for k in keys) else None
