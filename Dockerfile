@@ -13,7 +13,7 @@
 # R575, CUDA 12.x) build the CUDA 12 image; the torch wheel then comes from PyTorch's cu128 index:
 #   docker build --build-arg CUDA_VERSION=12.8.1 -t zerotuner:cuda12 .
 # CUDA_VERSION names the nvidia/cuda tag (12.8 or newer: older nvcc lacks the Blackwell targets
-# below); the build fails if PyTorch publishes no wheel for its CUDA. README "Which image".
+# below); the build fails if PyTorch publishes no wheel for its CUDA. docs/deploy.md "One GPU host".
 #
 # For byte-for-byte reproducible builds pin the digests, e.g.
 #   docker buildx imagetools inspect nvidia/cuda:13.0.1-devel-ubuntu24.04

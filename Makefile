@@ -63,7 +63,7 @@ image:
 clean:
 	rm -rf $(DEMO_DIR) .pytest_cache
 
-# The GPU acceptance suite (tests/gpu, README "GPU acceptance suite"): sets itself up from
+# The GPU acceptance suite (tests/gpu, docs/development.md): sets itself up from
 # requirements.txt (on the lent GPU machine from the wheels tests/gpu/wheels.sh brought), runs
 # the checks and writes $(GPU_REPORT)/gpu-report.json and .md. Skips, saying why, without CUDA.
 GPU_REPORT ?= $(CURDIR)/bench/results/gpu/$(shell date +%Y-%m-%d)

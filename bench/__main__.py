@@ -12,7 +12,7 @@ import time
 from datetime import UTC, datetime
 from pathlib import Path
 
-from bench import report, runs, suites
+from bench import host, report, runs, suites
 from bench.benchmodel import unet_parameters, write_bench_model
 
 SUITES = (
@@ -49,8 +49,8 @@ def main(argv: list[str] | None = None) -> int:
         "date": datetime.now(UTC).strftime("%Y-%m-%d"),
         "started_utc": datetime.now(UTC).isoformat(timespec="seconds"),
         "smoke": args.smoke,
-        "machine": report.machine(),
-        "load_start": report.load(),
+        "machine": host.machine(),
+        "load_start": host.load(),
     }
     try:
         log.info("writing the bench model in %s", root)
@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
 
             results["gpu_paper"] = headline()
     finally:
-        results["load_end"] = report.load()
+        results["load_end"] = host.load()
         results["wall_seconds"] = time.time() - started
         if args.only and args.merge:
             results = report.merged(results, args.out)

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from zerotuner.demo import DemoPaths, _latent_scaling_factor, _vae, write_demo
+from zerotuner.demo import DemoPaths, write_demo
+from zerotuner.demo_parts import exact_vae, latent_scaling_factor
 
 RESOLUTION = 64  # the smallest ZT_RESOLUTION allowed
 VAE_BLOCKS = (32, 64, 64)  # latent scale 2 ** 2 = 4: 16x16 latents at 64 px
@@ -54,8 +55,8 @@ def write_bench_model(
     from diffusers import UNet2DConditionModel
 
     paths = write_demo(Path(dir), seed=seed, family="sdxl")
-    vae = _vae(seed + 10, blocks=VAE_BLOCKS, sample_size=RESOLUTION)
-    vae.register_to_config(scaling_factor=_latent_scaling_factor(vae, paths.data))
+    vae = exact_vae(seed + 10, blocks=VAE_BLOCKS, sample_size=RESOLUTION)
+    vae.register_to_config(scaling_factor=latent_scaling_factor(vae, paths.data))
     vae.save_pretrained(paths.model / "vae", safe_serialization=True)
     torch.manual_seed(seed + 11)
     unet = UNet2DConditionModel(**unet_config(small=small, blocks=blocks))

@@ -204,7 +204,7 @@ def flow_plan(family: str, gpus: int, gpu_gib: int, host_gib: int) -> dict[str, 
 
 
 def flow_plans_markdown() -> str:
-    """README's table of the planner's choices for SD3.5 Large and FLUX.1-dev."""
+    """docs/models.md's table of the planner's choices for SD3.5 Large and FLUX.1-dev."""
     rows = [
         "| model | GPUs (host RAM) | choice | device GiB | host GiB (load peak) | disk GiB |",
         "|---|---|---|---:|---:|---:|",
@@ -229,7 +229,7 @@ NODE_LOAD_ROWS = ((1, "none"), (3, "none"), (3, "cpu"), (3, "nvme"))
 
 
 def node_load_markdown() -> str:
-    """README's before/after table of the load peak on an 8-GPU node."""
+    """docs/benchmarks.md's before/after table of the load peak on an 8-GPU node."""
     from zerotuner.families import model_shape
     from zerotuner.hardware import GPU, Hardware
     from zerotuner.plan import make_plan

@@ -29,7 +29,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from bench import report, runs
+from bench import host, runs
 from bench.suites import Bench, median, steady
 
 log = logging.getLogger("bench")
@@ -175,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
 
     root = Path(tempfile.mkdtemp(prefix="bench-speed-", dir=runs.REPO / ".cache"))
     started = time.time()
-    load_start = report.load()
+    load_start = host.load()
     tiny = write_demo(root / "tiny", seed=0, family="sdxl")
     models = {"tiny": (tiny.model, tiny.data)}
     if not args.smoke:
@@ -190,8 +190,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         shutil.rmtree(root, ignore_errors=True)
     result["params"] = params
-    result |= {"load_start": load_start, "load_end": report.load(),
-               "wall_seconds": time.time() - started, "machine": report.machine(),
+    result |= {"load_start": load_start, "load_end": host.load(),
+               "wall_seconds": time.time() - started, "machine": host.machine(),
                "started_utc": datetime.fromtimestamp(started, UTC).isoformat(
                    timespec="seconds")}  # fmt: skip
     stem = datetime.now(UTC).strftime("%Y-%m-%d") + ("-smoke" if args.smoke else "")

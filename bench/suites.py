@@ -66,28 +66,20 @@ def intervals(steps: list[dict]) -> list[float]:
 def preflight_for(b: Bench, **settings: Any) -> tuple[Any, dict[str, float]]:
     """zerotuner's preflight in this process with the bench's ZT_* (timed: settings, probe,
     plan), exactly as `zerotuner train` calls it."""
+    from zerotuner.effective import effective_settings
     from zerotuner.hardware_probe import probe
     from zerotuner.preflight import preflight
-    from zerotuner.settings import load_settings
 
     env = runs.zt_env(b.work("preflight"), b.model, b.data, steps=b.steps, **settings)
     Path(env["ZT_OFFLOAD_DIR"]).mkdir(parents=True, exist_ok=True)
-    saved = {k: v for k, v in os.environ.items() if k.startswith("ZT_")}
-    for k in saved:
-        del os.environ[k]
-    os.environ.update(env)
-    try:
-        t0 = time.perf_counter()
-        s = load_settings()
-        t1 = time.perf_counter()
-        hardware = probe(s.device)
-        t2 = time.perf_counter()
-        pre = preflight(s, hardware=hardware)
-        t3 = time.perf_counter()
-    finally:
-        for k in env:
-            os.environ.pop(k, None)
-        os.environ.update(saved)
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("ZT_")} | env
+    t0 = time.perf_counter()
+    effective = effective_settings(environ)
+    t1 = time.perf_counter()
+    hardware = probe(effective.settings.device)
+    t2 = time.perf_counter()
+    pre = preflight(effective, hardware=hardware)
+    t3 = time.perf_counter()
     return pre, {"settings": t1 - t0, "probe": t2 - t1, "plan": t3 - t2}
 
 
@@ -306,7 +298,7 @@ def nvme(b: Bench) -> dict[str, Any]:
 
             settings["deepspeed_config"] = json.dumps({"aio": aio})
         # SIGTERM after the last timed step: the final export at ZeRO-3 with the optimizer on
-        # NVMe swaps the whole optimizer partition in once per tensor (minutes; see README).
+        # NVMe swaps the whole optimizer partition in once per tensor (minutes; docs/benchmarks.md).
         env = runs.zt_env(b.work(name), b.model, b.data, steps=b.steps + 50, **settings)
         r = runs.run_product(b.work(name), env, disk=device, monitor_io=True, stop_after=b.steps)
         r.steps = r.steps[: b.steps]

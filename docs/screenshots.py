@@ -1,4 +1,4 @@
-"""Take the README's screenshots of the builder page and the run page (docs/*.png).
+"""Take the docs' screenshots of the builder page and the run page (docs/*.png).
 
     .venv/bin/python docs/screenshots.py [builder] [run]   # after `make setup`; minutes on a CPU
 

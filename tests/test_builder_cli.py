@@ -178,16 +178,17 @@ def test_a_template_name_cannot_leave_the_folder(tmp_path):
 
 
 def test_the_form_is_the_whole_configuration_but_for_where_this_machine_caches(monkeypatch):
-    from zerotuner.builder import EMPTY_CONFIG, environment
+    from zerotuner.builder import EMPTY_CONFIG, form_environ
 
     monkeypatch.setenv("ZT_ZERO_STAGE", "3")  # the builder's own shell: not the form's job
     monkeypatch.setenv("ZT_CACHE_DIR", "/srv/hf-cache")
-    with environment({"ZT_MAX_STEPS": "10"}):
-        zt = {k: v for k, v in os.environ.items() if k.startswith("ZT_")}
+    environ = form_environ({"ZT_MAX_STEPS": "10"})
+    zt = {k: v for k, v in environ.items() if k.startswith("ZT_")}
+    assert environ["HF_HUB_OFFLINE"] == "1"
     assert zt == {
         "ZT_MAX_STEPS": "10",
         "ZT_CACHE_DIR": "/srv/hf-cache",
         "ZT_CONFIG_FILE": EMPTY_CONFIG,  # read as an empty mapping: the form is the config
         "ZT_SECRETS_DIR": os.devnull,  # no secret file: a form is evaluated without the token
     }
-    assert os.environ["ZT_ZERO_STAGE"] == "3"  # restored
+    assert os.environ["ZT_ZERO_STAGE"] == "3"  # the process's own, untouched

@@ -251,8 +251,8 @@ def test_no_form_can_undo_the_offline_rule(monkeypatch, tmp_path):
     evaluated in (ZT_* names, no secret) cannot turn the hub back on or reach a token."""
     from huggingface_hub import constants
 
-    from zerotuner.builder import environment, evaluate
-    from zerotuner.settings import load_settings
+    from zerotuner.builder import evaluate, form_environ
+    from zerotuner.effective import effective_settings
 
     (tmp_path / "hf_token").write_text(TOKEN)
     for key in ("HF_TOKEN", "ZT_HF_TOKEN", "HUGGING_FACE_HUB_TOKEN"):
@@ -263,11 +263,11 @@ def test_no_form_can_undo_the_offline_rule(monkeypatch, tmp_path):
     for key in ("HF_HUB_OFFLINE", "HF_ENDPOINT", "ZT_HF_TOKEN", "zt_hf_token", "A=B", "LD_PRELOAD"):
         result = evaluate({"settings": {key: "0"}})
         assert result["exit_code"] == 2 and key in result["errors"][0]["line"], result
-    with environment({"ZT_MAX_STEPS": "1", "ZT_SECRETS_DIR": str(tmp_path)}):
-        assert constants.HF_HUB_OFFLINE is True and os.environ["HF_HUB_OFFLINE"] == "1"
-        assert TOKEN not in os.environ.values()
-        assert load_settings().hf_token is None
-    assert constants.HF_HUB_OFFLINE is False and os.environ["HF_TOKEN"] == TOKEN
+    environ = form_environ({"ZT_MAX_STEPS": "1", "ZT_SECRETS_DIR": str(tmp_path)})
+    assert environ["HF_HUB_OFFLINE"] == "1" and TOKEN not in environ.values()
+    effective = effective_settings(environ)
+    assert effective.hub_offline and effective.settings.hf_token is None
+    assert constants.HF_HUB_OFFLINE is False and os.environ["HF_TOKEN"] == TOKEN  # untouched
 
 
 # --- 2. only the builder's own page drives it --------------------------------------------------

@@ -10,7 +10,7 @@ import torch
 
 from zerotuner import data, loop, model
 from zerotuner.cache import CacheItem, FeatureCache, component_key
-from zerotuner.demo import LATENT_SCALE
+from zerotuner.demo_parts import LATENT_SCALE
 from zerotuner.errors import ConfigError
 from zerotuner.families import get
 from zerotuner.families.unet import time_ids

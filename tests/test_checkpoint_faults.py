@@ -1,6 +1,6 @@
 """Faults around checkpoints, with real ranks on the CPU: SIGKILL inside a save, SIGTERM then a
 restart on another topology, a full disk, corrupt and truncated files. Every trial prints a
-`fault:` line (survived, steps lost) for the README figures."""
+`fault:` line (survived, steps lost) for the figures in docs/operations.md."""
 
 from __future__ import annotations
 

@@ -32,10 +32,10 @@ CASES = [
      "decisions": {"zero_stage": 3, "offload_optimizer": "cpu", "offload_param": "cpu"}},
     {"name": "stage3-nvme", "settings": {"offload_dir": "{offload}"},
      "decisions": {"zero_stage": 3, "offload_optimizer": "nvme", "offload_param": "nvme"}},
-    # SD3.5 Large on one 24 GB GPU (README): the optimizer on NVMe, the parameters on the GPU
+    # SD3.5 Large on one 24 GB GPU (docs/models.md): the optimizer on NVMe, the params on the GPU
     {"name": "stage3-nvme-optimizer", "settings": {"offload_dir": "{offload}"},
      "decisions": {"zero_stage": 3, "offload_optimizer": "nvme"}},
-    # FLUX.1-dev on one 24 GB GPU (README): the optimizer on NVMe, the parameters in host RAM
+    # FLUX.1-dev on one 24 GB GPU (docs/models.md): the optimizer on NVMe, the params in host RAM
     {"name": "stage3-nvme-optimizer-cpu-params", "settings": {"offload_dir": "{offload}"},
      "decisions": {"zero_stage": 3, "offload_optimizer": "nvme", "offload_param": "cpu"}},
     {"name": "adam-stage1", "settings": {"optimizer": "adam"}, "decisions": {"zero_stage": 1}},
@@ -76,8 +76,8 @@ def test_deepspeed_initializes_and_steps_with_every_normalized_config(world, tmp
 
 
 def test_the_readmes_flow_plans_are_among_the_accepted_cases():
-    """Each choice of README's SD3.5 Large / FLUX.1-dev table is a stage and offload that a case
-    above runs through DeepSpeed."""
+    """Each choice of docs/models.md's SD3.5 Large / FLUX.1-dev table is a stage and offload
+    that a case above runs through DeepSpeed."""
     sys.path.insert(0, str(HERE.parent))  # bench/ is a top-level package beside src/
     from bench.paper import FLOW_HARDWARE, FLOW_MODELS, flow_plan
 

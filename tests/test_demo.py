@@ -10,7 +10,7 @@ import torch
 from PIL import Image
 
 from zerotuner import cli, data
-from zerotuner.demo import DEMO_RESOLUTION, LATENT_SCALE, MAX_TOKENS, train_bpe
+from zerotuner.demo_parts import DEMO_RESOLUTION, LATENT_SCALE, MAX_TOKENS, train_bpe
 from zerotuner.families import detect_family
 from zerotuner.settings import load_settings
 

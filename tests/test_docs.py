@@ -1,7 +1,9 @@
-"""The generated settings docs: README table and config/example.env match the live model."""
+"""The generated settings docs (docs/configuration.md's table, README's short table and
+config/example.env) match the live model, and every relative link in README and docs/ resolves."""
 
 from __future__ import annotations
 
+import re
 import shutil
 from pathlib import Path
 
@@ -13,21 +15,22 @@ from zerotuner.settings import Settings, env_name, load_settings
 REPO = Path(__file__).resolve().parents[1]
 
 
-def test_readme_and_example_env_are_up_to_date() -> None:
+def test_settings_docs_and_example_env_are_up_to_date() -> None:
     stale = docs.stale_files(REPO)
     assert not stale, f"stale: {stale}; run `python -m zerotuner.docs --write`"
 
 
 def test_a_settings_change_without_regenerating_is_caught(tmp_path: Path) -> None:
-    (tmp_path / "config").mkdir()
-    shutil.copy(REPO / "README.md", tmp_path / "README.md")
-    shutil.copy(REPO / "config/example.env", tmp_path / "config/example.env")
+    for name in (docs.SETTINGS_PAGE, docs.README, docs.EXAMPLE_ENV):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(REPO / name, tmp_path / name)
     assert docs.main(["--root", str(tmp_path), "--check"]) == 0
-    readme = tmp_path / "README.md"
+    page, readme = tmp_path / docs.SETTINGS_PAGE, tmp_path / docs.README
+    page.write_text(page.read_text().replace("| `ZT_SEED` |", "| `ZT_SEEDS` |"))
     readme.write_text(readme.read_text().replace("| `ZT_MAX_STEPS` |", "| `ZT_MAX_STEP` |"))
-    env = tmp_path / "config/example.env"
+    env = tmp_path / docs.EXAMPLE_ENV
     env.write_text(env.read_text().replace("#ZT_SEED=42\n", ""))
-    assert set(docs.stale_files(tmp_path)) == {readme, env}
+    assert set(docs.stale_files(tmp_path)) == {page, readme, env}
     assert docs.main(["--root", str(tmp_path), "--check"]) == 1
     assert docs.main(["--root", str(tmp_path), "--write"]) == 0
     assert docs.stale_files(tmp_path) == []
@@ -36,6 +39,19 @@ def test_a_settings_change_without_regenerating_is_caught(tmp_path: Path) -> Non
 def test_readme_without_markers_is_an_error() -> None:
     with pytest.raises(ValueError, match="settings:start"):
         docs.replace_between_markers("# no table here\n", "| x |\n")
+
+
+def test_the_full_table_is_on_its_page_and_readme_shows_the_key_settings() -> None:
+    readme = (REPO / docs.README).read_text()
+    assert docs.TABLE_START not in readme  # one full table, on docs/configuration.md
+    assert docs.TABLE_START in (REPO / docs.SETTINGS_PAGE).read_text()
+    assert set(docs.KEY_SETTINGS) <= set(Settings.model_fields)
+    short = docs.settings_table_markdown(docs.KEY_SETTINGS)
+    rows = [r for r in short.splitlines()[2:] if r.startswith("| `")]
+    assert [row.split("`")[1] for row in rows] == [
+        env_name(n) for n in Settings.model_fields if n in docs.KEY_SETTINGS
+    ]
+    assert short in readme and str(docs.SETTINGS_PAGE) in readme  # and it links the full one
 
 
 def test_table_has_one_row_per_setting_in_declaration_order() -> None:
@@ -84,3 +100,55 @@ def test_type_text_reads_like_the_values_users_type() -> None:
     assert docs.type_text(fields["validation_prompts"].annotation) == "list of text"
     assert docs.bounds_text(fields["resolution"]) == "64..4096"
     assert docs.env_names("hf_token", fields["hf_token"]) == ["ZT_HF_TOKEN", "HF_TOKEN"]
+
+
+# [text](target) and ![alt](target), not inside inline code; reference definitions `[x]: target`.
+LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")
+REFERENCE = re.compile(r"^\[[^\]]+\]:\s+(\S+)", re.MULTILINE)
+
+
+def _anchors(markdown: str) -> set[str]:
+    """GitHub's heading anchors: lowercased, punctuation dropped, spaces to hyphens."""
+    seen: dict[str, int] = {}
+    out = set()
+    in_code = False
+    for line in markdown.splitlines():
+        if line.startswith("```"):
+            in_code = not in_code
+        if in_code or not line.startswith("#"):
+            continue
+        slug = re.sub(r"[^\w\- ]", "", line.lstrip("#").strip().lower()).replace(" ", "-")
+        n = seen.get(slug, 0)
+        seen[slug] = n + 1
+        out.add(slug if n == 0 else f"{slug}-{n}")
+    return out
+
+
+def _links(markdown: str) -> list[str]:
+    text = re.sub(r"```.*?```", "", markdown, flags=re.DOTALL)  # code blocks
+    text = re.sub(r"`[^`\n]*`", "", text)  # inline code
+    return LINK.findall(text) + REFERENCE.findall(text)
+
+
+def test_every_relative_link_in_readme_and_docs_resolves() -> None:
+    pages = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+    assert len(pages) > 5
+    broken = []
+    for page in pages:
+        for target in _links(page.read_text()):
+            if re.match(r"[a-z]+:", target):  # https:, mailto:
+                continue
+            path, _, anchor = target.partition("#")
+            file = (page.parent / path).resolve() if path else page
+            if not file.exists():
+                broken.append(f"{page.name}: {target} (no such file)")
+            elif anchor and file.suffix == ".md" and anchor not in _anchors(file.read_text()):
+                broken.append(f"{page.name}: {target} (no such heading)")
+    assert not broken, broken
+
+
+def test_readme_stays_a_front_door() -> None:
+    """README: what it is, how to run it, the key settings, exit codes and links (issue 28)."""
+    readme = (REPO / "README.md").read_text()
+    assert len(readme.splitlines()) <= 300
+    assert "## Exit codes" in readme and "make run" in readme and "docker run" in readme

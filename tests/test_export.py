@@ -13,7 +13,8 @@ from safetensors.torch import load_file, save_file
 
 from zerotuner.cli import main
 from zerotuner.errors import ConfigError
-from zerotuner.export import export_checkpoint, write_pipeline
+from zerotuner.export import export_checkpoint
+from zerotuner.pipeline_folder import write_pipeline
 
 UNET_FILE = "unet/diffusion_pytorch_model.safetensors"
 

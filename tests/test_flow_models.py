@@ -85,17 +85,18 @@ def test_demo_command_writes_a_flow_demo_and_its_config_passes(monkeypatch, caps
     assert "flux" in out + err
 
 
-def test_readme_table_of_flow_plans_is_what_the_planner_says():
-    """README's SD3.5 Large / FLUX.1-dev table (bench/paper.py) cannot drift from the planner."""
+def test_models_page_table_of_flow_plans_is_what_the_planner_says():
+    """docs/models.md's SD3.5 Large / FLUX.1-dev table (bench/paper.py) cannot drift from the
+    planner."""
     import sys
 
     repo = Path(__file__).resolve().parents[1]
     sys.path.insert(0, str(repo))  # bench/ is a top-level package beside src/
     from bench.paper import flow_plans_markdown
 
-    readme = (repo / "README.md").read_text()
-    start = readme.index("<!-- flow-plans:start -->\n") + len("<!-- flow-plans:start -->\n")
-    assert readme[start : readme.index("<!-- flow-plans:end -->")] == flow_plans_markdown()
+    page = (repo / "docs/models.md").read_text()
+    start = page.index("<!-- flow-plans:start -->\n") + len("<!-- flow-plans:start -->\n")
+    assert page[start : page.index("<!-- flow-plans:end -->")] == flow_plans_markdown()
 
 
 def test_the_t5_length_is_part_of_a_cached_captions_key(tmp_path):

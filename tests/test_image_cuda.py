@@ -1,5 +1,6 @@
 """The image's CUDA build: the torch wheel index follows the base image's CUDA, the runtime's
-driver requirement is the floor zerotuner's probe applies, and README documents both builds."""
+driver requirement is the floor zerotuner's probe applies, and docs/deploy.md documents both
+builds (README names the floor and the CUDA 12 build too)."""
 
 from __future__ import annotations
 
@@ -102,12 +103,13 @@ def test_the_default_image_and_its_cuda_12_build_are_documented_with_their_floor
     default = dockerfile_arg("CUDA_VERSION")
     assert default.split(".")[0] == "13"
     readme = (REPO / "README.md").read_text()
+    deploy = (REPO / "docs/deploy.md").read_text()
     dockerfile = (REPO / "Dockerfile").read_text()
-    for text in (readme, dockerfile):
+    for text in (readme, deploy, dockerfile):
         assert CUDA12_BUILD.split(" -t ")[0] in text
         assert f">= {dotted(MIN_DRIVER[13])}" in text
-    quick_start = readme.split("## Quick start: one GPU host", 1)[1].split("\n## ", 1)[0]
-    cloud = readme.split("## Quick start: cloud GPUs", 1)[1].split("\n## ", 1)[0]
-    for section in (quick_start, cloud):
+    one_host = deploy.split("## One GPU host", 1)[1].split("\n## ", 1)[0]
+    cloud = deploy.split("## Cloud GPUs", 1)[1].split("\n## ", 1)[0]
+    for section in (readme, one_host, cloud):
         assert f">= {dotted(MIN_DRIVER[13])}" in section
         assert dotted(MIN_DRIVER[12]) in section

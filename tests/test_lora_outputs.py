@@ -248,7 +248,7 @@ def test_pissa_and_olora_adapters_are_written_for_the_published_base(
     kept (alpha != rank, rsLoRA too)."""
     from diffusers import UNet2DConditionModel
 
-    from zerotuner.export import load_part
+    from zerotuner.pipeline_folder import load_part
 
     settings = lora_settings(lora_targets="attention", lora_init=init, lora_rslora=rslora)
     unet = UNet2DConditionModel.from_pretrained(demo_dir / "model", subfolder="unet")

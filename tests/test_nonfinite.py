@@ -5,16 +5,14 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import subprocess
-import sys
 import textwrap
 import time
 
 import pytest
 import torch
 from prometheus_client import CollectorRegistry
-from trainkit import ENTRYPOINT, REPO, entrypoint_env, free_port
+from trainkit import ENTRYPOINT, entrypoint_env, lone_rank_result
 
 from zerotuner import nonfinite
 from zerotuner.errors import EXIT_DIVERGED, Diverged
@@ -93,16 +91,7 @@ STAGES = textwrap.dedent(
 
 @pytest.mark.slow
 def test_a_non_finite_step_leaves_the_weights_at_every_zero_stage(tmp_path):
-    script = tmp_path / "stages.py"
-    script.write_text(STAGES)
-    env = dict(os.environ, RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-               MASTER_PORT=str(free_port()), DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")  # fmt: skip
-    env.setdefault("TORCH_EXTENSIONS_DIR", str(REPO / ".cache" / "torch_extensions"))  # cpu_adam
-    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True,
-                          timeout=600)  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
-    line = next(x for x in done.stdout.splitlines() if x.startswith("RESULT "))
-    result = json.loads(line[len("RESULT ") :])
+    result = lone_rank_result(tmp_path, STAGES)
     assert set(result) == {"0", "0-noclip", "1", "2", "2-bf16", "2-offload", "3", "3-offload"}
     for name, case in result.items():
         assert case["guard"] == name.startswith("0"), name  # only ZeRO-0 fp32 needs ours

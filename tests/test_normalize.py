@@ -269,6 +269,34 @@ def test_precision_no_reads_as_fp32_in_the_notes():
     assert "precision: fp32" in messages(run(off, hardware=RTX4090), "info")
 
 
+FP32 = {"bf16": {"enabled": False}, "fp16": {"enabled": False}}  # e.g. accelerate's "no"
+
+
+@pytest.mark.parametrize(
+    ("base", "hardware", "env"),
+    [
+        (FP32, RTX4090, {}),
+        ({"fp16": {"enabled": True}}, RTX4090, {}),
+        ({"bf16": {"enabled": True}}, T4, {}),  # no bf16 on a T4: fp16
+        ({}, T4, {"mixed_precision": "bf16"}),
+        (FP32, RTX4090, {"mixed_precision": "bf16"}),
+        ({}, CPU, {}),
+    ],
+)
+def test_the_plan_sizes_the_precision_the_deepspeed_config_enables(base, hardware, env):
+    """The planner's precision (bytes per weight) is the one normalize writes into the config:
+    a raw config's (or accelerate's) own precision when ZT_MIXED_PRECISION is not set, and
+    bf16 on a GPU without it as the fp16 it becomes."""
+    from zerotuner.preflight import plan_for
+
+    settings = Settings(offload_dir="/offload", **env)
+    plan = plan_for(
+        settings, SDXL, hardware, base=base, world_size=1, ranks_per_node=1,
+        offload_disk_free=None, require_fit=False,
+    )  # fmt: skip
+    assert plan.inputs["precision"] == run(base, hardware=hardware, **env).mixed_precision
+
+
 def test_nvme_optimizer_below_stage3_becomes_cpu_with_a_warning():
     r = run({}, stage=2, opt="nvme")
     assert r.config["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
@@ -431,13 +459,14 @@ def test_an_auto_zerotuner_cannot_fill_is_an_error():
 
 
 def preflighted(base: dict, hardware: Hardware = RTX4090, **env):
+    from zerotuner.effective import effective_settings
     from zerotuner.preflight import preflight
 
     settings = Settings(
         model="stabilityai/stable-diffusion-xl-base-1.0", offload_dir="/offload",
         deepspeed_config=json.dumps(base), **env,
     )  # fmt: skip
-    return preflight(settings, hardware=hardware, require_fit=False)
+    return preflight(effective_settings(settings=settings), hardware=hardware, require_fit=False)
 
 
 def test_seed_stage2_example_runs_the_preflight_dropping_param_offload_with_a_warning():

@@ -182,13 +182,14 @@ def test_plan_of_a_local_model_sizes_the_adapter_on_its_own_unet(demo_job_env, d
     assert inputs["frozen_params"] == sum(p.numel() for p in unet.parameters())
 
 
-def test_readme_headline_on_paper_is_what_the_planner_says():
-    """README's 'GPU picture on paper' (bench/paper.py's hardware: one 24 GB GPU, 64 GiB host)
-    states the planner's choice and memory for the full and the LoRA job: they cannot drift."""
+def test_benchmarks_headline_on_paper_is_what_the_planner_says():
+    """docs/benchmarks.md's 'GPU picture on paper' (bench/paper.py's hardware: one 24 GB GPU,
+    64 GiB host) states the planner's choice and memory for the full and the LoRA job: they
+    cannot drift."""
     sys.path.insert(0, str(REPO))  # bench/ is a top-level package beside src/, not installed
     from bench.paper import LORA_RANK, headline_hardware
 
-    readme = (REPO / "README.md").read_text()
+    readme = (REPO / "docs/benchmarks.md").read_text()
     hw = headline_hardware()
     full = make_plan(SDXL, hw, resolution=1024, micro_batch=8, world_size=1).choice
     stated = f"would choose **{full.label()}**: {full.device_bytes / GiB:.1f} GiB on the GPU"
@@ -222,6 +223,8 @@ def test_text_encoder_adapters_are_what_the_trainer_adds(demo_dir):
     assert counted.frozen_params == sum(
         p.numel() for p in trained.parameters() if not p.requires_grad
     )
-    assert lora_text.adapter_size("sdxl", None, 16)[:2] == (
-        16 * (12 * 4 * 2 * 768 + 32 * 4 * 2 * 1280), 16 * 1280,
-    )  # fmt: skip
+    published = [
+        lora.adapter_size(encoder, lora_text.TEXT_TARGETS, 16)
+        for encoder in lora_text.meta_encoders("sdxl")
+    ]
+    assert published == [(16 * 12 * 4 * 2 * 768, 16 * 768), (16 * 32 * 4 * 2 * 1280, 16 * 1280)]

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from zerotuner.cli import check_unknown_env, main
+from zerotuner.cli import main
+from zerotuner.effective import check_unknown_env
 from zerotuner.errors import ConfigError
 from zerotuner.inputs import apply_implied_settings, read_user_inputs
 from zerotuner.settings import Settings, load_settings, masked_dump
@@ -352,7 +353,7 @@ def test_a_secret_file_that_is_not_text_is_an_error_without_its_bytes(monkeypatc
     (tmp_path / "hf_token").write_bytes(b"\xffhf_\xfe")
     monkeypatch.setenv("ZT_SECRETS_DIR", str(tmp_path))
     (line,) = error_lines()
-    assert line == f"{tmp_path / 'hf_token'}: not a UTF-8 text file"
+    assert line == f"ZT_SECRETS_DIR={tmp_path / 'hf_token'}: not a UTF-8 text file"
 
 
 # --- paths the OS refuses are one clear line, not a traceback ---------------------------------

@@ -5,7 +5,6 @@ and py-cpuinfo asked once per process."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -17,7 +16,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from trainkit import ENTRYPOINT, entrypoint_env
+from trainkit import ENTRYPOINT, entrypoint_env, lone_rank_result
 
 from zerotuner import speed
 from zerotuner.errors import StoppedBeforeStart
@@ -231,15 +230,7 @@ LONE = textwrap.dedent(
 
 @pytest.mark.slow
 def test_a_lone_zero0_rank_skips_the_all_reduce_and_clips_with_foreach_kernels(tmp_path):
-    script = tmp_path / "lone.py"
-    script.write_text(LONE)
-    env = dict(os.environ, RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-               MASTER_PORT=str(free_port()), DS_ACCELERATOR="cpu")  # fmt: skip
-    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True,
-                          timeout=300)  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
-    line = next(x for x in done.stdout.splitlines() if x.startswith("RESULT "))
-    result = json.loads(line[len("RESULT ") :])
+    result = lone_rank_result(tmp_path, LONE, timeout=300)
     kept, skipped, zero1 = (
         result["0-False-False-0.05"],
         result["0-True-False-0.05"],

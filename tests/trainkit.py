@@ -301,3 +301,18 @@ def sigterm_ranks_after_steps(tmp: Path, env: dict[str, str], job: Path, output:
                 proc.kill()
     codes = {rank: s["exit_code"] for rank, s in statuses(tmp).items()}
     assert codes == {0: 143, 1: 143}, log_path.read_text()[-4000:]
+
+
+def lone_rank_result(tmp: Path, source: str, *, timeout: int = 600) -> dict[str, Any]:
+    """Run `source` (a script that builds DeepSpeed engines) as a lone rank 0 of 1 on the CPU
+    accelerator; the JSON it prints after `RESULT `."""
+    script = tmp / "lone_rank.py"
+    script.write_text(source)
+    env = dict(os.environ, RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(free_port()), DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")  # fmt: skip
+    env.setdefault("TORCH_EXTENSIONS_DIR", str(REPO / ".cache" / "torch_extensions"))  # cpu_adam
+    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True,
+                          timeout=timeout)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    line = next(x for x in done.stdout.splitlines() if x.startswith("RESULT "))
+    return json.loads(line[len("RESULT ") :])

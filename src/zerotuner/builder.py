@@ -1,66 +1,46 @@
 """The config builder's computing side: the form's settings -> what `config` and `plan` say.
 
 `evaluate` runs the very functions `zerotuner config --explain` and `zerotuner plan --json`
-run, in an environment that holds exactly the form's settings (builder_form.compose), so the
-page cannot disagree with the CLI (tests/test_builder_cli.py compares them on a table of cases).
+run, on variables that hold exactly the form's settings (builder_form.compose, form_environ):
+the same settings path as every command (zerotuner.effective), given a mapping, so the page
+cannot disagree with the CLI (tests/test_builder_cli.py compares them on a table of cases) and
+the process's environment is never touched.
 
 A form never reaches the network nor the process's credentials: it is evaluated offline
-(HF_HUB_OFFLINE for the duration, which no form can undo: a form sets ZT_* names only), with
-no token in the environment and no secrets folder, so a hub id is judged from the local cache
-or by its name.
+(HF_HUB_OFFLINE, which no form can undo: a form sets ZT_* names only), with no token and no
+secrets folder, so a hub id is judged from the local cache or by its name.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import re
-import threading
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from zerotuner.builder_form import DEEPSPEED, compose
 from zerotuner.errors import ConfigError, ZeroTunerError
-from zerotuner.settings import ENV_PREFIX
-
-_ENVIRONMENT = threading.Lock()  # os.environ is the process's: one evaluation at a time
-
 
 # Where this machine keeps the hub cache: the server's own, unless the form says.
 MACHINE_SETTINGS = ("ZT_CACHE_DIR",)
-# The token, wherever the process holds it: hidden while a form is evaluated.
-TOKEN_VARIABLES = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "ZT_HF_TOKEN")
 # A config file that holds nothing (a regular file: the config reader takes no device).
 EMPTY_CONFIG = str(Path(__file__).resolve().parent / "web" / "empty.yaml")
 
 
-@contextlib.contextmanager
-def environment(env: dict[str, str]) -> Iterator[None]:
-    """os.environ with exactly these ZT_* settings (the server's own are hidden, but for
-    MACHINE_SETTINGS); no config file is read unless the form names one: the form is the
-    whole configuration. Offline, without a token or secrets folder, whatever `env` says."""
-    from huggingface_hub import constants as hub
-
-    with _ENVIRONMENT:
-        saved, offline = dict(os.environ), hub.HF_HUB_OFFLINE
-        try:
-            for key in [k for k in os.environ if k.upper().startswith(ENV_PREFIX)]:
-                if key.upper() not in MACHINE_SETTINGS:
-                    del os.environ[key]
-            os.environ.update(env)
-            os.environ.setdefault("ZT_CONFIG_FILE", EMPTY_CONFIG)
-            for key in [k for k in os.environ if k.upper() in TOKEN_VARIABLES]:
-                del os.environ[key]  # any case: the settings read the environment's names so
-            os.environ["ZT_SECRETS_DIR"] = os.devnull  # no file can be under it
-            os.environ["HF_HUB_OFFLINE"] = "1"  # for what is imported while evaluating
-            hub.HF_HUB_OFFLINE = True  # read at import: huggingface_hub checks this one
-            yield
-        finally:
-            hub.HF_HUB_OFFLINE = offline
-            os.environ.clear()
-            os.environ.update(saved)
+def form_environ(env: dict[str, str]) -> dict[str, str]:
+    """The variables a form is evaluated with, in place of the process's: exactly its ZT_*
+    settings (the server's own hidden, but for MACHINE_SETTINGS); no config file unless the
+    form names one (the form is the whole configuration); offline, and with no token or
+    secrets folder whatever the form says (compose lets only ZT_* names in, no secret)."""
+    machine = {k: v for k, v in os.environ.items() if k.upper() in MACHINE_SETTINGS}
+    return {
+        **machine,
+        "ZT_CONFIG_FILE": EMPTY_CONFIG,
+        **env,
+        "ZT_SECRETS_DIR": os.devnull,  # no file can be under it
+        "HF_HUB_OFFLINE": "1",
+    }
 
 
 def what_if_args(hardware: dict[str, str]) -> argparse.Namespace:
@@ -88,7 +68,6 @@ def what_if_args(hardware: dict[str, str]) -> argparse.Namespace:
 
 def evaluate(form: dict[str, Any]) -> dict[str, Any]:
     """What `zerotuner config --explain` and `zerotuner plan --json` answer for this form."""
-    from zerotuner.cli import check_unknown_env
     from zerotuner.commands import config as config_command
     from zerotuner.commands import plan as plan_command
 
@@ -101,29 +80,23 @@ def evaluate(form: dict[str, Any]) -> dict[str, Any]:
     out["settings"] = composed.env
     out["hardware"] = composed.hardware
     out["notes"] = [{"level": "info", "message": n} for n in composed.notes]
-    with environment(composed.env):
-        try:
-            check_unknown_env()  # the CLI's first check, before any command
-        except ZeroTunerError as error:
-            errors = _located(error.problems)
-            return out | {"config": None, "exit_code": error.exit_code, "errors": errors,
-                          "plan_exit_code": error.exit_code, "plan_errors": errors}  # fmt: skip
-        try:
-            result, described = config_command.evaluate(args)
-            out["config"] = result.normalized.config
-            out["described"] = described
-            out["notes"] += [{"level": n.level, "message": n.message} for n in result.notes]
-            out["exit_code"] = 0
-        except ZeroTunerError as error:
-            out |= {"config": None, "exit_code": error.exit_code}
-            out["errors"] = _located(error.problems)
-        try:
-            plan, hardware = plan_command.build_plan(args)
-            out["plan"] = plan_command.plan_json(plan, hardware)
-            out["plan_exit_code"] = 0
-        except ZeroTunerError as error:
-            out["plan_exit_code"] = error.exit_code
-            out["plan_errors"] = _located(error.problems)
+    environ = form_environ(composed.env)
+    try:
+        result, described = config_command.evaluate(args, environ)
+        out["config"] = result.normalized.config
+        out["described"] = described
+        out["notes"] += [{"level": n.level, "message": n.message} for n in result.notes]
+        out["exit_code"] = 0
+    except ZeroTunerError as error:
+        out |= {"config": None, "exit_code": error.exit_code}
+        out["errors"] = _located(error.problems)
+    try:
+        plan, hardware = plan_command.build_plan(args, environ)
+        out["plan"] = plan_command.plan_json(plan, hardware)
+        out["plan_exit_code"] = 0
+    except ZeroTunerError as error:
+        out["plan_exit_code"] = error.exit_code
+        out["plan_errors"] = _located(error.problems)
     return out
 
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import yaml
 
-from zerotuner.builder import environment
+from zerotuner.builder import form_environ
 from zerotuner.builder_form import DEEPSPEED, SETTING_NAME, Composed
 from zerotuner.errors import ConfigError
 from zerotuner.settings import Settings, env_name, field_of, load_settings
@@ -28,7 +28,7 @@ FORMATS = {
 # Every character a reader of lines may split on (docker's env file: LF; str.splitlines: all
 # of these) and NUL: an env file's value is taken literally (no quoting), so they are refused.
 LINE_BREAKS = frozenset("\n\r\x00\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029")
-# Folders the container's mounts fix (README, DESIGN volumes): a Job's config leaves them out.
+# Folders the container's mounts fix (docs/deploy.md; DESIGN): a Job's config leaves them out.
 MOUNTED = ("data_dir", "output_dir", "cache_dir", "offload_dir", "config_file", "secrets_dir")
 SERVICE = "zerotuner"  # compose.yaml's service
 
@@ -54,7 +54,7 @@ def export(fmt: str, composed: Composed, config: dict[str, Any] | None) -> tuple
 
 
 def _ordered(env: dict[str, str]) -> dict[str, str]:
-    """Settings in declaration order (the README's), so exports read like example.env."""
+    """Settings in declaration order (the settings table's), so exports read like example.env."""
     order = {env_name(n): i for i, n in enumerate(Settings.model_fields)}
     return dict(sorted(env.items(), key=lambda kv: (order.get(kv[0], len(order)), kv[0])))
 
@@ -69,8 +69,7 @@ def _validated(env: dict[str, str]) -> Settings:
             raise ConfigError(
                 f"{key}: a line break (or NUL) cannot go in an env file; use one line"
             )
-    with environment(env):
-        return load_settings()
+    return load_settings(form_environ(env))
 
 
 def _gpus(hardware: dict[str, str]) -> int | None:
@@ -103,8 +102,7 @@ def compose_override(env: dict[str, str]) -> str:
 def config_mapping(env: dict[str, str], *, leave_out: tuple[str, ...] = ()) -> dict[str, Any]:
     """The settings as a config file holds them: setting names, typed values, the DeepSpeed
     JSON as a `deepspeed_config` block."""
-    with environment(env):
-        settings = load_settings()
+    settings = load_settings(form_environ(env))
     names = [field_of(k.lower().removeprefix("zt_")) for k in env]
     data = settings.model_dump(mode="json", include={n for n in names if n not in leave_out})
     raw = env.get(DEEPSPEED, "").strip()

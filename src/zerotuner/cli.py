@@ -12,9 +12,8 @@ import logging
 import sys
 
 from zerotuner import __version__
-from zerotuner.errors import ConfigError, ZeroTunerError
+from zerotuner.errors import ZeroTunerError
 from zerotuner.logs import demote_known_noise, quiet_http_logs
-from zerotuner.settings import unknown_env_names
 
 log = logging.getLogger("zerotuner")
 
@@ -52,18 +51,6 @@ def report_error(error: ZeroTunerError) -> None:
         print(f"zerotuner: error: {line}", file=sys.stderr)
 
 
-def check_unknown_env() -> None:
-    """pydantic-settings ignores unknown ZT_* names; a near miss of a real one is a typo."""
-    typos = []
-    for name, hint, is_typo in unknown_env_names():
-        if is_typo:
-            typos.append(f"{name}: unknown setting{hint}")
-        else:
-            log.warning("%s is not a zerotuner setting and is ignored%s", name, hint)
-    if typos:
-        raise ConfigError("unknown settings", problems=typos)
-
-
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     quiet_http_logs()
@@ -72,8 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command is None:
         args = parser.parse_args(["train", *(argv or [])])
-    try:
-        check_unknown_env()
+    try:  # the commands that read settings start with effective.effective_settings
         return int(_module(args.command).run(args) or 0)
     except ZeroTunerError as error:
         report_error(error)

@@ -22,7 +22,7 @@ from zerotuner.config_values import (
     no_non_finite,
 )
 from zerotuner.families import ModelShape
-from zerotuner.hardware import Hardware, auto_precision
+from zerotuner.hardware import Hardware
 from zerotuner.notes import Note, Notes
 from zerotuner.offload_path import NvmePath, conflict, is_placeholder, same_folder
 from zerotuner.optimizers import (
@@ -32,8 +32,9 @@ from zerotuner.optimizers import (
     canonical_scheduler,
     valid_optimizer_names,
 )
-from zerotuner.pins import illegal_at
+from zerotuner.pins import config_precision, illegal_at
 from zerotuner.plan import bucket as plan_bucket
+from zerotuner.plan import resolve_precision
 from zerotuner.plan_memory import SUB_GROUP_NVME
 from zerotuner.settings import Settings, env_name, precision_name
 
@@ -63,24 +64,6 @@ class Normalized:
     config: dict[str, Any]
     notes: tuple[Note, ...]
     mixed_precision: str  # bf16 | fp16 | no, as written into the config
-
-
-def resolve_precision(
-    requested: str, hardware: Hardware, notes: Notes, *, where: str | None = None
-) -> str:
-    """auto: bf16 where the GPU has it, fp16 on older GPUs, fp32 on the CPU. `where`: what
-    asked for it, when not ZT_MIXED_PRECISION (e.g. the DeepSpeed config's fp16 section)."""
-    on_cpu = hardware.accelerator == "cpu"
-    if requested == "auto":
-        return auto_precision(hardware)
-    if requested == "fp16" and on_cpu:
-        asked = where or f"{env_name('mixed_precision')}=fp16"
-        notes.error(f"{asked}: DeepSpeed's CPU accelerator has no fp16; use bf16, or no (fp32)")
-    if requested == "bf16" and not on_cpu and not hardware.bf16:
-        names = ", ".join(sorted({g.name for g in hardware.gpus})) or "this GPU"
-        notes.warn(f"bf16 needs compute capability 8.0+ ({names} has less): using fp16")
-        return "fp16"
-    return requested
 
 
 def normalize(
@@ -315,10 +298,7 @@ def _precision(ctx: _Context, hardware: Hardware) -> str:
     if bf16.get("enabled") is True and fp16.get("enabled") is True:
         n.error(f"bf16 and fp16 are both enabled in {ctx.source}: enable at most one")
         return "no"
-    sections = [section for key, section in (("bf16", bf16), ("fp16", fp16)) if key in cfg]
-    from_config = "bf16" if bf16.get("enabled") is True else "fp16" if fp16.get("enabled") else None
-    if from_config is None and sections and all(x.get("enabled") is False for x in sections):
-        from_config = "no"  # the user's config disables both explicitly
+    from_config = config_precision(cfg)
     where = None
     if from_config is not None and "mixed_precision" not in ctx.explicit:
         requested, where = from_config, f"{from_config}.enabled in {ctx.source}"

@@ -4,7 +4,7 @@ The same parts as the published models at a few hundred thousand parameters: SD3
 transformer with CLIP-L + CLIP-G (projected) + T5 encoders, Flux's double/single-stream
 transformer with CLIP-L (pooled) + T5 and a guidance embedding, a 16-channel VAE with a shift
 factor, and the flow-matching Euler scheduler (SD3: shift 3.0; Flux: dynamic shifting). The
-CLIP tokenizer is demo.py's byte-level BPE; the T5 tokenizer a unigram vocabulary of the
+CLIP tokenizer is demo_parts.py's byte-level BPE; the T5 tokenizer a unigram vocabulary of the
 corpus's words, built with `tokenizers` (the published one is a SentencePiece download).
 Saved with `save_pretrained`, they load through the same code path a hub model takes.
 """
@@ -17,6 +17,14 @@ import tempfile
 from pathlib import Path
 from typing import Literal
 
+from zerotuner.demo_parts import (
+    EXTRA_WORDS,
+    exact_vae,
+    latent_scaling_factor,
+    text_config,
+    write_tokenizer,
+)
+
 FlowFamily = Literal["sd3", "flux"]
 LATENT_CHANNELS = 16  # SD3's and Flux's VAEs
 T5_WIDTH = 64  # T5's d_model: SD3 pads the CLIP states (32 + 32) to it
@@ -27,8 +35,6 @@ def write_t5_tokenizer(folder: Path, corpus: list[str]):
     """A T5TokenizerFast over the corpus's words (unigram, `▁` word starts, `</s>` appended)."""
     from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
     from transformers import T5TokenizerFast
-
-    from zerotuner.demo import EXTRA_WORDS
 
     words = sorted(set(re.findall(r"[a-z]+", " ".join([*corpus, EXTRA_WORDS]).lower())))
     vocab = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0)]
@@ -63,14 +69,11 @@ def _t5(vocab_size: int, seed: int):
 
 
 def _vae(seed: int, data_dir: Path | None):
-    """demo.py's exact VAE (average-pooling encoder, nearest-upsampling decoder) with 16
+    """demo_parts.py's exact VAE (average-pooling encoder, nearest-upsampling decoder) with 16
     latent channels, scaled to unit variance on the demo images, and a shift factor as SD3's
     and Flux's VAEs have (so the shift path is exercised)."""
-    from zerotuner.demo import _latent_scaling_factor
-    from zerotuner.demo import _vae as exact_vae
-
     vae = exact_vae(seed, latent_channels=LATENT_CHANNELS)
-    scale = _latent_scaling_factor(vae, data_dir) if data_dir else 1.0
+    scale = latent_scaling_factor(vae, data_dir) if data_dir else 1.0
     vae.register_to_config(scaling_factor=scale, shift_factor=0.0609)
     return vae
 
@@ -91,8 +94,6 @@ def write_flow_model(
     )
     from transformers import CLIPTextModel, CLIPTextModelWithProjection
 
-    from zerotuner.demo import _text_config, write_tokenizer
-
     work = Path(tempfile.mkdtemp(prefix="zerotuner-tokenizers-"))
     clip_tokenizer = write_tokenizer(work / "clip", corpus)
     t5_tokenizer = write_t5_tokenizer(work / "t5", corpus)
@@ -100,9 +101,9 @@ def write_flow_model(
     t5 = _t5(len(t5_tokenizer), seed + 4)
     if family == "sd3":
         torch.manual_seed(seed + 1)
-        clip_l = CLIPTextModelWithProjection(_text_config(len(clip_tokenizer), 32))
+        clip_l = CLIPTextModelWithProjection(text_config(len(clip_tokenizer), 32))
         torch.manual_seed(seed + 2)
-        clip_g = CLIPTextModelWithProjection(_text_config(len(clip_tokenizer), 32))
+        clip_g = CLIPTextModelWithProjection(text_config(len(clip_tokenizer), 32))
         torch.manual_seed(seed + 3)
         transformer = SD3Transformer2DModel(
             sample_size=16, patch_size=2, in_channels=LATENT_CHANNELS, num_layers=2,
@@ -118,7 +119,7 @@ def write_flow_model(
         clip_folders = ("tokenizer", "tokenizer_2")
     else:
         torch.manual_seed(seed + 1)
-        clip_l = CLIPTextModel(_text_config(len(clip_tokenizer), 32))
+        clip_l = CLIPTextModel(text_config(len(clip_tokenizer), 32))
         torch.manual_seed(seed + 3)
         transformer = FluxTransformer2DModel(
             patch_size=1, in_channels=LATENT_CHANNELS * 4, num_layers=1, num_single_layers=1,

@@ -1,9 +1,11 @@
 """Settings documentation generated from the settings model, so it cannot drift from the code.
 
-`settings_table_markdown()` is the README's reference table (between the markers below) and
-`example_env()` is `config/example.env`: every setting, in declaration order, commented out
-with its description and default. `python -m zerotuner.docs --write` regenerates both;
-`--check` exits 1 when either is stale (the test suite runs the same comparison).
+`settings_table_markdown()` is the reference table of docs/configuration.md (between the
+settings markers below), `settings_table_markdown(KEY_SETTINGS)` the README's short table of the
+settings most runs need (between the key-settings markers), and `example_env()` is
+`config/example.env`: every setting, in declaration order, commented out with its description
+and default. `python -m zerotuner.docs --write` regenerates all three; `--check` exits 1 when
+any is stale (the test suite runs the same comparison).
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import argparse
 import sys
 import types
+from collections.abc import Collection
 from pathlib import Path
 from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
@@ -22,7 +25,15 @@ from zerotuner.settings import Settings, env_name
 
 TABLE_START = "<!-- settings:start -->"
 TABLE_END = "<!-- settings:end -->"
-README = Path("README.md")
+KEY_START = "<!-- key-settings:start -->"
+KEY_END = "<!-- key-settings:end -->"
+SETTINGS_PAGE = Path("docs/configuration.md")  # the full table
+README = Path("README.md")  # the short one
+# The handful of settings most runs need: the README's table (in declaration order).
+KEY_SETTINGS = (
+    "model", "data_dir", "output_dir", "training_type", "resolution", "train_batch_size",
+    "max_steps", "learning_rate", "zero_stage", "push_to", "hf_token",
+)  # fmt: skip
 EXAMPLE_ENV = Path("config/example.env")
 
 _SIMPLE_TYPES = {
@@ -113,13 +124,16 @@ def _cell(text: str) -> str:
     return text.replace("|", "\\|")
 
 
-def settings_table_markdown() -> str:
-    """The README reference table: one row per setting, in declaration order."""
+def settings_table_markdown(only: Collection[str] | None = None) -> str:
+    """The reference table: one row per setting (or per setting in `only`), in declaration
+    order."""
     lines = [
         "| Variable | Type | Default | Description |",
         "|---|---|---|---|",
     ]
     for names, kind, default, name in _rows():
+        if only is not None and name not in only:
+            continue
         shown_names = " / ".join(f"`{n}`" for n in names)
         shown_default = f"`{_cell(default)}`" if default else "*(empty)*"
         description = Settings.model_fields[name].description or ""
@@ -148,21 +162,30 @@ def example_env() -> str:
     return "\n".join(out) + "\n"
 
 
-def replace_between_markers(text: str, body: str) -> str:
-    """Swap what lies between the settings markers; ValueError when they are missing."""
-    start = text.find(TABLE_START)
-    end = text.find(TABLE_END)
+def replace_between_markers(
+    text: str, body: str, markers: tuple[str, str] = (TABLE_START, TABLE_END), where: str = "text"
+) -> str:
+    """Swap what lies between the markers; ValueError when they are missing."""
+    first, last = markers
+    start = text.find(first)
+    end = text.find(last)
     if start < 0 or end < start:
-        raise ValueError(f"README lacks the markers {TABLE_START} ... {TABLE_END}")
-    head = text[: start + len(TABLE_START)]
+        raise ValueError(f"{where} lacks the markers {first} ... {last}")
+    head = text[: start + len(first)]
     return f"{head}\n{body}{text[end:]}"
 
 
 def generated_files(root: Path) -> dict[Path, str]:
     """Each generated file under `root` with the content it should have."""
+    page = (root / SETTINGS_PAGE).read_text(encoding="utf-8")
     readme = (root / README).read_text(encoding="utf-8")
     return {
-        root / README: replace_between_markers(readme, settings_table_markdown()),
+        root / SETTINGS_PAGE: replace_between_markers(
+            page, settings_table_markdown(), where=str(SETTINGS_PAGE)
+        ),
+        root / README: replace_between_markers(
+            readme, settings_table_markdown(KEY_SETTINGS), (KEY_START, KEY_END), str(README)
+        ),
         root / EXAMPLE_ENV: example_env(),
     }
 
@@ -182,8 +205,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--root", type=Path, default=Path.cwd(), help="repository root")
     mode = parser.add_mutually_exclusive_group()
-    mode.add_argument("--write", action="store_true", help="rewrite README.md and example.env")
-    mode.add_argument("--check", action="store_true", help="exit 1 when either is stale")
+    mode.add_argument("--write", action="store_true", help="rewrite the tables and example.env")
+    mode.add_argument("--check", action="store_true", help="exit 1 when any is stale")
     args = parser.parse_args(argv)
     if args.write:
         for path, text in generated_files(args.root).items():

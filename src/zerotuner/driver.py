@@ -21,7 +21,7 @@ from typing import Any
 
 # CUDA major -> the oldest Linux driver that runs every minor of it (NVIDIA's table).
 MIN_DRIVER: dict[int, tuple[int, ...]] = {11: (450, 80, 2), 12: (525, 60, 13), 13: (580,)}
-# The documented second image, for hosts with a CUDA 12 driver (README "Which image").
+# The documented second image, for hosts with a CUDA 12 driver (docs/deploy.md "One GPU host").
 CUDA12_BUILD = "docker build --build-arg CUDA_VERSION=12.8.1 -t zerotuner:cuda12 ."
 
 

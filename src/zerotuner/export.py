@@ -1,102 +1,26 @@
-"""Diffusers pipeline folders from trained UNet weights: the run's final/ and `zerotuner export`.
+"""`zerotuner export`: a committed checkpoint to what the run's final/ would hold: a pipeline
+folder of a full run, the adapter files of a LoRA run (and on request its merged pipeline).
 
-A folder is the base pipeline's frozen parts (VAE, text encoders, tokenizers, scheduler,
-model_index.json) copied as they are, plus the trained UNet written with save_pretrained in
-safetensors (built on the meta device around the trained tensors: no random init first). It
-is built next to the destination and renamed into place, so a reader never sees half an
-export. Checkpoints are consolidated with DeepSpeed's own tools: zero_to_fp32 for
-ZeRO 1-3 (any world size; an NVMe-offloaded optimizer's swap files put back first), the
-module state for stage 0.
+Checkpoints are consolidated with DeepSpeed's own tools: zero_to_fp32 for ZeRO 1-3 (any world
+size; an NVMe-offloaded optimizer's swap files put back first), the module state for stage 0.
+The folders themselves are written by `pipeline_folder` and `lora_files`.
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import shutil
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from zerotuner import universal
 from zerotuner.checkpoint import EMA_FILE, read_manifest
 from zerotuner.errors import ConfigError
+from zerotuner.pipeline_folder import load_part, write_pipeline
 
 log = logging.getLogger(__name__)
-
-
-def denoiser_part(base: Path) -> str:
-    """The trained part of a pipeline folder: `unet`, or a transformer family's `transformer`."""
-    index = json.loads((Path(base) / "model_index.json").read_text())
-    return "unet" if "unet" in index else "transformer"
-
-
-def load_part(base: Path, part: str, *, weights: bool = True) -> torch.nn.Module:
-    """A pipeline part in fp32, of the class its model_index names (diffusers' or
-    transformers'), with the base's weights or (`weights` False) freshly built."""
-    import importlib
-
-    library, name = json.loads((Path(base) / "model_index.json").read_text())[part]
-    cls = getattr(importlib.import_module(library), name)
-    if weights:
-        return cls.from_pretrained(base, subfolder=part, dtype=torch.float32)
-    if library == "diffusers":
-        return cls.from_config(cls.load_config(Path(base) / part))
-    import transformers
-
-    return cls(transformers.AutoConfig.from_pretrained(Path(base) / part))
-
-
-def built_part(base: Path, part: str, state: dict[str, torch.Tensor]) -> torch.nn.Module:
-    """A part of `base`'s class holding `state` in fp32: built on the meta device and handed
-    the tensors themselves, not randomly initialized first only to be overwritten (a second
-    for a small UNet, minutes for a 12B transformer)."""
-    from accelerate import init_empty_weights
-
-    with init_empty_weights():  # parameters on the meta device; buffers real
-        module = load_part(base, part, weights=False)
-    owned = {k: _whole(v.float() if v.is_floating_point() else v) for k, v in state.items()}
-    missing, unexpected = module.load_state_dict(owned, strict=False, assign=True)
-    missing = [m for m in missing if not m.endswith("position_ids")]  # a buffer, not saved
-    if missing or unexpected:
-        raise ConfigError(
-            f"the trained weights do not match {base}/{part}: missing {missing[:3]}, "
-            f"unexpected {unexpected[:3]}"
-        )
-    return module
-
-
-def _whole(tensor: torch.Tensor) -> torch.Tensor:
-    """The tensor itself when it owns its whole storage, else a contiguous copy: a consolidated
-    ZeRO state holds views of one flat buffer, which safetensors refuses to write."""
-    if tensor.is_contiguous() and tensor.untyped_storage().nbytes() == tensor.nbytes:
-        return tensor
-    return tensor.clone(memory_format=torch.contiguous_format)
-
-
-def write_pipeline(
-    base: Path,
-    unet_state: dict[str, torch.Tensor],
-    out: Path,
-    *,
-    text_states: dict[str, dict[str, torch.Tensor]] | None = None,
-) -> Path:
-    """Write `out` as a pipeline folder: `base` without its denoiser (UNet or transformer),
-    plus these weights (and `text_states`: text encoders' weights by part name, e.g. a merged
-    LoRA's)."""
-    out = Path(out)
-    states = {denoiser_part(base): unet_state} | (text_states or {})
-    modules = {part: built_part(base, part, state) for part, state in states.items()}
-    tmp = out.with_name(f".{out.name}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    shutil.copytree(base, tmp, ignore=shutil.ignore_patterns(*states, ".*"))
-    for part, module in modules.items():
-        module.save_pretrained(tmp / part, safe_serialization=True)
-    if out.exists():
-        shutil.rmtree(out)
-    tmp.rename(out)
-    return out
 
 
 def checkpoint_unet_state(checkpoint: Path, *, ema: bool = False) -> dict[str, torch.Tensor]:
@@ -151,9 +75,7 @@ def export_checkpoint(
             "pipeline folder the run trained from"
         )
     if manifest.get("training_type") == "lora":
-        from zerotuner import lora_files
-
-        return lora_files.export_checkpoint(checkpoint, manifest, base, out, ema=ema, merged=merged)
+        return _export_lora(checkpoint, manifest, base, out, ema=ema, merged=merged)
     if merged:
         raise ConfigError(
             f"CKPT={checkpoint}: --merged fuses a LoRA adapter into its base; this checkpoint "
@@ -161,3 +83,42 @@ def export_checkpoint(
         )
     state = checkpoint_unet_state(checkpoint, ema=ema)
     return write_pipeline(base, state, out)
+
+
+def _export_lora(
+    checkpoint: Path,
+    manifest: dict[str, Any],
+    base: Path,
+    out: Path,
+    *,
+    ema: bool = False,
+    merged: bool = False,
+) -> Path:
+    """A LoRA checkpoint's adapter (consolidated from any stage and world size; `ema`: the EMA
+    of it) as `out/pytorch_lora_weights.safetensors` (and with `merged`, `out/merged/`),
+    checked against the shapes the manifest's adapter has on the base UNet (and text
+    encoders, if they trained; all built on the meta device)."""
+    from zerotuner import families, lora_text
+    from zerotuner.lora import ADAPTER, initial_adapter, make_config, metadata, shapes
+    from zerotuner.lora_files import write_adapter
+
+    adapter, family = manifest["lora"], manifest["family"]
+    config = make_config(adapter | {"init": "gaussian"})  # its shapes: nothing to read here
+    unet = families.meta_model(family, base)
+    unet.requires_grad_(False)
+    unet.add_adapter(config, adapter_name=ADAPTER)
+    module, text_metadata = unet, None
+    if adapter.get("text_encoder"):
+        module = lora_text.meta_module(unet, base, family, adapter)
+        text_metadata = metadata(lora_text.text_config(adapter))
+    initial, init = None, adapter.get("init", "gaussian")
+    if init != "gaussian":  # its start, from the base weights again
+        start = load_part(base, families.get(family).denoiser)
+        start.add_adapter(make_config(adapter), adapter_name=ADAPTER)
+        initial = initial_adapter(start, init)
+    state = checkpoint_unet_state(checkpoint, ema=ema)
+    return write_adapter(
+        family, {name: t for name, t in state.items() if ".lora_" in name}, shapes(module),
+        metadata(config), out, text_metadata=text_metadata, merge_base=base if merged else None,
+        initial=initial,
+    )  # fmt: skip

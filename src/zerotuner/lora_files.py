@@ -19,7 +19,8 @@ import torch
 from safetensors.torch import save_file
 
 from zerotuner import families
-from zerotuner.lora import ADAPTER, initial_adapter, make_config, metadata, shapes
+from zerotuner.lora import ADAPTER
+from zerotuner.pipeline_folder import load_part, write_pipeline
 
 log = logging.getLogger(__name__)
 
@@ -170,8 +171,6 @@ def write_adapter(
     if adapter_metadata and not adapter_metadata.get("use_dora") and kind.denoiser == "unet":
         save_file(kohya(parts, adapter_metadata), str(tmp / KOHYA_FILE))
     if merge_base is not None:
-        from zerotuner.export import write_pipeline
-
         merged = {
             part: merged_state(merge_base, part, layers, meta[part])
             for part, layers in by_part(state, kind.denoiser).items()
@@ -214,8 +213,6 @@ def merged_state(
     from peft import LoraConfig
     from peft.tuners.tuners_utils import BaseTunerLayer
 
-    from zerotuner.export import load_part
-
     module = load_part(base, part)
     module.add_adapter(LoraConfig(**adapter_metadata), adapter_name=ADAPTER)
     _, unexpected = module.load_state_dict(state, strict=False)
@@ -229,43 +226,3 @@ def merged_state(
         for name, tensor in module.state_dict().items()
         if ".lora_" not in name
     }
-
-
-def export_checkpoint(
-    checkpoint: Path,
-    manifest: dict[str, Any],
-    base: Path,
-    out: Path,
-    *,
-    ema: bool = False,
-    merged: bool = False,
-) -> Path:
-    """`zerotuner export` of a LoRA checkpoint: its adapter (consolidated from any stage and
-    world size; `ema`: the EMA of it) as `out/pytorch_lora_weights.safetensors` (and with
-    `merged`, `out/merged/`), checked against the shapes the manifest's adapter has on the base
-    UNet (and text encoders, if they trained; all built on the meta device)."""
-    from zerotuner import lora_text
-    from zerotuner.export import checkpoint_unet_state
-
-    adapter, family = manifest["lora"], manifest["family"]
-    config = make_config(adapter | {"init": "gaussian"})  # its shapes: nothing to read here
-    unet = families.meta_model(family, base)
-    unet.requires_grad_(False)
-    unet.add_adapter(config, adapter_name=ADAPTER)
-    module, text_metadata = unet, None
-    if adapter.get("text_encoder"):
-        module = lora_text.meta_module(unet, base, family, adapter)
-        text_metadata = metadata(lora_text.text_config(adapter))
-    initial, init = None, adapter.get("init", "gaussian")
-    if init != "gaussian":  # its start, from the base weights again
-        from zerotuner.export import load_part
-
-        start = load_part(base, families.get(family).denoiser)
-        start.add_adapter(make_config(adapter), adapter_name=ADAPTER)
-        initial = initial_adapter(start, init)
-    state = checkpoint_unet_state(checkpoint, ema=ema)
-    return write_adapter(
-        family, {name: t for name, t in state.items() if ".lora_" in name}, shapes(module),
-        metadata(config), out, text_metadata=text_metadata, merge_base=base if merged else None,
-        initial=initial,
-    )  # fmt: skip

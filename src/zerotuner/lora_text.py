@@ -98,37 +98,54 @@ def build(
 
 
 def meta_module(unet: Any, source: Path, family: str, adapter: dict[str, Any]) -> TextAndUNet:
-    """`build` on the meta device from the configs alone (export's and the planner's shapes)."""
+    """`build` on the meta device from the configs alone (export's shapes)."""
+    encoders = meta_encoders(family, source)
+    add_text_adapters(encoders, adapter, seed=0)
+    return TextAndUNet(unet, encoders, families.get(family))
+
+
+def _local_folders(family: str, model_dir: Path | None) -> tuple[str, ...] | None:
+    """The family's text encoder folders when `model_dir` has a config in each, else None."""
+    folders = tuple(folder for folder, _ in families.get(family).text_subfolders)
+    if model_dir is None or not all((model_dir / f / "config.json").is_file() for f in folders):
+        return None
+    return folders
+
+
+def meta_encoders(family: str, model_dir: Path | None = None) -> list[Any]:
+    """The family's text encoders on the meta device (no weights): of `model_dir`'s configs
+    when it has them all, else of the published encoders' layer shapes, so the planner sizes
+    their adapters (`lora.adapter_size`) before anything is downloaded."""
     import transformers
     from accelerate import init_empty_weights
 
-    conditioning = families.get(family)
+    folders = _local_folders(family, model_dir)
+    if folders is not None:
+        configs = [transformers.AutoConfig.from_pretrained(model_dir, subfolder=f) for f in folders]
+    else:  # CLIP's heads are 64 wide and its MLP 4x: only q, k, v and out matter here
+        configs = [
+            transformers.CLIPTextConfig(
+                num_hidden_layers=layers,
+                hidden_size=hidden,
+                intermediate_size=4 * hidden,
+                num_attention_heads=hidden // 64,
+            )
+            for layers, hidden in BUILTIN_TEXT_ENCODERS[family]
+        ]
     encoders = []
-    for folder, _ in conditioning.text_subfolders:
-        config = transformers.AutoConfig.from_pretrained(source, subfolder=folder)
+    for config in configs:
         arch = (config.architectures or ["CLIPTextModel"])[0]
         with init_empty_weights():
             encoders.append(getattr(transformers, arch)(config))
-    add_text_adapters(encoders, adapter, seed=0)
-    return TextAndUNet(unet, encoders, conditioning)
+    return encoders
 
 
-def adapter_size(
-    family: str, model_dir: Path | None, rank: int, *, dora: bool = False
-) -> tuple[int, int, int]:
-    """(adapter parameters, elements of its largest tensor, base parameters) of the text
-    encoders' adapters: q, k, v and out projections are hidden x hidden in every layer."""
-    layers, base = BUILTIN_TEXT_ENCODERS[family], REGISTRY[family].text_params
-    folders = tuple(folder for folder, _ in families.get(family).text_subfolders)
-    if model_dir is not None and all((model_dir / f / "config.json").is_file() for f in folders):
-        import transformers
+def text_params(family: str, model_dir: Path | None = None) -> int:
+    """The text encoders' (frozen) parameters: `model_dir`'s when it has their configs, else
+    the published encoders'."""
+    folders = _local_folders(family, model_dir)
+    if folders is None:
+        return REGISTRY[family].text_params
+    from zerotuner.families import frozen_params
 
-        from zerotuner.families import frozen_params
-
-        configs = [transformers.AutoConfig.from_pretrained(model_dir / f) for f in folders]
-        layers = tuple((c.num_hidden_layers, c.hidden_size) for c in configs)
-        base = frozen_params(model_dir, parts=folders)
-    per_unit = sum(n * len(TEXT_TARGETS) * 2 * hidden for n, hidden in layers)
-    magnitudes = sum(n * len(TEXT_TARGETS) * hidden for n, hidden in layers) if dora else 0
-    largest = max(rank * hidden for _, hidden in layers)
-    return per_unit * rank + magnitudes, largest, base
+    return frozen_params(model_dir, parts=folders)  # type: ignore[arg-type]

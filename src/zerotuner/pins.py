@@ -34,6 +34,26 @@ class Pins:
     offload_optimizer: str | None
     offload_param: str | None
     names: dict[str, str]  # where each pin came from: a ZT_* name or a DeepSpeed key
+    # the precision asked for (no | fp16 | bf16 | auto): an explicit ZT_MIXED_PRECISION, else
+    # the raw config's bf16 / fp16 sections, else the setting's default (plan.resolve_precision
+    # turns it into the one DeepSpeed runs, for the planner and normalize alike)
+    mixed_precision: str = "auto"
+
+
+def config_precision(base: dict[str, Any]) -> str | None:
+    """The precision a raw DeepSpeed config's bf16 / fp16 sections ask for: the one enabled,
+    no (fp32) when it disables every one it has, None when it says nothing (or enables both:
+    an error that normalize reports)."""
+    bf16 = base.get("bf16") if isinstance(base.get("bf16"), dict) else {}
+    fp16 = base.get("fp16") if isinstance(base.get("fp16"), dict) else {}
+    if bf16.get("enabled") is True:
+        return None if fp16.get("enabled") is True else "bf16"
+    if fp16.get("enabled"):
+        return "fp16"
+    sections = [section for key, section in (("bf16", bf16), ("fp16", fp16)) if key in base]
+    if sections and all(x.get("enabled") is False for x in sections):
+        return "no"  # the user's config disables both explicitly
+    return None
 
 
 def pins(settings: Settings, base: dict[str, Any]) -> Pins:
@@ -63,7 +83,10 @@ def pins(settings: Settings, base: dict[str, Any]) -> Pins:
         else:
             offloads[key] = str(device).lower()
             names[key] = f"zero_optimization.{key}.device"
-    return Pins(stage, offloads["offload_optimizer"], offloads["offload_param"], names)
+    precision = settings.mixed_precision
+    if "mixed_precision" not in settings.model_fields_set:
+        precision = config_precision(base) or precision
+    return Pins(stage, offloads["offload_optimizer"], offloads["offload_param"], names, precision)
 
 
 def illegal_at(stage: int | None, key: str, device: str) -> str | None:

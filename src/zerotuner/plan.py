@@ -21,9 +21,11 @@ from typing import Any
 from zerotuner.errors import ConfigError, EnvironmentUnfit
 from zerotuner.families import ModelShape, caption_cache_bytes
 from zerotuner.hardware import GiB, Hardware, auto_precision
+from zerotuner.notes import Notes
 from zerotuner.pins import check_pins, legal, pin_text
 from zerotuner.plan_memory import LOAD_PART_NAMES, TRAINED_PARTS, LoadPeak, estimate, load_peak
 from zerotuner.plan_memory import bucket as bucket  # deepspeed_config sizes buckets with it
+from zerotuner.settings import env_name
 from zerotuner.trainable import Training, full_unet
 
 DEVICE_MARGIN = HOST_MARGIN = DISK_MARGIN = 0.10  # allocator fragmentation, spikes
@@ -144,8 +146,27 @@ TRAINING_LIVE = (
 )
 
 
-def resolve_precision(mixed_precision: str, hardware: Hardware) -> str:
-    return auto_precision(hardware) if mixed_precision == "auto" else mixed_precision
+def resolve_precision(
+    requested: str, hardware: Hardware, notes: Notes | None = None, *, where: str | None = None
+) -> str:
+    """The precision DeepSpeed runs for `requested` (no | fp16 | bf16 | auto) on this hardware:
+    the one the planner sizes and the DeepSpeed config enables. auto: bf16 where every GPU has
+    it, fp16 on older GPUs, fp32 on the CPU; bf16 on a GPU without it: fp16, warned; fp16 on
+    the CPU: an error (DeepSpeed's CPU accelerator has none). `notes`: where the warning and
+    the error go (the planner passes none: normalize reports them). `where`: what asked for
+    it, when not ZT_MIXED_PRECISION (e.g. the DeepSpeed config's fp16 section)."""
+    notes = Notes() if notes is None else notes
+    on_cpu = hardware.accelerator == "cpu"
+    if requested == "auto":
+        return auto_precision(hardware)
+    if requested == "fp16" and on_cpu:
+        asked = where or f"{env_name('mixed_precision')}=fp16"
+        notes.error(f"{asked}: DeepSpeed's CPU accelerator has no fp16; use bf16, or no (fp32)")
+    if requested == "bf16" and not on_cpu and not hardware.bf16:
+        names = ", ".join(sorted({g.name for g in hardware.gpus})) or "this GPU"
+        notes.warn(f"bf16 needs compute capability 8.0+ ({names} has less): using fp16")
+        return "fp16"
+    return requested
 
 
 def capacity(hardware: Hardware, offload_disk_free: int | None) -> Capacity:

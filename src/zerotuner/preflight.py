@@ -13,6 +13,7 @@ from pathlib import Path
 
 from zerotuner import checkpoint, lora, speed, trainable
 from zerotuner.deepspeed_config import Decisions, Normalized, normalize
+from zerotuner.effective import Effective
 from zerotuner.errors import ConfigError
 from zerotuner.families import (
     FAMILIES,
@@ -25,8 +26,7 @@ from zerotuner.families import (
     model_shape,
 )
 from zerotuner.hardware import Hardware, require_supported
-from zerotuner.inputs import UserInputs, apply_implied_settings, read_user_inputs
-from zerotuner.job_folders import refuse_overlaps
+from zerotuner.inputs import UserInputs
 from zerotuner.launch import Topology, resolve_topology
 from zerotuner.notes import Note
 from zerotuner.offload import free_bytes_at
@@ -66,16 +66,17 @@ class Preflight:
     notes: tuple[Note, ...] = field(default=())
 
 
-def resolve_model(settings: Settings) -> ModelSource:
+def resolve_model(settings: Settings, *, offline: bool = False) -> ModelSource:
     """A local folder; or a hub id, judged by its configs (from the cache, else fetched: a few
-    KB, the weights are the ranks' job), or by its name when the hub cannot be reached."""
+    KB, the weights are the ranks' job), or by its name when the hub cannot be reached.
+    `offline`: no request to the hub (as HF_HUB_OFFLINE, which it adds to)."""
     local = Path(settings.model).expanduser()
     hub_id = revision = None
     unreachable = "not cached"
     if not local.exists() and not settings.model.startswith(("/", ".", "~")):
         snapshot = _cached_snapshot(settings)
         if snapshot is None:
-            snapshot, unreachable = _fetch_configs(settings)
+            snapshot, unreachable = _fetch_configs(settings, offline=offline)
         if snapshot is not None:
             local, hub_id, revision = snapshot, settings.model, snapshot.name
     if local.is_dir():
@@ -115,7 +116,7 @@ def _cached_snapshot(settings: Settings) -> Path | None:
     return Path(hit).parent if isinstance(hit, str) else None
 
 
-def _fetch_configs(settings: Settings) -> tuple[Path | None, str]:
+def _fetch_configs(settings: Settings, *, offline: bool) -> tuple[Path | None, str]:
     """The hub model's config files into the HF cache: (snapshot folder, "") or (None, why not).
 
     A repository this token cannot read is the user's to fix (ConfigError); a hub that cannot
@@ -123,7 +124,7 @@ def _fetch_configs(settings: Settings) -> tuple[Path | None, str]:
     from huggingface_hub import constants, snapshot_download
     from huggingface_hub.errors import GatedRepoError, HFValidationError, RepositoryNotFoundError
 
-    if constants.HF_HUB_OFFLINE:
+    if offline or constants.HF_HUB_OFFLINE:
         return None, "not cached; HF_HUB_OFFLINE is set"
     token = settings.hf_token.get_secret_value() if settings.hf_token else None
     try:
@@ -145,26 +146,22 @@ def _fetch_configs(settings: Settings) -> tuple[Path | None, str]:
 
 
 def preflight(
-    settings: Settings,
+    effective: Effective,
     *,
     hardware: Hardware,
     topology: Topology | None = None,
     require_fit: bool = True,
     offload_disk_free: int | None | str = "measure",
-    inputs: UserInputs | None = None,
 ) -> Preflight:
-    """`require_fit=False` (the `config` command): when nothing fits this machine, plan the
-    closest option anyway and say so, so a config can be checked before renting GPUs.
-    `offload_disk_free`: bytes free for NVMe offload (None: unknown); by default measured at
-    ZT_OFFLOAD_DIR. `inputs`: the user's files, already applied to `settings` by the caller
-    (apply_implied_settings), so that the offload dir it used before preflight is this one."""
-    if inputs is None:
-        inputs = read_user_inputs(settings)
-        settings = apply_implied_settings(settings, inputs)
-    refuse_overlaps(settings)
+    """From the effective settings (`effective.effective_settings`: the one settings path) to
+    the plan and the DeepSpeed config. `require_fit=False` (the `config` command): when nothing
+    fits this machine, plan the closest option anyway and say so, so a config can be checked
+    before renting GPUs. `offload_disk_free`: bytes free for NVMe offload (None: unknown); by
+    default measured at ZT_OFFLOAD_DIR."""
+    settings, inputs = effective.settings, effective.inputs
     lora.check_settings(settings)
     require_supported(hardware)
-    model = resolve_model(settings)
+    model = resolve_model(settings, offline=effective.hub_offline)
     check_family_settings(settings, model.family)
     shape = model_shape(model.family, model.local_dir)  # type: ignore[arg-type]
     check_resume(settings, model.family, shape)
@@ -257,7 +254,7 @@ def plan_for(
         offload_param=user.offload_param or "auto",
         ema=settings.ema,
         offload_disk_free=offload_disk_free,
-        mixed_precision=settings.mixed_precision,
+        mixed_precision=user.mixed_precision,
         require_fit=require_fit,
         pin_names=user.names,
         training=trainable.for_settings(settings, shape, model_dir),

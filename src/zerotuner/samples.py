@@ -36,7 +36,7 @@ def load_pipeline(
     as saved; `lora_dir`: a LoRA adapter loaded on top."""
     from diffusers import DiffusionPipeline
 
-    from zerotuner.export import built_part, denoiser_part
+    from zerotuner.pipeline_folder import built_part, denoiser_part
 
     parts = {}
     if unet_state is not None:

@@ -2,7 +2,8 @@
 
 Sources, highest precedence first: environment (`ZT_*`), the mounted config file
 (`ZT_CONFIG_FILE`; YAML, JSON or TOML), secret files (`/run/secrets`), defaults.
-The CLI help and the README settings table are generated from the descriptions here.
+The CLI help and the settings tables (docs/configuration.md, README) are generated from the
+descriptions here.
 """
 
 from __future__ import annotations
@@ -10,7 +11,8 @@ from __future__ import annotations
 import contextlib
 import difflib
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
+from contextvars import ContextVar
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -18,25 +20,31 @@ from pydantic import AliasChoices, Field, SecretStr, ValidationError, field_vali
 from pydantic_core import PydanticCustomError
 from pydantic_settings import (
     BaseSettings,
+    EnvSettingsSource,
     NoDecode,
     PydanticBaseSettingsSource,
     SettingsConfigDict,
 )
+from pydantic_settings.sources.utils import parse_env_vars
 
 from zerotuner.errors import ConfigError
-from zerotuner.families import FAMILIES
+from zerotuner.family_names import FAMILIES
 from zerotuner.files import MAX_INT, load_mapping, parse_json, read_text, short_repr
 
 ENV_PREFIX = "ZT_"
 DEFAULT_CONFIG_FILE = Path("/config/zerotuner.yaml")
 DEFAULT_SECRETS_DIR = Path("/run/secrets")
 
+# The environment the settings are read from: the process's, unless `load_settings` was given
+# a mapping (the builder evaluates a form without touching the process's environment).
+_ENVIRON: ContextVar[Mapping[str, str] | None] = ContextVar("zerotuner_environ", default=None)
+
 Auto = Literal["auto"]
 OffloadTarget = Literal["auto", "none", "cpu", "nvme"]
 
 
 class Settings(BaseSettings):
-    """The whole configuration of one training job. Field order is the README order."""
+    """The whole configuration of one training job. Field order is the docs' order."""
 
     model_config = SettingsConfigDict(
         env_prefix=ENV_PREFIX,
@@ -333,7 +341,7 @@ class Settings(BaseSettings):
     ) -> tuple[PydanticBaseSettingsSource, ...]:
         return (
             init_settings,
-            env_settings,
+            MappingEnvSource(settings_cls),
             ConfigFileSource(settings_cls),
             SecretsDirSource(settings_cls),
         )
@@ -375,8 +383,23 @@ def _is_secret(name: str) -> bool:
     return field is not None and field.annotation == SecretStr | None
 
 
+def reading_environ() -> Mapping[str, str]:
+    """The environment settings are being read from (see `load_settings`)."""
+    environ = _ENVIRON.get()
+    return os.environ if environ is None else environ
+
+
+class MappingEnvSource(EnvSettingsSource):
+    """pydantic-settings' env source, reading `reading_environ()` instead of os.environ."""
+
+    def _load_env_vars(self) -> Mapping[str, str | None]:
+        return parse_env_vars(
+            reading_environ(), self.case_sensitive, self.env_ignore_empty, self.env_parse_none_str
+        )
+
+
 def _path_from_env(name: str, default: Path) -> Path:
-    return Path(os.environ.get(env_name(name)) or default)
+    return Path(reading_environ().get(env_name(name)) or default)
 
 
 @contextlib.contextmanager
@@ -400,7 +423,7 @@ class ConfigFileSource(PydanticBaseSettingsSource):
         with file_errors(setting, path):
             exists = path.exists()
         if not exists:
-            if setting in os.environ:
+            if setting in reading_environ():
                 raise ConfigError(f"{setting}={path}: no such file")
             return {}
         with file_errors(setting, path):
@@ -459,7 +482,7 @@ def unknown_env_names(environ: dict[str, str] | None = None) -> list[tuple[str, 
     pydantic-settings ignores them silently. A near miss of a real name is a typo (an error);
     anything else (e.g. Kubernetes' `ZT_SERVICE_HOST` for a Service called `zt`) is a warning.
     """
-    environ = os.environ if environ is None else environ
+    environ = reading_environ() if environ is None else environ
     known = {env_name(n) for n in Settings.model_fields} | {"ZT_HF_TOKEN"}
     found = []
     for key in sorted(environ):
@@ -500,12 +523,16 @@ def format_validation_error(error: ValidationError) -> list[str]:
     return lines
 
 
-def load_settings(**overrides: Any) -> Settings:
-    """Read every source; raise ConfigError with one line per problem."""
+def load_settings(environ: Mapping[str, str] | None = None, **overrides: Any) -> Settings:
+    """Read every source; raise ConfigError with one line per problem. `environ`: the
+    variables to read instead of the process's (its config file and secrets folder too)."""
+    token = _ENVIRON.set(environ)
     try:
         return Settings(**overrides)
     except ValidationError as exc:
         raise ConfigError("invalid settings", problems=format_validation_error(exc)) from None
+    finally:
+        _ENVIRON.reset(token)
 
 
 def explicit_fields(settings: Settings) -> set[str]:

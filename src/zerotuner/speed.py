@@ -60,7 +60,7 @@ class Decision:
 def decide(setting: str | bool, *, accelerator: str, zero_stage: int) -> Decision:
     """Whether to compile the blocks, and why (what the plan and `check` say).
 
-    Measured (bench `speed`, README; 2 shared cores): on the CPU, inductor's cold compile
+    Measured (bench `speed` in docs/benchmarks.md; 2 cores): on the CPU, inductor's cold compile
     of the blocks takes minutes per bucket (C++ codegen: ~100 s for the tiny demo UNet, ~170 s
     for the 95M bench UNet; seconds with a warm cache) and compiled steps were no faster
     (tiny) or ~1.5x slower (95M) than eager, so `auto` leaves it off there. ZeRO-3 gathers

@@ -3,8 +3,9 @@
 The planner counts the two apart. A trained parameter has weights in the run's dtype,
 gradients and fp32 Adam states (master copy and two moments); a frozen one only its weights
 (16-bit with mixed precision, fp32 without). The adapter's size comes from the UNet's layer
-shapes and the same target rule the trainer uses (`lora.adapter_size`), on a UNet built on
-the meta device from the model's config: no weights read, nothing downloaded.
+shapes and the same target rule the trainer uses (`lora.adapter_size`), on a UNet (and text
+encoders) built on the meta device from the model's config: no weights read, nothing
+downloaded.
 """
 
 from __future__ import annotations
@@ -68,13 +69,16 @@ def for_settings(settings: Settings, shape: ModelShape, model_dir: Path | None =
     )  # fmt: skip
     if not settings.lora_text_encoder:
         return unet
-    from zerotuner.lora_text import adapter_size
+    from zerotuner import lora_text
+    from zerotuner.lora import adapter_size
 
     # the text encoders join the engine: their adapters train, their weights are frozen
-    params, largest, base = adapter_size(
-        shape.family, model_dir, settings.lora_rank, dora=settings.lora_dora
-    )
+    sizes = [
+        adapter_size(encoder, lora_text.TEXT_TARGETS, settings.lora_rank, dora=settings.lora_dora)
+        for encoder in lora_text.meta_encoders(shape.family, model_dir)
+    ]
     return Training(
-        "lora", unet.trainable_params + params, max(unet.largest_trainable, largest),
-        unet.frozen_params + base, text_encoders=True,
+        "lora", unet.trainable_params + sum(params for params, _ in sizes),
+        max(unet.largest_trainable, *(largest for _, largest in sizes)),
+        unet.frozen_params + lora_text.text_params(shape.family, model_dir), text_encoders=True,
     )  # fmt: skip

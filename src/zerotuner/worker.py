@@ -32,7 +32,6 @@ from zerotuner import (
     checkpoint,
     data,
     distributed,
-    export,
     families,
     loop,
     lora,
@@ -40,9 +39,11 @@ from zerotuner import (
     lora_text,
     model,
     nonfinite,
+    pipeline_folder,
     samples,
     speed,
 )
+from zerotuner.effective import effective_settings
 from zerotuner.ema import EMA, full_state_dict
 from zerotuner.errors import (
     EXIT_DIVERGED,
@@ -54,7 +55,7 @@ from zerotuner.errors import (
 )
 from zerotuner.job import Job, load_job, wait_for_job
 from zerotuner.records import Sink, StepRecord, write_rank_status
-from zerotuner.settings import Settings, load_settings
+from zerotuner.settings import Settings
 from zerotuner.stop import Stopped, StopRequest
 
 log = logging.getLogger("zerotuner.worker")
@@ -416,9 +417,9 @@ class Run:
             return
         state = full_state_dict(self.engine_.module, rank=self.rank)  # collective
         if self.rank == 0:
-            out = export.write_pipeline(self.source, state, s.output_dir / "final")
+            out = pipeline_folder.write_pipeline(self.source, state, s.output_dir / "final")
             if self.ema is not None:
-                export.write_pipeline(
+                pipeline_folder.write_pipeline(
                     self.source, self.ema.state_dict(), s.output_dir / "final-ema"
                 )
             self._loss_curve()
@@ -524,7 +525,9 @@ def main() -> None:
     demote_known_noise()  # before DeepSpeed's import, which may print some
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING)
     try:
-        settings = load_settings()
+        # the entrypoint's settings path, read again (secrets never pass through the job file);
+        # it warned about unknown names already
+        settings = effective_settings(warn=False).settings
         level = rank_level(settings.log_level, rank)
         logging.getLogger().setLevel(level)  # ZT_LOG_LEVEL=debug shows what the import prints
         import deepspeed  # noqa: F401 - its logger must exist before ours adopts it

@@ -42,11 +42,11 @@ from typing import Any, BinaryIO
 import torch
 
 from zerotuner.errors import ConfigError
+from zerotuner.families.stored import DIFFUSERS_STEM, weight_files
 
 log = logging.getLogger("zerotuner.zero_init")
 
-WEIGHTS = "diffusion_pytorch_model.safetensors"
-INDEX = WEIGHTS + ".index.json"
+WEIGHTS = f"{DIFFUSERS_STEM}.safetensors"
 # safetensors' dtype names (the format's header): https://github.com/huggingface/safetensors
 DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -63,17 +63,6 @@ def wanted(deepspeed_config: dict[str, Any] | None) -> bool:
         return False
     stage = deepspeed_config.get("zero_optimization", {}).get("stage", 0)
     return stage == 3 and os.environ.get("ZT_ZERO_INIT", "true").lower() != "false"
-
-
-def weight_files(folder: Path) -> list[Path] | None:
-    """The model's safetensors files (one, or the shards its index names); None if it has
-    none (a .bin-only model: it loads by the full-copy path)."""
-    index = folder / INDEX
-    if index.is_file():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        return [folder / s for s in shards]
-    single = folder / WEIGHTS
-    return [single] if single.is_file() else None
 
 
 class Reader:
@@ -120,7 +109,7 @@ def build(
 ) -> Any | None:
     """The denoiser of `folder` (a diffusers model folder) partitioned by ZeRO-3 with its
     weights in; None when the folder has no safetensors weights."""
-    files = weight_files(folder)
+    files = weight_files(folder, stems=(DIFFUSERS_STEM,))  # a diffusers model's, as it loads
     if files is None:
         log.warning("%s has no %s: every rank loads the whole model first", folder, WEIGHTS)
         return None

@@ -64,14 +64,15 @@ def write_timing_model(folder: Path, *, small: bool = False, seed: int = 0) -> P
     import torch
     from diffusers import UNet2DConditionModel
 
-    from zerotuner.demo import _latent_scaling_factor, _vae, write_demo
+    from zerotuner.demo import write_demo
+    from zerotuner.demo_parts import exact_vae, latent_scaling_factor
 
     folder = Path(folder)
     if (folder / "model" / "unet" / "config.json").is_file():
         return folder
     paths = write_demo(folder, seed=seed, family="sdxl")
-    vae = _vae(seed + 10, blocks=TIMING_VAE_BLOCKS, sample_size=1024)
-    vae.register_to_config(scaling_factor=_latent_scaling_factor(vae, paths.data))
+    vae = exact_vae(seed + 10, blocks=TIMING_VAE_BLOCKS, sample_size=1024)
+    vae.register_to_config(scaling_factor=latent_scaling_factor(vae, paths.data))
     vae.save_pretrained(paths.model / "vae", safe_serialization=True)
     torch.manual_seed(seed + 11)
     unet = UNet2DConditionModel(**timing_unet_config(small=small))

@@ -79,11 +79,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from zerotuner.effective import SettingsPath
+
     c = Checks()
-    if not c.run("settings", lambda: _settings(c)):
-        return c.exit_code()
-    c.run("config files", lambda: _inputs(c))
-    c.run("folders", lambda: _folders(c))
+    path = SettingsPath()  # the steps every command starts with, reported one by one
+    for name, step in path.STEPS:
+        ok = c.run(name, lambda step=step: step(path))
+        if path.settings is None:  # nothing to check the rest against
+            return c.exit_code()
+        c.facts["settings"] = path.settings
+        if ok and path.inputs is not None:
+            c.facts["inputs"] = path.inputs
     if not c.run("hardware", lambda: _hardware(c)):
         return _finish(c)
     c.run("topology", lambda: _topology(c))
@@ -133,32 +139,6 @@ def _finish(c: Checks) -> int:
     verdict = "ready to train" if code == EXIT_OK else f"not ready (exit {code})"
     print(f"check: {verdict}", file=sys.stderr if code else sys.stdout)
     return code
-
-
-def _settings(c: Checks) -> str:
-    from zerotuner.settings import load_settings
-
-    c.facts["settings"] = load_settings()
-    path = c.facts["settings"].config_file
-    return f"loaded (config file {path})" if path.exists() else "loaded (no config file)"
-
-
-def _inputs(c: Checks) -> str:
-    from zerotuner.inputs import apply_implied_settings, read_user_inputs
-
-    inputs = read_user_inputs(c.facts["settings"])
-    c.facts["settings"] = apply_implied_settings(c.facts["settings"], inputs)
-    c.facts["inputs"] = inputs
-    detail = f"DeepSpeed/accelerate input: {inputs.source or 'none (built from settings)'}"
-    if inputs.nvme is not None:
-        detail += f"; NVMe offload folder {c.facts['settings'].offload_dir} (its nvme_path)"
-    return detail
-
-
-def _folders(c: Checks) -> str:
-    from zerotuner.job_folders import refuse_overlaps
-
-    return refuse_overlaps(c.facts["settings"])
 
 
 def _hardware(c: Checks) -> tuple[str, list[str]]:

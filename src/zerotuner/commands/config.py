@@ -11,12 +11,12 @@ import argparse
 import json
 import os
 import sys
+from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 from zerotuner.commands import what_if
+from zerotuner.effective import effective_settings
 from zerotuner.errors import ConfigError, EnvironmentUnfit
-from zerotuner.inputs import apply_implied_settings, read_user_inputs
-from zerotuner.settings import load_settings
 
 if TYPE_CHECKING:
     from zerotuner.preflight import Preflight
@@ -34,23 +34,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     what_if.add_arguments(parser)
 
 
-def evaluate(args: argparse.Namespace) -> tuple[Preflight, str | None]:
-    """What `config` prints, computed (the builder page calls it too): the preflight, and the
-    described hardware in words (None when this machine was probed)."""
+def evaluate(
+    args: argparse.Namespace, environ: Mapping[str, str] | None = None
+) -> tuple[Preflight, str | None]:
+    """What `config` prints, computed (the builder page calls it too, with the form's variables
+    as `environ`): the preflight, and the described hardware in words (None when this machine
+    was probed)."""
     from zerotuner.commands.plan import describe_hardware
     from zerotuner.preflight import preflight  # torch, through lora: not for --help
 
-    settings = load_settings(**what_if.settings_overrides(args))
+    effective = effective_settings(environ, **what_if.settings_overrides(args))
+    settings = effective.settings
     if what_if.is_described(args):  # DeepSpeed only parses the JSON: skip its device probe
         os.environ.setdefault("DS_ACCELERATOR", "cpu")  # (whose warning goes to stdout)
     try:
         hardware = what_if.hardware_for(args, settings)
-        inputs = read_user_inputs(settings)
-        settings = apply_implied_settings(settings, inputs)
-        topology = what_if.topology_for(settings, hardware)
+        topology = what_if.topology_for(settings, hardware, environ)
         result = preflight(
-            settings, hardware=hardware, topology=topology, require_fit=False,
-            offload_disk_free=what_if.offload_disk_free(args, settings), inputs=inputs,
+            effective, hardware=hardware, topology=topology, require_fit=False,
+            offload_disk_free=what_if.offload_disk_free(args, settings),
         )  # fmt: skip
     except EnvironmentUnfit as error:
         hint = "" if what_if.is_described(args) else f"; {DESCRIBE}"

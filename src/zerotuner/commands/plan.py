@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Mapping
 from typing import Any
 
 from zerotuner.commands import what_if
@@ -27,11 +28,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="machine-readable output")
 
 
-def build_plan(args: argparse.Namespace) -> tuple[Plan, Hardware]:
+def build_plan(
+    args: argparse.Namespace, environ: Mapping[str, str] | None = None
+) -> tuple[Plan, Hardware]:
+    """What `plan` prints, computed (the builder page calls it too, with the form's variables
+    as `environ`)."""
+    from zerotuner.effective import effective_settings
     from zerotuner.families import model_shape
-    from zerotuner.inputs import apply_implied_settings, read_user_inputs
     from zerotuner.preflight import resolve_model
-    from zerotuner.settings import load_settings
 
     overrides: dict[str, Any] = what_if.settings_overrides(args)
     if args.model_family:
@@ -40,18 +44,17 @@ def build_plan(args: argparse.Namespace) -> tuple[Plan, Hardware]:
         overrides["resolution"] = args.resolution
     if args.train_batch_size:
         overrides["train_batch_size"] = args.train_batch_size
-    settings = load_settings(**overrides)
-    inputs = read_user_inputs(settings)
-    settings = apply_implied_settings(settings, inputs)
+    effective = effective_settings(environ, **overrides)
+    settings, inputs = effective.settings, effective.inputs
     model_dir = None
     if args.model_family:  # what-if: the family's built-in config, whatever ZT_MODEL holds
         shape = model_shape(args.model_family)
     else:
-        source = resolve_model(settings)
+        source = resolve_model(settings, offline=effective.hub_offline)
         shape = model_shape(source.family, source.local_dir)  # type: ignore[arg-type]
         model_dir = source.local_dir
     hardware = what_if.hardware_for(args, settings, ops=True)
-    topology = what_if.topology_for(settings, hardware)
+    topology = what_if.topology_for(settings, hardware, environ)
     from zerotuner.preflight import plan_for  # torch, through lora: not for --help
 
     plan = plan_for(

@@ -15,14 +15,14 @@ import tempfile
 from contextlib import ExitStack
 from pathlib import Path
 
+from zerotuner.effective import Effective, effective_settings
 from zerotuner.errors import EXIT_OK, ZeroTunerError
 from zerotuner.hardware import describe
 from zerotuner.hardware_probe import probe_facts, with_ops
-from zerotuner.inputs import UserInputs, apply_implied_settings, read_user_inputs
-from zerotuner.job_folders import refuse_overlaps, require_writable
+from zerotuner.job_folders import require_writable
 from zerotuner.launch import resolve_topology, start_ranks
 from zerotuner.logs import rank_level, setup_logging
-from zerotuner.settings import Settings, load_settings
+from zerotuner.settings import Settings
 
 log = logging.getLogger("zerotuner.train")
 
@@ -32,12 +32,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    settings = load_settings()
-    inputs = read_user_inputs(settings)
-    # Before anything uses a folder: a real nvme_path in the user's files is the offload dir
-    # the metrics watch, the device is mounted at, and preflight plans and checks.
-    settings = apply_implied_settings(settings, inputs)
-    refuse_overlaps(settings)  # before the metrics, a mount or a scan touch any of them
+    effective = effective_settings()  # before the metrics, a mount or a scan touch a folder
+    settings = effective.settings
     require_writable(settings)  # a read-only or file output fails here, not after loading
     token = settings.hf_token.get_secret_value() if settings.hf_token else None
     level = rank_level(settings.log_level, 0)
@@ -46,7 +42,7 @@ def run(args: argparse.Namespace) -> int:
         server = _start_metrics(settings, stack)
         code = 1
         try:
-            code = _train(settings, inputs, server, stack)
+            code = _train(effective, server, stack)
         except ZeroTunerError as error:
             code = error.exit_code
             raise
@@ -77,7 +73,8 @@ def _start_metrics(settings: Settings, stack: ExitStack):  # noqa: ANN202 - opti
     return server
 
 
-def _train(settings: Settings, inputs: UserInputs, server, stack: ExitStack) -> int:  # noqa: ANN001
+def _train(effective: Effective, server, stack: ExitStack) -> int:  # noqa: ANN001
+    settings = effective.settings
     # Enough to place the ranks (no DeepSpeed op builders: on the CPU, no torch import yet).
     facts = probe_facts(settings.device, os.environ, ops=False)
     placement = describe(facts, settings.device)
@@ -98,8 +95,8 @@ def _train(settings: Settings, inputs: UserInputs, server, stack: ExitStack) -> 
         from zerotuner.commands.train_plan import prepare  # imports torch: after the ranks
 
         pusher = prepare(
-            settings, inputs, hardware=hardware, topology=topology, job_file=job_file,
-            server=server, stack=stack,
+            effective, hardware=hardware, topology=topology, job_file=job_file, server=server,
+            stack=stack,
         )  # fmt: skip
     except BaseException:
         ranks.cancel()

@@ -22,8 +22,8 @@ from zerotuner.preflight import Preflight, preflight
 from zerotuner.settings import Settings
 
 if TYPE_CHECKING:
+    from zerotuner.effective import Effective
     from zerotuner.hardware import Hardware
-    from zerotuner.inputs import UserInputs
     from zerotuner.launch import Topology
     from zerotuner.metrics_server import MetricsServer
     from zerotuner.push import Pusher
@@ -32,8 +32,7 @@ log = logging.getLogger("zerotuner.train")
 
 
 def prepare(
-    settings: Settings,
-    inputs: UserInputs,
+    effective: Effective,
     *,
     hardware: Hardware,
     topology: Topology,
@@ -43,13 +42,14 @@ def prepare(
 ) -> Pusher | None:
     """Everything before the ranks may go: the plan, the offload volume, the job file, and on
     node 0 the checkpoint pusher (which may first fetch the checkpoint to resume from)."""
+    settings = effective.settings
     if settings.offload_device:
         stack.enter_context(
             mounted_offload_device(
                 settings.offload_device, settings.offload_dir, allow_format=settings.offload_format
             )
         )
-    pre = preflight(settings, hardware=hardware, topology=topology, inputs=inputs)
+    pre = preflight(effective, hardware=hardware, topology=topology)
     _log_decisions(pre)
     choice = pre.plan.choice
     if "nvme" in (choice.offload_optimizer, choice.offload_param):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -90,9 +91,14 @@ def hardware_for(args: argparse.Namespace, settings: Settings, *, ops: bool = Tr
     return hardware
 
 
-def topology_for(settings: Settings, hardware: Hardware) -> Topology:
-    """Ranks per node and nodes as `train` would resolve them, minus the rendezvous address."""
-    return resolve_topology(settings, hardware, os.environ, rendezvous=False)
+def topology_for(
+    settings: Settings, hardware: Hardware, environ: Mapping[str, str] | None = None
+) -> Topology:
+    """Ranks per node and nodes as `train` would resolve them, minus the rendezvous address
+    (`environ`: the variables the settings were read from; torchrun's among them count)."""
+    return resolve_topology(
+        settings, hardware, os.environ if environ is None else environ, rendezvous=False
+    )
 
 
 def offload_disk_free(args: argparse.Namespace, settings: Settings) -> int | None:

@@ -17,6 +17,7 @@ from typing import Any
 
 from zerotuner.errors import ConfigError
 from zerotuner.families.stored import model_json, stored_config, stored_counts
+from zerotuner.family_names import FAMILIES
 
 
 @dataclass(frozen=True)
@@ -112,7 +113,8 @@ REGISTRY: dict[str, Spec] = {
     ),
 }  # fmt: skip
 Family = str  # a key of REGISTRY
-FAMILIES: tuple[Family, ...] = tuple(REGISTRY)
+if tuple(REGISTRY) != FAMILIES:  # settings.py takes the names from family_names, below this
+    raise ImportError(f"family_names.FAMILIES {FAMILIES} is not REGISTRY's keys {tuple(REGISTRY)}")
 FLOW_FAMILIES = tuple(f for f, spec in REGISTRY.items() if spec.flow)
 PIPELINES = {spec.pipeline: f for f, spec in REGISTRY.items() if spec.pipeline}
 TRANSFORMERS = {spec.transformer: f for f, spec in REGISTRY.items() if spec.transformer}

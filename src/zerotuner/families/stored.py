@@ -18,7 +18,8 @@ from typing import Any
 
 from zerotuner.files import load_mapping
 
-STEMS = ("diffusion_pytorch_model", "model")  # diffusers' and transformers' weight files
+DIFFUSERS_STEM = "diffusion_pytorch_model"
+STEMS = (DIFFUSERS_STEM, "model")  # diffusers' and transformers' weight files
 
 
 def stored_counts(folder: Path) -> tuple[int, int] | None:
@@ -41,13 +42,15 @@ def model_json(path: Path) -> dict[str, Any]:
     return load_mapping(path, setting="ZT_MODEL")
 
 
-def weight_files(folder: Path) -> list[Path] | None:
-    """The files `from_pretrained` loads without a variant: one file, or an index's shards."""
-    for stem in STEMS:
+def weight_files(folder: Path, stems: tuple[str, ...] = STEMS) -> list[Path] | None:
+    """The safetensors files `from_pretrained` loads from `folder` without a variant: one
+    file, or the shards its index names; None when it has none (or an index's shard is
+    missing). A folder with both: diffusers takes the index, transformers the single file."""
+    for stem in stems:
         single = folder / f"{stem}.safetensors"
-        if single.is_file():
-            return [single]
         index = folder / f"{stem}.safetensors.index.json"
+        if single.is_file() and not (stem == DIFFUSERS_STEM and index.is_file()):
+            return [single]
         if index.is_file():
             names = sorted(set(model_json(index)["weight_map"].values()))
             files = [folder / name for name in names]
