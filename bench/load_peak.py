@@ -80,7 +80,7 @@ def planned(pre: Any, path: str, world: int) -> Any:
 
     choice = pre.plan.choice
     return plan_load(
-        pre.shape, ranks_per_node=world, precision=pre.plan.inputs["precision"], on_cpu=True,
+        pre.shape, ranks_per_node=world, precision=pre.plan.inputs.precision, on_cpu=True,
         zero_stage=choice.zero_stage if path == "zero_init" else None,
         offload_param=choice.offload_param, world_size=world,
     )  # fmt: skip
@@ -96,7 +96,7 @@ def row(path: str, world: int, pre: Any, ranks: list[dict[str, Any]]) -> dict[st
 
     choice, shape = pre.plan.choice, pre.shape
     load = planned(pre, path, world)
-    p_bytes = 4 if pre.plan.inputs["precision"] == "no" else 2
+    p_bytes = 4 if pre.plan.inputs.precision == "no" else 2
     engine = {k.split(".", 1)[1]: v for k, v in choice.parts.items()
               if k.startswith("host_per_rank.") or k == "device.buckets"}  # fmt: skip
     buffers = sum(v for k, v in engine.items() if k != "process")

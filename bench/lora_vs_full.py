@@ -36,8 +36,8 @@ def lora_vs_full(b: Bench) -> list[dict[str, Any]]:
             row: dict[str, Any] = {
                 "training_type": kind, "zero_stage": stage, "offload_optimizer": opt,
                 "offload_param": param,
-                "trainable_params": pre.plan.inputs["trainable_params"],
-                "frozen_params": pre.plan.inputs["frozen_params"],
+                "trainable_params": pre.plan.inputs.trainable_params,
+                "frozen_params": pre.plan.inputs.frozen_params,
             }  # fmt: skip
             try:
                 work = b.work(f"lora-vs-full-{name}")

@@ -82,14 +82,14 @@ def lora_headline() -> dict[str, Any]:
     """The headline job as LoRA: the planner's choice and memory, and a step on paper."""
     from zerotuner.families import model_shape
     from zerotuner.lora import PRESETS
-    from zerotuner.plan import make_plan
+    from zerotuner.plan import PlanRequest, make_plan
     from zerotuner.trainable import lora_adapter
 
     shape = model_shape("sdxl")
     training = lora_adapter(shape, rank=LORA_RANK, targets=PRESETS["attention"])
     plan = make_plan(
-        shape, headline_hardware(), resolution=1024, micro_batch=8, world_size=1,
-        mixed_precision="auto", training=training,
+        shape=shape, hardware=headline_hardware(), training=training,
+        request=PlanRequest(resolution=1024, micro_batch=8, world_size=1, mixed_precision="auto"),
     )  # fmt: skip
     choice = plan.choice
     fwd, bwd = unet_flops(lora_rank=LORA_RANK)
@@ -115,12 +115,12 @@ def lora_headline() -> dict[str, Any]:
 
 def headline(adam: dict[str, float] | None = None) -> dict[str, Any]:
     from zerotuner.families import model_shape
-    from zerotuner.plan import make_plan
+    from zerotuner.plan import PlanRequest, make_plan
 
     shape = model_shape("sdxl")
     plan = make_plan(
-        shape, headline_hardware(), resolution=1024, micro_batch=8, world_size=1,
-        mixed_precision="auto",
+        shape=shape, hardware=headline_hardware(),
+        request=PlanRequest(resolution=1024, micro_batch=8, world_size=1, mixed_precision="auto"),
     )  # fmt: skip
     choice = plan.choice
     fwd, bwd = unet_flops()
@@ -232,7 +232,7 @@ def node_load_markdown() -> str:
     """docs/benchmarks.md's before/after table of the load peak on an 8-GPU node."""
     from zerotuner.families import model_shape
     from zerotuner.hardware import GPU, Hardware
-    from zerotuner.plan import make_plan
+    from zerotuner.plan import PlanRequest, make_plan
 
     memory = 80 * GiB
     node = Hardware(
@@ -245,10 +245,13 @@ def node_load_markdown() -> str:
         "|---|---|---:|---:|---:|",
     ]
     for stage, offload_param in NODE_LOAD_ROWS:
+        request = PlanRequest(
+            resolution=1024, micro_batch=8, world_size=8, zero_stage=stage,
+            offload_param=offload_param, mixed_precision="bf16",
+        )  # fmt: skip
         plan = make_plan(
-            model_shape("sdxl"), node, resolution=1024, micro_batch=8, world_size=8,
-            zero_stage=stage, offload_param=offload_param, offload_disk_free=2 * 10**12,
-            mixed_precision="bf16",
+            shape=model_shape("sdxl"), hardware=node, request=request,
+            offload_disk_free=2 * 10**12,
         )  # fmt: skip
         load = plan.load
         rows.append(

@@ -121,17 +121,17 @@ def test_flux_full_fine_tuning_on_4_x_80_gb_lands_on_zero_3():
     ZeRO-3: the planner's estimate agrees."""
     from zerotuner.families import model_shape
     from zerotuner.hardware import GPU, GiB, Hardware
-    from zerotuner.plan import make_plan
+    from zerotuner.plan import PlanRequest, make_plan
 
     memory = 80 * GiB
     node = Hardware(
         "cuda", tuple(GPU(i, "H100", memory, memory, (9, 0)) for i in range(4)),
         host_memory=512 * GiB, cpu_count=64,
     )  # fmt: skip
+    request = PlanRequest(resolution=1024, micro_batch=1, world_size=4, mixed_precision="bf16")
     plan = make_plan(
-        model_shape("flux"), node, resolution=1024, micro_batch=1, world_size=4,
-        mixed_precision="bf16", offload_disk_free=2 * 10**12,
-    )  # fmt: skip
+        shape=model_shape("flux"), hardware=node, request=request, offload_disk_free=2 * 10**12
+    )
     assert plan.choice.zero_stage == 3 and plan.choice.offload_optimizer == "none"
     zero2 = [r for r in plan.rows if r.zero_stage == 2 and r.offload_optimizer == "none"]
     assert zero2 and not any(r.fits for r in zero2)

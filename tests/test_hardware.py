@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 
-from zerotuner.commands.plan import describe_hardware
 from zerotuner.driver import CUDA12_BUILD, Driver, driver_problem, driver_warnings
 from zerotuner.errors import ConfigError, EnvironmentUnfit
 from zerotuner.hardware import (
@@ -16,6 +15,7 @@ from zerotuner.hardware import (
     OpStatus,
     choose_accelerator,
     describe,
+    describe_hardware,
     host_memory,
     join_gpus,
     require_supported,

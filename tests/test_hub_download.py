@@ -55,7 +55,7 @@ def test_check_reports_the_hub_model_by_its_configs(demo_dir, tmp_path):
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     (line,) = [x for x in result.stdout.splitlines() if x.split()[1:2] == ["model"]]
     assert line.startswith(f"OK   model            hub id {REPO_ID}; sdxl (detected from its ")
-    assert f"configs at commit {SHA[:12]}); UNet 1.0M params" in line
+    assert f"configs at commit {SHA[:12]}); denoiser 1.0M params" in line
 
 
 def test_a_token_the_hub_refuses_is_exit_2_naming_the_setting(demo_dir, tmp_path):

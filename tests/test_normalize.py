@@ -294,7 +294,7 @@ def test_the_plan_sizes_the_precision_the_deepspeed_config_enables(base, hardwar
         settings, SDXL, hardware, base=base, world_size=1, ranks_per_node=1,
         offload_disk_free=None, require_fit=False,
     )  # fmt: skip
-    assert plan.inputs["precision"] == run(base, hardware=hardware, **env).mixed_precision
+    assert plan.inputs.precision == run(base, hardware=hardware, **env).mixed_precision
 
 
 def test_nvme_optimizer_below_stage3_becomes_cpu_with_a_warning():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -19,12 +20,13 @@ from zerotuner.families import (
     resolve_family,
 )
 from zerotuner.hardware import GPU, GiB, Hardware, OpStatus, cpu_only
-from zerotuner.plan import estimate, make_plan
+from zerotuner.plan import PlanRequest, estimate, make_plan
 
 SDXL = model_shape("sdxl")
 PSI = SDXL.unet_params
 # The demo's tiny SDXL-architecture UNet (zerotuner demo), as counted from its config.
 TINY = ModelShape("sdxl", 1_028_708, 73_728, 736_647, 256, "demo", base_channels=32)
+ONE_1024 = PlanRequest(resolution=1024, micro_batch=1, world_size=1)  # one image, one rank
 
 
 def gpus(n: int, memory_gib: float, host_gib: float, cc=(8, 9), name="GPU") -> Hardware:
@@ -63,14 +65,17 @@ CASES = [
 )
 def test_choice_for_described_hardware(hardware, job, expected):
     world = len(hardware.gpus)
-    plan = make_plan(SDXL, hardware, resolution=1024, world_size=world, **job)
+    request = PlanRequest(resolution=1024, micro_batch=job["micro_batch"], world_size=world)
+    disk = job.get("offload_disk_free")
+    plan = make_plan(shape=SDXL, hardware=hardware, request=request, offload_disk_free=disk)
     assert choice(plan) == expected
     assert plan.choice.fits
     assert plan.choice.device_bytes <= 0.9 * hardware.min_device_memory
 
 
 def test_headline_reasons_say_why_stage_2_and_why_checkpointing():
-    plan = make_plan(SDXL, gpus(1, 24, 128), resolution=1024, micro_batch=8, world_size=1)
+    request = PlanRequest(resolution=1024, micro_batch=8, world_size=1)
+    plan = make_plan(shape=SDXL, hardware=gpus(1, 24, 128), request=request)
     text = " ".join(plan.reasons)
     assert "ZeRO-2 rather than ZeRO-1" in text
     assert "gradient checkpointing is what makes it fit" in text
@@ -83,13 +88,14 @@ def test_headline_reasons_say_why_stage_2_and_why_checkpointing():
 
 
 def test_t4_plans_in_fp16():
-    plan = make_plan(SDXL, gpus(2, 16, 64, cc=(7, 5)), resolution=1024, micro_batch=1, world_size=2)
-    assert plan.inputs["precision"] == "fp16"
+    request = PlanRequest(resolution=1024, micro_batch=1, world_size=2)
+    plan = make_plan(shape=SDXL, hardware=gpus(2, 16, 64, cc=(7, 5)), request=request)
+    assert plan.inputs.precision == "fp16"
 
 
 def test_small_gpu_and_little_ram_without_nvme_exits_3_naming_the_way_out():
     with pytest.raises(EnvironmentUnfit) as info:
-        make_plan(SDXL, gpus(1, 8, 16), resolution=1024, micro_batch=1, world_size=1)
+        make_plan(shape=SDXL, hardware=gpus(1, 8, 16), request=ONE_1024)
     message = str(info.value)
     assert info.value.exit_code == 3
     assert message.startswith("nothing fits: closest is ZeRO-")
@@ -104,37 +110,36 @@ def test_nvme_needs_async_io():
         ops=(OpStatus("async_io", False, False, True),),
     )
     with pytest.raises(EnvironmentUnfit, match="async_io"):
-        make_plan(
-            SDXL, no_aio, resolution=1024, micro_batch=1, world_size=1, offload_disk_free=10**13
-        )
+        make_plan(shape=SDXL, hardware=no_aio, request=ONE_1024, offload_disk_free=10**13)
 
 
 def test_cpu_only_demo_picks_plain_fp32_zero_0():
-    plan = make_plan(TINY, cpu_only(24 * GiB), resolution=256, micro_batch=2, world_size=2)
+    request = PlanRequest(resolution=256, micro_batch=2, world_size=2)
+    plan = make_plan(shape=TINY, hardware=cpu_only(24 * GiB), request=request)
     assert choice(plan) == (0, "none", "none", False)
-    assert plan.inputs["precision"] == "no"
+    assert plan.inputs.precision == "no"
     assert plan.choice.device_bytes < 1 * GiB
 
 
 def test_cpu_only_sdxl_does_not_fit_in_24_gib():
     with pytest.raises(EnvironmentUnfit, match="host"):
-        make_plan(SDXL, cpu_only(24 * GiB), resolution=1024, micro_batch=1, world_size=1)
+        make_plan(shape=SDXL, hardware=cpu_only(24 * GiB), request=ONE_1024)
 
 
 def test_pins_are_kept():
     hw = gpus(1, 80, 128)
-    plan = make_plan(SDXL, hw, resolution=1024, micro_batch=8, world_size=1, zero_stage=3)
+    request = PlanRequest(resolution=1024, micro_batch=8, world_size=1, zero_stage=3)
+    plan = make_plan(shape=SDXL, hardware=hw, request=request)
     assert plan.choice.zero_stage == 3
     assert {r.zero_stage for r in plan.rows} == {3}
-    plan = make_plan(
-        SDXL, hw, resolution=1024, micro_batch=1, world_size=1, offload_optimizer="cpu"
-    )
+    request = PlanRequest(resolution=1024, micro_batch=1, world_size=1, offload_optimizer="cpu")
+    plan = make_plan(shape=SDXL, hardware=hw, request=request)
     assert plan.choice.offload_optimizer == "cpu"
     with pytest.raises(EnvironmentUnfit, match="ZT_GRADIENT_CHECKPOINTING=False"):
-        make_plan(
-            SDXL, gpus(1, 24, 128), resolution=1024, micro_batch=8, world_size=1,
-            gradient_checkpointing=False,
-        )  # fmt: skip
+        request = PlanRequest(
+            resolution=1024, micro_batch=8, world_size=1, gradient_checkpointing=False
+        )
+        make_plan(shape=SDXL, hardware=gpus(1, 24, 128), request=request)
 
 
 @pytest.mark.parametrize(
@@ -147,7 +152,8 @@ def test_pins_are_kept():
 )
 def test_illegal_pins_are_config_errors(pins, word):
     with pytest.raises(ConfigError, match=word) as info:
-        make_plan(SDXL, gpus(1, 80, 128), resolution=1024, micro_batch=1, world_size=1, **pins)
+        request = PlanRequest(resolution=1024, micro_batch=1, world_size=1, **pins)
+        make_plan(shape=SDXL, hardware=gpus(1, 80, 128), request=request)
     assert "ZT_ZERO_STAGE=" in str(info.value)
 
 
@@ -215,8 +221,8 @@ def test_activations_follow_width_not_parameter_count():
 
 def test_ema_is_an_fp32_copy_on_the_host():
     hw = gpus(1, 80, 256)
-    base = make_plan(SDXL, hw, resolution=1024, micro_batch=1, world_size=1)
-    with_ema = make_plan(SDXL, hw, resolution=1024, micro_batch=1, world_size=1, ema=True)
+    base = make_plan(shape=SDXL, hardware=hw, request=ONE_1024)
+    with_ema = make_plan(shape=SDXL, hardware=hw, request=replace(ONE_1024, ema=True))
     assert with_ema.choice.host_bytes - base.choice.host_bytes == 4 * PSI  # once per node
     assert with_ema.choice.device_bytes == base.choice.device_bytes
 
@@ -435,9 +441,8 @@ def test_tiny_demo_host_plan_matches_what_its_processes_use():
     """The tiny demo on 2 CPU ranks (ZeRO-2): its process tree peaked at 1.72 GiB summed RSS
     (bench/results/2026-11-23: ranks 575 and 559 MiB, `zerotuner train` 404, torchrun 223);
     the plan once said 4.5 GiB (2 GiB per rank, the CUDA-host figure, on the CPU path)."""
-    plan = make_plan(
-        TINY, cpu_only(24 * GiB), resolution=64, micro_batch=2, world_size=2, zero_stage=2
-    )
+    request = PlanRequest(resolution=64, micro_batch=2, world_size=2, zero_stage=2)
+    plan = make_plan(shape=TINY, hardware=cpu_only(24 * GiB), request=request)
     measured = 1.72 * GiB
     assert abs(plan.choice.host_bytes - measured) / measured < 0.15
 

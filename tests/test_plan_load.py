@@ -14,7 +14,7 @@ from zerotuner import cli
 from zerotuner.errors import EnvironmentUnfit
 from zerotuner.families import model_shape
 from zerotuner.hardware import GPU, GiB, Hardware
-from zerotuner.plan import make_plan
+from zerotuner.plan import PlanRequest, make_plan
 from zerotuner.plan_memory import (
     LOAD_PART_NAMES,
     PARAM_BUFFERS,
@@ -22,6 +22,7 @@ from zerotuner.plan_memory import (
     SUB_GROUP_NVME,
     load_peak,
 )
+from zerotuner.trainable import Training
 
 SDXL = model_shape("sdxl")
 PSI = SDXL.unet_params
@@ -33,9 +34,13 @@ def gpus(n: int, memory_gib: float, host_gib: float) -> Hardware:
     return Hardware("cuda", cards, host_memory=int(host_gib * GiB), cpu_count=32)
 
 
-def sdxl_plan(hardware: Hardware, **kw):
-    n = len(hardware.gpus)
-    return make_plan(SDXL, hardware, resolution=1024, micro_batch=8, world_size=n, **kw)
+def sdxl_plan(
+    hardware: Hardware, *, training: Training | None = None, require_fit: bool = True, **pins
+):
+    request = PlanRequest(resolution=1024, micro_batch=8, world_size=len(hardware.gpus), **pins)
+    return make_plan(
+        shape=SDXL, hardware=hardware, request=request, training=training, require_fit=require_fit
+    )
 
 
 def test_load_peak_is_every_ranks_fp32_unet_then_the_frozen_parts_once_while_caching():
@@ -80,10 +85,10 @@ def test_a_pinned_stage_whose_load_does_not_fit_is_refused_naming_what_would():
     assert "ZT_NUM_PROCESSES=4" in message and "host with at least" in message
     # each suggestion holds: ZeRO-3; 4 ranks per node (2 nodes of 4 keep the world size)
     assert sdxl_plan(gpus(8, 80, 64), zero_stage=3).load_fits
-    fewer = make_plan(
-        SDXL, gpus(8, 80, 64), resolution=1024, micro_batch=8, world_size=8, ranks_per_node=4,
-        zero_stage=1,
-    )  # fmt: skip
+    request = PlanRequest(
+        resolution=1024, micro_batch=8, world_size=8, ranks_per_node=4, zero_stage=1
+    )
+    fewer = make_plan(shape=SDXL, hardware=gpus(8, 80, 64), request=request)
     assert fewer.load_fits and fewer.choice.fits
     assert fewer.load.peak_bytes <= 0.9 * 64 * GiB
 

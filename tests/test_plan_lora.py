@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import sys
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -14,7 +15,7 @@ from diffusers import UNet2DConditionModel
 from zerotuner import cli, lora, trainable
 from zerotuner.families import meta_model, model_shape
 from zerotuner.hardware import GPU, GiB, Hardware
-from zerotuner.plan import make_plan
+from zerotuner.plan import PlanRequest, make_plan
 from zerotuner.plan_memory import estimate
 from zerotuner.settings import Settings
 
@@ -115,13 +116,14 @@ def test_headline_lora_on_one_24_gb_gpu_needs_no_sharding_or_offload():
     """SDXL LoRA (rank 16, attention), 1024 px, batch 8, one 24 GB GPU: the lowest stage that
     fits, where full training of the same job needs ZeRO-2 with the optimizer on the CPU."""
     hw = gpus(1, 24, 128)
-    full = make_plan(SDXL, hw, resolution=1024, micro_batch=8, world_size=1)
-    plan = make_plan(SDXL, hw, resolution=1024, micro_batch=8, world_size=1, training=LORA16)
+    request = PlanRequest(resolution=1024, micro_batch=8, world_size=1)
+    full = make_plan(shape=SDXL, hardware=hw, request=request)
+    plan = make_plan(shape=SDXL, hardware=hw, request=request, training=LORA16)
     assert choice(full) == (2, "cpu", "none", True)
     assert choice(plan) == (0, "none", "none", True)
     assert plan.choice.device_bytes < full.choice.device_bytes < 0.9 * 24 * GiB
     counts = {"training_type": "lora", "trainable_params": 23_224_320}
-    assert plan.inputs.items() >= (counts | {"frozen_params": SDXL.unet_params}).items()
+    assert asdict(plan.inputs).items() >= (counts | {"frozen_params": SDXL.unet_params}).items()
     text = " ".join(plan.reasons)
     assert "LoRA: 23.2M adapter parameters train" in text and "whole on every rank" in text
 
@@ -130,13 +132,15 @@ def test_lora_takes_zero_3_only_when_the_base_does_not_fit_below_it():
     # 8 x 13 GB: ZeRO-3 would fit without recomputation, but the base fits at ZeRO-0 with
     # checkpointing, so the planner stays below ZeRO-3 (full training takes ZeRO-3 here)
     hw = gpus(8, 13)
-    plan = make_plan(SDXL, hw, resolution=1024, micro_batch=1, world_size=8, training=LORA16)
+    request = PlanRequest(resolution=1024, micro_batch=1, world_size=8)
+    plan = make_plan(shape=SDXL, hardware=hw, request=request, training=LORA16)
     assert choice(plan) == (0, "none", "none", True)
     assert any(r.fits and r.zero_stage == 3 and not r.gradient_checkpointing for r in plan.rows)
-    assert make_plan(SDXL, hw, resolution=1024, micro_batch=1, world_size=8).choice.zero_stage == 3
+    assert make_plan(shape=SDXL, hardware=hw, request=request).choice.zero_stage == 3
     # 4 x 7 GB: the 16-bit base (4.8 GiB) and the CUDA context leave no room below ZeRO-3
     hw = gpus(4, 7)
-    plan = make_plan(SDXL, hw, resolution=1024, micro_batch=1, world_size=4, training=LORA16)
+    request = PlanRequest(resolution=1024, micro_batch=1, world_size=4)
+    plan = make_plan(shape=SDXL, hardware=hw, request=request, training=LORA16)
     assert choice(plan) == (3, "none", "none", True)
     assert "ZeRO-3 partitions it over the ranks, as no lower stage fits" in " ".join(plan.reasons)
 
@@ -191,11 +195,12 @@ def test_benchmarks_headline_on_paper_is_what_the_planner_says():
 
     readme = (REPO / "docs/benchmarks.md").read_text()
     hw = headline_hardware()
-    full = make_plan(SDXL, hw, resolution=1024, micro_batch=8, world_size=1).choice
+    request = PlanRequest(resolution=1024, micro_batch=8, world_size=1)
+    full = make_plan(shape=SDXL, hardware=hw, request=request).choice
     stated = f"would choose **{full.label()}**: {full.device_bytes / GiB:.1f} GiB on the GPU"
     assert stated in readme
     adapter = trainable.lora_adapter(SDXL, rank=LORA_RANK, targets=lora.PRESETS["attention"])
-    plan = make_plan(SDXL, hw, resolution=1024, micro_batch=8, world_size=1, training=adapter)
+    plan = make_plan(shape=SDXL, hardware=hw, request=request, training=adapter)
     c = plan.choice
     assert (
         f"would choose **{c.label()}**: {c.device_bytes / GiB:.1f} GiB on the GPU, "

@@ -103,6 +103,10 @@ class SettingsPath:
     def run(self) -> Effective:
         for _, step in self.STEPS:
             step(self)
+        return self.effective()
+
+    def effective(self) -> Effective:
+        """What the steps found (once the settings and files have read)."""
         assert self.settings is not None and self.inputs is not None
         offline = self.environ.get("HF_HUB_OFFLINE", "").strip().lower() in TRUE_WORDS
         return Effective(self.settings, self.inputs, hub_offline=offline)

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from zerotuner.driver import Driver, driver_problem, driver_warnings
+from zerotuner.driver import Driver, describe_driver, driver_problem, driver_warnings
 from zerotuner.errors import ConfigError, EnvironmentUnfit
 
 Accelerator = Literal["cuda", "cpu", "rocm", "mps"]
@@ -307,3 +307,20 @@ def require_supported(hardware: Hardware) -> None:
 
 
 # --- probing (thin I/O) -----------------------------------------------------------------------
+
+
+def describe_hardware(hardware: Hardware) -> str:
+    """The machine in one line, as `plan`, `config` and `check` print it."""
+
+    def gib(n: float) -> str:
+        return f"{n / GiB:.1f}"
+
+    if hardware.accelerator == "cpu":
+        head = "CPU accelerator (no GPU)"
+    else:
+        names = sorted({g.name for g in hardware.gpus})
+        head = f"{len(hardware.gpus)} x {', '.join(names)} {gib(hardware.min_device_memory)} GiB"
+        head += " (bf16)" if hardware.bf16 else " (no bf16)"
+        if hardware.driver or hardware.image_cuda:
+            head += f"; {describe_driver(hardware.driver, hardware.image_cuda)}"
+    return f"{head}; host {gib(hardware.host_memory)} GiB; {hardware.cpu_count} CPUs"

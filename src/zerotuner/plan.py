@@ -91,16 +91,62 @@ class Capacity:
 
 
 @dataclass(frozen=True)
+class PlanRequest:
+    """What the planner is asked to size: the job (resolution, micro batch, ranks) and what
+    the user pinned ("auto": the planner chooses). `preflight.plan_for` builds it from the
+    settings and the pins of the raw DeepSpeed config."""
+
+    resolution: int  # pixels per side
+    micro_batch: int  # images per device per step
+    world_size: int  # ranks in the job
+    ranks_per_node: int | None = None  # None: every rank on one node
+    gradient_checkpointing: str | bool = "auto"
+    zero_stage: str | int = "auto"
+    offload_optimizer: str = "auto"  # auto | none | cpu | nvme
+    offload_param: str = "auto"  # auto | none | cpu | nvme
+    mixed_precision: str = "auto"  # auto | no | fp16 | bf16, as asked (resolve_precision)
+    ema: bool = False  # an fp32 EMA copy on the host
+    max_sequence_length: int | None = None  # the T5 tokens a flow family's cached caption holds
+    # where the pins came from (a raw DeepSpeed key instead of the ZT_* name), for messages
+    pin_names: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class PlanInputs:
+    """What a plan was made for, resolved (`plan --json`'s "inputs", in this order)."""
+
+    family: str
+    unet_params: int  # the denoiser's (UNet or transformer) parameters
+    training_type: str  # full | lora
+    text_encoders_train: bool
+    trainable_params: int
+    frozen_params: int
+    resolution: int
+    micro_batch: int
+    world_size: int
+    ranks_per_node: int
+    precision: str  # the one DeepSpeed runs: no | fp16 | bf16
+    accelerator: str
+    device_memory_bytes: int  # per device; 0 on the CPU accelerator
+    device_usable_bytes: int  # after the margin
+    host_memory_bytes: int  # per node
+    host_usable_bytes: int  # after the margin
+    offload_disk_free_bytes: int | None
+    ema: bool
+    caption_cache_bytes: int  # one caption's cached text states
+
+
+@dataclass(frozen=True)
 class Plan:
     rows: tuple[Estimate, ...]
     choice: Estimate
     reasons: tuple[str, ...]
-    inputs: dict[str, Any]
+    inputs: PlanInputs
     load: LoadPeak
 
     @property
     def load_fits(self) -> bool:
-        return self.load.peak_bytes <= self.inputs["host_usable_bytes"]
+        return self.load.peak_bytes <= self.inputs.host_usable_bytes
 
     def phases(self) -> dict[str, dict[str, Any]]:
         """Host bytes per node by phase, and what is live in each."""
@@ -122,7 +168,7 @@ class Plan:
         return {
             "choice": self.choice.choice(),
             "reasons": list(self.reasons),
-            "inputs": self.inputs,
+            "inputs": asdict(self.inputs),
             "rows": [
                 {k: v for k, v in asdict(r).items() if k != "short"}
                 | {"short": list(r.short), "label": r.label()}
@@ -131,7 +177,7 @@ class Plan:
             "load_peak": {
                 "path": self.load.path,  # full_copy below ZeRO-3, zero_init at ZeRO-3
                 "host_bytes": self.load.peak_bytes,
-                "host_usable_bytes": self.inputs["host_usable_bytes"],
+                "host_usable_bytes": self.inputs.host_usable_bytes,
                 "fits": self.load_fits,
                 "ranks_per_node": self.load.ranks_per_node,
                 "per_rank": dict(self.load.per_rank),
@@ -205,52 +251,50 @@ def gib(n: float) -> str:
 
 
 def make_plan(
+    *,
     shape: ModelShape,
     hardware: Hardware,
-    *,
-    resolution: int,
-    micro_batch: int,
-    world_size: int,
-    gradient_checkpointing: str | bool = "auto",
-    zero_stage: str | int = "auto",
-    offload_optimizer: str = "auto",
-    offload_param: str = "auto",
-    ema: bool = False,
-    offload_disk_free: int | None = None,
-    mixed_precision: str = "auto",
-    ranks_per_node: int | None = None,
-    require_fit: bool = True,
-    pin_names: dict[str, str] | None = None,
+    request: PlanRequest,
     training: Training | None = None,
-    max_sequence_length: int | None = None,
+    offload_disk_free: int | None = None,
+    require_fit: bool = True,
 ) -> Plan:
-    """Estimate every option; choose the fastest that fits. Pinned values are kept.
-    `training`: what trains (default: the whole UNet; `trainable.lora_adapter` for LoRA).
-    `max_sequence_length`: the T5 tokens a flow family's cached caption holds.
+    """Estimate every option for `request` on `hardware`; choose the fastest that fits. Pinned
+    values are kept. `training`: what trains (default: the whole UNet;
+    `trainable.lora_adapter` for LoRA). `offload_disk_free`: bytes free for NVMe offload
+    (None: no offload disk measured). `require_fit=False`: when nothing fits, plan the closest
+    option anyway and say why in the reasons.
 
     Raises ConfigError for an illegal pinned combination and EnvironmentUnfit (exit 3) when
-    nothing fits, naming the closest option and what it lacks. `pin_names`: where the pins came
-    from (a raw DeepSpeed key instead of the ZT_* name), for those messages.
+    nothing fits, naming the closest option and what it lacks (the pins by `request.pin_names`).
     """
     names = {
         key: f"ZT_{key.upper()}"
         for key in ("zero_stage", "offload_optimizer", "offload_param", "gradient_checkpointing")
-    } | (pin_names or {})
-    if world_size < 1 or micro_batch < 1:
-        raise ConfigError(f"world size {world_size} and micro batch {micro_batch} must be >= 1")
-    ranks_per_node = ranks_per_node or world_size
+    } | request.pin_names
+    if request.world_size < 1 or request.micro_batch < 1:
+        raise ConfigError(
+            f"world size {request.world_size} and micro batch {request.micro_batch} must be >= 1"
+        )
+    ranks_per_node = request.ranks_per_node or request.world_size
     training = training or full_unet(shape)
     preference = _preference_for(training)
-    precision = resolve_precision(mixed_precision, hardware)
+    precision = resolve_precision(request.mixed_precision, hardware)
     on_cpu = hardware.accelerator == "cpu"
     cap = capacity(hardware, offload_disk_free)
-    check_pins(zero_stage, offload_optimizer, offload_param, names)
-    stages = [0, 1, 2, 3] if zero_stage == "auto" else [int(zero_stage)]
-    ckpts = [False, True] if gradient_checkpointing == "auto" else [bool(gradient_checkpointing)]
+    check_pins(request.zero_stage, request.offload_optimizer, request.offload_param, names)
+    stages = [0, 1, 2, 3] if request.zero_stage == "auto" else [int(request.zero_stage)]
+    ckpts = (
+        [False, True]
+        if request.gradient_checkpointing == "auto"
+        else [bool(request.gradient_checkpointing)]
+    )
 
     rows = []
     for opt, param in OFFLOADS:
-        if offload_optimizer not in ("auto", opt) or offload_param not in ("auto", param):
+        if request.offload_optimizer not in ("auto", opt):
+            continue  # pinned to another device
+        if request.offload_param not in ("auto", param):
             continue
         for stage in stages:
             if legal(stage, opt, param):
@@ -262,13 +306,13 @@ def make_plan(
                     offload_optimizer=opt,
                     offload_param=param,
                     gradient_checkpointing=ckpt,
-                    resolution=resolution,
-                    micro_batch=micro_batch,
-                    world_size=world_size,
+                    resolution=request.resolution,
+                    micro_batch=request.micro_batch,
+                    world_size=request.world_size,
                     ranks_per_node=ranks_per_node,
                     precision=precision,
                     on_cpu=on_cpu,
-                    ema=ema,
+                    ema=request.ema,
                     training=training,
                 )
                 short = _shortfalls(device, host, disk, cap, on_cpu, hardware.nvme_offload_possible)
@@ -277,46 +321,53 @@ def make_plan(
                 )
     if not rows:
         raise ConfigError(
-            f"{names['zero_stage']}={zero_stage}, {names['offload_optimizer']}="
-            f"{offload_optimizer}, {names['offload_param']}={offload_param}: no DeepSpeed option "
-            "matches these pins"
+            f"{names['zero_stage']}={request.zero_stage}, "
+            f"{names['offload_optimizer']}={request.offload_optimizer}, "
+            f"{names['offload_param']}={request.offload_param}: no DeepSpeed option matches "
+            "these pins"
         )
     rows.sort(key=_table_order)
-    inputs = {
-        "family": shape.family,
-        "unet_params": shape.unet_params,
-        "training_type": training.type,
-        "text_encoders_train": training.text_encoders,
-        "trainable_params": training.trainable_params,
-        "frozen_params": training.frozen_params,
-        "resolution": resolution,
-        "micro_batch": micro_batch,
-        "world_size": world_size,
-        "ranks_per_node": ranks_per_node,
-        "precision": precision,
-        "accelerator": hardware.accelerator,
-        "device_memory_bytes": cap.device_total,
-        "device_usable_bytes": cap.device,
-        "host_memory_bytes": cap.host_total,
-        "host_usable_bytes": cap.host,
-        "offload_disk_free_bytes": offload_disk_free,
-        "ema": ema,
-        "caption_cache_bytes": caption_cache_bytes(shape, max_sequence_length),
-    }
+    inputs = PlanInputs(
+        family=shape.family,
+        unet_params=shape.unet_params,
+        training_type=training.type,
+        text_encoders_train=training.text_encoders,
+        trainable_params=training.trainable_params,
+        frozen_params=training.frozen_params,
+        resolution=request.resolution,
+        micro_batch=request.micro_batch,
+        world_size=request.world_size,
+        ranks_per_node=ranks_per_node,
+        precision=precision,
+        accelerator=hardware.accelerator,
+        device_memory_bytes=cap.device_total,
+        device_usable_bytes=cap.device,
+        host_memory_bytes=cap.host_total,
+        host_usable_bytes=cap.host,
+        offload_disk_free_bytes=offload_disk_free,
+        ema=request.ema,
+        caption_cache_bytes=caption_cache_bytes(shape, request.max_sequence_length),
+    )
 
     def load_for(row: Estimate, stage: int | None = None) -> LoadPeak:
         """The load path `row` runs: zero.Init at ZeRO-3, every rank's full copy below."""
         return load_peak(
             shape, ranks_per_node=ranks_per_node, precision=precision, on_cpu=on_cpu,
             zero_stage=row.zero_stage if stage is None else stage,
-            offload_param=row.offload_param, world_size=world_size,
+            offload_param=row.offload_param, world_size=request.world_size,
             lora=training.type == "lora",
         )  # fmt: skip
 
     fitting = sorted((r for r in rows if r.fits), key=preference)
     if not fitting:
         closest = min(rows, key=lambda r: _overshoot(r, cap, on_cpu))
-        pins = pin_text(names, zero_stage, offload_optimizer, offload_param, gradient_checkpointing)
+        pins = pin_text(
+            names,
+            request.zero_stage,
+            request.offload_optimizer,
+            request.offload_param,
+            request.gradient_checkpointing,
+        )
         hint = ""
         disk_only = [r for r in rows if r.short and all(s.startswith("disk") for s in r.short)]
         if disk_only:

@@ -1,15 +1,21 @@
 """`zerotuner check`: every validation `train` makes, without training (the dry run to trust
-before renting GPUs). Each check prints OK, WARN, SKIP or FAIL and the rest still run.
+before renting GPUs). Each check prints OK, WARN, SKIP or FAIL.
+
+The first checks are the very steps `train` takes before its ranks start, reported one by
+one: the settings path (effective.SettingsPath) and preflight (preflight.PreflightRun), so
+what `check` accepts `train` starts and what it refuses `train` refuses with the same line;
+each of these needs the one before. Then what `train` meets later (the dataset, the text
+cache, the offload volume, writable folders, ports, the push remote), each run regardless.
 
 Exit 2 when any check found a configuration or input error, else 3 when the environment
-cannot run the job, else 0. Nothing is created, cleaned, mounted or formatted.
+cannot run the job, else 0. Nothing is created, cleaned, mounted or formatted, but for a hub
+model's config files (a few KB), which reach the Hugging Face cache as they do for `train`.
 """
 
 from __future__ import annotations
 
 import argparse
 import errno
-import importlib.util
 import os
 import re
 import socket
@@ -80,9 +86,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from zerotuner.effective import SettingsPath
+    from zerotuner.preflight import PreflightRun
 
     c = Checks()
-    path = SettingsPath()  # the steps every command starts with, reported one by one
+    # The steps train takes before its ranks start, reported one by one: the settings path,
+    # then preflight's (each needs the one before); then what train meets later on.
+    path = SettingsPath()
     for name, step in path.STEPS:
         ok = c.run(name, lambda step=step: step(path))
         if path.settings is None:  # nothing to check the rest against
@@ -90,20 +99,19 @@ def run(args: argparse.Namespace) -> int:
         c.facts["settings"] = path.settings
         if ok and path.inputs is not None:
             c.facts["inputs"] = path.inputs
-    if not c.run("hardware", lambda: _hardware(c)):
-        return _finish(c)
-    c.run("topology", lambda: _topology(c))
-    if c.run("model", lambda: _model(c)):
-        c.run("plan", lambda: _plan(c))
-    if not _available("zerotuner.deepspeed_config"):
-        c.skip("deepspeed config", "zerotuner.deepspeed_config is not available")
-    elif "plan" in c.facts and "inputs" in c.facts:
-        c.run("deepspeed config", lambda: _normalize(c))
-    if _available("zerotuner.data"):
-        if c.run("dataset", lambda: _dataset(c)) and "plan" in c.facts:
-            c.run("text cache", lambda: _text_cache(c))
+    if "inputs" in c.facts:
+        pre = PreflightRun(path.effective())
+        for name, step in pre.STEPS:
+            if not c.run(name, lambda step=step: step(pre)):
+                if name == "hardware":  # no machine to check the job against
+                    return _finish(c)
+                break
+        c.facts |= {"topology": pre.topology, "plan": pre.plan}
     else:
-        c.skip("dataset", "zerotuner.data is not available")
+        c.skip("preflight", "the config files above must read first")
+    c.facts = {k: v for k, v in c.facts.items() if v is not None}
+    if c.run("dataset", lambda: _dataset(c)) and "plan" in c.facts:
+        c.run("text cache", lambda: _text_cache(c))
     if "inputs" not in c.facts:  # their nvme_path may name the offload folder
         c.skip("offload", "the config files above must read first")
     elif "plan" in c.facts or c.facts["settings"].offload_device:
@@ -121,10 +129,6 @@ def run(args: argparse.Namespace) -> int:
     return _finish(c)
 
 
-def _available(module: str) -> bool:
-    return importlib.util.find_spec(module) is not None
-
-
 def _remote(c: Checks) -> str:
     from zerotuner.push import open_remote
     from zerotuner.remote import probe
@@ -139,137 +143,6 @@ def _finish(c: Checks) -> int:
     verdict = "ready to train" if code == EXIT_OK else f"not ready (exit {code})"
     print(f"check: {verdict}", file=sys.stderr if code else sys.stdout)
     return code
-
-
-def _hardware(c: Checks) -> tuple[str, list[str]]:
-    from zerotuner.commands.plan import describe_hardware
-    from zerotuner.hardware import require_supported
-    from zerotuner.hardware_probe import probe
-
-    hardware = probe(c.facts["settings"].device)
-    require_supported(hardware)
-    c.facts["hardware"] = hardware
-    return describe_hardware(hardware), list(hardware.warnings)
-
-
-def _topology(c: Checks) -> str:
-    from zerotuner.launch import resolve_topology
-
-    t = resolve_topology(c.facts["settings"], c.facts["hardware"], os.environ)
-    c.facts["topology"] = t
-    return (
-        f"{t.nnodes} node(s) x {t.nproc_per_node} rank(s), this is node {t.node_rank}, "
-        f"master {t.master_addr}:{t.master_port} ({t.source})"
-    )
-
-
-def _model(c: Checks) -> tuple[str, list[str]]:
-    from zerotuner.families import model_shape, unet_config_path
-    from zerotuner.preflight import check_resume, resolve_model
-
-    settings = c.facts["settings"]
-    local = Path(settings.model).expanduser()
-    if settings.model.startswith(("/", ".", "~")) and not local.is_dir():
-        raise ConfigError(f"ZT_MODEL={settings.model}: no such folder")
-    if not local.is_dir() and not HUB_ID.match(settings.model):
-        raise ConfigError(
-            f"ZT_MODEL={settings.model}: neither a local folder nor a hub id like "
-            "'stabilityai/stable-diffusion-xl-base-1.0'"
-        )
-    source = resolve_model(settings)
-    if source.local_dir is not None:
-        if unet_config_path(source.local_dir) is None:
-            raise ConfigError(
-                f"ZT_MODEL={settings.model}: no unet/config.json (or config.json) in that folder; "
-                "point it at a diffusers pipeline folder"
-            )
-        where = f"hub id {source.hub_id}" if source.hub_id else f"local folder {source.local_dir}"
-        warnings = []
-    else:
-        where, warnings = _hub_access(settings)
-    shape = model_shape(source.family, source.local_dir)  # type: ignore[arg-type]
-    check_resume(settings, source.family, shape)  # the checkpoint a resume would load fits
-    c.facts["shape"] = shape
-    c.facts["model_dir"] = source.local_dir  # sizes a LoRA adapter in the plan
-    detail = f"{where}; {source.family} ({source.reason}); UNet {shape.unet_params / 1e6:.1f}M"
-    return detail + " params", warnings
-
-
-def _hub_access(settings: Any) -> tuple[str, list[str]]:
-    """A hub id not in the cache: can this token read it? (Train downloads it.)"""
-    from huggingface_hub import HfApi, constants
-    from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError
-
-    name = f"ZT_MODEL={settings.model}"
-    if constants.HF_HUB_OFFLINE:
-        raise ConfigError(
-            f"{name}: not in the Hugging Face cache and HF_HUB_OFFLINE is set; download it "
-            "first (or unset HF_HUB_OFFLINE), or give a local pipeline folder"
-        )
-    token = settings.hf_token.get_secret_value() if settings.hf_token else None
-    try:
-        HfApi().model_info(settings.model, token=token, timeout=10)
-    except (RepositoryNotFoundError, GatedRepoError) as error:
-        raise ConfigError(
-            f"{name}: not a hub repository this token can read ({type(error).__name__}); "
-            "check the id and ZT_HF_TOKEN"
-        ) from None
-    except Exception as error:  # noqa: BLE001 - no network here is a warning, not a verdict
-        return f"hub id {settings.model}", [
-            f"could not reach the hub to check it ({type(error).__name__}); "
-            "train downloads it and fails there if it cannot"
-        ]
-    return f"hub id {settings.model} (readable; downloaded at train time)", []
-
-
-def _plan(c: Checks) -> str:
-    from zerotuner.offload import free_bytes_at
-    from zerotuner.plan import gib
-    from zerotuner.preflight import plan_for
-
-    settings, hardware, shape = c.facts["settings"], c.facts["hardware"], c.facts["shape"]
-    topology = c.facts.get("topology")
-    per_node = topology.nproc_per_node if topology else (settings.num_processes or 1)
-    world = topology.world_size if topology else per_node
-    base = c.facts["inputs"].deepspeed if "inputs" in c.facts else {}
-    plan = plan_for(
-        settings,
-        shape,
-        hardware,
-        base=base,
-        world_size=world,
-        ranks_per_node=per_node,
-        offload_disk_free=free_bytes_at(settings.offload_dir),
-        model_dir=c.facts.get("model_dir"),
-    )
-    c.facts["plan"], c.facts["world"] = plan, world
-    ch = plan.choice
-    return (
-        f"{ch.label()}: device {gib(ch.device_bytes)} GiB, host {gib(ch.host_bytes)} GiB"
-        + (f", disk {gib(ch.disk_bytes)} GiB" if ch.disk_bytes else "")
-        + f"; load peak {gib(plan.load.peak_bytes)} GiB host"
-    )
-
-
-def _normalize(c: Checks) -> tuple[str, list[str]]:
-    from zerotuner.deepspeed_config import normalize
-    from zerotuner.preflight import decisions_from
-    from zerotuner.settings import precision_name
-
-    inputs = c.facts["inputs"]
-    result = normalize(
-        inputs.deepspeed,
-        settings=c.facts["settings"],
-        hardware=c.facts["hardware"],
-        shape=c.facts["shape"],
-        world_size=c.facts["world"],
-        decisions=decisions_from(c.facts["plan"]),
-        source=inputs.source,
-    )
-    warnings = [str(n) for n in result.notes if n.level in ("warning", "change")]
-    batch = result.config.get("train_batch_size")
-    precision = precision_name(result.mixed_precision)
-    return f"valid (train_batch_size {batch}, {precision})", warnings
 
 
 def _dataset(c: Checks) -> tuple[str, list[str]]:
@@ -293,9 +166,9 @@ def _text_cache(c: Checks) -> str:
 
     settings, plan = c.facts["settings"], c.facts["plan"]
     captions = len({item.caption for item in c.facts["dataset"].items})
-    need = captions * plan.inputs["caption_cache_bytes"]
+    need = captions * plan.inputs.caption_cache_bytes
     free = free_bytes_at(settings.cache_dir) or 0
-    size = f"{captions} captions x {plan.inputs['caption_cache_bytes'] / 2**20:.2f} MiB = "
+    size = f"{captions} captions x {plan.inputs.caption_cache_bytes / 2**20:.2f} MiB = "
     size += f"{need / 2**30:.2f} GiB at most (ZT_CACHE_DIR={settings.cache_dir})"
     if need > free:
         raise EnvironmentUnfit(

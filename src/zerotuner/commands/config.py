@@ -40,7 +40,7 @@ def evaluate(
     """What `config` prints, computed (the builder page calls it too, with the form's variables
     as `environ`): the preflight, and the described hardware in words (None when this machine
     was probed)."""
-    from zerotuner.commands.plan import describe_hardware
+    from zerotuner.hardware import describe_hardware
     from zerotuner.preflight import preflight  # torch, through lora: not for --help
 
     effective = effective_settings(environ, **what_if.settings_overrides(args))

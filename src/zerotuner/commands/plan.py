@@ -12,10 +12,9 @@ from collections.abc import Mapping
 from typing import Any
 
 from zerotuner.commands import what_if
-from zerotuner.driver import describe_driver
 from zerotuner.families import FAMILIES, FLOW_FAMILIES
-from zerotuner.hardware import Hardware
-from zerotuner.plan import Plan, gib
+from zerotuner.hardware import Hardware, describe_hardware
+from zerotuner.plan import Plan, PlanInputs, gib
 from zerotuner.settings import precision_name
 
 
@@ -70,24 +69,12 @@ def build_plan(
     return plan, hardware
 
 
-def describe_hardware(hardware: Hardware) -> str:
-    if hardware.accelerator == "cpu":
-        head = "CPU accelerator (no GPU)"
-    else:
-        names = sorted({g.name for g in hardware.gpus})
-        head = f"{len(hardware.gpus)} x {', '.join(names)} {gib(hardware.min_device_memory)} GiB"
-        head += " (bf16)" if hardware.bf16 else " (no bf16)"
-        if hardware.driver or hardware.image_cuda:
-            head += f"; {describe_driver(hardware.driver, hardware.image_cuda)}"
-    return f"{head}; host {gib(hardware.host_memory)} GiB; {hardware.cpu_count} CPUs"
-
-
-def training_text(inputs: dict[str, Any]) -> str:
+def training_text(inputs: PlanInputs) -> str:
     """`full, 2567.5M trainable` or `lora, 23.2M trainable (adapter), 2567.5M frozen`."""
-    trainable, frozen = inputs["trainable_params"] / 1e6, inputs["frozen_params"] / 1e6
-    if inputs["training_type"] == "full":
+    trainable, frozen = inputs.trainable_params / 1e6, inputs.frozen_params / 1e6
+    if inputs.training_type == "full":
         return f"full, {trainable:.1f}M trainable"
-    if inputs.get("text_encoders_train"):
+    if inputs.text_encoders_train:
         return (
             f"lora, {trainable:.1f}M trainable (UNet and text encoder adapters), {frozen:.1f}M "
             "frozen (base UNet and text encoders); captions encoded at every step, not cached"
@@ -99,10 +86,10 @@ def render(plan: Plan, hardware: Hardware) -> str:
     i = plan.inputs
     lines = [
         f"hardware: {describe_hardware(hardware)}",
-        f"job: {i['family']} {'transformer' if i['family'] in FLOW_FAMILIES else 'UNet'} "
-        f"{i['unet_params'] / 1e9:.3f}B params, {i['resolution']} px, "
-        f"micro batch {i['micro_batch']}, world size {i['world_size']}, "
-        f"{precision_name(i['precision'])}",
+        f"job: {i.family} {'transformer' if i.family in FLOW_FAMILIES else 'UNet'} "
+        f"{i.unet_params / 1e9:.3f}B params, {i.resolution} px, "
+        f"micro batch {i.micro_batch}, world size {i.world_size}, "
+        f"{precision_name(i.precision)}",
         f"training: {training_text(i)}",
         "",
         f"{'stage':>5}  {'optimizer':<9}  {'params':<6}  {'ckpt':<4}  "
@@ -117,12 +104,12 @@ def render(plan: Plan, hardware: Hardware) -> str:
             f"{mark}"
         )
     lines += ["", *phase_lines(plan)]
-    per_caption = i["caption_cache_bytes"]
+    per_caption = i.caption_cache_bytes
     lines.append(
         f"text cache (ZT_CACHE_DIR): {per_caption / 2**20:.2f} MiB per caption, "
         f"{per_caption * 10_000 / 2**30:.1f} GiB per 10,000 captions"
         + (" (T5 states in bf16; ZT_MAX_SEQUENCE_LENGTH shortens them)"
-           if i["family"] in FLOW_FAMILIES else "")
+           if i.family in FLOW_FAMILIES else "")
     )  # fmt: skip
     lines += ["", f"choice: {plan.choice.label()}"]
     lines += [f"  - {reason}" for reason in plan.reasons]
@@ -133,7 +120,7 @@ def render(plan: Plan, hardware: Hardware) -> str:
 def phase_lines(plan: Plan) -> list[str]:
     """Host memory per node by phase: the load peak (before the DeepSpeed engine is ready) as
     its own row, next to the training figure of the choice, with what is live in each."""
-    load, usable = plan.load, plan.inputs["host_usable_bytes"]
+    load, usable = plan.load, plan.inputs.host_usable_bytes
     verdict = "fits" if plan.load_fits else "DOES NOT FIT"
     lines = [
         f"host per node by phase ({load.ranks_per_node} rank(s) per node; "
