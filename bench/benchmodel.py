@@ -67,4 +67,4 @@ def write_bench_model(
 def unet_parameters(model: Path) -> int:
     from zerotuner.families import model_shape
 
-    return model_shape("sdxl", Path(model)).unet_params
+    return model_shape("sdxl", Path(model)).denoiser_params

@@ -100,13 +100,13 @@ def row(path: str, world: int, pre: Any, ranks: list[dict[str, Any]]) -> dict[st
     engine = {k.split(".", 1)[1]: v for k, v in choice.parts.items()
               if k.startswith("host_per_rank.") or k == "device.buckets"}  # fmt: skip
     buffers = sum(v for k, v in engine.items() if k != "process")
-    goal = (shape.unet_params // world + shape.largest_param) * p_bytes + buffers + RANK_PROCESS
+    goal = (shape.denoiser_params // world + shape.largest_param) * p_bytes + buffers + RANK_PROCESS
     peaks = [r["engine_ready_peak_rss_bytes"] for r in ranks]
     peak = max(peaks)
     return {
         "path": path,
         "world_size": world,
-        "params": shape.unet_params,
+        "params": shape.denoiser_params,
         "offload": f"optimizer->{choice.offload_optimizer}, params->{choice.offload_param}",
         "zero_stage": choice.zero_stage,
         "peak_rss_bytes": peak,

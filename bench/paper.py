@@ -124,7 +124,7 @@ def headline(adam: dict[str, float] | None = None) -> dict[str, Any]:
     )  # fmt: skip
     choice = plan.choice
     fwd, bwd = unet_flops()
-    psi = shape.unet_params
+    psi = shape.denoiser_params
     images = 8
     recompute = fwd if choice.gradient_checkpointing else 0.0
     compute_flops = images * (fwd + bwd + recompute)

@@ -122,7 +122,7 @@ def held_out_loss(pipe, demo_dir: Path, *, images: int = 32, draws: int = 4) -> 
     examples = [data.load_example(item, (64, 64), flip=False) for item in items]
     pixels = torch.stack([torch.from_numpy(e.pixels) for e in examples])
     parts = model.Components(
-        family="sdxl", source=source, unet=None, scheduler=scheduler, vae=pipe.vae,
+        family="sdxl", source=source, denoiser=None, scheduler=scheduler, vae=pipe.vae,
         text_encoders=[pipe.text_encoder, pipe.text_encoder_2],
         tokenizers=[pipe.tokenizer, pipe.tokenizer_2],
     )  # fmt: skip

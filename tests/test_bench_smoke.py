@@ -153,7 +153,7 @@ def test_load_peak_row_and_table_put_the_plan_beside_the_measurement(demo_dir, t
     assert (full["path"], full["world_size"], full["zero_stage"], full["offload"]) == (
         "full_copy", 2, 3, "optimizer->nvme, params->nvme",
     )  # fmt: skip
-    assert full["params"] == pre.shape.unet_params > 0
+    assert full["params"] == pre.shape.denoiser_params > 0
     assert full["peak_rss_bytes"] == 2_100 * mb and full["engine_ready_seconds"] == 4.5
     assert full["goal_ratio"] == pytest.approx(2_100 * mb / full["goal_bytes"])
     # the planner's load phase: every rank's full fp32 copy vs its partition plus staging

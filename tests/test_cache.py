@@ -131,7 +131,7 @@ def test_family_conditioning_drives_the_unet(family, request) -> None:
     assert kind == ("epsilon" if family == "sd1" else "v_prediction")  # see demo._scheduler
     for snr_gamma in (None, 5.0):
         loss = loop.diffusion_loss(
-            components.unet,
+            components.denoiser,
             components.scheduler,
             batch["latents"],
             conditioning.model_kwargs(batch, torch.float32),
@@ -141,7 +141,7 @@ def test_family_conditioning_drives_the_unet(family, request) -> None:
         )
         assert loss.ndim == 0 and torch.isfinite(loss)
         loss.backward()
-    assert any(p.grad is not None for p in components.unet.parameters())
+    assert any(p.grad is not None for p in components.denoiser.parameters())
 
 
 def test_prediction_type_setting_overrides_the_scheduler(sd2_demo_dir: Path) -> None:

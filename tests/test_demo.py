@@ -190,7 +190,7 @@ def test_demo_text_encoders_tell_one_word_apart(demo_dir: Path) -> None:
 
     pipe = StableDiffusionXLPipeline.from_pretrained(demo_dir / "model")
     parts = model.Components(
-        family="sdxl", source=demo_dir / "model", unet=None, scheduler=pipe.scheduler,
+        family="sdxl", source=demo_dir / "model", denoiser=None, scheduler=pipe.scheduler,
         vae=pipe.vae, text_encoders=[pipe.text_encoder, pipe.text_encoder_2],
         tokenizers=[pipe.tokenizer, pipe.tokenizer_2],
     )  # fmt: skip

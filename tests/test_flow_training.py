@@ -76,7 +76,7 @@ def held_out_loss(demo: Path, family: str, transformer, draws: int = 4) -> float
         [torch.from_numpy(data.load_example(i, (64, 64), flip=False).pixels) for i in items]
     )
     parts = model.Components(
-        family=family, source=demo / "model", unet=None, scheduler=pipe.scheduler, vae=pipe.vae,
+        family=family, source=demo / "model", denoiser=None, scheduler=pipe.scheduler, vae=pipe.vae,
         text_encoders=[getattr(pipe, e) for e, _ in kind.text_subfolders],
         tokenizers=[getattr(pipe, t) for _, t in kind.text_subfolders],
     )  # fmt: skip
@@ -175,7 +175,7 @@ def test_text_conditioning_is_the_pipelines_own(flow_demo_dirs, family) -> None:
     pipe = DiffusionPipeline.from_pretrained(flow_demo_dirs[family] / "model")
     kind = dataclasses.replace(families.get(family), max_sequence_length=TOKENS)
     parts = model.Components(
-        family=family, source=Path(), unet=None, scheduler=None,
+        family=family, source=Path(), denoiser=None, scheduler=None,
         text_encoders=[getattr(pipe, e) for e, _ in kind.text_subfolders],
         tokenizers=[getattr(pipe, t) for _, t in kind.text_subfolders],
     )  # fmt: skip

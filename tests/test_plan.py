@@ -23,7 +23,7 @@ from zerotuner.hardware import GPU, GiB, Hardware, OpStatus, cpu_only
 from zerotuner.plan import PlanRequest, estimate, make_plan
 
 SDXL = model_shape("sdxl")
-PSI = SDXL.unet_params
+PSI = SDXL.denoiser_params
 # The demo's tiny SDXL-architecture UNet (zerotuner demo), as counted from its config.
 TINY = ModelShape("sdxl", 1_028_708, 73_728, 736_647, 256, "demo", base_channels=32)
 ONE_1024 = PlanRequest(resolution=1024, micro_batch=1, world_size=1)  # one image, one rank
@@ -234,7 +234,7 @@ def test_builtin_counts_match_the_configs_on_the_meta_device():
     }  # SD3.5 Large 8.06B, Flux 11.9B
     for family in FAMILIES:
         shape = model_shape(family, recount=True)
-        assert (shape.unet_params, shape.largest_param) == counts[family]
+        assert (shape.denoiser_params, shape.largest_param) == counts[family]
 
 
 def test_plan_cli_what_if_json(capsys):
@@ -380,7 +380,7 @@ def _parts(shape, **kw):
 def test_zero_0_all_reduce_flattens_the_whole_gradient_up_to_5e8_elements():
     # engine.allreduce_no_retain: one flat copy of every gradient per 5e8 elements, even on
     # one rank; the planner once counted a tenth of the model here
-    psi = BENCH.unet_params
+    psi = BENCH.denoiser_params
     assert _parts(BENCH, stage=0)["device.buckets"] == 4 * psi
     assert _parts(BENCH, stage=0, world_size=1, ranks_per_node=1)["device.buckets"] == 4 * psi
     # SDXL's 2.6e9 parameters go through buckets of 5e8
@@ -390,7 +390,7 @@ def test_zero_0_all_reduce_flattens_the_whole_gradient_up_to_5e8_elements():
 
 @pytest.mark.parametrize("stage", [1, 2])
 def test_zero_1_2_hold_one_bucket_and_build_a_flat_grad_partition_at_the_step(stage):
-    psi, n = BENCH.unet_params, 2
+    psi, n = BENCH.denoiser_params, 2
     fp32 = _parts(BENCH, stage=stage)
     assert fp32["device.buckets"] == 4 * 9_550_568  # one reduce bucket (overlap_comm off)
     assert fp32["device.flat_grad_partition"] == 4 * psi // n  # flat fp32 copy, no cast
@@ -400,7 +400,7 @@ def test_zero_1_2_hold_one_bucket_and_build_a_flat_grad_partition_at_the_step(st
 
 
 def test_cpu_optimizer_offload_keeps_a_16_bit_partition_copy_and_staging_on_the_host():
-    psi, big = BENCH.unet_params, BENCH.largest_param
+    psi, big = BENCH.denoiser_params, BENCH.largest_param
     for stage in (1, 2):
         parts = _parts(BENCH, stage=stage, offload_optimizer="cpu", precision="bf16")
         assert parts["host_per_rank.param_partition_copy"] == 2 * psi // 2
@@ -411,7 +411,7 @@ def test_cpu_optimizer_offload_keeps_a_16_bit_partition_copy_and_staging_on_the_
 
 def test_nvme_optimizer_steps_each_sub_group_with_an_fp32_gradient_buffer_in_memory():
     parts = _parts(BENCH, stage=3, offload_optimizer="nvme", offload_param="nvme")
-    group = BENCH.unet_params // 2  # below the 1e8 sub-group size: the whole partition
+    group = BENCH.denoiser_params // 2  # below the 1e8 sub-group size: the whole partition
     assert parts["host_per_rank.subgroup_grad_buffer"] == 4 * group
     assert parts["host_per_rank.optimizer_swap_buffers"] == 4 * 4 * group
 
@@ -477,7 +477,7 @@ def test_counts_from_safetensors_headers_equal_the_meta_models(
         model = folder / "model"
         shape = model_shape(family, model)
         sizes = [p.numel() for p in meta_model(family, model).parameters()]
-        assert (shape.unet_params, shape.largest_param) == (sum(sizes), max(sizes)), family
+        assert (shape.denoiser_params, shape.largest_param) == (sum(sizes), max(sizes)), family
     copy = tmp_path / "bin"
     shutil.copytree(demo_dir / "model", copy)
     unet = UNet2DConditionModel.from_pretrained(copy / "unet")
@@ -486,4 +486,7 @@ def test_counts_from_safetensors_headers_equal_the_meta_models(
     unet.save_pretrained(copy / "unet", safe_serialization=False)  # pytorch_model .bin only
     assert stored_counts(copy / "unet") is None
     meta, stored = model_shape("sdxl", copy), model_shape("sdxl", demo_dir / "model")
-    assert (meta.unet_params, meta.largest_param) == (stored.unet_params, stored.largest_param)
+    assert (meta.denoiser_params, meta.largest_param) == (
+        stored.denoiser_params,
+        stored.largest_param,
+    )

@@ -25,7 +25,7 @@ from zerotuner.plan_memory import (
 from zerotuner.trainable import Training
 
 SDXL = model_shape("sdxl")
-PSI = SDXL.unet_params
+PSI = SDXL.denoiser_params
 
 
 def gpus(n: int, memory_gib: float, host_gib: float) -> Hardware:

@@ -23,7 +23,7 @@ REPO = Path(__file__).resolve().parents[1]
 SDXL = model_shape("sdxl")
 ATTENTION_PER_RANK = 1_451_520  # issue 13: SDXL, to_q/to_k/to_v/to_out.0
 ALL_LINEAR_PER_RANK = 2_706_176
-LORA16 = trainable.Training("lora", 16 * ATTENTION_PER_RANK, 16 * 2048, SDXL.unet_params)
+LORA16 = trainable.Training("lora", 16 * ATTENTION_PER_RANK, 16 * 2048, SDXL.denoiser_params)
 
 
 def gpus(n: int, memory_gib: float, host_gib: float = 256) -> Hardware:
@@ -123,7 +123,7 @@ def test_headline_lora_on_one_24_gb_gpu_needs_no_sharding_or_offload():
     assert choice(plan) == (0, "none", "none", True)
     assert plan.choice.device_bytes < full.choice.device_bytes < 0.9 * 24 * GiB
     counts = {"training_type": "lora", "trainable_params": 23_224_320}
-    assert asdict(plan.inputs).items() >= (counts | {"frozen_params": SDXL.unet_params}).items()
+    assert asdict(plan.inputs).items() >= (counts | {"frozen_params": SDXL.denoiser_params}).items()
     text = " ".join(plan.reasons)
     assert "LoRA: 23.2M adapter parameters train" in text and "whole on every rank" in text
 

@@ -104,7 +104,7 @@ def test_a_checkpoint_records_what_it_trained(sdxl_run, demo_dir):
 
     manifest = read_manifest(sdxl_run / "checkpoints" / "step-2")
     assert manifest["family"] == "sdxl"
-    assert manifest["denoiser_params"] == model_shape("sdxl", demo_dir / "model").unet_params
+    assert manifest["denoiser_params"] == model_shape("sdxl", demo_dir / "model").denoiser_params
 
 
 def test_resuming_another_familys_checkpoint_is_refused_before_the_ranks(

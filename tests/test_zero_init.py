@@ -143,16 +143,16 @@ def _rank_main(root: Path, out: Path) -> None:
     import torch.distributed as dist
     from diffusers import UNet2DConditionModel  # imported before the measurement starts
 
-    from zerotuner.model import load_unet
+    from zerotuner.model import load_denoiser
 
     deepspeed.init_distributed(dist_backend="gloo")
     UNet2DConditionModel.load_config(str(root / "unet"))
     config = tk.ds_config(3, world=dist.get_world_size())
     before = _peak()
-    partitioned = load_unet(root, gradient_checkpointing=False, deepspeed_config=config)
+    partitioned = load_denoiser(root, gradient_checkpointing=False, deepspeed_config=config)
     middle = _peak()
     os.environ["ZT_ZERO_INIT"] = "false"
-    whole = load_unet(root, gradient_checkpointing=False, deepspeed_config=config)
+    whole = load_denoiser(root, gradient_checkpointing=False, deepspeed_config=config)
     for param in whole.parameters():  # its pages, memory-mapped, count once read (DeepSpeed
         param.sum()  # reads them all to cast and partition the model)
     after = _peak()

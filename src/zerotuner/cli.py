@@ -31,7 +31,8 @@ COMMANDS = {
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="zerotuner",
-        description="DeepSpeed fine-tuning appliance for SDXL and SD 1.x/2.x. "
+        description="DeepSpeed fine-tuning appliance for diffusion models (SD 1.x/2.x, SDXL, SD3, "
+        "Flux.1), whole or as LoRA. "
         "Configured by ZT_* environment variables and mounted files.",
     )
     parser.add_argument("--version", action="version", version=f"zerotuner {__version__}")

@@ -439,7 +439,7 @@ def _offload_section(
         size = section.get("buffer_size")
         largest = shape.largest_param
         if size in (None, "auto"):
-            section["buffer_size"] = max(largest, min(100_000_000, shape.unet_params // 8))
+            section["buffer_size"] = max(largest, min(100_000_000, shape.denoiser_params // 8))
             n.info(f"offload_param.buffer_size={section['buffer_size']} (largest tensor {largest})")
         elif int(size) < largest:
             n.change(

@@ -104,12 +104,12 @@ def _export_lora(
 
     adapter, family = manifest["lora"], manifest["family"]
     config = make_config(adapter | {"init": "gaussian"})  # its shapes: nothing to read here
-    unet = families.meta_model(family, base)
-    unet.requires_grad_(False)
-    unet.add_adapter(config, adapter_name=ADAPTER)
-    module, text_metadata = unet, None
+    denoiser = families.meta_model(family, base)
+    denoiser.requires_grad_(False)
+    denoiser.add_adapter(config, adapter_name=ADAPTER)
+    module, text_metadata = denoiser, None
     if adapter.get("text_encoder"):
-        module = lora_text.meta_module(unet, base, family, adapter)
+        module = lora_text.meta_module(denoiser, base, family, adapter)
         text_metadata = metadata(lora_text.text_config(adapter))
     initial, init = None, adapter.get("init", "gaussian")
     if init != "gaussian":  # its start, from the base weights again

@@ -37,7 +37,7 @@ def step_generator(seed: int, step: int, micro: int, rank: int) -> torch.Generat
 
 
 def diffusion_loss(
-    unet: Callable,
+    denoiser: Callable,
     scheduler: Any,
     latents: torch.Tensor,
     unet_kwargs: dict[str, Any],
@@ -60,8 +60,8 @@ def diffusion_loss(
         target = scheduler.get_velocity(latents, noise, timesteps)
     else:
         target = noise
-    device = device_of(unet)
-    pred = unet(
+    device = device_of(denoiser)
+    pred = denoiser(
         noisy.to(device, dtype), timesteps.to(device), **to_device(unet_kwargs, device)
     ).sample
     target = target.to(device)

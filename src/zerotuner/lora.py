@@ -168,19 +168,21 @@ def adapter_size(
     return total, largest
 
 
-def check_targets(unet: torch.nn.Module, targets: Iterable[str], init: str = "gaussian") -> None:
+def check_targets(
+    denoiser: torch.nn.Module, targets: Iterable[str], init: str = "gaussian"
+) -> None:
     """Every target must name at least one Linear/Conv2d layer of this UNet (only Linear
     layers for peft's PiSSA / OLoRA: their SVD / QR is of a matrix)."""
     targets = tuple(targets)
-    layers = [n for n, m in unet.named_modules() if isinstance(m, LORA_LAYERS)]
+    layers = [n for n, m in denoiser.named_modules() if isinstance(m, LORA_LAYERS)]
     missing = [t for t in targets if not any(_matches(n, t) for n in layers)]
     if missing:
         raise ConfigError(
             f"{env_name('lora_targets')}: no layer of this UNet is called "
-            f"{', '.join(missing)}; valid names: {', '.join(short_names(unet))} "
+            f"{', '.join(missing)}; valid names: {', '.join(short_names(denoiser))} "
             f"(or a preset: {', '.join(PRESETS)})"
         )
-    convs = sorted({t for n, m in unet.named_modules() for t in targets
+    convs = sorted({t for n, m in denoiser.named_modules() for t in targets
                     if isinstance(m, torch.nn.Conv2d) and _matches(n, t)})  # fmt: skip
     if init != "gaussian" and convs:
         raise ConfigError(
@@ -253,21 +255,21 @@ def make_config(adapter: dict[str, Any]) -> Any:
     )
 
 
-def add_adapter(unet: Any, settings: Settings) -> list[torch.nn.Parameter]:
+def add_adapter(denoiser: Any, settings: Settings) -> list[torch.nn.Parameter]:
     """Freeze the base, add the adapter (fp32; DeepSpeed casts the module as configured) and
     return the parameters the optimizer gets: the adapter's only."""
     config = lora_config(settings)
-    check_targets(unet, config.target_modules, settings.lora_init)
-    unet.requires_grad_(False)
+    check_targets(denoiser, config.target_modules, settings.lora_init)
+    denoiser.requires_grad_(False)
     # lora_A's random start from ZT_SEED: every rank and every run starts from the same adapter
     # (ZeRO-3 partitions each rank's own copy: DeepSpeed broadcasts none), whatever the stage
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(settings.seed)
-        zero_init.add_adapter(unet, config, ADAPTER)  # also on a ZeRO-3 partitioned UNet
-    named = [(n, p) for n, p in unet.named_parameters() if p.requires_grad]
+        zero_init.add_adapter(denoiser, config, ADAPTER)  # also on a ZeRO-3 partitioned UNet
+    named = [(n, p) for n, p in denoiser.named_parameters() if p.requires_grad]
     if not named or any(".lora_" not in n for n, _ in named):
         raise RuntimeError("peft left base parameters trainable or added no adapter")
-    total = sum(p.numel() for p in unet.parameters())
+    total = sum(p.numel() for p in denoiser.parameters())
     log.info(
         "LoRA rank %d, alpha %g on %s: %d trainable of %d parameters",
         config.r, config.lora_alpha, ",".join(sorted(config.target_modules)),

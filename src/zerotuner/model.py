@@ -84,7 +84,7 @@ class Components:
 
     family: str
     source: Path  # local folder of the base pipeline (export copies the frozen parts from it)
-    unet: Any  # the trained denoiser: the UNet, or a transformer family's transformer
+    denoiser: Any  # the trained denoiser: the UNet, or a transformer family's transformer
     scheduler: Any  # DDPMScheduler: adds noise, gives SNR and velocity targets
     vae: Any = None
     text_encoders: list[Any] = field(default_factory=list)
@@ -102,7 +102,7 @@ class Components:
         zero_init.trim()
 
 
-def load_unet(
+def load_denoiser(
     source: Path,
     *,
     gradient_checkpointing: bool,
@@ -118,17 +118,17 @@ def load_unet(
     kind = families.get(family)
     if zero_init.wanted(deepspeed_config):
         assert deepspeed_config is not None
-        unet = zero_init.build(
+        denoiser = zero_init.build(
             kind.denoiser_class(), source / kind.denoiser, deepspeed_config,
             gradient_checkpointing=gradient_checkpointing,
         )  # fmt: skip
-        if unet is not None:
-            return unet
-    unet = kind.denoiser_class().from_pretrained(source, subfolder=kind.denoiser, dtype=dtype)
+        if denoiser is not None:
+            return denoiser
+    denoiser = kind.denoiser_class().from_pretrained(source, subfolder=kind.denoiser, dtype=dtype)
     if gradient_checkpointing:
-        unet.enable_gradient_checkpointing()
-    unet.train()
-    return unet
+        denoiser.enable_gradient_checkpointing()
+    denoiser.train()
+    return denoiser
 
 
 def load_frozen(components: Components, *, device: torch.device, text_dtype: torch.dtype) -> None:
@@ -153,14 +153,14 @@ def load_components(
     dtype: torch.dtype = torch.float32,
 ) -> Components:
     """`deepspeed_config`: the run's effective DeepSpeed config (None outside a training rank);
-    `dtype`: the denoiser's below ZeRO-3 (see load_unet)."""
+    `dtype`: the denoiser's below ZeRO-3 (see load_denoiser)."""
     kind = families.get(family)
     scheduler = kind.scheduler_class().from_pretrained(source, subfolder="scheduler")
-    unet = load_unet(
+    denoiser = load_denoiser(
         source, gradient_checkpointing=gradient_checkpointing, family=family,
         deepspeed_config=deepspeed_config, dtype=dtype,
     )  # fmt: skip
-    components = Components(family=family, source=source, unet=unet, scheduler=scheduler)
+    components = Components(family=family, source=source, denoiser=denoiser, scheduler=scheduler)
     if with_frozen:
         load_frozen(components, device=torch.device("cpu"), text_dtype=torch.float32)
     return components

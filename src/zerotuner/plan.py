@@ -116,7 +116,7 @@ class PlanInputs:
     """What a plan was made for, resolved (`plan --json`'s "inputs", in this order)."""
 
     family: str
-    unet_params: int  # the denoiser's (UNet or transformer) parameters
+    denoiser_params: int  # the denoiser's (UNet or transformer) parameters
     training_type: str  # full | lora
     text_encoders_train: bool
     trainable_params: int
@@ -329,7 +329,7 @@ def make_plan(
     rows.sort(key=_table_order)
     inputs = PlanInputs(
         family=shape.family,
-        unet_params=shape.unet_params,
+        denoiser_params=shape.denoiser_params,
         training_type=training.type,
         text_encoders_train=training.text_encoders,
         trainable_params=training.trainable_params,

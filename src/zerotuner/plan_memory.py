@@ -80,7 +80,7 @@ def estimate(
     to the host or disk with parameter offload).
     """
     training = training or full_unet(shape)
-    psi = shape.unet_params  # what normalize sizes DeepSpeed's buffers by
+    psi = shape.denoiser_params  # what normalize sizes DeepSpeed's buffers by
     t, t_largest = training.trainable_params, training.largest_trainable
     frozen, total = training.frozen_params, training.total_params
     n = world_size
@@ -196,7 +196,7 @@ def estimate(
 def bucket(shape: ModelShape) -> int:
     """ZeRO bucket size in elements: a tenth of the model, at least its largest tensor, at most
     DeepSpeed's default 5e8; a multiple of 8, as DeepSpeed asserts alignment on it."""
-    size = int(min(MAX_BUCKET, max(shape.largest_param, shape.unet_params // 10)))
+    size = int(min(MAX_BUCKET, max(shape.largest_param, shape.denoiser_params // 10)))
     return -(-size // 8) * 8
 
 
@@ -205,7 +205,7 @@ class LoadPeak:
     """Host bytes per node before the DeepSpeed engine is ready, phase by phase.
 
     "full_copy" (stages 0-2): every local rank builds the whole trained UNet in fp32
-    (`model.load_unet`) and keeps it while the dataset is encoded for the feature cache;
+    (`model.load_denoiser`) and keeps it while the dataset is encoded for the feature cache;
     `deepspeed.initialize` then moves or partitions it. "zero_init" (ZeRO-3, zero_init.py): each
     rank builds only its partition, in the training dtype, and holds one largest tensor more
     while the weights stream in. The VAE and text encoders load once per node, on its first
@@ -288,15 +288,15 @@ def load_peak(
         per_rank["cuda_host_context"] = CUDA_HOST_CONTEXT
     path = "zero_init" if zero_stage == 3 else "full_copy"
     if path == "full_copy" and lora and p_bytes == 2:  # a frozen base loads in 16-bit
-        per_rank["base_model_16bit"] = 2 * shape.unet_params
+        per_rank["base_model_16bit"] = 2 * shape.denoiser_params
     elif path == "full_copy":
-        per_rank["trained_model_fp32"] = 4 * shape.unet_params
+        per_rank["trained_model_fp32"] = 4 * shape.denoiser_params
     else:
         if offload_param == "nvme":
-            size = max(shape.largest_param, min(PARAM_BUFFER_MAX, shape.unet_params // 8))
+            size = max(shape.largest_param, min(PARAM_BUFFER_MAX, shape.denoiser_params // 8))
             per_rank["param_swap_buffers"] = PARAM_BUFFERS * size * p_bytes
         elif offload_param == "cpu" or on_cpu:
-            per_rank["trained_partition"] = p_bytes * shape.unet_params // world_size
+            per_rank["trained_partition"] = p_bytes * shape.denoiser_params // world_size
         per_rank["load_staging"] = (4 + p_bytes) * shape.largest_param
     per_node = {
         "entrypoint": ENTRYPOINT_PROCESS,

@@ -244,7 +244,7 @@ class PreflightRun:
         else:
             where = f"hub id {model.hub_id}" if model.hub_id else f"local folder {model.local_dir}"
             warnings = []
-        params = f"{shape.unet_params / 1e6:.1f}M params"
+        params = f"{shape.denoiser_params / 1e6:.1f}M params"
         return f"{where}; {model.family} ({model.reason}); denoiser {params}", warnings
 
     def make_plan(self) -> tuple[str, list[str]]:
@@ -347,7 +347,7 @@ def check_resume(settings: Settings, family: str, shape: ModelShape) -> None:
         return
     manifest = checkpoint.read_manifest(path) or {}
     checkpoint.check_model(
-        manifest, family=family, denoiser_params=shape.unet_params, model=settings.model,
+        manifest, family=family, denoiser_params=shape.denoiser_params, model=settings.model,
         path=path,
     )  # fmt: skip
     lora.check_resume(manifest, settings, path)

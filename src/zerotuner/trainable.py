@@ -35,7 +35,7 @@ class Training:
 
 
 def full_unet(shape: ModelShape) -> Training:
-    return Training("full", shape.unet_params, shape.largest_param, 0)
+    return Training("full", shape.denoiser_params, shape.largest_param, 0)
 
 
 def lora_adapter(
@@ -53,7 +53,7 @@ def lora_adapter(
 
     unet = meta_model(shape.family, model_dir)
     params, largest = adapter_size(unet, targets, rank, dora=dora)
-    return Training("lora", params, largest, shape.unet_params)
+    return Training("lora", params, largest, shape.denoiser_params)
 
 
 def for_settings(settings: Settings, shape: ModelShape, model_dir: Path | None = None) -> Training:

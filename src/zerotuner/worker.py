@@ -144,7 +144,7 @@ class Run:
         )
         self.conditioning = families.get(job.family).configured(s)
         self.objective = self.conditioning.objective(
-            s, self.components.scheduler, self.components.unet.config
+            s, self.components.scheduler, self.components.denoiser.config
         )
         self.dataset = data.scan(s.data_dir, log_skipped=self.rank == 0)
         self.buckets = data.assign_buckets(
@@ -177,7 +177,7 @@ class Run:
         from diffusers import AutoencoderKL
 
         vae = AutoencoderKL.load_config(self.source, subfolder="vae")
-        cells = self.conditioning.latent_multiple(self.components.unet.config)
+        cells = self.conditioning.latent_multiple(self.components.denoiser.config)
         step = 2 ** (len(vae["block_out_channels"]) - 1) * cells
         return max(step, 64) if self.job.resolution >= 512 else step
 
@@ -204,7 +204,7 @@ class Run:
         import deepspeed
 
         s, config = self.settings, dict(self.job.deepspeed)
-        trained = self.components.unet
+        trained = self.components.denoiser
         if s.training_type == "lora":  # before ZeRO-3 partitions the UNet
             lora.add_adapter(trained, s)
             self.initial_adapter = lora.initial_adapter(trained, s.lora_init)  # PiSSA, OLoRA
@@ -218,7 +218,7 @@ class Run:
             self.adapter_shapes = lora.shapes(trained)
         params = [p for p in trained.parameters() if p.requires_grad]
         speed.prepare(  # SDPA attention; compiled blocks where ZT_COMPILE decides so
-            self.components.unet, s, accelerator=self.job.device,
+            self.components.denoiser, s, accelerator=self.job.device,
             zero_stage=self.job.zero_stage, shapes=len(self.buckets),
         )  # fmt: skip
         self.engine_, _, _, _ = deepspeed.initialize(

@@ -87,7 +87,7 @@ def render(plan: Plan, hardware: Hardware) -> str:
     lines = [
         f"hardware: {describe_hardware(hardware)}",
         f"job: {i.family} {'transformer' if i.family in FLOW_FAMILIES else 'UNet'} "
-        f"{i.unet_params / 1e9:.3f}B params, {i.resolution} px, "
+        f"{i.denoiser_params / 1e9:.3f}B params, {i.resolution} px, "
         f"micro batch {i.micro_batch}, world size {i.world_size}, "
         f"{precision_name(i.precision)}",
         f"training: {training_text(i)}",

@@ -105,7 +105,7 @@ def job_from(pre: Preflight) -> Job:
         family=pre.model.family,
         model=pre.model.job_model,
         revision=pre.model.revision,
-        denoiser_params=pre.shape.unet_params,
+        denoiser_params=pre.shape.denoiser_params,
         resolution=pre.resolution,
         zero_stage=d.zero_stage,
         offload_optimizer=d.offload_optimizer,

@@ -134,10 +134,10 @@ def get(name: str) -> Any:
 @dataclass(frozen=True)
 class ModelShape:
     """What memory planning and bucket sizing need to know about the trained model (a UNet,
-    or a flow family's transformer: `unet_params` counts it all the same)."""
+    or a flow family's transformer: `denoiser_params` counts it all the same)."""
 
     family: Family
-    unet_params: int
+    denoiser_params: int
     largest_param: int  # elements of the biggest tensor (offload buffer_size must hold it)
     frozen_params: int
     native_resolution: int
@@ -334,7 +334,7 @@ def _unet_shape(
     parts, else the family's published ones."""
     return ModelShape(
         family=family,
-        unet_params=params,
+        denoiser_params=params,
         largest_param=largest,
         frozen_params=frozen_params(model_dir)
         if frozen and model_dir
