@@ -25,7 +25,7 @@ $(STAMP): requirements.txt requirements-dev.txt pyproject.toml apt-packages.txt
 	$(BIN)/pip install -q --disable-pip-version-check -r requirements.txt -r requirements-dev.txt
 	$(BIN)/pip install -q --disable-pip-version-check --no-deps -e .
 	@echo "building DeepSpeed's CPU ops once (minutes on 2 cores; cached in $(TORCH_EXTENSIONS_DIR))"
-	DS_ACCELERATOR=cpu $(BIN)/python -m zerotuner.ops
+	DS_ACCELERATOR=cpu $(BIN)/python -m zerotuner.machine.ops
 	touch $(STAMP)
 
 DEMO_JOB = ZT_DEVICE=cpu ZT_MODEL=$(DEMO_DIR)/model ZT_DATA_DIR=$(DEMO_DIR)/data \

@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
         if "speed" in wanted:
             log.info("speed: the plain loop vs zerotuner (compile off/on), interleaved rounds")
             from bench.speed import speed
-            from zerotuner.demo import write_demo
+            from zerotuner.demo.pipelines import write_demo
 
             tiny = write_demo(root / "tiny-speed", seed=0, family="sdxl")
             models = {"tiny": (tiny.model, tiny.data), "bench": (b.model, b.data)}

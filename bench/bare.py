@@ -85,7 +85,7 @@ def main() -> None:
     unet = UNet2DConditionModel.from_pretrained(args.model, subfolder="unet")
     unet.train()
     if args.lora_rank:  # as a user would: freeze the base, add the adapter, train that
-        from zerotuner.lora import make_config, parse_targets
+        from zerotuner.weights.lora import make_config, parse_targets
 
         unet.requires_grad_(False)
         unet.add_adapter(make_config({

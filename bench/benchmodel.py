@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from zerotuner.demo import DemoPaths, write_demo
-from zerotuner.demo_parts import exact_vae, latent_scaling_factor
+from zerotuner.demo.parts import exact_vae, latent_scaling_factor
+from zerotuner.demo.pipelines import DemoPaths, write_demo
 
 RESOLUTION = 64  # the smallest ZT_RESOLUTION allowed
 VAE_BLOCKS = (32, 64, 64)  # latent scale 2 ** 2 = 4: 16x16 latents at 64 px

@@ -7,7 +7,7 @@ import platform
 from pathlib import Path
 from typing import Any
 
-from zerotuner.hardware import GiB
+from zerotuner.machine.hardware import GiB
 
 
 def machine() -> dict[str, Any]:

@@ -76,7 +76,7 @@ def fp16_copy(model: Path, out: Path) -> Path:
 
 def planned(pre: Any, path: str, world: int) -> Any:
     """The planner's load peak for this path (zero_init: the ZeRO-3 row's)."""
-    from zerotuner.plan_memory import load_peak as plan_load
+    from zerotuner.preflight.memory import load_peak as plan_load
 
     choice = pre.plan.choice
     return plan_load(
@@ -92,7 +92,7 @@ def row(path: str, world: int, pre: Any, ranks: list[dict[str, Any]]) -> dict[st
     holds once ready (the plan row's host parts, and on the CPU its device buckets: the CPU
     accelerator's device memory is this process's). `goal_bytes`: the issue's target, params /
     world in the training dtype + one largest tensor + those buffers + the rank runtime."""
-    from zerotuner.plan_memory import RANK_PROCESS
+    from zerotuner.preflight.memory import RANK_PROCESS
 
     choice, shape = pre.plan.choice, pre.shape
     load = planned(pre, path, world)
@@ -174,7 +174,7 @@ def rank_main(model: Path, config_file: Path, out: Path) -> None:
     import torch.distributed as dist
     from deepspeed.accelerator import get_accelerator
 
-    from zerotuner.model import load_unet
+    from zerotuner.train.model import load_unet
 
     sampler = Sampler()
     sampler.start()

@@ -26,7 +26,7 @@ LORA_RANK = 16  # ZT_LORA_RANK's default, on ZT_LORA_TARGETS' default (attention
 
 
 def headline_hardware() -> Any:
-    from zerotuner.hardware import GPU, Hardware, OpStatus
+    from zerotuner.machine.hardware import GPU, Hardware, OpStatus
 
     ok = (OpStatus("cpu_adam", True, False, True), OpStatus("async_io", True, False, True))
     return Hardware(
@@ -44,7 +44,7 @@ def unet_flops(batch: int = 1, latent: int = 128, lora_rank: int = 0) -> tuple[f
     from torch.utils.flop_counter import FlopCounterMode
 
     from zerotuner.families import REGISTRY
-    from zerotuner.lora import ATTENTION, make_config
+    from zerotuner.weights.lora import ATTENTION, make_config
 
     with torch.device("meta"):
         unet = UNet2DConditionModel.from_config(REGISTRY["sdxl"].builtin_config)
@@ -81,9 +81,9 @@ def cpu_adam_elements_per_s(numel: int = 20_000_000, steps: int = 3) -> dict[str
 def lora_headline() -> dict[str, Any]:
     """The headline job as LoRA: the planner's choice and memory, and a step on paper."""
     from zerotuner.families import model_shape
-    from zerotuner.lora import PRESETS
-    from zerotuner.plan import PlanRequest, make_plan
-    from zerotuner.trainable import lora_adapter
+    from zerotuner.preflight.plan import PlanRequest, make_plan
+    from zerotuner.preflight.trainable import lora_adapter
+    from zerotuner.weights.lora import PRESETS
 
     shape = model_shape("sdxl")
     training = lora_adapter(shape, rank=LORA_RANK, targets=PRESETS["attention"])
@@ -115,7 +115,7 @@ def lora_headline() -> dict[str, Any]:
 
 def headline(adam: dict[str, float] | None = None) -> dict[str, Any]:
     from zerotuner.families import model_shape
-    from zerotuner.plan import PlanRequest, make_plan
+    from zerotuner.preflight.plan import PlanRequest, make_plan
 
     shape = model_shape("sdxl")
     plan = make_plan(
@@ -231,8 +231,8 @@ NODE_LOAD_ROWS = ((1, "none"), (3, "none"), (3, "cpu"), (3, "nvme"))
 def node_load_markdown() -> str:
     """docs/benchmarks.md's before/after table of the load peak on an 8-GPU node."""
     from zerotuner.families import model_shape
-    from zerotuner.hardware import GPU, Hardware
-    from zerotuner.plan import PlanRequest, make_plan
+    from zerotuner.machine.hardware import GPU, Hardware
+    from zerotuner.preflight.plan import PlanRequest, make_plan
 
     memory = 80 * GiB
     node = Hardware(

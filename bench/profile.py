@@ -3,7 +3,7 @@
 On a shared 2-core machine the A/B step times move by +-20% with other people's load, far
 more than a 3% overhead target, so this attributes instead of subtracting: py-spy samples
 every process of `zerotuner train` (idle time too, so waits in collectives count) and each
-sample taken inside `zerotuner.loop.train` is put in one bucket by the innermost frame it
+sample taken inside `zerotuner.train.loop.train` is put in one bucket by the innermost frame it
 holds from a list: DeepSpeed's forward / backward / step (what the bare loop also does)
 or the harness's own work (batch loading, noise, sinks, per-step checks). Needs py-spy
 (pip install py-spy; not a project dependency) and ptrace permission.
@@ -28,8 +28,8 @@ BUCKETS = (
     ("engine.forward (DeepSpeed + UNet)", "forward", "deepspeed/runtime/engine.py"),
     ("engine.backward", "backward", "deepspeed/runtime/engine.py"),
     ("engine.step", "step", "deepspeed/runtime/engine.py"),
-    ("load_batch (feature cache, safetensors)", "load_batch", "cache.py"),
-    ("noise + timesteps + add_noise", "diffusion_loss", "loop.py"),
+    ("load_batch (feature cache, safetensors)", "load_batch", "feature_cache.py"),
+    ("noise + timesteps + add_noise", "diffusion_loss", "ddpm.py"),
     ("sinks (progress, metrics, steps.jsonl)", "on_step", ""),
     ("after_step (stop check, EMA, checkpoints)", "after_step", "worker.py"),
     ("grad_norm", "grad_norm", "loop.py"),
@@ -102,7 +102,7 @@ def main() -> None:
         "samples_in_training_loop": total,
         "percent": {k: round(100 * v / total, 2) for k, v in sorted(counts.items())},
         "harness_percent": round(100 * harness / total, 2),
-        "note": "all ranks' samples inside zerotuner.loop.train; harness = everything but "
+        "note": "all ranks' samples inside zerotuner.train.loop.train; harness = everything but "
         "DeepSpeed's forward, backward and step",
     }
     print(json.dumps(summary, indent=2))

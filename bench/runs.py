@@ -204,7 +204,7 @@ MARKS = {  # log text -> the moment it marks (the first line containing it)
     "launching ": "launching",
     "phase: loading": "loading",
     "phase: caching": "caching",
-    "zerotuner.worker: cache:": "cached",  # then engine init until step 1 starts
+    "zerotuner.train.worker: cache:": "cached",  # then engine init until step 1 starts
 }
 
 

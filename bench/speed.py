@@ -171,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s bench: %(message)s")
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     from bench.benchmodel import unet_parameters, write_bench_model
-    from zerotuner.demo import write_demo
+    from zerotuner.demo.pipelines import write_demo
 
     root = Path(tempfile.mkdtemp(prefix="bench-speed-", dir=runs.REPO / ".cache"))
     started = time.time()

@@ -66,9 +66,9 @@ def intervals(steps: list[dict]) -> list[float]:
 def preflight_for(b: Bench, **settings: Any) -> tuple[Any, dict[str, float]]:
     """zerotuner's preflight in this process with the bench's ZT_* (timed: settings, probe,
     plan), exactly as `zerotuner train` calls it."""
-    from zerotuner.effective import effective_settings
-    from zerotuner.hardware_probe import probe
-    from zerotuner.preflight import preflight
+    from zerotuner.machine.probe import probe
+    from zerotuner.preflight.steps import preflight
+    from zerotuner.settings.effective import effective_settings
 
     env = runs.zt_env(b.work("preflight"), b.model, b.data, steps=b.steps, **settings)
     Path(env["ZT_OFFLOAD_DIR"]).mkdir(parents=True, exist_ok=True)
@@ -246,7 +246,7 @@ def host_memory(b: Bench) -> dict[str, Any]:
     per-process overheads of the plan come down to when the model is small."""
     from dataclasses import replace
 
-    from zerotuner.demo import write_demo
+    from zerotuner.demo.pipelines import write_demo
 
     paths = write_demo(b.root / "tiny", seed=0, family="sdxl")
     tiny = replace(b, model=paths.model, data=paths.data)
@@ -281,7 +281,7 @@ def host_memory(b: Bench) -> dict[str, Any]:
 def nvme(b: Bench) -> dict[str, Any]:
     """ZeRO-3 with optimizer and params on NVMe: swap bytes and rates while training vs dd,
     DeepSpeed's aio handle swept over the aio settings, then a run with the best ones."""
-    from zerotuner.deepspeed_config import AIO_DEFAULTS
+    from zerotuner.preflight.deepspeed_config import AIO_DEFAULTS
 
     offload_root = b.root / "runs"
     offload_root.mkdir(parents=True, exist_ok=True)

@@ -35,7 +35,7 @@ def _restore_root_logger():
 
 
 def _write(tmp_path_factory: pytest.TempPathFactory, family: str) -> Path:
-    from zerotuner.demo import write_demo
+    from zerotuner.demo.pipelines import write_demo
 
     root = tmp_path_factory.mktemp(f"demo-{family}")
     write_demo(root, family=family)

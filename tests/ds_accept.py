@@ -15,10 +15,10 @@ import deepspeed
 import torch
 import torch.distributed as dist
 
-from zerotuner.deepspeed_config import Decisions, normalize
 from zerotuner.families import ModelShape
-from zerotuner.hardware import cpu_only
-from zerotuner.settings import Settings
+from zerotuner.machine.hardware import cpu_only
+from zerotuner.preflight.deepspeed_config import Decisions, normalize
+from zerotuner.settings.schema import Settings
 
 
 class Small(torch.nn.Module):

@@ -14,9 +14,9 @@ import torch
 import trainkit as tk
 from safetensors.torch import load_file
 
-from zerotuner import lora_files
-from zerotuner.checkpoint import read_manifest
-from zerotuner.settings import Settings
+from zerotuner.settings.schema import Settings
+from zerotuner.weights import lora_files
+from zerotuner.weights.checkpoint import read_manifest
 
 TARGETS = "attention+ff,proj_in,proj_out,conv1,conv2,conv_in,conv_out,time_emb_proj"
 RANK, ALPHA = 4, 2  # alpha != rank: only the metadata carries it into diffusers
@@ -108,13 +108,13 @@ def zero3(zero3_run) -> Path:
 
 
 def held_out_loss(pipe, demo_dir: Path, *, images: int = 32, draws: int = 4) -> float:
-    """The training loss (zerotuner.loop's) of `pipe`'s UNet on demo images with fixed noise
+    """The training loss (zerotuner.train.loop's) of `pipe`'s UNet on demo images with fixed noise
     and timesteps, averaged over `draws` seeds."""
     from diffusers import DDPMScheduler
 
-    from zerotuner import data, loop, model
-    from zerotuner.families import get
+    from zerotuner.families import ddpm, get
     from zerotuner.families.unet import time_ids
+    from zerotuner.train import data, model
 
     source = demo_dir / "model"
     scheduler = DDPMScheduler.from_pretrained(source, subfolder="scheduler")
@@ -135,10 +135,10 @@ def held_out_loss(pipe, demo_dir: Path, *, images: int = 32, draws: int = 4) -> 
     }
     latents = model.encode_images(pipe.vae, pixels)
     kwargs = conditioning.model_kwargs(batch, torch.float32)
-    config = loop.LossConfig(model.prediction_type(scheduler), None, 0.0)
+    config = ddpm.LossConfig(ddpm.prediction_type(scheduler), None, 0.0)
     with torch.no_grad():
         losses = [
-            loop.diffusion_loss(
+            ddpm.diffusion_loss(
                 pipe.unet, scheduler, latents, kwargs, config=config,
                 generator=torch.Generator().manual_seed(draw), dtype=torch.float32,
             )
@@ -150,7 +150,7 @@ def held_out_loss(pipe, demo_dir: Path, *, images: int = 32, draws: int = 4) -> 
 def checkpoint_adapter(path: Path) -> dict:
     """A LoRA checkpoint consolidated (zero_to_fp32 or the ZeRO-0 module state), under the
     adapter file's names; it holds the adapter only (the frozen base is left out)."""
-    from zerotuner.export import checkpoint_unet_state
+    from zerotuner.weights.export import checkpoint_unet_state
 
     state = checkpoint_unet_state(path)
     assert state and all(".lora_" in k for k in state), [k for k in state if ".lora_" not in k]

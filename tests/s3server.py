@@ -11,7 +11,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from zerotuner.launch import free_port
+from zerotuner.launch.ranks import free_port
 
 KEY_ID, SECRET = "AKIAZEROTUNERTEST", "zerotuner-secret-access-key-for-tests"
 

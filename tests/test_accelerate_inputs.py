@@ -16,8 +16,8 @@ import trainkit as tk
 
 from zerotuner.cli import main
 from zerotuner.errors import ConfigError
-from zerotuner.inputs import UserInputs, apply_implied_settings, read_user_inputs
-from zerotuner.settings import Settings, load_settings
+from zerotuner.settings.inputs import UserInputs, apply_implied_settings, read_user_inputs
+from zerotuner.settings.schema import Settings, load_settings
 
 
 def write_accelerate(monkeypatch, tmp_path: Path, text: str) -> Path:

@@ -61,7 +61,7 @@ def test_log_marks_read_the_products_timestamps():
         "2026-11-22 10:39:46,674 INFO zerotuner.train: launching 2 rank(s) on node 0 of 1\n"
         "2026-11-22 10:39:56,267 INFO [rank 0] zerotuner.progress: phase: loading\n"
         "2026-11-22 10:39:58,569 INFO [rank 0] zerotuner.progress: phase: caching\n"
-        "2026-11-22 10:39:59,471 INFO [rank 0] zerotuner.worker: cache: 64 latents encoded\n"
+        "2026-11-22 10:39:59,471 INFO [rank 0] zerotuner.train.worker: cache: 64 latents encoded\n"
         "2026-11-22 10:40:59,000 INFO [rank 0] zerotuner.progress: phase: loading\n"
     )
     marks = runs.log_marks(log)

@@ -10,9 +10,9 @@ import os
 
 import pytest
 
-from zerotuner.builder import evaluate, fields_named
-from zerotuner.builder_form import compose, form_fields
-from zerotuner.builder_server import Templates
+from zerotuner.builder.evaluate import evaluate, fields_named
+from zerotuner.builder.form import compose, form_fields
+from zerotuner.builder.server import Templates
 from zerotuner.cli import main
 from zerotuner.errors import ConfigError
 
@@ -178,7 +178,7 @@ def test_a_template_name_cannot_leave_the_folder(tmp_path):
 
 
 def test_the_form_is_the_whole_configuration_but_for_where_this_machine_caches(monkeypatch):
-    from zerotuner.builder import EMPTY_CONFIG, form_environ
+    from zerotuner.builder.evaluate import EMPTY_CONFIG, form_environ
 
     monkeypatch.setenv("ZT_ZERO_STAGE", "3")  # the builder's own shell: not the form's job
     monkeypatch.setenv("ZT_CACHE_DIR", "/srv/hf-cache")

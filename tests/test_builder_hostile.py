@@ -251,8 +251,8 @@ def test_no_form_can_undo_the_offline_rule(monkeypatch, tmp_path):
     evaluated in (ZT_* names, no secret) cannot turn the hub back on or reach a token."""
     from huggingface_hub import constants
 
-    from zerotuner.builder import evaluate, form_environ
-    from zerotuner.effective import effective_settings
+    from zerotuner.builder.evaluate import evaluate, form_environ
+    from zerotuner.settings.effective import effective_settings
 
     (tmp_path / "hf_token").write_text(TOKEN)
     for key in ("HF_TOKEN", "ZT_HF_TOKEN", "HUGGING_FACE_HUB_TOKEN"):
@@ -472,7 +472,7 @@ def test_clients_that_hang_up_leave_no_traceback(server):
 
 
 def test_slow_and_idle_clients_are_cut_off(tmp_path, capfd):
-    from zerotuner.builder_server import BuilderServer
+    from zerotuner.builder.server import BuilderServer
 
     server = BuilderServer("127.0.0.1", 0, templates=tmp_path, idle_timeout=1, request_timeout=2)
     thread = threading.Thread(target=server.serve_forever, daemon=True)

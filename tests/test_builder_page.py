@@ -203,7 +203,7 @@ def test_every_export_is_what_its_consumer_accepts(page, demo_dir, tmp_path, mon
 
 
 def _free_port() -> int:
-    from zerotuner.launch import free_port
+    from zerotuner.launch.ranks import free_port
 
     return free_port()
 

@@ -8,12 +8,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from zerotuner import data, loop, model
-from zerotuner.cache import CacheItem, FeatureCache, component_key
-from zerotuner.demo_parts import LATENT_SCALE
+from zerotuner.demo.parts import LATENT_SCALE
 from zerotuner.errors import ConfigError
-from zerotuner.families import get
+from zerotuner.families import ddpm, get
 from zerotuner.families.unet import time_ids
+from zerotuner.train import data, loop, model
+from zerotuner.train.feature_cache import CacheItem, FeatureCache, component_key
 
 
 def items_for(dataset: data.Dataset, buckets) -> list[CacheItem]:
@@ -127,15 +127,15 @@ def test_family_conditioning_drives_the_unet(family, request) -> None:
     batch = dict(text, latents=torch.randn(2, 4, 16, 16))
     if family == "sdxl":
         batch["time_ids"] = torch.stack([time_ids((64, 64), (0, 0), (64, 64))] * 2)
-    kind = model.prediction_type(components.scheduler)
+    kind = ddpm.prediction_type(components.scheduler)
     assert kind == ("epsilon" if family == "sd1" else "v_prediction")  # see demo._scheduler
     for snr_gamma in (None, 5.0):
-        loss = loop.diffusion_loss(
+        loss = ddpm.diffusion_loss(
             components.denoiser,
             components.scheduler,
             batch["latents"],
             conditioning.model_kwargs(batch, torch.float32),
-            config=loop.LossConfig(kind, snr_gamma, noise_offset=0.05),
+            config=ddpm.LossConfig(kind, snr_gamma, noise_offset=0.05),
             generator=torch.Generator().manual_seed(0),
             dtype=torch.float32,
         )
@@ -148,10 +148,10 @@ def test_prediction_type_setting_overrides_the_scheduler(sd2_demo_dir: Path) -> 
     from diffusers import DDPMScheduler
 
     scheduler = DDPMScheduler.from_pretrained(sd2_demo_dir / "model", subfolder="scheduler")
-    assert model.prediction_type(scheduler, "epsilon") == "epsilon"
+    assert ddpm.prediction_type(scheduler, "epsilon") == "epsilon"
     scheduler.register_to_config(prediction_type="sample")
     with pytest.raises(ConfigError, match="ZT_PREDICTION_TYPE"):
-        model.prediction_type(scheduler)
+        ddpm.prediction_type(scheduler)
 
 
 def test_step_noise_is_reproducible_per_step_and_rank() -> None:
@@ -176,8 +176,10 @@ def test_frozen_parts_load_on_a_nodes_first_rank_and_leave_before_the_engine(
     of the cache); once it returns nothing holds them any more."""
     import weakref
 
-    from zerotuner import caching, data, distributed, families
-    from zerotuner.settings import Settings
+    from zerotuner import families
+    from zerotuner.launch import distributed
+    from zerotuner.settings.schema import Settings
+    from zerotuner.train import caching, data
 
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # torchrun's view: 2 nodes of 2 ranks
     for local, rank, expected in ((0, 0, (0, 2)), (1, 1, None), (0, 2, (1, 2)), (1, 3, None)):

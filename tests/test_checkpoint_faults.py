@@ -17,8 +17,8 @@ import torch
 import trainkit as tk
 from safetensors.torch import load_file
 
-from zerotuner import checkpoint
-from zerotuner.checkpoint import find_resume, read_manifest, verify
+from zerotuner.weights import checkpoint
+from zerotuner.weights.checkpoint import find_resume, read_manifest, verify
 
 UNET = "unet/diffusion_pytorch_model.safetensors"
 

@@ -12,7 +12,7 @@ import pytest
 
 from zerotuner.cli import main
 from zerotuner.commands import config as _config  # noqa: F401 (imported before any patch)
-from zerotuner.hardware import Hardware
+from zerotuner.machine.hardware import Hardware
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -126,9 +126,9 @@ def test_cuda_without_a_gpu_exits_2_not_3_with_one_line_naming_the_flags(tmp_pat
 
 
 def test_a_platform_deepspeed_cannot_run_on_exits_2_not_3(monkeypatch, capsys, tmp_path):
-    import zerotuner.hardware_probe
+    import zerotuner.machine.probe
 
-    monkeypatch.setattr(zerotuner.hardware_probe, "probe", lambda *a, **k: Hardware("mps"))
+    monkeypatch.setattr(zerotuner.machine.probe, "probe", lambda *a, **k: Hardware("mps"))
     code, out, err = run_config(monkeypatch, capsys, tmp_path, ZT_DEVICE="auto")
     assert code == 2 and out == ""
     [line] = err.strip().splitlines()

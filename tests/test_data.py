@@ -14,8 +14,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from PIL import Image
 
-from zerotuner import data
 from zerotuner.errors import EXIT_CONFIG, ConfigError
+from zerotuner.train import data
 
 RED, BLUE = (255, 0, 0), (0, 0, 255)
 
@@ -80,7 +80,7 @@ def test_scan_reads_captions_from_sidecar_metadata_and_file_name(mixed_dir: Path
 def test_scan_skips_broken_files_once_each_and_counts_them(
     mixed_dir: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    with caplog.at_level(logging.WARNING, logger="zerotuner.data"):
+    with caplog.at_level(logging.WARNING, logger="zerotuner.train.data"):
         dataset = data.scan(mixed_dir)
     reasons = {path.name: reason for path, reason in dataset.skipped}
     assert set(reasons) == {"corrupt.png", "truncated.jpg", "notes.png", "table.csv", "old.bmp"}
@@ -93,7 +93,7 @@ def test_scan_skips_broken_files_once_each_and_counts_them(
     assert all(sum(name in message for message in warned) == 1 for name in reasons)
 
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="zerotuner.data"):
+    with caplog.at_level(logging.WARNING, logger="zerotuner.train.data"):
         assert len(data.scan(mixed_dir, log_skipped=False).skipped) == 5
     assert not caplog.records
 

@@ -16,8 +16,8 @@ import pytest
 import trainkit as tk
 from PIL import Image
 
-from zerotuner import data
 from zerotuner.errors import ConfigError
+from zerotuner.train import data
 
 MIB = 2**20
 
@@ -63,7 +63,7 @@ def test_huge_captions_are_cut_to_a_prefix_with_one_warning(tmp_path: Path, capl
     row = '{"file_name": "m.png", "text": "%s"}\n' % ("word " * MIB)  # 5 MB in one line
     (root / "meta" / "metadata.jsonl").write_text(row)
 
-    with caplog.at_level(logging.WARNING, logger="zerotuner.data"):
+    with caplog.at_level(logging.WARNING, logger="zerotuner.train.data"):
         dataset = data.scan(root)
     captions = {item.path.name: item.caption for item in dataset.items}
     for name in ("a.png", "b.png", "c.png", "m.png"):
@@ -159,7 +159,7 @@ def _many_broken(root: Path, count: int) -> None:
 def test_thousands_of_unreadable_files_make_a_short_summary(tmp_path: Path, caplog) -> None:
     root = tmp_path / "data"
     _many_broken(root, 2000)  # 10,000 made 10,000 lines; the summary is as short for any count
-    with caplog.at_level(logging.WARNING, logger="zerotuner.data"):
+    with caplog.at_level(logging.WARNING, logger="zerotuner.train.data"):
         dataset = data.scan(root)
     warned = [r.getMessage() for r in caplog.records]
     assert warned == dataset.warnings()
@@ -253,8 +253,8 @@ def test_patient_barrier_waits_without_deadline_and_fails_on_a_silent_rank(monke
 
     import torch.distributed as dist
 
-    from zerotuner import distributed
     from zerotuner.errors import ZeroTunerError
+    from zerotuner.launch import distributed
 
     monkeypatch.setattr(distributed, "BEAT_SECONDS", 0.1)
     monkeypatch.setattr(distributed, "POLL_SECONDS", 0.05)

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from test_normalize import SEED_NVME, SEED_STAGE2
 
-from zerotuner.launch import free_port
+from zerotuner.launch.ranks import free_port
 
 HERE = Path(__file__).parent
 

@@ -9,10 +9,11 @@ import pytest
 import torch
 from PIL import Image
 
-from zerotuner import cli, data
-from zerotuner.demo_parts import DEMO_RESOLUTION, LATENT_SCALE, MAX_TOKENS, train_bpe
+from zerotuner import cli
+from zerotuner.demo.parts import DEMO_RESOLUTION, LATENT_SCALE, MAX_TOKENS, train_bpe
 from zerotuner.families import detect_family
-from zerotuner.settings import load_settings
+from zerotuner.settings.schema import load_settings
+from zerotuner.train import data
 
 
 def _generate(pipe, prompt: str):
@@ -162,7 +163,7 @@ def test_validation_writes_base_vs_trained_side_by_side(demo_dir: Path, tmp_path
     it is rendered once and reused by the next validation."""
     from safetensors.torch import load_file
 
-    from zerotuner import samples
+    from zerotuner.train import samples
 
     state = load_file(demo_dir / "model" / "unet" / "diffusion_pytorch_model.safetensors")
     prompts = ["a red circle on a white background", "a blue square on a black background"]
@@ -186,7 +187,8 @@ def test_demo_text_encoders_tell_one_word_apart(demo_dir: Path) -> None:
     each prompt's colours but not its shape)."""
     from diffusers import StableDiffusionXLPipeline
 
-    from zerotuner import families, model
+    from zerotuner import families
+    from zerotuner.train import model
 
     pipe = StableDiffusionXLPipeline.from_pretrained(demo_dir / "model")
     parts = model.Components(

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from zerotuner.settings import Settings, env_name, load_settings
+from zerotuner.settings.schema import Settings, env_name, load_settings
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -284,7 +284,7 @@ def test_the_build_context_builds_the_package(tmp_path: Path) -> None:
     (wheel,) = (tmp_path / "wheel").glob("zerotuner-*.whl")
     with zipfile.ZipFile(wheel) as archive:
         names = archive.namelist()
-        assert "zerotuner/cli.py" in names and "zerotuner/settings.py" in names
+        assert "zerotuner/cli.py" in names and "zerotuner/settings/schema.py" in names
         entry_points = next(n for n in names if n.endswith("entry_points.txt"))
         assert "zerotuner = zerotuner.cli:main" in archive.read(entry_points).decode()
 

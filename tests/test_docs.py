@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from zerotuner import docs
-from zerotuner.settings import Settings, env_name, load_settings
+from zerotuner.settings.schema import Settings, env_name, load_settings
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from trainkit import ENTRYPOINT, entrypoint_env, sigterm_after_steps, steps_done
 
-from zerotuner.launch import free_port
+from zerotuner.launch.ranks import free_port
 
 
 def hub_cache(model: Path, hub: Path, repo: str) -> None:

@@ -13,8 +13,8 @@ from safetensors.torch import load_file, save_file
 
 from zerotuner.cli import main
 from zerotuner.errors import ConfigError
-from zerotuner.export import export_checkpoint
-from zerotuner.pipeline_folder import write_pipeline
+from zerotuner.weights.export import export_checkpoint
+from zerotuner.weights.pipeline_folder import write_pipeline
 
 UNET_FILE = "unet/diffusion_pytorch_model.safetensors"
 
@@ -93,7 +93,12 @@ def test_export_command_exit_codes(demo_dir, trained_state, tmp_path, capsys) ->
 
 
 def test_resume_considers_only_committed_checkpoints(tmp_path: Path) -> None:
-    from zerotuner.checkpoint import _rotate, committed_checkpoints, find_resume, write_atomic
+    from zerotuner.weights.checkpoint import (
+        _rotate,
+        committed_checkpoints,
+        find_resume,
+        write_atomic,
+    )
 
     root = tmp_path / "checkpoints"
     for step in (2, 4, 6):

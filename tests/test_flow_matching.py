@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from zerotuner import flow_matching as fm
+from zerotuner.families import flow_matching as fm
 
 
 def test_a_hand_computed_example():

@@ -10,7 +10,7 @@ import pytest
 import torch
 import trainkit as tk
 
-from zerotuner.demo_flow import T5_MAX_TOKENS
+from zerotuner.demo.flow import T5_MAX_TOKENS
 
 
 @pytest.fixture(scope="session")
@@ -103,8 +103,8 @@ def test_the_t5_length_is_part_of_a_cached_captions_key(tmp_path):
     """ZT_MAX_SEQUENCE_LENGTH changes the cached tensor: another length is another entry."""
     import dataclasses
 
-    from zerotuner.cache import FeatureCache
     from zerotuner.families import get
+    from zerotuner.train.feature_cache import FeatureCache
 
     def path(length: int) -> Path:
         kind = dataclasses.replace(get("flux"), max_sequence_length=length)
@@ -120,8 +120,8 @@ def test_flux_full_fine_tuning_on_4_x_80_gb_lands_on_zero_3():
     """Users report FLUX.1 full fine-tuning out of memory at ZeRO-2 on 4 x 80 GB and running at
     ZeRO-3: the planner's estimate agrees."""
     from zerotuner.families import model_shape
-    from zerotuner.hardware import GPU, GiB, Hardware
-    from zerotuner.plan import PlanRequest, make_plan
+    from zerotuner.machine.hardware import GPU, GiB, Hardware
+    from zerotuner.preflight.plan import PlanRequest, make_plan
 
     memory = 80 * GiB
     node = Hardware(

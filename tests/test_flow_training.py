@@ -13,9 +13,10 @@ import pytest
 import torch
 import trainkit as tk
 
-from zerotuner import data, families, model
-from zerotuner.checkpoint import read_manifest
-from zerotuner.settings import Settings
+from zerotuner import families
+from zerotuner.settings.schema import Settings
+from zerotuner.train import data, model
+from zerotuner.weights.checkpoint import read_manifest
 
 STEPS, SAVED = 10, 5
 TOKENS = 16  # ZT_MAX_SEQUENCE_LENGTH: the demo captions are 8 words
@@ -203,8 +204,8 @@ def test_lora_on_a_flow_transformer(flow_demo_dirs, tmp_path, family, stage) -> 
     from diffusers import DiffusionPipeline
     from safetensors.torch import load_file
 
-    from zerotuner import lora_files
-    from zerotuner.export import export_checkpoint
+    from zerotuner.weights import lora_files
+    from zerotuner.weights.export import export_checkpoint
 
     demo, output = flow_demo_dirs[family], tmp_path / "output"
     run(tmp_path, demo, family, stage=stage, output=output, checkpoint_every_steps=SAVED,

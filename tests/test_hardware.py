@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from zerotuner.driver import CUDA12_BUILD, Driver, driver_problem, driver_warnings
 from zerotuner.errors import ConfigError, EnvironmentUnfit
-from zerotuner.hardware import (
+from zerotuner.machine.driver import CUDA12_BUILD, Driver, driver_problem, driver_warnings
+from zerotuner.machine.hardware import (
     CudaDevice,
     Facts,
     GiB,
@@ -20,7 +20,7 @@ from zerotuner.hardware import (
     join_gpus,
     require_supported,
 )
-from zerotuner.hardware_probe import probe, probe_facts
+from zerotuner.machine.probe import probe, probe_facts
 
 A = "GPU-aaaaaaaa-0000-0000-0000-000000000000"
 B = "GPU-bbbbbbbb-0000-0000-0000-000000000000"
@@ -294,7 +294,7 @@ def old_driver_host(monkeypatch):
     import pynvml
     import torch
 
-    import zerotuner.hardware_probe
+    import zerotuner.machine.probe
 
     def is_available():
         warnings.warn(CUDA_TOO_OLD, UserWarning, stacklevel=2)
@@ -307,7 +307,7 @@ def old_driver_host(monkeypatch):
     monkeypatch.setattr(pynvml, "nvmlSystemGetDriverVersion", lambda: "550.54.15")
     monkeypatch.setattr(pynvml, "nvmlSystemGetCudaDriverVersion", lambda: 12040)
     monkeypatch.setattr(pynvml, "nvmlDeviceGetCount", lambda: 2)
-    monkeypatch.setattr(zerotuner.hardware_probe, "_ds_ops", lambda *a: OPS_OK)  # not tested here
+    monkeypatch.setattr(zerotuner.machine.probe, "_ds_ops", lambda *a: OPS_OK)  # not tested here
     for key, value in {"ZT_DEVICE": "auto", "ZT_METRICS_PORT": "0"}.items():
         monkeypatch.setenv(key, value)
     return monkeypatch
@@ -350,7 +350,7 @@ import warnings
 import pynvml
 import torch
 
-import zerotuner.hardware_probe
+import zerotuner.machine.probe
 
 
 def _is_available():
@@ -364,7 +364,7 @@ pynvml.nvmlInit = pynvml.nvmlShutdown = lambda: None
 pynvml.nvmlSystemGetDriverVersion = lambda: "550.54.15"
 pynvml.nvmlSystemGetCudaDriverVersion = lambda: 12040
 pynvml.nvmlDeviceGetCount = lambda: 2
-zerotuner.hardware_probe._ds_ops = lambda *a: ()
+zerotuner.machine.probe._ds_ops = lambda *a: ()
 """
 
 

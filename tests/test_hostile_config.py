@@ -17,9 +17,10 @@ from pathlib import Path
 
 import pytest
 
-from zerotuner import cli, offload
+from zerotuner import cli
 from zerotuner.commands import config as _config  # noqa: F401 (torch imported once, up front)
-from zerotuner.files import MAX_FILE_BYTES
+from zerotuner.machine import offload_volume as offload
+from zerotuner.settings.files import MAX_FILE_BYTES
 
 REPO = Path(__file__).resolve().parents[1]
 ZEROTUNER = REPO / ".venv" / "bin" / "zerotuner"

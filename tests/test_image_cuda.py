@@ -70,7 +70,7 @@ def test_the_runtime_requirement_is_the_majors_floor_the_probe_applies(cuda_vers
     """NVIDIA_REQUIRE_CUDA as the image sets it (POSIX expansion, which BuildKit's Dockerfile
     frontend 1.7+ implements): the first clause drops to the major, the brand clauses stay,
     and the RUN after it accepts the result. zerotuner's probe lets the same drivers through."""
-    from zerotuner.driver import Driver, driver_runs, min_driver
+    from zerotuner.machine.driver import Driver, driver_runs, min_driver
 
     value = next(
         a.split("=", 1)[1] for i, a in dockerfile_instructions()
@@ -98,7 +98,7 @@ def test_the_runtime_requirement_is_the_majors_floor_the_probe_applies(cuda_vers
 
 
 def test_the_default_image_and_its_cuda_12_build_are_documented_with_their_floor():
-    from zerotuner.driver import CUDA12_BUILD, MIN_DRIVER, dotted
+    from zerotuner.machine.driver import CUDA12_BUILD, MIN_DRIVER, dotted
 
     default = dockerfile_arg("CUDA_VERSION")
     assert default.split(".")[0] == "13"

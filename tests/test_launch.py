@@ -16,8 +16,7 @@ import psutil
 import pytest
 
 from zerotuner.errors import ConfigError
-from zerotuner.hardware import GPU, GiB, Hardware, cpu_only
-from zerotuner.launch import (
+from zerotuner.launch.ranks import (
     Topology,
     exit_code,
     launch,
@@ -25,8 +24,9 @@ from zerotuner.launch import (
     torchrun_command,
     worker_env,
 )
-from zerotuner.records import RankStatus
-from zerotuner.settings import load_settings
+from zerotuner.launch.records import RankStatus
+from zerotuner.machine.hardware import GPU, GiB, Hardware, cpu_only
+from zerotuner.settings.schema import load_settings
 
 FOUR_GPUS = Hardware(
     "cuda", tuple(GPU(i, "A100", 80 * GiB, 80 * GiB) for i in range(4)), cpu_count=32
@@ -121,10 +121,10 @@ def test_torchrun_command_is_static_and_complete():
     topo = Topology(2, 1, 4, "10.0.0.5", 12345, "x")
     argv = torchrun_command(topo, shutdown_timeout=120, python="/py")
     assert argv == [
-        "/py", "-m", "zerotuner.torchrun", "--nnodes=2", "--node-rank=1",
+        "/py", "-m", "zerotuner.launch.torchrun", "--nnodes=2", "--node-rank=1",
         "--nproc-per-node=4", "--master-addr=10.0.0.5", "--master-port=12345",
         "--rdzv-backend=static", "--max-restarts=0", "--shutdown-timeout=120",
-        "-m", "zerotuner.worker",
+        "-m", "zerotuner.train.worker",
     ]  # fmt: skip
 
 
@@ -177,7 +177,7 @@ WORKER = textwrap.dedent(
     import atexit, os, signal, sys, time
     from pathlib import Path
     import torch.distributed as dist
-    from zerotuner.records import write_rank_status
+    from zerotuner.launch.records import write_rank_status
 
     mode, rank = os.environ["TEST_MODE"], int(os.environ["RANK"])
     out = Path(os.environ["TEST_OUT"])
@@ -404,8 +404,8 @@ def test_check_validates_nvme_offload_without_cleaning(demo_job_env, capsys, tmp
 NODE = """
 import sys
 from pathlib import Path
-from zerotuner.hardware import cpu_only
-from zerotuner.launch import Topology, launch
+from zerotuner.machine.hardware import cpu_only
+from zerotuner.launch.ranks import Topology, launch
 
 port, status, job = int(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
 topo = Topology(2, 1, 1, "127.0.0.1", port, "test")
@@ -445,8 +445,8 @@ def test_two_nodes_on_localhost_form_one_job(tmp_path):
 def test_check_sizes_the_text_cache_against_the_free_space(
     demo_job_env, flow_demo_dirs, capsys, monkeypatch
 ):
-    import zerotuner.offload
-    from zerotuner.data import scan
+    import zerotuner.machine.offload_volume
+    from zerotuner.train.data import scan
 
     flux = flow_demo_dirs["flux"]
     monkeypatch.setenv("ZT_MODEL", str(flux / "model"))
@@ -456,7 +456,8 @@ def test_check_sizes_the_text_cache_against_the_free_space(
     (line,) = [line for line in out.splitlines() if " text cache " in line]
     assert code == 0 and line.startswith("OK") and f" {captions} captions x " in line, out
     assert "GiB free" in line
-    monkeypatch.setattr(zerotuner.offload, "free_bytes_at", lambda path: 0)  # a full disk
+    # a full disk
+    monkeypatch.setattr(zerotuner.machine.offload_volume, "free_bytes_at", lambda path: 0)
     code, out = _check(capsys)
     (line,) = [line for line in out.splitlines() if " text cache " in line]
     assert code == 3 and line.startswith("FAIL") and "ZT_CACHE_DIR" in line

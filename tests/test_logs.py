@@ -13,7 +13,8 @@ import warnings
 import pytest
 from PIL import Image
 
-from zerotuner.logs import (
+from zerotuner.launch.records import StepRecord
+from zerotuner.monitor.logs import (
     ProgressSink,
     demote_known_noise,
     format_duration,
@@ -22,8 +23,7 @@ from zerotuner.logs import (
     secret_values,
     setup_logging,
 )
-from zerotuner.metrics import DeviceMemory
-from zerotuner.records import StepRecord
+from zerotuner.monitor.metrics import DeviceMemory
 
 SECRET = "hf_zt_l0gSecretValue42"
 
@@ -75,7 +75,7 @@ def test_single_rank_lines_have_no_rank_prefix():
 def test_json_lines_parse_and_carry_the_fields():
     out = io.StringIO()
     setup_logging(rank=3, world_size=4, log_format="json", level=logging.INFO, stream=out)
-    log = logging.getLogger("zerotuner.loop")
+    log = logging.getLogger("zerotuner.train.loop")
     log.info("step %d", 7)
     try:
         raise RuntimeError("boom")
@@ -83,8 +83,8 @@ def test_json_lines_parse_and_carry_the_fields():
         log.exception("failed")
     lines = [json.loads(line) for line in out.getvalue().splitlines()]
     assert [(x["level"], x["rank"], x["logger"], x["msg"]) for x in lines] == [
-        ("INFO", 3, "zerotuner.loop", "step 7"),
-        ("ERROR", 3, "zerotuner.loop", "failed"),
+        ("INFO", 3, "zerotuner.train.loop", "step 7"),
+        ("ERROR", 3, "zerotuner.train.loop", "failed"),
     ]
     assert lines[0]["ts"].endswith("Z")
     assert "RuntimeError: boom" in lines[1]["exc"]
@@ -137,7 +137,7 @@ def test_a_rank_process_logs_through_the_real_deepspeed_logger(tmp_path):
         import os
         os.environ["DS_ACCELERATOR"] = "cpu"
         from deepspeed.utils import logger
-        from zerotuner.logs import setup_logging
+        from zerotuner.monitor.logs import setup_logging
         setup_logging(rank=1, world_size=2, log_format="json")
         logger.info("info from deepspeed")
         logger.warning("warning from deepspeed HF-%s" % os.environ["HF_TOKEN"])

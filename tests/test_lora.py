@@ -30,11 +30,11 @@ from lorakit import (
 )  # fmt: skip
 from safetensors.torch import load_file, save_file
 
-from zerotuner import lora, lora_files
-from zerotuner.checkpoint import read_manifest
 from zerotuner.commands import config as _config  # noqa: F401 (imported before any patch)
 from zerotuner.errors import ConfigError
-from zerotuner.settings import Settings
+from zerotuner.settings.schema import Settings
+from zerotuner.weights import lora, lora_files
+from zerotuner.weights.checkpoint import read_manifest
 
 pytest_plugins = ["lorakit"]  # the shared runs: zero3_run, zero3, lora_cache
 
@@ -161,7 +161,7 @@ def test_zero3_validation_samples_use_the_adapter(zero3, demo_dir: Path, tmp_pat
     import numpy as np
     from PIL import Image
 
-    from zerotuner import samples
+    from zerotuner.train import samples
 
     (made,) = sorted((zero3 / "samples" / f"step-{STEPS}").glob("*.png"))
     (base,) = samples.render(
@@ -371,7 +371,7 @@ def test_a_full_checkpoint_is_not_resumed_as_lora(tmp_path) -> None:
 @pytest.mark.slow
 def test_export_writes_the_adapter_of_a_lora_checkpoint(zero3, tmp_path) -> None:
     """`zerotuner export CKPT OUT` on a ZeRO-3 LoRA checkpoint: the run's own adapter file."""
-    from zerotuner.export import export_checkpoint
+    from zerotuner.weights.export import export_checkpoint
 
     out = export_checkpoint(zero3 / "checkpoints" / f"step-{STEPS}", tmp_path / "exported")
     exported = load_file(out / lora_files.ADAPTER_FILE)

@@ -26,8 +26,8 @@ from lorakit import (
 )
 from safetensors.torch import load_file
 
-from zerotuner import lora, lora_files
-from zerotuner.checkpoint import EMA_FILE, read_manifest
+from zerotuner.weights import lora, lora_files
+from zerotuner.weights.checkpoint import EMA_FILE, read_manifest
 
 pytest_plugins = ["lorakit"]  # the shared runs: zero3_run, zero3, lora_cache
 
@@ -120,7 +120,7 @@ def assert_equal(got: dict, want: dict) -> None:
 def test_zero3_ema_tracks_the_adapter_only(zero3, tmp_path) -> None:
     """The checkpoint's EMA holds the adapter (no base weight); final-ema/ is the last one
     written as the adapter files; `export --ema` of the checkpoint writes the same."""
-    from zerotuner.export import export_checkpoint
+    from zerotuner.weights.export import export_checkpoint
 
     last = zero3 / "checkpoints" / f"step-{STEPS}"
     ema = load_file(last / EMA_FILE)
@@ -248,7 +248,7 @@ def test_pissa_and_olora_adapters_are_written_for_the_published_base(
     kept (alpha != rank, rsLoRA too)."""
     from diffusers import UNet2DConditionModel
 
-    from zerotuner.pipeline_folder import load_part
+    from zerotuner.weights.pipeline_folder import load_part
 
     settings = lora_settings(lora_targets="attention", lora_init=init, lora_rslora=rslora)
     unet = UNet2DConditionModel.from_pretrained(demo_dir / "model", subfolder="unet")

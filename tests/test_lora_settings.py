@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import trainkit as tk
 
-from zerotuner import lora
-from zerotuner.settings import Settings
+from zerotuner.settings.schema import Settings
+from zerotuner.weights import lora
 
 
 def errors(err: str) -> list[str]:

@@ -25,8 +25,15 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
 from zerotuner.errors import EnvironmentUnfit
-from zerotuner.metrics import DESIGN_METRICS, EXTRA_METRICS, PHASES, DeviceMemory, PrometheusSink
-from zerotuner.metrics_server import (
+from zerotuner.launch.records import StepRecord
+from zerotuner.monitor.metrics import (
+    DESIGN_METRICS,
+    EXTRA_METRICS,
+    PHASES,
+    DeviceMemory,
+    PrometheusSink,
+)
+from zerotuner.monitor.server import (
     INFO_LABELS,
     MetricsServer,
     NodeStatus,
@@ -35,7 +42,6 @@ from zerotuner.metrics_server import (
     prepare_metrics_dir,
     readyz,
 )
-from zerotuner.records import StepRecord
 
 SECRET = "hf_zt_s3cretTokenValue"
 DEVICE_FAMILIES = (
@@ -415,7 +421,7 @@ def test_phase_gauge_has_one_current_phase(tmp_path):
 
 
 def test_info_labels_come_from_the_job():
-    from zerotuner.job import Job
+    from zerotuner.launch.job import Job
 
     job = Job(
         family="sdxl",

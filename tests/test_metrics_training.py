@@ -19,7 +19,7 @@ import pytest
 from test_metrics import exposition_problems, promtool_problems, scrape, value
 from trainkit import ENTRYPOINT, entrypoint_env, steps_done
 
-from zerotuner.launch import free_port
+from zerotuner.launch.ranks import free_port
 
 SECRET = "hf_MetricsSecret42"
 HANG_TIMEOUT = 4
@@ -27,11 +27,12 @@ HANG_TIMEOUT = 4
 
 def rank_processes(entrypoint: subprocess.Popen) -> list[psutil.Process]:
     children = psutil.Process(entrypoint.pid).children(recursive=True)
-    # torchrun's workers run `-m zerotuner.worker`; torch's `pt_elastic` helper shares the cmdline.
+    # torchrun's workers run `-m zerotuner.train.worker`; torch's `pt_elastic` helper shares
+    # the cmdline.
     return [
         p
         for p in children
-        if "zerotuner.worker" in " ".join(p.cmdline()) and p.name() != "pt_elastic"
+        if "zerotuner.train.worker" in " ".join(p.cmdline()) and p.name() != "pt_elastic"
     ]
 
 

@@ -14,11 +14,11 @@ import torch
 from prometheus_client import CollectorRegistry
 from trainkit import ENTRYPOINT, entrypoint_env, lone_rank_result
 
-from zerotuner import nonfinite
 from zerotuner.errors import EXIT_DIVERGED, Diverged
-from zerotuner.loop import StepsJsonlSink
-from zerotuner.metrics import PrometheusSink
-from zerotuner.records import StepRecord
+from zerotuner.launch.records import StepRecord
+from zerotuner.monitor.metrics import PrometheusSink
+from zerotuner.train import nonfinite
+from zerotuner.train.loop import StepsJsonlSink
 
 # One rank, a real engine per case, set up as the worker does (foreach clip, the ZeRO-0
 # guard); each micro-batch's loss goes through nonfinite.poison as in loop.forward_backward.
@@ -29,7 +29,8 @@ STAGES = textwrap.dedent(
     """
     import json, math
     import deepspeed, torch
-    from zerotuner import nonfinite, speed
+    from zerotuner.train import nonfinite
+    from zerotuner.train import speed
 
     deepspeed.init_distributed(dist_backend="gloo")
     CASES = [("0", 0, "none", "no", 1.0), ("0-noclip", 0, "none", "no", 0.0),

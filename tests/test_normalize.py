@@ -6,12 +6,12 @@ import json
 
 import pytest
 
-from zerotuner.deepspeed_config import Decisions, normalize
 from zerotuner.errors import ConfigError
 from zerotuner.families import ModelShape
-from zerotuner.hardware import GPU, GiB, Hardware, cpu_only
-from zerotuner.pins import pins
-from zerotuner.settings import Settings
+from zerotuner.machine.hardware import GPU, GiB, Hardware, cpu_only
+from zerotuner.preflight.deepspeed_config import Decisions, normalize
+from zerotuner.preflight.pins import pins
+from zerotuner.settings.schema import Settings
 
 SDXL = ModelShape("sdxl", 2_567_463_684, 29_491_200, 0, 1024, "built-in sdxl config")
 RTX4090 = Hardware("cuda", gpus=(GPU(0, "RTX 4090", 24 * GiB, 24 * GiB, (8, 9)),))
@@ -287,7 +287,7 @@ def test_the_plan_sizes_the_precision_the_deepspeed_config_enables(base, hardwar
     """The planner's precision (bytes per weight) is the one normalize writes into the config:
     a raw config's (or accelerate's) own precision when ZT_MIXED_PRECISION is not set, and
     bf16 on a GPU without it as the fp16 it becomes."""
-    from zerotuner.preflight import plan_for
+    from zerotuner.preflight.steps import plan_for
 
     settings = Settings(offload_dir="/offload", **env)
     plan = plan_for(
@@ -459,8 +459,8 @@ def test_an_auto_zerotuner_cannot_fill_is_an_error():
 
 
 def preflighted(base: dict, hardware: Hardware = RTX4090, **env):
-    from zerotuner.effective import effective_settings
-    from zerotuner.preflight import preflight
+    from zerotuner.preflight.steps import preflight
+    from zerotuner.settings.effective import effective_settings
 
     settings = Settings(
         model="stabilityai/stable-diffusion-xl-base-1.0", offload_dir="/offload",

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from zerotuner.errors import ConfigError, EnvironmentUnfit
-from zerotuner.hardware import GiB, MiB
-from zerotuner.offload import (
+from zerotuner.machine.hardware import GiB, MiB
+from zerotuner.machine.offload_volume import (
     Mount,
     device_kind,
     filesystem_of,

@@ -19,8 +19,8 @@ from zerotuner.families import (
     model_shape,
     resolve_family,
 )
-from zerotuner.hardware import GPU, GiB, Hardware, OpStatus, cpu_only
-from zerotuner.plan import PlanRequest, estimate, make_plan
+from zerotuner.machine.hardware import GPU, GiB, Hardware, OpStatus, cpu_only
+from zerotuner.preflight.plan import PlanRequest, estimate, make_plan
 
 SDXL = model_shape("sdxl")
 PSI = SDXL.denoiser_params
@@ -296,16 +296,16 @@ def test_family_from_hub_names(model, family, monkeypatch, tmp_path):
     assert resolve_family(model) == family
     assert resolve_family(model, "sd1") == "sd1"  # ZT_MODEL_FAMILY wins
     # preflight with no hub in reach (HF_HUB_OFFLINE: conftest) plans the family the name says
-    from zerotuner.preflight import resolve_model
-    from zerotuner.settings import Settings
+    from zerotuner.preflight.steps import resolve_model
+    from zerotuner.settings.schema import Settings
 
     source = resolve_model(Settings(model=model, cache_dir=tmp_path))
     assert source.family == family and "guessed from the hub id" in source.reason
 
 
 def test_a_hub_name_that_says_no_family_is_one_line_naming_the_setting(tmp_path):
-    from zerotuner.preflight import resolve_model
-    from zerotuner.settings import Settings
+    from zerotuner.preflight.steps import resolve_model
+    from zerotuner.settings.schema import Settings
 
     with pytest.raises(ConfigError) as info:
         resolve_model(Settings(model="someone/my-model", cache_dir=tmp_path))

@@ -13,16 +13,16 @@ import pytest
 from zerotuner import cli
 from zerotuner.errors import EnvironmentUnfit
 from zerotuner.families import model_shape
-from zerotuner.hardware import GPU, GiB, Hardware
-from zerotuner.plan import PlanRequest, make_plan
-from zerotuner.plan_memory import (
+from zerotuner.machine.hardware import GPU, GiB, Hardware
+from zerotuner.preflight.memory import (
     LOAD_PART_NAMES,
     PARAM_BUFFERS,
     RANK_PROCESS,
     SUB_GROUP_NVME,
     load_peak,
 )
-from zerotuner.trainable import Training
+from zerotuner.preflight.plan import PlanRequest, make_plan
+from zerotuner.preflight.trainable import Training
 
 SDXL = model_shape("sdxl")
 PSI = SDXL.denoiser_params
@@ -184,9 +184,9 @@ def test_zero_init_load_is_the_issues_goal_on_the_cpu():
 
 
 def test_the_nvme_optimizer_config_uses_the_sub_group_the_planner_counts():
-    from zerotuner.deepspeed_config import Decisions, normalize
-    from zerotuner.hardware import cpu_only
-    from zerotuner.settings import Settings
+    from zerotuner.machine.hardware import cpu_only
+    from zerotuner.preflight.deepspeed_config import Decisions, normalize
+    from zerotuner.settings.schema import Settings
 
     def zero(base):
         return normalize(
@@ -218,7 +218,8 @@ def test_benchmarks_page_node_table_is_what_the_planner_says():
 
 def test_a_lora_base_loads_in_16_bit_below_zero_3():
     """A frozen base has no fp32 masters: below ZeRO-3 each rank reads it in the run's dtype."""
-    from zerotuner import lora, trainable
+    from zerotuner.preflight import trainable
+    from zerotuner.weights import lora
 
     adapter = trainable.lora_adapter(SDXL, rank=16, targets=lora.PRESETS["attention"])
     plan = sdxl_plan(gpus(8, 80, 1024), training=adapter)

@@ -12,12 +12,14 @@ import pytest
 import torch
 from diffusers import UNet2DConditionModel
 
-from zerotuner import cli, lora, trainable
+from zerotuner import cli
 from zerotuner.families import meta_model, model_shape
-from zerotuner.hardware import GPU, GiB, Hardware
-from zerotuner.plan import PlanRequest, make_plan
-from zerotuner.plan_memory import estimate
-from zerotuner.settings import Settings
+from zerotuner.machine.hardware import GPU, GiB, Hardware
+from zerotuner.preflight import trainable
+from zerotuner.preflight.memory import estimate
+from zerotuner.preflight.plan import PlanRequest, make_plan
+from zerotuner.settings.schema import Settings
+from zerotuner.weights import lora
 
 REPO = Path(__file__).resolve().parents[1]
 SDXL = model_shape("sdxl")
@@ -212,7 +214,7 @@ def test_text_encoder_adapters_are_what_the_trainer_adds(demo_dir):
     """ZT_LORA_TEXT_ENCODER: the planner adds the encoders' adapters (trained) and weights
     (frozen) as lora_text.build puts them into the engine; the published encoders' sizes
     from their layer shapes (CLIP ViT-L 12 x 768, OpenCLIP ViT-bigG 32 x 1280)."""
-    from zerotuner import lora_text
+    from zerotuner.weights import lora_text
 
     model = demo_dir / "model"
     settings = Settings(training_type="lora", lora_rank=4, lora_text_encoder=True)

@@ -6,9 +6,11 @@ Kubernetes manifests and dashboards, so this test makes that a conscious act.
 
 from __future__ import annotations
 
-from zerotuner import errors, metrics, push
+from zerotuner import errors
 from zerotuner.cli import COMMANDS
-from zerotuner.settings import Settings, env_name
+from zerotuner.monitor import metrics
+from zerotuner.publish import push
+from zerotuner.settings.schema import Settings, env_name
 
 SETTINGS = [
     "ZT_MODEL", "ZT_MODEL_FAMILY", "ZT_DATA_DIR", "ZT_OUTPUT_DIR", "ZT_CACHE_DIR",

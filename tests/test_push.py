@@ -12,8 +12,10 @@ import pytest
 from fakehub import FakeHub
 from s3server import S3Server
 
-from zerotuner import checkpoint, push, remote
 from zerotuner.errors import ConfigError, EnvironmentUnfit
+from zerotuner.publish import push, remote
+from zerotuner.settings import push_url
+from zerotuner.weights import checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -80,13 +82,13 @@ def commit(output: Path, step: int, *, keep: int = 2, size: int = 300_000) -> Pa
      ("hf://me/my-lora", ("hf", "me/my-lora", ""))],
 )  # fmt: skip
 def test_remote_urls(url, parsed) -> None:
-    assert remote.parse(url) == parsed
+    assert push_url.parse(url) == parsed
 
 
 @pytest.mark.parametrize("url", ["s3:/bucket", "gs://bucket/x", "hf://just-a-name", "s3://A/x"])
 def test_a_malformed_remote_is_one_line_naming_the_setting(url) -> None:
     with pytest.raises(ConfigError, match=r"^ZT_PUSH_TO=.*s3://bucket/prefix.*hf://user/repo"):
-        remote.parse(url)
+        push_url.parse(url)
 
 
 def test_probe_writes_and_cleans_up_and_refuses_a_missing_bucket(bucket) -> None:
@@ -215,7 +217,8 @@ def test_push_metrics_are_exposed(where, tmp_path) -> None:
 PUSH_ONCE = """
 import sys
 from pathlib import Path
-from zerotuner import push, remote
+from zerotuner.publish import push
+from zerotuner.publish import remote
 store = remote.open_store(sys.argv[1], hf_token=None, secrets_dir=Path("/nonexistent"))
 push.Pusher(store, Path(sys.argv[2]), keep=3).push_latest_checkpoint()
 """

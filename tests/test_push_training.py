@@ -14,7 +14,7 @@ import pytest
 from s3server import SECRET, S3Server
 from trainkit import ENTRYPOINT, entrypoint_env, sigterm_after_steps, steps_done
 
-from zerotuner import push, remote
+from zerotuner.publish import push, remote
 
 pytestmark = pytest.mark.slow
 PROMPT = "a red circle on a white background"

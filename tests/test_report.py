@@ -8,8 +8,8 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from zerotuner.records import StepRecord
-from zerotuner.report import loss_curve_png, read_steps, smooth
+from zerotuner.launch.records import StepRecord
+from zerotuner.monitor.report import loss_curve_png, read_steps, smooth
 
 
 def _write_steps(path: Path, losses: dict[int, float], *, torn: bool = False) -> Path:

@@ -21,7 +21,7 @@ import torch
 import trainkit as tk
 from safetensors.torch import load_file
 
-from zerotuner.checkpoint import verify
+from zerotuner.weights.checkpoint import verify
 
 pytestmark = pytest.mark.slow
 

@@ -20,11 +20,11 @@ from prometheus_client import CollectorRegistry, generate_latest
 from test_metrics import scrape
 from trainkit import ENTRYPOINT, entrypoint_env
 
-from zerotuner.launch import free_port
-from zerotuner.metrics import PrometheusSink
-from zerotuner.metrics_server import MetricsServer
-from zerotuner.records import StepRecord
-from zerotuner.run_page import RunView, StepsLog, thin
+from zerotuner.launch.ranks import free_port
+from zerotuner.launch.records import StepRecord
+from zerotuner.monitor.metrics import PrometheusSink
+from zerotuner.monitor.run_page import RunView, StepsLog, thin
+from zerotuner.monitor.server import MetricsServer
 
 
 def record(step: int, loss: float, at: float) -> str:

@@ -15,7 +15,7 @@ import time
 import pytest
 from prometheus_client import CollectorRegistry
 
-from zerotuner.metrics_server import MetricsServer
+from zerotuner.monitor.server import MetricsServer
 
 STATUS_LINE = re.compile(rb"HTTP/1\.[01] (\d{3}) ")
 

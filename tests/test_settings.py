@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 
 from zerotuner.cli import main
-from zerotuner.effective import check_unknown_env
 from zerotuner.errors import ConfigError
-from zerotuner.inputs import apply_implied_settings, read_user_inputs
-from zerotuner.settings import Settings, load_settings, masked_dump
+from zerotuner.settings.effective import check_unknown_env
+from zerotuner.settings.inputs import apply_implied_settings, read_user_inputs
+from zerotuner.settings.schema import Settings, load_settings, masked_dump
 
 SEED_ACCELERATE = textwrap.dedent(
     """\
@@ -311,7 +311,7 @@ def test_hf_token_precedence_env_then_config_file_then_secrets_dir(
 
 
 def test_run_secrets_is_the_default_secrets_dir(monkeypatch, tmp_path):
-    from zerotuner import settings as settings_module
+    from zerotuner.settings import schema as settings_module
 
     assert Path("/run/secrets") == settings_module.DEFAULT_SECRETS_DIR
     (tmp_path / "hf_token").write_text(TOKENS["secrets"])

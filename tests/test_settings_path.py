@@ -1,5 +1,5 @@
 """One settings path: `config`, `plan`, `check`, `train` and the builder read the user's
-settings through the same steps (zerotuner.effective), so a refusal added there reaches all
+settings through the same steps (zerotuner.settings.effective), so a refusal added there reaches all
 five with the same line, and what one accepts the others read alike."""
 
 from __future__ import annotations
@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 
 from zerotuner import cli
-from zerotuner.builder import evaluate
-from zerotuner.effective import SettingsPath, effective_settings
+from zerotuner.builder.evaluate import evaluate
 from zerotuner.errors import ConfigError
+from zerotuner.settings.effective import SettingsPath, effective_settings
 
 REFUSAL = "ZT_MAX_STEPS=13: refused by a step added to the settings path"
 

@@ -12,10 +12,11 @@ import pytest
 import torch
 from diffusers import DDPMScheduler, UNet2DConditionModel
 
-from zerotuner import speed
 from zerotuner.errors import ConfigError, EnvironmentUnfit
-from zerotuner.loop import LossConfig, diffusion_loss, step_generator
-from zerotuner.settings import Settings
+from zerotuner.families.ddpm import LossConfig, diffusion_loss
+from zerotuner.settings.schema import Settings
+from zerotuner.train import speed
+from zerotuner.train.loop import step_generator
 
 # Latent shapes of two buckets, then the first again: each block compiles once per bucket, and
 # coming back to a bucket reuses its graphs.

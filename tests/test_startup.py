@@ -18,12 +18,12 @@ import psutil
 import pytest
 from trainkit import ENTRYPOINT, entrypoint_env, lone_rank_result
 
-from zerotuner import speed
 from zerotuner.errors import StoppedBeforeStart
-from zerotuner.hardware import cpu_only
-from zerotuner.job import LAUNCHER_PID_ENV, wait_for_job
-from zerotuner.launch import Topology, free_port, start_ranks
-from zerotuner.records import read_rank_statuses
+from zerotuner.launch.job import LAUNCHER_PID_ENV, wait_for_job
+from zerotuner.launch.ranks import Topology, free_port, start_ranks
+from zerotuner.launch.records import read_rank_statuses
+from zerotuner.machine.hardware import cpu_only
+from zerotuner.train import speed
 
 # A rank that waits for its job file like the worker, then reports what it found and who
 # started it (its parent: the launcher itself when there is one rank, else torchrun).
@@ -31,8 +31,8 @@ WAITER = textwrap.dedent(
     """
     import os, signal, sys, time
     from pathlib import Path
-    from zerotuner.job import wait_for_job
-    from zerotuner.records import write_rank_status
+    from zerotuner.launch.job import wait_for_job
+    from zerotuner.launch.records import write_rank_status
 
     rank, out = int(os.environ["RANK"]), Path(os.environ["TEST_OUT"])
     (out / f"waiting-{rank}").write_text(f"{os.getpid()} {os.getppid()}")
@@ -193,7 +193,7 @@ LONE = textwrap.dedent(
     """
     import json, os, sys
     import deepspeed, torch
-    from zerotuner import speed
+    from zerotuner.train import speed
 
     deepspeed.init_distributed(dist_backend="gloo")
     result = {}

@@ -16,13 +16,13 @@ import textwrap
 
 import pytest
 
-from zerotuner.launch import free_port
+from zerotuner.launch.ranks import free_port
 
 RANK = textwrap.dedent(
     """
     import json, os, signal, sys
     import torch.distributed as dist
-    from zerotuner.stop import StopRequest
+    from zerotuner.train.stop import StopRequest
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()

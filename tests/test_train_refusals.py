@@ -99,8 +99,8 @@ def sdxl_run(demo_dir, tmp_path_factory) -> Path:
 
 
 def test_a_checkpoint_records_what_it_trained(sdxl_run, demo_dir):
-    from zerotuner.checkpoint import read_manifest
     from zerotuner.families import model_shape
+    from zerotuner.weights.checkpoint import read_manifest
 
     manifest = read_manifest(sdxl_run / "checkpoints" / "step-2")
     assert manifest["family"] == "sdxl"

@@ -15,8 +15,8 @@ from lorakit import held_out_loss, plain_pipeline
 from PIL import Image
 from safetensors.torch import load_file
 
-from zerotuner.checkpoint import read_manifest
-from zerotuner.export import export_checkpoint
+from zerotuner.weights.checkpoint import read_manifest
+from zerotuner.weights.export import export_checkpoint
 
 pytestmark = pytest.mark.slow
 

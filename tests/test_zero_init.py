@@ -143,7 +143,7 @@ def _rank_main(root: Path, out: Path) -> None:
     import torch.distributed as dist
     from diffusers import UNet2DConditionModel  # imported before the measurement starts
 
-    from zerotuner.model import load_denoiser
+    from zerotuner.train.model import load_denoiser
 
     deepspeed.init_distributed(dist_backend="gloo")
     UNet2DConditionModel.load_config(str(root / "unet"))

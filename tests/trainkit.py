@@ -1,6 +1,6 @@
 """Helpers for the training tests: a Job file, a DeepSpeed config, torchrun with N CPU ranks.
 
-The DeepSpeed dicts have the shape `zerotuner.deepspeed_config.normalize` produces, built
+The DeepSpeed dicts have the shape `zerotuner.preflight.deepspeed_config.normalize` produces, built
 directly so these tests pin the worker, not the normalizer.
 """
 
@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from zerotuner.job import Job
+from zerotuner.launch.job import Job
 
 REPO = Path(__file__).resolve().parents[1]
 ENTRYPOINT = str(REPO / "entrypoint")
@@ -159,7 +159,7 @@ def rank_command(
     cmd = [
         sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={world}",
         f"--master_port={free_port()}", f"--shutdown-timeout={SHUTDOWN_TIMEOUT}",
-        "-m", "zerotuner.worker",
+        "-m", "zerotuner.train.worker",
     ]  # fmt: skip
     return cmd, full
 

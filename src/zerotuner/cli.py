@@ -13,7 +13,7 @@ import sys
 
 from zerotuner import __version__
 from zerotuner.errors import ZeroTunerError
-from zerotuner.logs import demote_known_noise, quiet_http_logs
+from zerotuner.monitor.logs import demote_known_noise, quiet_http_logs
 
 log = logging.getLogger("zerotuner")
 

@@ -21,7 +21,7 @@ import annotated_types
 from pydantic import AliasChoices, SecretStr
 from pydantic.fields import FieldInfo
 
-from zerotuner.settings import Settings, env_name
+from zerotuner.settings.schema import Settings, env_name
 
 TABLE_START = "<!-- settings:start -->"
 TABLE_END = "<!-- settings:end -->"
@@ -145,7 +145,7 @@ def example_env() -> str:
     """`config/example.env`: every setting commented out, with its description and default."""
     out = [
         "# zerotuner settings: every ZT_* variable, commented out at its default.",
-        "# Generated from src/zerotuner/settings.py by `python -m zerotuner.docs --write`;",
+        "# Generated from src/zerotuner/settings/schema.py by `python -m zerotuner.docs --write`;",
         "# do not edit by hand. Uncomment a line to set it. Docker: `--env-file`; compose:",
         "# `env_file`. Environment variables override the config file (ZT_CONFIG_FILE).",
         "# Secrets (HF_TOKEN) belong in a secret file under /run/secrets, not in this file.",

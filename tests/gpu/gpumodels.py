@@ -1,4 +1,4 @@
-"""Models the GPU suite trains, all built offline from the demo pipeline (zerotuner.demo).
+"""Models the GPU suite trains, all built offline from the demo pipeline (zerotuner.demo.pipelines).
 
 - tiny: the demo itself (the session's `demo_dir` fixture), for resume, SIGTERM and export;
 - medium: bench's 95M-parameter SDXL-shaped UNet (bench/benchmodel.py), for ZeRO 0-3, the
@@ -64,8 +64,8 @@ def write_timing_model(folder: Path, *, small: bool = False, seed: int = 0) -> P
     import torch
     from diffusers import UNet2DConditionModel
 
-    from zerotuner.demo import write_demo
-    from zerotuner.demo_parts import exact_vae, latent_scaling_factor
+    from zerotuner.demo.parts import exact_vae, latent_scaling_factor
+    from zerotuner.demo.pipelines import write_demo
 
     folder = Path(folder)
     if (folder / "model" / "unet" / "config.json").is_file():

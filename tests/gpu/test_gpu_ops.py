@@ -17,7 +17,7 @@ AGREE = 0.03  # "within a few percent"
 def test_cuda_ops_load(check):
     """DeepSpeed's fused Adam, CPU Adam and async I/O ops load on the CUDA accelerator."""
     env = {**os.environ, "DS_ACCELERATOR": "cuda"}
-    code = f"import sys; from zerotuner.ops import build; sys.exit(build({OPS!r}))"
+    code = f"import sys; from zerotuner.machine.ops import build; sys.exit(build({OPS!r}))"
     done = subprocess.run(
         [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=540
     )
@@ -35,7 +35,7 @@ def test_metrics_probe_agrees_with_torch_cuda(check):
     from gpukit import metric, samples
     from prometheus_client import CollectorRegistry, generate_latest
 
-    from zerotuner.metrics import PrometheusSink
+    from zerotuner.monitor.metrics import PrometheusSink
 
     registry = CollectorRegistry()
     sink = PrometheusSink(0, device="cuda:0", world_size=1, registry=registry)

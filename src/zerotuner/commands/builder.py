@@ -1,8 +1,9 @@
 """`zerotuner builder`: the config builder page, served from this process (127.0.0.1 by default).
 
-The page runs every change through the same code as `config` and `plan` (zerotuner.builder);
-it exports env files, a compose override, a Kubernetes Job, the DeepSpeed JSON and the YAML
-config file, and keeps templates in a folder (`--templates`, default /config/templates).
+The page runs every change through the same code as `config` and `plan`
+(zerotuner.builder.evaluate); it exports env files, a compose override, a Kubernetes Job, the
+DeepSpeed JSON and the YAML config file, and keeps templates in a folder (`--templates`,
+default /config/templates).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from zerotuner.builder_server import DEFAULT_TEMPLATES, BuilderServer
+    from zerotuner.builder.server import DEFAULT_TEMPLATES, BuilderServer
 
     try:
         server = BuilderServer(args.host, args.port, templates=args.templates or DEFAULT_TEMPLATES)

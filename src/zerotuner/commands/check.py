@@ -85,8 +85,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from zerotuner.effective import SettingsPath
-    from zerotuner.preflight import PreflightRun
+    from zerotuner.preflight.steps import PreflightRun
+    from zerotuner.settings.effective import SettingsPath
 
     c = Checks()
     # The steps train takes before its ranks start, reported one by one: the settings path,
@@ -130,8 +130,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _remote(c: Checks) -> str:
-    from zerotuner.push import open_remote
-    from zerotuner.remote import probe
+    from zerotuner.publish.push import open_remote
+    from zerotuner.publish.remote import probe
 
     store = open_remote(c.facts["settings"])
     probe(store)  # credentials, the bucket or repo, write access: exit 3 with one line
@@ -146,7 +146,7 @@ def _finish(c: Checks) -> int:
 
 
 def _dataset(c: Checks) -> tuple[str, list[str]]:
-    from zerotuner.data import scan, upscale_warning
+    from zerotuner.train.data import scan, upscale_warning
 
     settings = c.facts["settings"]
     dataset = scan(settings.data_dir, log_skipped=False, write_index=False)
@@ -162,7 +162,7 @@ def _dataset(c: Checks) -> tuple[str, list[str]]:
 def _text_cache(c: Checks) -> str:
     """The captions' cached text states against the free space at ZT_CACHE_DIR (T5's make them
     large: up to 4 MiB a caption for Flux)."""
-    from zerotuner.offload import free_bytes_at
+    from zerotuner.machine.offload_volume import free_bytes_at
 
     settings, plan = c.facts["settings"], c.facts["plan"]
     captions = len({item.caption for item in c.facts["dataset"].items})
@@ -179,7 +179,7 @@ def _text_cache(c: Checks) -> str:
 
 
 def _offload(c: Checks) -> tuple[str, list[str]] | str:
-    from zerotuner.offload import filesystem_of, prepare_offload_dir
+    from zerotuner.machine.offload_volume import filesystem_of, prepare_offload_dir
 
     settings = c.facts["settings"]
     plan = c.facts.get("plan")
@@ -214,8 +214,8 @@ def _offload(c: Checks) -> tuple[str, list[str]] | str:
 
 
 def _writable(c: Checks, name: str) -> str:
-    from zerotuner.job_folders import writable
-    from zerotuner.settings import env_name
+    from zerotuner.settings.folders import writable
+    from zerotuner.settings.schema import env_name
 
     return writable(getattr(c.facts["settings"], name), env_name(name))
 

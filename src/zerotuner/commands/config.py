@@ -15,11 +15,11 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 from zerotuner.commands import what_if
-from zerotuner.effective import effective_settings
 from zerotuner.errors import ConfigError, EnvironmentUnfit
+from zerotuner.settings.effective import effective_settings
 
 if TYPE_CHECKING:
-    from zerotuner.preflight import Preflight
+    from zerotuner.preflight.steps import Preflight
 
 DESCRIBE = (
     "to check the config for the hardware it is for, describe that: "
@@ -40,8 +40,8 @@ def evaluate(
     """What `config` prints, computed (the builder page calls it too, with the form's variables
     as `environ`): the preflight, and the described hardware in words (None when this machine
     was probed)."""
-    from zerotuner.hardware import describe_hardware
-    from zerotuner.preflight import preflight  # torch, through lora: not for --help
+    from zerotuner.machine.hardware import describe_hardware
+    from zerotuner.preflight.steps import preflight  # torch, through lora: not for --help
 
     effective = effective_settings(environ, **what_if.settings_overrides(args))
     settings = effective.settings

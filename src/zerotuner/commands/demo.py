@@ -1,4 +1,4 @@
-"""`zerotuner demo DIR`: write the tiny demo model and dataset (see zerotuner.demo)."""
+"""`zerotuner demo DIR`: write the tiny demo model and dataset (see zerotuner.demo.pipelines)."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from zerotuner.demo import DEMO_RESOLUTION, write_demo
+    from zerotuner.demo.pipelines import DEMO_RESOLUTION, write_demo
 
     paths = write_demo(args.dir, seed=args.seed, family=args.family)
     root, model, data = paths.root.resolve(), paths.model.resolve(), paths.data.resolve()

@@ -30,7 +30,7 @@ def run(args: argparse.Namespace) -> int:
     import os
 
     os.environ.setdefault("DS_ACCELERATOR", "cpu")  # consolidation needs no GPU
-    from zerotuner.export import export_checkpoint
+    from zerotuner.weights.export import export_checkpoint
 
     out = export_checkpoint(
         args.checkpoint, args.out, ema=args.ema, base=args.base, merged=args.merged

@@ -13,9 +13,9 @@ from typing import Any
 
 from zerotuner.commands import what_if
 from zerotuner.families import FAMILIES, FLOW_FAMILIES
-from zerotuner.hardware import Hardware, describe_hardware
-from zerotuner.plan import Plan, PlanInputs, gib
-from zerotuner.settings import precision_name
+from zerotuner.machine.hardware import Hardware, describe_hardware
+from zerotuner.preflight.plan import Plan, PlanInputs, gib
+from zerotuner.settings.schema import precision_name
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -32,9 +32,9 @@ def build_plan(
 ) -> tuple[Plan, Hardware]:
     """What `plan` prints, computed (the builder page calls it too, with the form's variables
     as `environ`)."""
-    from zerotuner.effective import effective_settings
     from zerotuner.families import model_shape
-    from zerotuner.preflight import resolve_model
+    from zerotuner.preflight.steps import resolve_model
+    from zerotuner.settings.effective import effective_settings
 
     overrides: dict[str, Any] = what_if.settings_overrides(args)
     if args.model_family:
@@ -54,7 +54,7 @@ def build_plan(
         model_dir = source.local_dir
     hardware = what_if.hardware_for(args, settings, ops=True)
     topology = what_if.topology_for(settings, hardware, environ)
-    from zerotuner.preflight import plan_for  # torch, through lora: not for --help
+    from zerotuner.preflight.steps import plan_for  # torch, through lora: not for --help
 
     plan = plan_for(
         settings,

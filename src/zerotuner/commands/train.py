@@ -15,14 +15,14 @@ import tempfile
 from contextlib import ExitStack
 from pathlib import Path
 
-from zerotuner.effective import Effective, effective_settings
 from zerotuner.errors import EXIT_OK, ZeroTunerError
-from zerotuner.hardware import describe
-from zerotuner.hardware_probe import probe_facts, with_ops
-from zerotuner.job_folders import require_writable
-from zerotuner.launch import resolve_topology, start_ranks
-from zerotuner.logs import rank_level, setup_logging
-from zerotuner.settings import Settings
+from zerotuner.launch.ranks import resolve_topology, start_ranks
+from zerotuner.machine.hardware import describe
+from zerotuner.machine.probe import probe_facts, with_ops
+from zerotuner.monitor.logs import rank_level, setup_logging
+from zerotuner.settings.effective import Effective, effective_settings
+from zerotuner.settings.folders import require_writable
+from zerotuner.settings.schema import Settings
 
 log = logging.getLogger("zerotuner.train")
 
@@ -55,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
 def _start_metrics(settings: Settings, stack: ExitStack):  # noqa: ANN202 - optional server
     if not settings.metrics_port:
         return None
-    from zerotuner.metrics_server import MetricsServer, prepare_metrics_dir
+    from zerotuner.monitor.server import MetricsServer, prepare_metrics_dir
 
     # Node-local, emptied before launch: the ranks inherit PROMETHEUS_MULTIPROC_DIR.
     metrics_dir = prepare_metrics_dir(Path(tempfile.mkdtemp(prefix="zerotuner-metrics-")))
@@ -115,7 +115,7 @@ FINAL_UPLOAD_SECONDS = 3600.0
 
 
 def _finish_pushing(pusher, settings: Settings, code: int) -> None:  # noqa: ANN001
-    from zerotuner.model_card import model_card
+    from zerotuner.publish.model_card import model_card
 
     ok = code == EXIT_OK
     card = model_card(settings, settings.output_dir) if ok else None

@@ -14,19 +14,19 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from zerotuner.checkpoint import REMOTE_LATEST, checkpoints_dir
 from zerotuner.commands.plan import plan_json, render
-from zerotuner.job import Job
-from zerotuner.offload import mounted_offload_device, prepare_offload_dir
-from zerotuner.preflight import Preflight, preflight
-from zerotuner.settings import Settings
+from zerotuner.launch.job import Job
+from zerotuner.machine.offload_volume import mounted_offload_device, prepare_offload_dir
+from zerotuner.preflight.steps import Preflight, preflight
+from zerotuner.settings.schema import Settings
+from zerotuner.weights.checkpoint import REMOTE_LATEST, checkpoints_dir
 
 if TYPE_CHECKING:
-    from zerotuner.effective import Effective
-    from zerotuner.hardware import Hardware
-    from zerotuner.launch import Topology
-    from zerotuner.metrics_server import MetricsServer
-    from zerotuner.push import Pusher
+    from zerotuner.launch.ranks import Topology
+    from zerotuner.machine.hardware import Hardware
+    from zerotuner.monitor.server import MetricsServer
+    from zerotuner.publish.push import Pusher
+    from zerotuner.settings.effective import Effective
 
 log = logging.getLogger("zerotuner.train")
 
@@ -84,9 +84,9 @@ def prepare(
 
 def _start_pusher(settings: Settings, server: MetricsServer | None) -> Pusher:
     """Node 0: resume from the remote when this machine has no checkpoint, then push each new
-    one in the background (see zerotuner.push)."""
-    from zerotuner import push
-    from zerotuner.remote import probe
+    one in the background (see zerotuner.publish.push)."""
+    from zerotuner.publish import push
+    from zerotuner.publish.remote import probe
 
     store = push.open_remote(settings)
     probe(store)  # credentials and write access, before the ranks spend GPU time

@@ -16,9 +16,9 @@ from pathlib import Path
 from typing import Any
 
 from zerotuner.errors import ConfigError
-from zerotuner.hardware import GPU, GiB, Hardware
-from zerotuner.launch import Topology, resolve_topology
-from zerotuner.settings import Settings
+from zerotuner.launch.ranks import Topology, resolve_topology
+from zerotuner.machine.hardware import GPU, GiB, Hardware
+from zerotuner.settings.schema import Settings
 
 _UNITS = {"": GiB, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 10**6, "mb": 10**6}
 _UNITS |= {"mib": 1024**2, "g": GiB, "gb": 10**9, "gib": GiB, "t": 1024**4, "tb": 10**12}
@@ -81,8 +81,8 @@ def described_hardware(args: argparse.Namespace, device_setting: str) -> Hardwar
 
 def hardware_for(args: argparse.Namespace, settings: Settings, *, ops: bool = True) -> Hardware:
     """The described machine, else this one probed (ROCm and MPS refused, exit 3)."""
-    from zerotuner.hardware import require_supported
-    from zerotuner.hardware_probe import probe
+    from zerotuner.machine.hardware import require_supported
+    from zerotuner.machine.probe import probe
 
     hardware = described_hardware(args, settings.device)
     if hardware is None:
@@ -107,14 +107,14 @@ def offload_disk_free(args: argparse.Namespace, settings: Settings) -> int | Non
         return parse_size(args.offload_disk, "--offload-disk")
     if is_described(args):
         return None
-    from zerotuner.offload import free_bytes_at
+    from zerotuner.machine.offload_volume import free_bytes_at
 
     return free_bytes_at(Path(settings.offload_dir))
 
 
 def _host_memory() -> int:
-    from zerotuner.hardware import host_memory
-    from zerotuner.hardware_probe import probe_facts
+    from zerotuner.machine.hardware import host_memory
+    from zerotuner.machine.probe import probe_facts
 
     facts = probe_facts("cpu", {}, ops=False)
     return host_memory(facts.mem_total, facts.cgroup_limit)

@@ -17,7 +17,7 @@ from typing import Any
 
 from zerotuner.errors import ConfigError
 from zerotuner.families.stored import model_json, stored_config, stored_counts
-from zerotuner.family_names import FAMILIES
+from zerotuner.settings.family_names import FAMILIES
 
 
 @dataclass(frozen=True)
@@ -433,7 +433,7 @@ FLOW_SETTINGS = (
 def check_family_settings(settings: Any, family: str) -> None:
     """A setting of the other objective (a UNet's DDPM, a transformer's flow matching), or
     one the family cannot do yet, is one line, exit 2."""
-    from zerotuner.settings import env_name
+    from zerotuner.settings.schema import env_name
 
     flow = REGISTRY[family].flow
     kind = "flow matching (SD3, Flux)" if flow else "a DDPM UNet (SD 1.x/2.x/XL)"

@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 if TYPE_CHECKING:
-    from zerotuner.model import Components
-    from zerotuner.settings import Settings
+    from zerotuner.settings.schema import Settings
+    from zerotuner.train.model import Components
 
 
 class Objective(Protocol):
@@ -121,8 +121,7 @@ class ModelFamily:
 
     # --- training -------------------------------------------------------------------------
     def objective(self, settings: Settings, scheduler: Any, model_config: Any) -> Objective:
-        from zerotuner.loop import DDPMObjective, LossConfig
-        from zerotuner.model import prediction_type
+        from zerotuner.families.ddpm import DDPMObjective, LossConfig, prediction_type
 
         config = LossConfig(
             prediction_type(scheduler, settings.prediction_type), settings.snr_gamma,

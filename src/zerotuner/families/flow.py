@@ -18,7 +18,7 @@ from zerotuner.families import REGISTRY
 from zerotuner.families.base import ModelFamily
 
 if TYPE_CHECKING:
-    from zerotuner.settings import Settings
+    from zerotuner.settings.schema import Settings
 
 
 @dataclass(frozen=True)
@@ -56,7 +56,7 @@ class FlowFamily(ModelFamily):
         return {k: v.to(self.cache_dtype).cpu() for k, v in self.embed(encoders, ids).items()}
 
     def objective(self, settings: Settings, scheduler: Any, model_config: Any) -> Any:
-        from zerotuner.flow_matching import FlowConfig, FlowObjective
+        from zerotuner.families.flow_matching import FlowConfig, FlowObjective
 
         config = FlowConfig.from_scheduler(
             scheduler.config, weighting=settings.weighting_scheme, logit_mean=settings.logit_mean,

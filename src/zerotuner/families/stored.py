@@ -16,7 +16,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from zerotuner.files import load_mapping
+from zerotuner.settings.files import load_mapping
 
 DIFFUSERS_STEM = "diffusion_pytorch_model"
 STEMS = (DIFFUSERS_STEM, "model")  # diffusers' and transformers' weight files

@@ -1,0 +1,138 @@
+"""The config builder's computing side: the form's settings -> what `config` and `plan` say.
+
+`evaluate` runs the very functions `zerotuner config --explain` and `zerotuner plan --json`
+run, on variables that hold exactly the form's settings (builder_form.compose, form_environ):
+the same settings path as every command (zerotuner.settings.effective), given a mapping, so the page
+cannot disagree with the CLI (tests/test_builder_cli.py compares them on a table of cases) and
+the process's environment is never touched.
+
+A form never reaches the network nor the process's credentials: it is evaluated offline
+(HF_HUB_OFFLINE, which no form can undo: a form sets ZT_* names only), with no token and no
+secrets folder, so a hub id is judged from the local cache or by its name.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+from zerotuner.builder.form import DEEPSPEED, compose
+from zerotuner.errors import ConfigError, ZeroTunerError
+
+# Where this machine keeps the hub cache: the server's own, unless the form says.
+MACHINE_SETTINGS = ("ZT_CACHE_DIR",)
+# A config file that holds nothing (a regular file: the config reader takes no device).
+EMPTY_CONFIG = str(Path(__file__).resolve().parents[1] / "web" / "empty.yaml")
+
+
+def form_environ(env: dict[str, str]) -> dict[str, str]:
+    """The variables a form is evaluated with, in place of the process's: exactly its ZT_*
+    settings (the server's own hidden, but for MACHINE_SETTINGS); no config file unless the
+    form names one (the form is the whole configuration); offline, and with no token or
+    secrets folder whatever the form says (compose lets only ZT_* names in, no secret)."""
+    machine = {k: v for k, v in os.environ.items() if k.upper() in MACHINE_SETTINGS}
+    return {
+        **machine,
+        "ZT_CONFIG_FILE": EMPTY_CONFIG,
+        **env,
+        "ZT_SECRETS_DIR": os.devnull,  # no file can be under it
+        "HF_HUB_OFFLINE": "1",
+    }
+
+
+def what_if_args(hardware: dict[str, str]) -> argparse.Namespace:
+    """The Namespace `config --explain` and `plan --json` get from the same flags."""
+    gpus = hardware.get("gpus")
+    if gpus is not None and not re.fullmatch(r"\d+", gpus):
+        raise ConfigError(f"--gpus={gpus}: expected a whole number (0 = CPU accelerator)")
+    bf16 = hardware.get("bf16")
+    if bf16 not in (None, "true", "false"):
+        raise ConfigError(f"--bf16={bf16}: expected true or false")
+    return argparse.Namespace(
+        gpus=int(gpus) if gpus is not None else None,
+        gpu_memory=hardware.get("gpu_memory"),
+        host_memory=hardware.get("host_memory"),
+        offload_disk=hardware.get("offload_disk"),
+        nodes=None,  # the form sets ZT_NNODES, which --nodes stands for
+        bf16=None if bf16 is None else bf16 == "true",
+        explain=True,
+        json=True,
+        model_family=None,
+        resolution=None,
+        train_batch_size=None,
+    )
+
+
+def evaluate(form: dict[str, Any]) -> dict[str, Any]:
+    """What `zerotuner config --explain` and `zerotuner plan --json` answer for this form."""
+    from zerotuner.commands import config as config_command
+    from zerotuner.commands import plan as plan_command
+
+    out: dict[str, Any] = {"settings": {}, "notes": [], "errors": [], "plan": None}
+    try:
+        composed = compose(form)
+        args = what_if_args(composed.hardware)
+    except ConfigError as error:
+        return out | {"exit_code": error.exit_code, "errors": _located(error.problems)}
+    out["settings"] = composed.env
+    out["hardware"] = composed.hardware
+    out["notes"] = [{"level": "info", "message": n} for n in composed.notes]
+    environ = form_environ(composed.env)
+    try:
+        result, described = config_command.evaluate(args, environ)
+        out["config"] = result.normalized.config
+        out["described"] = described
+        out["notes"] += [{"level": n.level, "message": n.message} for n in result.notes]
+        out["exit_code"] = 0
+    except ZeroTunerError as error:
+        out |= {"config": None, "exit_code": error.exit_code}
+        out["errors"] = _located(error.problems)
+    try:
+        plan, hardware = plan_command.build_plan(args, environ)
+        out["plan"] = plan_command.plan_json(plan, hardware)
+        out["plan_exit_code"] = 0
+    except ZeroTunerError as error:
+        out["plan_exit_code"] = error.exit_code
+        out["plan_errors"] = _located(error.problems)
+    return out
+
+
+def _located(lines: list[str]) -> list[dict[str, Any]]:
+    return [{"line": line, "fields": fields_named(line)} for line in lines]
+
+
+# DeepSpeed keys and words an error may name instead of a setting, and the field that sets it.
+_KEY_FIELDS = (
+    (r"^optimizer\b|optimizer\.", "ZT_OPTIMIZER"),
+    (r"^scheduler\b|scheduler\.", "ZT_LR_SCHEDULER"),
+    (r"\btrain_batch_size\b|train_micro_batch_size_per_gpu", "ZT_TRAIN_BATCH_SIZE"),
+    (r"\bgradient_accumulation_steps\b", "ZT_GRADIENT_ACCUMULATION_STEPS"),
+    (r"\b(bf16|fp16)\b", "ZT_MIXED_PRECISION"),
+    (r"zero_optimization\.stage\b", "ZT_ZERO_STAGE"),
+    (r"\boffload_optimizer\b", "ZT_OFFLOAD_OPTIMIZER"),
+    (r"\boffload_param\b", "ZT_OFFLOAD_PARAM"),
+    (r"\bnvme_path\b", "ZT_OFFLOAD_DIR"),
+    (r"DeepSpeed rejects", DEEPSPEED),
+)
+
+
+def fields_named(line: str) -> list[str]:
+    """The form fields an error line names: its ZT_* settings and what-if flags, else the field
+    that sets the DeepSpeed key it names; [] for a line about the whole job."""
+    names = []
+    for match in re.finditer(r"\b(ZT_[A-Z0-9_]+)", line):
+        if match.group(1) not in names:
+            names.append(match.group(1))
+    for match in re.finditer(r"--(gpus|gpu-memory|host-memory|offload-disk|bf16)\b", line):
+        names.append("hw." + match.group(1).replace("-", "_"))
+    for match in re.finditer(r"\bds\.([a-z0-9_]+)", line):
+        names.append(f"ds.{match.group(1)}")
+    if names:
+        return list(dict.fromkeys(names))
+    for pattern, name in _KEY_FIELDS:
+        if re.search(pattern, line):
+            return [name]
+    return []

@@ -1,0 +1,101 @@
+"""The UNet families' objective: noise or velocity prediction on the DDPM schedule (SD 1.x/2.x,
+SDXL), and the helpers every objective uses to reach the denoiser's device."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from zerotuner.errors import ConfigError
+
+
+def prediction_type(scheduler: Any, override: str = "auto") -> str:
+    """epsilon or v_prediction: the setting wins, else the model's scheduler (SD 2.x 768: v)."""
+    kind = scheduler.config.prediction_type if override == "auto" else override
+    if kind not in ("epsilon", "v_prediction"):
+        raise ConfigError(
+            f"ZT_PREDICTION_TYPE=auto: the model's scheduler predicts '{kind}'; "
+            "set ZT_PREDICTION_TYPE to epsilon or v_prediction"
+        )
+    return kind
+
+
+@dataclass(frozen=True)
+class LossConfig:
+    prediction_type: str  # epsilon | v_prediction
+    snr_gamma: float | None  # min-SNR-gamma weighting (arXiv 2303.09556); None = plain MSE
+    noise_offset: float  # adds a per-channel constant to the noise (brightness range)
+
+
+def diffusion_loss(
+    denoiser: Callable,
+    scheduler: Any,
+    latents: torch.Tensor,
+    unet_kwargs: dict[str, Any],
+    *,
+    config: LossConfig,
+    generator: torch.Generator,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """Noise the latents at random timesteps and regress the model's prediction (in fp32)."""
+    batch = latents.shape[0]
+    noise = torch.randn(latents.shape, generator=generator)
+    if config.noise_offset:
+        noise += config.noise_offset * torch.randn(
+            (batch, latents.shape[1], 1, 1), generator=generator
+        )
+    steps = scheduler.config.num_train_timesteps
+    timesteps = torch.randint(0, steps, (batch,), generator=generator)
+    noisy = scheduler.add_noise(latents, noise, timesteps)
+    if config.prediction_type == "v_prediction":
+        target = scheduler.get_velocity(latents, noise, timesteps)
+    else:
+        target = noise
+    device = device_of(denoiser)
+    pred = denoiser(
+        noisy.to(device, dtype), timesteps.to(device), **to_device(unet_kwargs, device)
+    ).sample
+    target = target.to(device)
+    if config.snr_gamma is None:
+        return F.mse_loss(pred.float(), target.float())
+    from diffusers.training_utils import compute_snr
+
+    snr = compute_snr(scheduler, timesteps)
+    weight = torch.clamp(snr, max=config.snr_gamma)
+    weight = weight / (snr + 1) if config.prediction_type == "v_prediction" else weight / snr
+    per_sample = F.mse_loss(pred.float(), target.float(), reduction="none").mean(dim=(1, 2, 3))
+    return (per_sample * weight.to(device)).mean()
+
+
+@dataclass(frozen=True)
+class DDPMObjective:
+    """The UNet families' objective: noise or velocity prediction on the DDPM schedule."""
+
+    scheduler: Any
+    config: LossConfig
+
+    def describe(self) -> str:
+        return f"{self.config.prediction_type} prediction"
+
+    def loss(self, model, latents, kwargs, *, generator, dtype) -> torch.Tensor:
+        return diffusion_loss(
+            model, self.scheduler, latents, kwargs, config=self.config, generator=generator,
+            dtype=dtype,
+        )  # fmt: skip
+
+
+def device_of(module: Any) -> torch.device:
+    device = getattr(module, "device", None)
+    return torch.device(device) if device is not None else torch.device("cpu")
+
+
+def to_device(value: Any, device: torch.device) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, dict):
+        return {k: to_device(v, device) for k, v in value.items()}
+    return value

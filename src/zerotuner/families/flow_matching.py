@@ -1,0 +1,139 @@
+"""Flow matching, the objective SD3 and Flux are trained with (rectified flow, arXiv 2403.03206).
+
+A latent x travels in a straight line to Gaussian noise n: at sigma in [0, 1] the model sees
+`(1 - sigma) x + sigma n` and regresses the velocity `n - x`. Sigmas are drawn by a density
+over [0, 1] (`logit_normal`, SD3's default; `uniform`; `mode` with its scale) through
+diffusers' own sampler, then shifted as the model's FlowMatchEulerDiscreteScheduler shifts its
+sigmas (SD3: shift 3.0; a scheduler with dynamic shifting, as Flux's, trains unshifted, as
+diffusers' Flux example does). Flux sees its latents as a sequence of 2x2 patches with
+(0, row, column) position ids: `pack`, `unpack` and `image_ids` are FluxPipeline's own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+
+Weighting = Literal["logit_normal", "uniform", "mode"]
+
+
+@dataclass(frozen=True)
+class FlowConfig:
+    weighting: Weighting = "logit_normal"
+    logit_mean: float = 0.0  # logit_normal: mean and std of the normal before the sigmoid
+    logit_std: float = 1.0
+    mode_scale: float = 1.29  # mode: how strongly the middle sigmas are favoured
+    shift: float = 1.0  # the scheduler's static shift (1.0: none)
+    num_train_timesteps: int = 1000
+
+    @classmethod
+    def from_scheduler(cls, config: Any, **sampling: Any) -> FlowConfig:
+        """The shift and timestep scale a FlowMatchEulerDiscreteScheduler config trains with."""
+        shift = 1.0 if config.get("use_dynamic_shifting") else float(config.get("shift", 1.0))
+        steps = int(config.get("num_train_timesteps", 1000))
+        return cls(shift=shift, num_train_timesteps=steps, **sampling)
+
+
+def shift_sigmas(sigmas: torch.Tensor, shift: float) -> torch.Tensor:
+    """The scheduler's static shift: more of the draws at high noise for shift > 1."""
+    return shift * sigmas / (1 + (shift - 1) * sigmas)
+
+
+def sample_sigmas(batch: int, config: FlowConfig, generator: torch.Generator) -> torch.Tensor:
+    from diffusers.training_utils import compute_density_for_timestep_sampling
+
+    u = compute_density_for_timestep_sampling(
+        config.weighting, batch, logit_mean=config.logit_mean, logit_std=config.logit_std,
+        mode_scale=config.mode_scale, generator=generator,
+    )  # fmt: skip
+    return shift_sigmas(u, config.shift)
+
+
+def noisy_and_target(
+    latents: torch.Tensor, noise: torch.Tensor, sigmas: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The model's input at each sample's sigma, and the velocity it must predict."""
+    s = sigmas.view(-1, *[1] * (latents.ndim - 1)).to(latents.dtype)
+    return (1 - s) * latents + s * noise, noise - latents
+
+
+def timesteps(sigmas: torch.Tensor, config: FlowConfig) -> torch.Tensor:
+    """What the transformers take as the timestep: sigma on the scheduler's 0-1000 scale."""
+    return sigmas * config.num_train_timesteps
+
+
+def pack(latents: torch.Tensor) -> torch.Tensor:
+    """(batch, channels, height, width) -> (batch, height/2 * width/2, channels * 4)."""
+    from diffusers import FluxPipeline
+
+    b, c, h, w = latents.shape
+    return FluxPipeline._pack_latents(latents, b, c, h, w)
+
+
+def unpack(packed: torch.Tensor, height: int, width: int) -> torch.Tensor:
+    """`pack` undone, for latents of `height` x `width` cells."""
+    from diffusers import FluxPipeline
+
+    return FluxPipeline._unpack_latents(packed, height, width, vae_scale_factor=1)
+
+
+def image_ids(height: int, width: int) -> torch.Tensor:
+    """Position ids (0, row, column) of the packed patches of a `height` x `width` latent."""
+    from diffusers import FluxPipeline
+
+    return FluxPipeline._prepare_latent_image_ids(1, height // 2, width // 2, "cpu", torch.float32)
+
+
+@dataclass(frozen=True)
+class FlowObjective:
+    """Flow matching's loss for a transformer family: SD3 takes the noised latents as they are
+    and the timestep on the 0-1000 scale; Flux (`packed`) takes them as a sequence of 2x2
+    patches with position ids, sigma itself as the timestep, and the guidance value its
+    guidance-distilled checkpoints were trained with (`guidance` None: no such embedding)."""
+
+    config: FlowConfig
+    packed: bool = False
+    guidance: float | None = None
+
+    def describe(self) -> str:
+        c = self.config
+        shown = {"logit_normal": f"logit_normal({c.logit_mean:g}, {c.logit_std:g})",
+                 "mode": f"mode({c.mode_scale:g})", "uniform": "uniform"}[c.weighting]  # fmt: skip
+        guidance = f", guidance {self.guidance:g}" if self.guidance is not None else ""
+        return f"flow matching (sigmas {shown}, shift {c.shift:g}{guidance})"
+
+    def loss(
+        self,
+        model: Any,
+        latents: torch.Tensor,
+        kwargs: dict[str, Any],
+        *,
+        generator: torch.Generator,
+        dtype: torch.dtype,
+    ) -> torch.Tensor:
+        import torch.nn.functional as F
+
+        from zerotuner.families.ddpm import device_of, to_device
+
+        batch, (height, width) = latents.shape[0], latents.shape[-2:]
+        noise = torch.randn(latents.shape, generator=generator)
+        sigmas = sample_sigmas(batch, self.config, generator)
+        noisy, target = noisy_and_target(latents, noise, sigmas)
+        device = device_of(model)
+        kwargs = to_device(kwargs, device)
+        if self.packed:
+            text_tokens = kwargs["encoder_hidden_states"].shape[1]
+            extra = {"img_ids": image_ids(height, width), "txt_ids": torch.zeros(text_tokens, 3)}
+            if self.guidance is not None:
+                extra["guidance"] = torch.full((batch,), self.guidance)
+            pred = model(
+                hidden_states=pack(noisy).to(device, dtype), timestep=sigmas.to(device, dtype),
+                **to_device(extra, device), **kwargs,
+            ).sample  # fmt: skip
+            pred = unpack(pred, height, width)
+        else:
+            t = timesteps(sigmas, self.config).to(device, dtype)
+            pred = model(hidden_states=noisy.to(device, dtype), timestep=t, **kwargs).sample
+        return F.mse_loss(pred.float(), target.to(device).float())

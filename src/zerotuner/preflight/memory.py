@@ -1,0 +1,306 @@
+"""The memory of one plan row: device, host and disk bytes of a ZeRO stage x offload option.
+
+Every number is a formula over the model's shape and what trains (`trainable.Training`):
+the ZeRO paper's model states, the DeepSpeed buffers the in-step peak holds (bench/peak.py
+measured them), activations scaled from DESIGN.md's SDXL figure, and fixed per-process host
+overheads. `plan.make_plan` adds the margins and chooses among the rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from zerotuner.families import ModelShape
+from zerotuner.machine.hardware import GiB
+from zerotuner.preflight.trainable import Training, full_unet
+
+# DESIGN.md: SDXL U-Net activations at 1024^2, bf16, per image. They scale with pixels and
+# with the width of the first block (320 in SDXL, SD1 and SD2), not with the parameter count:
+# counting saved tensors of a checkpointed forward on the meta device gave SD1/SD2/SDXL within
+# 10% of each other at equal pixels (SDXL 0.62, SD1 0.58, SD2 0.63 GiB at 1024^2).
+ACT_BYTES_PER_IMAGE = 6.4 * GiB
+ACT_BYTES_PER_IMAGE_CHECKPOINTED = 0.55 * GiB
+REFERENCE_PIXELS = 1024 * 1024
+REFERENCE_CHANNELS = 320
+# VAE encoding while latents are cached (batch 1, 16-bit): an estimate, scaled by pixels and
+# the VAE's first-block width (128 in every published SD/SDXL VAE).
+VAE_ENCODE_BYTES = 3 * GiB
+REFERENCE_VAE_CHANNELS = 128
+
+CUDA_CONTEXT = 1 * GiB  # device memory: CUDA context, cuBLAS/cuDNN workspaces
+# Host memory a process costs besides its tensors. Measured on the CPU path (bench, tiny demo,
+# 2 ranks, peak RSS): a rank (Python, torch, DeepSpeed, diffusers, gloo, the cpu_adam
+# extension, the feature cache) 575 MiB; `zerotuner train` 404 MiB; torchrun's agent 223 MiB.
+RANK_PROCESS = int(0.6 * GiB)
+ENTRYPOINT_PROCESS = int(0.4 * GiB)  # `zerotuner train`, once per node
+TORCHRUN_AGENT = int(0.25 * GiB)  # the elastic agent, once per node
+# On a CUDA host each rank also holds the driver's and libraries' host-side state (CUDA
+# runtime, cuBLAS/cuDNN/NCCL kernel images and host buffers): not measurable here; about
+# 1.7 GB more peak RSS once a CUDA tensor exists (pytorch/pytorch#113326, lazy module
+# loading on), so 1.5 GiB per rank, keeping a CUDA rank at ~2 GiB as before.
+CUDA_HOST_CONTEXT = int(1.5 * GiB)
+
+MAX_BUCKET = 500_000_000  # DeepSpeed's default bucket (elements), capped like normalize does
+STAGE3_MAX_LIVE = 1_000_000_000  # stage3_max_live_parameters default (elements)
+PARAM_BUFFERS = 5  # offload_param.buffer_count default
+PARAM_BUFFER_MAX = 100_000_000  # offload_param.buffer_size cap (elements), >= largest param
+OPTIMIZER_NVME_BUFFERS = 4
+SUB_GROUP_NVME = 100_000_000  # sub_group_size assumed with NVMe optimizer offload
+
+
+def estimate(
+    shape: ModelShape,
+    *,
+    stage: int,
+    offload_optimizer: str,
+    offload_param: str,
+    gradient_checkpointing: bool,
+    resolution: int,
+    micro_batch: int,
+    world_size: int,
+    ranks_per_node: int,
+    precision: str,
+    on_cpu: bool,
+    ema: bool,
+    training: Training | None = None,
+) -> tuple[int, int, int, dict[str, int]]:
+    """(device bytes per rank, host bytes per node, disk bytes per node, named parts).
+
+    Model states with mixed-precision Adam (ZeRO paper): 16-bit params 2Psi, 16-bit grads
+    2Psi, fp32 master + two moments 12Psi; without mixed precision fp32 params 4Psi, grads
+    4Psi, moments 8Psi (also 16Psi). Stage 1 partitions the optimizer part over N ranks,
+    stage 2 also the grads, stage 3 also the params. Offloading the optimizer moves its part
+    and the fp32 grads it steps with to the host (or disk); with it, stage 2 streams reduced
+    grads to the host during backward so the device keeps no gradient partition, while
+    stage 1 keeps the full 16-bit grads until the step.
+
+    `training` (default: the whole UNet) says which parameters train: gradients, optimizer
+    states and the buffers they pass through count those only; a frozen base (LoRA) counts
+    its weights, in the same dtype, replicated below ZeRO-3 and partitioned at ZeRO-3 (moved
+    to the host or disk with parameter offload).
+    """
+    training = training or full_unet(shape)
+    psi = shape.denoiser_params  # what normalize sizes DeepSpeed's buffers by
+    t, t_largest = training.trainable_params, training.largest_trainable
+    frozen, total = training.frozen_params, training.total_params
+    n = world_size
+    p_bytes = 4 if precision == "no" else 2
+    # DeepSpeed keeps an fp32 master partition at stage >= 1 even without mixed precision.
+    o_bytes = 8 if precision == "no" and stage == 0 else 12
+    g32 = 4  # fp32 grads the offloaded optimizer steps with
+    dev: dict[str, int] = {}
+    host_rank: dict[str, int] = {}  # per rank on this node
+    disk_rank: dict[str, int] = {}
+
+    # --- model states -----------------------------------------------------------------------
+    weights = {"params": t, "frozen_params": frozen}
+    for name, count in weights.items():
+        if not count:
+            continue
+        if stage < 3:
+            dev[name] = p_bytes * count
+        else:
+            place = {"none": dev, "cpu": host_rank, "nvme": disk_rank}[offload_param]
+            place[name] = p_bytes * count // n
+    if stage == 3:  # forward and backward gather every parameter, frozen ones included
+        live = min(total, STAGE3_MAX_LIVE + bucket(shape))
+        dev["gathered_params"] = p_bytes * live
+    if offload_optimizer == "none":
+        dev["grads"] = p_bytes * t // (n if stage >= 2 else 1)
+        dev["optimizer"] = o_bytes * t // (n if stage >= 1 else 1)
+        if stage in (1, 2):
+            # The step flattens this rank's gradient partition into a new buffer (stage 1 at
+            # its end-of-backward reduce) and casts it to the fp32 master's dtype: a 16-bit
+            # flat copy plus its fp32 cast, or one fp32 copy (stage_1_and_2.py, step).
+            dev["flat_grad_partition"] = (p_bytes + (0 if p_bytes == 4 else 4)) * t // n
+    else:
+        if stage == 1:
+            dev["grads"] = p_bytes * t  # reduced at the step, then copied to the host
+        target = host_rank if offload_optimizer == "cpu" else disk_rank
+        target["optimizer"] = o_bytes * t // n
+        target["fp32_grads"] = g32 * t // n
+        if stage in (1, 2):
+            # stage_1_and_2.py with cpu_offload: a 16-bit copy of the partition on the host
+            # (param_buffer_of_bit16_for_cpu_offload_groups, the updated params go back to the
+            # device through it) and one largest-parameter gradient staging buffer each side.
+            host_rank["param_partition_copy"] = p_bytes * t // n
+            host_rank["grad_staging"] = p_bytes * t_largest
+            dev["grad_staging"] = p_bytes * t_largest
+        if stage == 3:  # reduced 16-bit grad partitions wait on the host for the step
+            host_rank["grad_partitions"] = p_bytes * t // n
+        if offload_optimizer == "nvme":  # pinned fp32 buffers of one sub-group each
+            group = min(SUB_GROUP_NVME, max(t // n, t_largest))
+            host_rank["optimizer_swap_buffers"] = OPTIMIZER_NVME_BUFFERS * group * 4
+            # stage3.py: swapped sub-groups step with their fp32 gradient in one host buffer
+            # of the largest sub-group (gradient_buffer), kept for the whole run.
+            host_rank["subgroup_grad_buffer"] = group * 4
+    if offload_param == "nvme":  # buffer_size as normalize sets it (holds the largest tensor)
+        size = max(shape.largest_param, min(PARAM_BUFFER_MAX, psi // 8))
+        host_rank["param_swap_buffers"] = PARAM_BUFFERS * size * p_bytes
+
+    # --- buckets: gradients are reduced through flat buffers -----------------------------------
+    if stage == 0:
+        # The engine's all-reduce flattens the gradients into buckets of 5e8 elements, at any
+        # world size (engine.allreduce_no_retain; parameters without grad are skipped): the
+        # whole gradient for models below that.
+        dev["buckets"] = p_bytes * min(t, MAX_BUCKET)
+    else:
+        # One reduce_bucket_size buffer (sized by normalize from the whole UNet, whatever
+        # trains): the all-gather after the step writes into the flat params in place, and
+        # overlap_comm (the second, double buffer) is off below stage 3.
+        dev["buckets"] = p_bytes * bucket(shape)
+
+    # --- activations ------------------------------------------------------------------------
+    # The same for LoRA: every layer still passes gradients to its input, and the frozen
+    # layers' inputs a LoRA layer does not also read are the only tensors autograd skips (an
+    # upper bound, then).
+    per_image = ACT_BYTES_PER_IMAGE_CHECKPOINTED if gradient_checkpointing else ACT_BYTES_PER_IMAGE
+    width = shape.base_channels / REFERENCE_CHANNELS
+    if shape.activations_1024 is not None:  # a transformer's, from its layers and width
+        per_image, width = shape.activations_1024[1 if gradient_checkpointing else 0], 1.0
+    scale = (resolution * resolution / REFERENCE_PIXELS) * width * (p_bytes / 2)
+    dev["activations"] = int(per_image * scale * micro_batch)
+
+    if not on_cpu:
+        dev["framework"] = CUDA_CONTEXT
+    # Caching latents and embeddings runs before training: frozen encoders + one VAE encode.
+    vae_width = shape.vae_channels / REFERENCE_VAE_CHANNELS
+    caching = shape.frozen_params * p_bytes + int(
+        VAE_ENCODE_BYTES * resolution * resolution / REFERENCE_PIXELS * vae_width * (p_bytes / 2)
+    )
+    training = sum(dev.values())
+    device = max(training, caching + (0 if on_cpu else CUDA_CONTEXT))
+    if caching > training:
+        dev["caching_peak"] = caching - training
+
+    host_rank["process"] = RANK_PROCESS
+    if not on_cpu:
+        host_rank["cuda_host_context"] = CUDA_HOST_CONTEXT
+    # The full fp32 copy every rank loads is gone (moved to the device, or cast and
+    # partitioned by DeepSpeed) before offloaded states fill the host: `load_peak` counts it.
+    per_rank_host = sum(host_rank.values())
+    host = ranks_per_node * per_rank_host + ENTRYPOINT_PROCESS + TORCHRUN_AGENT
+    if ema:  # one fp32 shadow per node (rank 0 keeps it), on the CPU, not sharded by DeepSpeed
+        host += 4 * t
+        host_rank["ema_once_per_node"] = 4 * t
+    if on_cpu:
+        host += ranks_per_node * device  # the CPU accelerator's "device" memory is host memory
+    disk = ranks_per_node * sum(disk_rank.values())
+
+    parts = {f"device.{k}": v for k, v in dev.items()}
+    parts |= {f"host_per_rank.{k}": v for k, v in host_rank.items()}
+    parts |= {f"disk_per_rank.{k}": v for k, v in disk_rank.items()}
+    return device, host, disk, parts
+
+
+def bucket(shape: ModelShape) -> int:
+    """ZeRO bucket size in elements: a tenth of the model, at least its largest tensor, at most
+    DeepSpeed's default 5e8; a multiple of 8, as DeepSpeed asserts alignment on it."""
+    size = int(min(MAX_BUCKET, max(shape.largest_param, shape.denoiser_params // 10)))
+    return -(-size // 8) * 8
+
+
+@dataclass(frozen=True)
+class LoadPeak:
+    """Host bytes per node before the DeepSpeed engine is ready, phase by phase.
+
+    "full_copy" (stages 0-2): every local rank builds the whole trained UNet in fp32
+    (`model.load_denoiser`) and keeps it while the dataset is encoded for the feature cache;
+    `deepspeed.initialize` then moves or partitions it. "zero_init" (ZeRO-3, zero_init.py): each
+    rank builds only its partition, in the training dtype, and holds one largest tensor more
+    while the weights stream in. The VAE and text encoders load once per node, on its first
+    rank, while caching (caching.py): the peak is the caching phase.
+    """
+
+    ranks_per_node: int
+    per_rank: dict[str, int]  # process, cuda_host_context, the trained model's parts
+    per_node: dict[str, int]  # entrypoint, torchrun_agent, frozen_parts (caching only)
+    path: str = "full_copy"
+
+    def node_parts(self, phase: str) -> tuple[str, ...]:
+        """The per-node parts live in `phase` ("load" or "caching")."""
+        return tuple(k for k in self.per_node if phase == "caching" or k != "frozen_parts")
+
+    def per_rank_bytes(self) -> int:
+        return sum(self.per_rank.values())
+
+    def phase_bytes(self, phase: str) -> int:
+        node = sum(self.per_node[k] for k in self.node_parts(phase))
+        return self.ranks_per_node * self.per_rank_bytes() + node
+
+    @property
+    def peak_bytes(self) -> int:
+        return max(self.phase_bytes("load"), self.phase_bytes("caching"))
+
+    @property
+    def trained_bytes(self) -> int:
+        """Per rank: the trained model's host bytes while it loads (the full fp32 copy, or the
+        partition, its swap buffers and the staging of one tensor)."""
+        return sum(v for k, v in self.per_rank.items() if k in TRAINED_PARTS)
+
+    def ranks_that_fit(self, usable: int) -> int:
+        """How many ranks per node the usable host bytes hold through the load peak."""
+        return max(0, (usable - sum(self.per_node.values())) // self.per_rank_bytes())
+
+
+# What each load-time part is, for the plan's phase rows.
+LOAD_PART_NAMES = {
+    "process": "rank runtime",
+    "cuda_host_context": "CUDA host context",
+    "trained_model_fp32": "full fp32 UNet on every rank",
+    "base_model_16bit": "full 16-bit LoRA base UNet on every rank",
+    "trained_partition": "this rank's ZeRO-3 partition of the UNet (zero.Init)",
+    "param_swap_buffers": "NVMe parameter swap buffers (zero.Init)",
+    "load_staging": "one largest tensor read and gathered (zero.Init)",
+    "frozen_parts": "VAE and text encoders, once per node (caching)",
+}
+TRAINED_PARTS = (
+    "trained_model_fp32", "base_model_16bit", "trained_partition", "param_swap_buffers",
+    "load_staging",
+)  # fmt: skip
+
+
+def load_peak(
+    shape: ModelShape,
+    *,
+    ranks_per_node: int,
+    precision: str,
+    on_cpu: bool,
+    zero_stage: int | None = None,
+    offload_param: str = "none",
+    world_size: int = 1,
+    lora: bool = False,
+) -> LoadPeak:
+    """The load-time host peak per node. Below ZeRO-3 (or `zero_stage` None: the path before
+    zero.Init) the UNet is read whole in fp32 (DeepSpeed makes its masters from it), a LoRA base
+    (`lora`) in the run's 16-bit dtype (frozen: no masters; the adapter is added after). At
+    ZeRO-3 (zero_init.py) a rank's host holds its partition in
+    the training dtype (the CPU accelerator's "device" is host memory; on a GPU without
+    parameter offload it is on the device), or with parameters on NVMe the swap buffers
+    zero.Init allocates; and one largest tensor twice: read from the file (fp32 assumed) on rank
+    0 and gathered in the training dtype on every rank. The frozen parts load once per node (its
+    first rank encodes the node's share of the cache) and count at the training dtype, as the
+    device's caching estimate does: the text encoders load in it, the fp32 VAE is
+    the smallest part, and on a GPU each part leaves the host for the device once loaded."""
+    p_bytes = 4 if precision == "no" else 2
+    per_rank = {"process": RANK_PROCESS}
+    if not on_cpu:
+        per_rank["cuda_host_context"] = CUDA_HOST_CONTEXT
+    path = "zero_init" if zero_stage == 3 else "full_copy"
+    if path == "full_copy" and lora and p_bytes == 2:  # a frozen base loads in 16-bit
+        per_rank["base_model_16bit"] = 2 * shape.denoiser_params
+    elif path == "full_copy":
+        per_rank["trained_model_fp32"] = 4 * shape.denoiser_params
+    else:
+        if offload_param == "nvme":
+            size = max(shape.largest_param, min(PARAM_BUFFER_MAX, shape.denoiser_params // 8))
+            per_rank["param_swap_buffers"] = PARAM_BUFFERS * size * p_bytes
+        elif offload_param == "cpu" or on_cpu:
+            per_rank["trained_partition"] = p_bytes * shape.denoiser_params // world_size
+        per_rank["load_staging"] = (4 + p_bytes) * shape.largest_param
+    per_node = {
+        "entrypoint": ENTRYPOINT_PROCESS,
+        "torchrun_agent": TORCHRUN_AGENT,
+        "frozen_parts": p_bytes * shape.frozen_params,
+    }
+    return LoadPeak(ranks_per_node, per_rank, per_node, path)

@@ -1,0 +1,405 @@
+"""Settings -> inputs -> model shape -> plan -> DeepSpeed config: everything before launch.
+
+`config`, `plan`, `check` and `train` all go through `preflight`, so what `config` prints is
+what `train` runs. It reads files and the model's config, never weights.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from zerotuner.errors import ConfigError
+from zerotuner.families import (
+    FAMILIES,
+    HUB_CONFIG_FILES,
+    ModelShape,
+    check_family_settings,
+    detect_family,
+    guess_family,
+    hub_cache_dir,
+    model_shape,
+    unet_config_path,
+)
+from zerotuner.launch.ranks import Topology, resolve_topology
+from zerotuner.machine.hardware import Hardware, describe_hardware, require_supported
+from zerotuner.machine.offload_volume import free_bytes_at
+from zerotuner.preflight import trainable
+from zerotuner.preflight.deepspeed_config import Decisions, Normalized, normalize
+from zerotuner.preflight.pins import pins
+from zerotuner.preflight.plan import Plan, PlanRequest, gib, make_plan
+from zerotuner.settings.effective import Effective
+from zerotuner.settings.inputs import UserInputs
+from zerotuner.settings.notes import Note
+from zerotuner.settings.schema import Settings, env_name, precision_name
+from zerotuner.train import speed
+from zerotuner.weights import checkpoint, lora
+
+log = logging.getLogger(__name__)
+
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")  # owner/name
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    family: str
+    local_dir: Path | None  # a folder holding the pipeline (or a hub model's configs) on disk
+    reason: str
+    hub_id: str | None = None  # a hub model: the ranks download it (once per node)
+    revision: str | None = None  # the hub commit whose configs were read: the ranks load it
+
+    @property
+    def job_model(self) -> str:
+        """What the ranks load: a local folder, or the hub id (with `revision`)."""
+        return self.hub_id or str(self.local_dir)
+
+
+@dataclass(frozen=True)
+class Preflight:
+    settings: Settings  # with the accelerate file's launch values filled in
+    inputs: UserInputs
+    hardware: Hardware
+    model: ModelSource
+    shape: ModelShape
+    resolution: int
+    topology: Topology
+    decisions: Decisions
+    plan: Plan
+    normalized: Normalized
+    notes: tuple[Note, ...] = field(default=())
+
+
+def resolve_model(
+    settings: Settings, *, offline: bool = False, will_train: bool = False
+) -> ModelSource:
+    """A local folder; or a hub id, judged by its configs (from the cache, else fetched: a few
+    KB, the weights are the ranks' job), or by its name when the hub cannot be reached.
+    `offline`: no request to the hub (as HF_HUB_OFFLINE, which it adds to). `will_train`:
+    `train` (and `check`) refuse a hub model that is not cached while offline, since the ranks
+    could not download it; `config` and `plan` judge it by its name."""
+    name = f"{env_name('model')}={settings.model}"
+    local = Path(settings.model).expanduser()
+    looks_local = settings.model.startswith(("/", ".", "~")) or settings.model.count("/") > 1
+    if not local.exists() and not looks_local and not HUB_ID.match(settings.model):
+        raise ConfigError(
+            f"{name}: neither a local folder nor a hub id like "
+            "'stabilityai/stable-diffusion-xl-base-1.0'"
+        )
+    hub_id = revision = None
+    unreachable = "not cached"
+    if not local.exists() and not looks_local:
+        snapshot = _cached_snapshot(settings)
+        if snapshot is None and will_train and (offline or _hub_offline()):
+            raise ConfigError(
+                f"{name}: not in the Hugging Face cache and HF_HUB_OFFLINE is set; download it "
+                "first (or unset HF_HUB_OFFLINE), or give a local pipeline folder"
+            )
+        if snapshot is None:
+            snapshot, unreachable = _fetch_configs(settings, offline=offline)
+        if snapshot is not None:
+            local, hub_id, revision = snapshot, settings.model, snapshot.name
+    if local.is_dir():
+        if settings.model_family != "auto":
+            if unet_config_path(local) is None:
+                raise ConfigError(
+                    f"{name}: no unet/config.json (or config.json) in that folder; point it at "
+                    "a diffusers pipeline folder"
+                )
+            family, reason = settings.model_family, env_name("model_family")
+        else:
+            where = f"its configs at commit {revision[:12]}" if revision else str(local)
+            family, reason = detect_family(local), f"detected from {where}"
+        return ModelSource(family, local, reason, hub_id, revision)
+    if looks_local:
+        raise ConfigError(f"{name}: no such folder")
+    if settings.model_family != "auto":
+        return ModelSource(settings.model_family, None, env_name("model_family"), settings.model)
+    family = guess_family(settings.model)
+    if family is None:
+        raise ConfigError(
+            f"{env_name('model')}={settings.model}: its configs cannot be read ({unreachable}) "
+            f"and the name does not say the model family; set {env_name('model_family')} to one "
+            f"of {', '.join(FAMILIES)}"
+        )
+    reason = f"guessed from the hub id {settings.model!r} ({unreachable})"
+    return ModelSource(family, None, reason, settings.model)
+
+
+def _hub_offline() -> bool:
+    from huggingface_hub import constants
+
+    return bool(constants.HF_HUB_OFFLINE)
+
+
+def _cached_snapshot(settings: Settings) -> Path | None:
+    """The hub cache folder of a model already downloaded, found without the network."""
+    from huggingface_hub import try_to_load_from_cache
+    from huggingface_hub.errors import HFValidationError
+
+    try:
+        hit = try_to_load_from_cache(
+            settings.model, "model_index.json", cache_dir=str(hub_cache_dir(settings.cache_dir))
+        )
+    except HFValidationError:  # not a hub id at all: the caller reports the missing folder
+        return None
+    return Path(hit).parent if isinstance(hit, str) else None
+
+
+def _fetch_configs(settings: Settings, *, offline: bool) -> tuple[Path | None, str]:
+    """The hub model's config files into the HF cache: (snapshot folder, "") or (None, why not).
+
+    A repository this token cannot read is the user's to fix (ConfigError); a hub that cannot
+    be reached leaves the family to the id's name and the download to the ranks."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import GatedRepoError, HFValidationError, RepositoryNotFoundError
+
+    if offline or _hub_offline():
+        return None, "not cached; HF_HUB_OFFLINE is set"
+    token = settings.hf_token.get_secret_value() if settings.hf_token else None
+    try:
+        path = snapshot_download(
+            settings.model, cache_dir=str(hub_cache_dir(settings.cache_dir)), token=token,
+            allow_patterns=list(HUB_CONFIG_FILES), etag_timeout=10,
+        )  # fmt: skip
+    except HFValidationError:
+        return None, "not a hub id"
+    except (RepositoryNotFoundError, GatedRepoError) as error:
+        raise ConfigError(
+            f"{env_name('model')}={settings.model}: no such local folder, and not a hub "
+            f"repository this token can read ({type(error).__name__}); check the id and "
+            f"{env_name('hf_token')}"
+        ) from None
+    except Exception as error:  # noqa: BLE001 - no network: the ranks try again and say why
+        return None, f"not cached; the hub could not be reached: {type(error).__name__}"
+    return Path(path), ""
+
+
+class PreflightRun:
+    """Preflight's steps in order, on one state. `preflight()` runs them all; `check` reports
+    them one by one (`STEPS`), so what `check` accepts `train` starts, and what it refuses
+    `train` refuses with the same line. Each step returns what it found, in words, and the
+    warnings it has (what `check` prints).
+
+    `hardware`: the machine (described or already probed); None probes this one in the first
+    step. `require_fit=False` (the `config` command): when nothing fits this machine, plan the
+    closest option anyway and say so, so a config can be checked before renting GPUs.
+    `offload_disk_free`: bytes free for NVMe offload (None: unknown); by default measured at
+    ZT_OFFLOAD_DIR."""
+
+    def __init__(
+        self,
+        effective: Effective,
+        *,
+        hardware: Hardware | None = None,
+        topology: Topology | None = None,
+        require_fit: bool = True,
+        offload_disk_free: int | None | str = "measure",
+    ) -> None:
+        self.effective = effective
+        self.settings, self.inputs = effective.settings, effective.inputs
+        self.hardware, self.topology = hardware, topology
+        self.require_fit = require_fit
+        self.offload_disk_free = offload_disk_free
+        self.model: ModelSource | None = None
+        self.shape: ModelShape | None = None
+        self.plan: Plan | None = None
+        self.decisions: Decisions | None = None
+        self.normalized: Normalized | None = None
+
+    def check_hardware(self) -> tuple[str, list[str]]:
+        if self.hardware is None:
+            from zerotuner.machine.probe import probe
+
+            self.hardware = probe(self.settings.device)
+        require_supported(self.hardware)
+        return describe_hardware(self.hardware), list(self.hardware.warnings)
+
+    def place(self) -> tuple[str, list[str]]:
+        assert self.hardware is not None
+        t = self.topology or resolve_topology(self.settings, self.hardware, os.environ)
+        self.topology = t
+        return (
+            f"{t.nnodes} node(s) x {t.nproc_per_node} rank(s), this is node {t.node_rank}, "
+            f"master {t.master_addr}:{t.master_port} ({t.source})"
+        ), []
+
+    def read_model(self) -> tuple[str, list[str]]:
+        settings = self.settings
+        lora.check_settings(settings)
+        model = resolve_model(
+            settings, offline=self.effective.hub_offline, will_train=self.require_fit
+        )
+        check_family_settings(settings, model.family)
+        shape = model_shape(model.family, model.local_dir)  # type: ignore[arg-type]
+        check_resume(settings, model.family, shape)
+        if settings.training_type == "lora":
+            lora.check_model_targets(settings, model.family, model.local_dir)
+        self.model, self.shape = model, shape
+        if model.local_dir is None:  # neither cached nor its configs fetched
+            where = f"hub id {model.hub_id}"
+            warnings = ["its configs could not be read here; train downloads it and fails "
+                        "there if it cannot"]  # fmt: skip
+        else:
+            where = f"hub id {model.hub_id}" if model.hub_id else f"local folder {model.local_dir}"
+            warnings = []
+        params = f"{shape.denoiser_params / 1e6:.1f}M params"
+        return f"{where}; {model.family} ({model.reason}); denoiser {params}", warnings
+
+    def make_plan(self) -> tuple[str, list[str]]:
+        assert self.hardware and self.topology and self.model and self.shape
+        settings = self.settings
+        free = self.offload_disk_free
+        self.plan = plan = plan_for(
+            settings,
+            self.shape,
+            self.hardware,
+            base=self.inputs.deepspeed,
+            world_size=self.topology.world_size,
+            ranks_per_node=self.topology.nproc_per_node,
+            offload_disk_free=free_bytes_at(settings.offload_dir) if free == "measure" else free,
+            require_fit=self.require_fit,
+            model_dir=self.model.local_dir,
+        )
+        self.decisions = decisions_from(plan)
+        lora.check_init_stage(settings, self.decisions.zero_stage)
+        ch = plan.choice
+        return (
+            f"{ch.label()}: device {gib(ch.device_bytes)} GiB, host {gib(ch.host_bytes)} GiB"
+            + (f", disk {gib(ch.disk_bytes)} GiB" if ch.disk_bytes else "")
+            + f"; load peak {gib(plan.load.peak_bytes)} GiB host"
+        ), []
+
+    def normalize(self) -> tuple[str, list[str]]:
+        assert self.hardware and self.topology and self.shape and self.decisions
+        self.normalized = result = normalize(
+            self.inputs.deepspeed,
+            settings=self.settings,
+            hardware=self.hardware,
+            shape=self.shape,
+            world_size=self.topology.world_size,
+            decisions=self.decisions,
+            source=self.inputs.source,
+        )
+        warnings = [str(n) for n in result.notes if n.level in ("warning", "change")]
+        batch = result.config.get("train_batch_size")
+        precision = precision_name(result.mixed_precision)
+        return f"valid (train_batch_size {batch}, {precision})", warnings
+
+    STEPS: tuple[tuple[str, Callable[[PreflightRun], tuple[str, list[str]]]], ...] = (
+        ("hardware", check_hardware),
+        ("topology", place),
+        ("model", read_model),
+        ("plan", make_plan),
+        ("deepspeed config", normalize),
+    )
+
+    def run(self) -> Preflight:
+        for _, step in self.STEPS:
+            step(self)
+        return self.result()
+
+    def result(self) -> Preflight:
+        assert self.hardware and self.topology and self.model and self.shape
+        assert self.plan and self.decisions and self.normalized
+        settings, hardware, model, shape, plan = (
+            self.settings, self.hardware, self.model, self.shape, self.plan
+        )  # fmt: skip
+        unfit = () if self.require_fit or plan.choice.fits else (Note("warning", plan.reasons[0]),)
+        zero_stage = self.decisions.zero_stage
+        notes = (
+            *unfit,
+            Note("info", f"model family {model.family} ({model.reason}); model {shape.source}"),
+            *lora.notes(settings),
+            *speed.notes(settings, accelerator=hardware.accelerator, zero_stage=zero_stage),
+            *self.inputs.notes.notes,
+            *self.normalized.notes,
+        )
+        resolution = settings.resolution or shape.native_resolution
+        return Preflight(
+            settings, self.inputs, hardware, model, shape, resolution, self.topology,
+            self.decisions, plan, self.normalized, notes,
+        )  # fmt: skip
+
+
+def preflight(
+    effective: Effective,
+    *,
+    hardware: Hardware,
+    topology: Topology | None = None,
+    require_fit: bool = True,
+    offload_disk_free: int | None | str = "measure",
+) -> Preflight:
+    """From the effective settings (`effective.effective_settings`: the one settings path) to
+    the plan and the DeepSpeed config: every step of `PreflightRun`."""
+    return PreflightRun(
+        effective, hardware=hardware, topology=topology, require_fit=require_fit,
+        offload_disk_free=offload_disk_free,
+    ).run()  # fmt: skip
+
+
+def check_resume(settings: Settings, family: str, shape: ModelShape) -> None:
+    """The checkpoint a resume would load must be of this model family, size and training
+    type (and a LoRA's adapter shape): refused here, before any rank loads a weight."""
+    path = checkpoint.resume_candidate(settings.resume, settings.output_dir)
+    if path is None:
+        return
+    manifest = checkpoint.read_manifest(path) or {}
+    checkpoint.check_model(
+        manifest, family=family, denoiser_params=shape.denoiser_params, model=settings.model,
+        path=path,
+    )  # fmt: skip
+    lora.check_resume(manifest, settings, path)
+
+
+def plan_for(
+    settings: Settings,
+    shape: ModelShape,
+    hardware: Hardware,
+    *,
+    base: dict,
+    world_size: int,
+    ranks_per_node: int,
+    offload_disk_free: int | None,
+    require_fit: bool = True,
+    model_dir: Path | None = None,
+) -> Plan:
+    """The planner's choice for these settings, keeping what the user pinned (env or raw JSON).
+    `model_dir`: the model's folder, whose UNet config sizes a LoRA adapter (else the family's
+    built-in config)."""
+    user = pins(settings, base)
+    request = PlanRequest(
+        resolution=settings.resolution or shape.native_resolution,
+        micro_batch=settings.train_batch_size,
+        world_size=world_size,
+        ranks_per_node=ranks_per_node,
+        gradient_checkpointing=settings.gradient_checkpointing,
+        zero_stage="auto" if user.zero_stage is None else user.zero_stage,
+        offload_optimizer=user.offload_optimizer or "auto",
+        offload_param=user.offload_param or "auto",
+        mixed_precision=user.mixed_precision,
+        ema=settings.ema,
+        max_sequence_length=settings.max_sequence_length,
+        pin_names=user.names,
+    )
+    return make_plan(
+        shape=shape,
+        hardware=hardware,
+        request=request,
+        training=trainable.for_settings(settings, shape, model_dir),
+        offload_disk_free=offload_disk_free,
+        require_fit=require_fit,
+    )
+
+
+def decisions_from(plan: Plan) -> Decisions:
+    choice = plan.choice
+    return Decisions(
+        zero_stage=int(choice.zero_stage),
+        offload_optimizer=choice.offload_optimizer,
+        offload_param=choice.offload_param,
+        gradient_checkpointing=bool(choice.gradient_checkpointing),
+    )

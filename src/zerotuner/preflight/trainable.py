@@ -1,0 +1,84 @@
+"""What the optimizer trains: the whole UNet, or a LoRA adapter on a frozen base.
+
+The planner counts the two apart. A trained parameter has weights in the run's dtype,
+gradients and fp32 Adam states (master copy and two moments); a frozen one only its weights
+(16-bit with mixed precision, fp32 without). The adapter's size comes from the UNet's layer
+shapes and the same target rule the trainer uses (`lora.adapter_size`), on a UNet (and text
+encoders) built on the meta device from the model's config: no weights read, nothing
+downloaded.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Literal
+
+from zerotuner.families import ModelShape
+
+if TYPE_CHECKING:
+    from zerotuner.settings.schema import Settings
+
+
+@dataclass(frozen=True)
+class Training:
+    type: Literal["full", "lora"]
+    trainable_params: int  # with gradients and optimizer state
+    largest_trainable: int  # elements of the biggest trained tensor (offload staging buffers)
+    frozen_params: int  # base weights in the engine (UNet; text encoders with their LoRA)
+    text_encoders: bool = False  # LoRA on the text encoders: they run in every step
+
+    @property
+    def total_params(self) -> int:
+        """Every parameter of the module DeepSpeed wraps (ZeRO-3 partitions them all)."""
+        return self.trainable_params + self.frozen_params
+
+
+def full_unet(shape: ModelShape) -> Training:
+    return Training("full", shape.denoiser_params, shape.largest_param, 0)
+
+
+def lora_adapter(
+    shape: ModelShape,
+    *,
+    rank: int,
+    targets: tuple[str, ...],
+    model_dir: Path | None = None,
+    dora: bool = False,
+) -> Training:
+    """The adapter on this UNet (its own config when `model_dir` has one, else its family's
+    built-in config) with the base frozen."""
+    from zerotuner.families import meta_model
+    from zerotuner.weights.lora import adapter_size
+
+    unet = meta_model(shape.family, model_dir)
+    params, largest = adapter_size(unet, targets, rank, dora=dora)
+    return Training("lora", params, largest, shape.denoiser_params)
+
+
+def for_settings(settings: Settings, shape: ModelShape, model_dir: Path | None = None) -> Training:
+    """What ZT_TRAINING_TYPE and the LoRA settings train on this UNet."""
+    if settings.training_type != "lora":
+        return full_unet(shape)
+    from zerotuner.weights.lora import parse_targets
+
+    targets = parse_targets(settings.lora_targets)
+    unet = lora_adapter(
+        shape, rank=settings.lora_rank, targets=targets, model_dir=model_dir,
+        dora=settings.lora_dora,  # a magnitude per output feature
+    )  # fmt: skip
+    if not settings.lora_text_encoder:
+        return unet
+    from zerotuner.weights import lora_text
+    from zerotuner.weights.lora import adapter_size
+
+    # the text encoders join the engine: their adapters train, their weights are frozen
+    sizes = [
+        adapter_size(encoder, lora_text.TEXT_TARGETS, settings.lora_rank, dora=settings.lora_dora)
+        for encoder in lora_text.meta_encoders(shape.family, model_dir)
+    ]
+    return Training(
+        "lora", unet.trainable_params + sum(params for params, _ in sizes),
+        max(unet.largest_trainable, *(largest for _, largest in sizes)),
+        unet.frozen_params + lora_text.text_params(shape.family, model_dir), text_encoders=True,
+    )  # fmt: skip

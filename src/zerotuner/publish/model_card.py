@@ -1,0 +1,60 @@
+"""The model card (README.md) pushed next to a run's final export: what was trained from what,
+how, for how long, and what it drew. Built from what the run recorded; never a secret."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import yaml
+
+from zerotuner.settings.schema import Settings, masked_dump
+
+# Settings a reader of the card needs; folders and ports of the machine that trained say nothing.
+CARD_SETTINGS = (
+    "model", "training_type", "lora_rank", "lora_alpha", "lora_targets",
+    "resolution", "train_batch_size", "gradient_accumulation_steps", "max_steps",
+    "learning_rate", "lr_scheduler", "lr_warmup_steps", "optimizer", "mixed_precision",
+    "zero_stage", "seed", "snr_gamma", "noise_offset", "ema",
+)  # fmt: skip
+
+
+def _last_step(output_dir: Path) -> dict | None:
+    path = output_dir / "run" / "steps.jsonl"
+    lines = path.read_text().splitlines() if path.is_file() else []
+    return json.loads(lines[-1]) if lines else None
+
+
+def _latest_samples(output_dir: Path) -> list[str]:
+    folders = sorted((output_dir / "samples").glob("step-*"), key=lambda p: int(p.name[5:]))
+    if not folders:
+        return []
+    return [p.relative_to(output_dir).as_posix() for p in sorted(folders[-1].glob("*.png"))]
+
+
+def model_card(settings: Settings, output_dir: Path) -> str:
+    values = masked_dump(settings)
+    chosen = {k: values[k] for k in CARD_SETTINGS if values.get(k) is not None}
+    lora = settings.training_type == "lora"
+    front = {
+        "base_model": str(settings.model),
+        "library_name": "diffusers",
+        "tags": ["zerotuner", "text-to-image", "diffusers", *(["lora"] if lora else [])],
+    }
+    last = _last_step(output_dir)
+    lines = ["---", yaml.safe_dump(front, sort_keys=False).strip(), "---", ""]
+    kind = "LoRA adapter" if lora else "Fine-tuned pipeline"
+    lines += [f"# {kind} for {settings.model}", "", "Trained with zerotuner (DeepSpeed ZeRO)."]
+    if last is not None:
+        lines += ["", f"Steps: {last['step']}; last logged loss {last['loss']:.4f}."]
+    if lora:
+        lines += ["", "```python", "pipe.load_lora_weights(\"<this repo>\", subfolder=\"final\")",
+                  "```"]  # fmt: skip
+    if (output_dir / "run" / "loss.png").is_file():
+        lines += ["", "![loss curve](run/loss.png)"]
+    samples = _latest_samples(output_dir)
+    if samples:
+        lines += ["", "## Samples", "", *(f"![{Path(s).stem}]({s})" for s in samples)]
+    lines += ["", "## Settings", "", "```yaml", yaml.safe_dump(chosen, sort_keys=False).strip(),
+              "```", ""]  # fmt: skip
+    return "\n".join(lines)

@@ -1,0 +1,549 @@
+"""Every user-facing setting, declared once with its documentation.
+
+Sources, highest precedence first: environment (`ZT_*`), the mounted config file
+(`ZT_CONFIG_FILE`; YAML, JSON or TOML), secret files (`/run/secrets`), defaults.
+The CLI help and the settings tables (docs/configuration.md, README) are generated from the
+descriptions here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import difflib
+import os
+from collections.abc import Iterator, Mapping
+from contextvars import ContextVar
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import AliasChoices, Field, SecretStr, ValidationError, field_validator
+from pydantic_core import PydanticCustomError
+from pydantic_settings import (
+    BaseSettings,
+    EnvSettingsSource,
+    NoDecode,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+)
+from pydantic_settings.sources.utils import parse_env_vars
+
+from zerotuner.errors import ConfigError
+from zerotuner.settings.family_names import FAMILIES
+from zerotuner.settings.files import MAX_INT, load_mapping, parse_json, read_text, short_repr
+
+ENV_PREFIX = "ZT_"
+DEFAULT_CONFIG_FILE = Path("/config/zerotuner.yaml")
+DEFAULT_SECRETS_DIR = Path("/run/secrets")
+
+# The environment the settings are read from: the process's, unless `load_settings` was given
+# a mapping (the builder evaluates a form without touching the process's environment).
+_ENVIRON: ContextVar[Mapping[str, str] | None] = ContextVar("zerotuner_environ", default=None)
+
+Auto = Literal["auto"]
+OffloadTarget = Literal["auto", "none", "cpu", "nvme"]
+
+
+class Settings(BaseSettings):
+    """The whole configuration of one training job. Field order is the docs' order."""
+
+    model_config = SettingsConfigDict(
+        env_prefix=ENV_PREFIX,
+        case_sensitive=False,
+        env_ignore_empty=True,  # `ZT_RESOLUTION=` (an uncommented example line) means default
+        extra="forbid",
+        frozen=True,
+        validate_default=True,
+        allow_inf_nan=False,  # every float setting: `inf`, `nan`, 1e400 are exit 2
+    )
+
+    # --- model and data ---------------------------------------------------------------
+    model: str = Field(
+        "stabilityai/stable-diffusion-xl-base-1.0",
+        description="Hub id or local folder of a diffusers pipeline to fine-tune.",
+    )
+    model_family: Literal[("auto", *FAMILIES)] = Field(  # type: ignore[valid-type]
+        "auto",
+        description="Model family; `auto` reads it from model_index.json / the model's config.",
+    )
+    data_dir: Path = Field(Path("/data"), description="Training images with captions.")
+    output_dir: Path = Field(
+        Path("/output"), description="Checkpoints, samples, run records and the final export."
+    )
+    cache_dir: Path = Field(
+        Path("/cache"), description="Model downloads (HF_HOME) and the latent/embedding cache."
+    )
+    offload_dir: Path = Field(
+        Path("/offload"),
+        description="NVMe offload swap directory (a fast local volume). Unset, a real "
+        "`nvme_path` in the DeepSpeed/accelerate config is used instead; set, the two must agree.",
+    )
+    offload_device: str | None = Field(
+        None, description="Block device to mount at the offload dir (needs a privileged container)."
+    )
+    offload_format: bool = Field(
+        False, description="Allow formatting `ZT_OFFLOAD_DEVICE` when it holds no filesystem."
+    )
+
+    # --- training -----------------------------------------------------------------------
+    resolution: int | None = Field(
+        None, ge=64, le=4096, description="Target side in pixels; empty = the family's native."
+    )
+    train_batch_size: int = Field(1, ge=1, description="Micro-batch per device.")
+    gradient_accumulation_steps: int = Field(1, ge=1, description="Micro-batches per step.")
+    max_steps: int = Field(1000, ge=1, description="Optimizer steps to train.")
+    learning_rate: float = Field(1e-5, gt=0, description="Peak learning rate.")
+    lr_warmup_steps: int = Field(0, ge=0, description="Linear warm-up steps.")
+    lr_scheduler: Literal["constant", "linear", "cosine"] = Field(
+        "constant", description="Shape after warm-up (DeepSpeed WarmupLR/WarmupDecayLR/Cosine)."
+    )
+    optimizer: str = Field(
+        "AdamW", description="DeepSpeed optimizer name (AdamW, Adam, Lion, Lamb, ...)."
+    )
+    weight_decay: float = Field(1e-2, ge=0, description="Optimizer weight decay.")
+    gradient_clipping: float = Field(1.0, ge=0, description="Max gradient norm; 0 disables.")
+    max_nonfinite_steps: int = Field(
+        5, ge=1, description="Steps in a row with a non-finite loss or gradient norm (each "
+        "skipped, the weights unchanged) before the run stops with exit 4.",
+    )  # fmt: skip
+    mixed_precision: Literal["auto", "bf16", "fp16", "no"] = Field(
+        "auto", description="`auto`: bf16 where the GPU supports it, else fp16; `no` on CPU."
+    )
+    gradient_checkpointing: Auto | bool = Field(
+        "auto", description="Recompute activations; `auto` turns it on when needed to fit."
+    )
+    seed: int = Field(42, description="Random seed (data order, noise, validation).")
+    noise_offset: float = Field(0.0, ge=0, description="Noise offset (0 disables).")
+    snr_gamma: float | None = Field(
+        None, gt=0, description="Min-SNR-gamma loss weighting (e.g. 5); empty disables."
+    )
+    prediction_type: Literal["auto", "epsilon", "v_prediction"] = Field(
+        "auto", description="Training target; `auto` follows the model's scheduler (UNets)."
+    )
+    weighting_scheme: Literal["logit_normal", "uniform", "mode"] = Field(
+        "logit_normal",
+        description="Flow matching (SD3, Flux): the density sigmas are drawn from.",
+    )
+    logit_mean: float = Field(0.0, description="Flow matching, `logit_normal`: the mean.")
+    logit_std: float = Field(1.0, gt=0, description="Flow matching, `logit_normal`: the std.")
+    mode_scale: float = Field(1.29, description="Flow matching, `mode`: its scale.")
+    train_guidance: float = Field(
+        3.5,
+        ge=0,
+        description="Flux: the guidance value a guidance-distilled transformer (FLUX.1-dev) "
+        "trains with; unused by models without a guidance embedding.",
+    )
+    max_sequence_length: int | None = Field(
+        None,
+        ge=1,
+        le=512,
+        description="T5 tokens per caption (SD3, Flux); empty = the pipeline's default (SD3 "
+        "256, Flux 512). Shorter: smaller text cache, faster steps.",
+    )
+    random_flip: bool = Field(False, description="Flip images horizontally at random.")
+    compile: Auto | bool = Field(
+        "auto",
+        description="torch.compile the model's repeated blocks; `auto` turns it on where it "
+        "pays (see the plan's note).",
+    )
+    ema: bool = Field(False, description="Keep an EMA of the UNet weights (on the CPU).")
+    ema_decay: float = Field(0.9999, gt=0, lt=1, description="EMA decay per step.")
+    training_type: Literal["full", "lora"] = Field(
+        "full", description="`full`: train the whole UNet; `lora`: train LoRA adapters on it."
+    )
+    lora_rank: int = Field(16, ge=1, description="LoRA rank (training type `lora`).")
+    lora_alpha: float | None = Field(
+        None, gt=0, description="LoRA alpha (scale = alpha / rank); empty = the rank."
+    )
+    lora_dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the LoRA path.")
+    lora_targets: str = Field(
+        "attention",
+        description="UNet modules that get adapters: `attention` (to_q, to_k, to_v, to_out.0, "
+        "as diffusers' SDXL LoRA example), `attention+ff` (also the feed-forward layers), or "
+        "module names and presets separated by commas.",
+    )
+    lora_dora: bool = Field(
+        False,
+        description="DoRA (peft's use_dora): each adapted layer also learns the magnitude of "
+        "its weight's rows; at every ZeRO stage.",
+    )
+    lora_rslora: bool = Field(
+        False,
+        description="rsLoRA (peft's use_rslora): scale = alpha / sqrt(rank) instead of alpha / "
+        "rank, so a higher rank does not shrink the update.",
+    )
+    lora_init: Literal["gaussian", "pissa", "olora"] = Field(
+        "gaussian",
+        description="How the adapter starts: `gaussian` (A random, B zero: at the base model), "
+        "or from the base weights' principal components (`pissa`: SVD) or an orthonormal "
+        "basis (`olora`: QR), which move them into the adapter; ZeRO 0-2, linear targets.",
+    )
+    lora_merge: bool = Field(
+        False,
+        description="Also write `final/merged/`: a whole diffusers pipeline with the adapter "
+        "fused into the UNet.",
+    )
+    lora_text_encoder: bool = Field(
+        False,
+        description="Also train adapters on the text encoders' attention (q/k/v/out_proj, as "
+        "diffusers' SDXL DreamBooth LoRA example); captions are then encoded at every step, "
+        "not cached.",
+    )
+
+    # --- DeepSpeed ------------------------------------------------------------------------
+    zero_stage: Auto | Literal[0, 1, 2, 3] = Field(
+        "auto", description="ZeRO stage 0-3; `auto` picks the lowest that fits."
+    )
+    offload_optimizer: OffloadTarget = Field(
+        "auto", description="Optimizer state offload: none, cpu or nvme (nvme needs stage 3)."
+    )
+    offload_param: OffloadTarget = Field(
+        "auto", description="Parameter offload (stage 3 only): none, cpu or nvme."
+    )
+    deepspeed_config: Annotated[str | dict[str, Any] | None, NoDecode] = Field(
+        None, description="A DeepSpeed JSON (inline text or a file path) to start from."
+    )
+    accelerate_config: Path | None = Field(
+        None, description="An `accelerate config` YAML to start from."
+    )
+
+    # --- devices and launch -----------------------------------------------------------------
+    device: Literal["auto", "cuda", "cpu"] = Field(
+        "auto", description="Accelerator; `auto` uses CUDA GPUs when present."
+    )
+    num_processes: int | None = Field(
+        None, ge=1, description="Ranks per node; empty = visible GPUs (1 on CPU)."
+    )
+    nnodes: int | None = Field(None, ge=1, description="Nodes in the job; empty = detected / 1.")
+    node_rank: int | None = Field(None, ge=0, description="This node's index; empty = detected.")
+    master_addr: str | None = Field(None, description="Rendezvous host of node 0.")
+    master_port: int | None = Field(None, ge=1, le=65535, description="Rendezvous port.")
+
+    # --- checkpoints, validation ----------------------------------------------------------------
+    checkpoint_every_steps: int = Field(500, ge=0, description="Checkpoint interval; 0 = end only.")
+    checkpoints_keep: int = Field(2, ge=1, description="Committed checkpoints to keep.")
+    resume: str = Field(
+        "auto", description="`auto` (latest committed checkpoint), `never`, or a checkpoint path."
+    )
+    stop_grace_seconds: float = Field(
+        300,
+        gt=0,
+        description="After SIGTERM, seconds ranks get to save and commit before they are killed "
+        "(Kubernetes' terminationGracePeriodSeconds must be larger).",
+    )
+    push_to: str | None = Field(
+        None,
+        description="Remote for checkpoints, the final export and run records: `s3://bucket/"
+        "prefix` (any S3-compatible store; AWS_* variables) or `hf://user/repo` (a private Hub "
+        "model repo); a fresh machine resumes from it. Empty: outputs stay in ZT_OUTPUT_DIR.",
+    )
+    validation_prompts: Annotated[list[str], NoDecode] = Field(
+        default_factory=list, description="Prompts for sample images: a JSON list or `|`-separated."
+    )
+    validation_every_steps: int = Field(0, ge=0, description="Sample interval; 0 = end only.")
+    validation_inference_steps: int = Field(20, ge=1, description="Denoising steps per sample.")
+    validation_guidance_scale: float | None = Field(
+        None, ge=0, description="Classifier-free guidance of the samples; empty = the pipeline's."
+    )
+
+    # --- observability ----------------------------------------------------------------------------
+    metrics_host: str = Field("0.0.0.0", description="Address the metrics endpoint binds.")
+    metrics_port: int = Field(
+        9464, ge=0, le=65535, description="/metrics, /healthz, /readyz; 0 disables."
+    )
+    hang_timeout_seconds: float = Field(
+        1800, gt=0, description="/healthz fails when no step finished for this long."
+    )
+    collective_timeout_seconds: float = Field(
+        600,
+        gt=0,
+        description="How long a rank waits in a collective (barrier, all-reduce) of the process "
+        "group before failing. Caching waits do not depend on it: ranks waiting for the encoding "
+        "rank wait as long as it keeps working.",
+    )
+    log_format: Literal["text", "json"] = Field("text", description="Log line format.")
+    log_level: Literal["debug", "info", "warning"] = Field(
+        "info",
+        description="`info`: progress from rank 0, warnings from every rank; `debug`: every "
+        "rank's debug lines, the third-party notices held back included.",
+    )
+    log_every_steps: int = Field(10, ge=1, description="Progress line interval without a TTY.")
+
+    # --- files and secrets ---------------------------------------------------------------------
+    config_file: Path = Field(
+        DEFAULT_CONFIG_FILE, description="Config file (YAML, JSON or TOML), read when present."
+    )
+    secrets_dir: Path = Field(
+        DEFAULT_SECRETS_DIR, description="Folder of secret files (e.g. `hf_token`)."
+    )
+    hf_token: SecretStr | None = Field(
+        None,
+        validation_alias=AliasChoices("zt_hf_token", "hf_token"),
+        description="Hugging Face token (env `HF_TOKEN` or a secret file `hf_token`).",
+    )
+
+    @field_validator("*")
+    @classmethod
+    def _int64(cls, value: Any) -> Any:
+        """Every whole-number setting fits 64 bits (10**400 steps or seed overflow later)."""
+        if isinstance(value, int) and not isinstance(value, bool) and abs(value) > MAX_INT:
+            raise PydanticCustomError("int_too_large", "Input should be a number below 2**63")
+        return value
+
+    @field_validator("validation_prompts", mode="before")
+    @classmethod
+    def _split_prompts(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            text = value.strip()
+            if text.startswith("["):
+                try:  # the shared reader: depth, duplicate and number limits included
+                    return parse_json(text, source="JSON")
+                except ConfigError as error:
+                    raise PydanticCustomError(
+                        "json_invalid",
+                        "a JSON list of prompts or `|`-separated text ({why})",
+                        {"why": str(error)},
+                    ) from None
+            return [p.strip() for p in text.split("|") if p.strip()]
+        return value
+
+    @field_validator("zero_stage", mode="before")
+    @classmethod
+    def _stage_number(cls, value: Any) -> Any:
+        if isinstance(value, str) and value.strip().isdigit():
+            return int(value)
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        return value
+
+    @field_validator("push_to")
+    @classmethod
+    def _remote_url(cls, value: str | None) -> str | None:
+        from zerotuner.settings.push_url import parse
+
+        if value is None or not value.strip():
+            return None
+        parse(value.strip())  # one line naming the setting and both forms when malformed
+        return value.strip()
+
+    @field_validator("resume")
+    @classmethod
+    def _resume_word_or_path(cls, value: str) -> str:
+        return value.strip() or "auto"
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        return (
+            init_settings,
+            MappingEnvSource(settings_cls),
+            ConfigFileSource(settings_cls),
+            SecretsDirSource(settings_cls),
+        )
+
+
+def env_name(field: str) -> str:
+    return ENV_PREFIX + field.upper()
+
+
+def precision_name(value: str) -> str:
+    """How a precision reads in text: the setting's `no` (no mixed precision) is fp32."""
+    return "fp32" if value == "no" else value
+
+
+def source_key(name: str) -> str:
+    """The key the env source files a field's value under: its first alias when it has any.
+
+    The config file and the secrets dir must use the same key, so that their value merges
+    with the env's (lower precedence) instead of sitting beside it as an unknown setting.
+    """
+    alias = Settings.model_fields[name].validation_alias
+    if isinstance(alias, AliasChoices) and isinstance(alias.choices[0], str):
+        return alias.choices[0]
+    return alias if isinstance(alias, str) else name
+
+
+def field_of(key: str) -> str:
+    """The field a source key or an alias names (`zt_hf_token` -> `hf_token`)."""
+    for name, field in Settings.model_fields.items():
+        alias = field.validation_alias
+        choices = alias.choices if isinstance(alias, AliasChoices) else [alias]
+        if key == name or key.lower() in {c.lower() for c in choices if isinstance(c, str)}:
+            return name
+    return key
+
+
+def _is_secret(name: str) -> bool:
+    field = Settings.model_fields.get(name)
+    return field is not None and field.annotation == SecretStr | None
+
+
+def reading_environ() -> Mapping[str, str]:
+    """The environment settings are being read from (see `load_settings`)."""
+    environ = _ENVIRON.get()
+    return os.environ if environ is None else environ
+
+
+class MappingEnvSource(EnvSettingsSource):
+    """pydantic-settings' env source, reading `reading_environ()` instead of os.environ."""
+
+    def _load_env_vars(self) -> Mapping[str, str | None]:
+        return parse_env_vars(
+            reading_environ(), self.case_sensitive, self.env_ignore_empty, self.env_parse_none_str
+        )
+
+
+def _path_from_env(name: str, default: Path) -> Path:
+    return Path(reading_environ().get(env_name(name)) or default)
+
+
+@contextlib.contextmanager
+def file_errors(setting: str, path: Path) -> Iterator[None]:
+    """A path the OS refuses (a name too long, a symlink loop, an I/O error, a NUL byte) as
+    one clear line: `files.read_text` names only the common cases."""
+    if "\x00" in str(path):
+        raise ConfigError(f"{setting}: the path contains a NUL byte")
+    try:
+        yield
+    except OSError as exc:
+        raise ConfigError(f"{setting}={path}: cannot read it: {exc.strerror or exc}") from None
+
+
+class ConfigFileSource(PydanticBaseSettingsSource):
+    """The mounted config file. Keys are field names (`max_steps`) or env names."""
+
+    def __call__(self) -> dict[str, Any]:
+        path = _path_from_env("config_file", DEFAULT_CONFIG_FILE)
+        setting = env_name("config_file")
+        with file_errors(setting, path):
+            exists = path.exists()
+        if not exists:
+            if setting in reading_environ():
+                raise ConfigError(f"{setting}={path}: no such file")
+            return {}
+        with file_errors(setting, path):
+            data = load_mapping(path, setting=setting)
+        known = set(self.settings_cls.model_fields) | {"hf_token"}
+        out: dict[str, Any] = {}
+        for key, value in data.items():
+            if not isinstance(key, str):
+                raise ConfigError(f"{path}: setting names must be text, got {key!r}")
+            name = key.lower().removeprefix(ENV_PREFIX.lower())
+            if name not in known:
+                hint = did_you_mean(name, known)
+                raise ConfigError(f"{path}: unknown setting '{key}'{hint}")
+            out[source_key(name)] = value
+        return out
+
+    def get_field_value(self, field: Any, field_name: str) -> tuple[Any, str, bool]:
+        raise NotImplementedError  # __call__ reads the whole file at once
+
+
+class SecretsDirSource(PydanticBaseSettingsSource):
+    """Secret files as Docker and Kubernetes mount them: `/run/secrets/hf_token`.
+
+    Only fields declared as secrets are read, so a stray file there cannot change a setting.
+    """
+
+    def __call__(self) -> dict[str, Any]:
+        folder = _path_from_env("secrets_dir", DEFAULT_SECRETS_DIR)
+        out: dict[str, Any] = {}
+        for name, field in self.settings_cls.model_fields.items():
+            if field.annotation != SecretStr | None:
+                continue
+            for candidate in (name, name.upper(), env_name(name), env_name(name).lower()):
+                path = folder / candidate
+                with file_errors(env_name("secrets_dir"), path):
+                    if not path.is_file():
+                        continue
+                    # the shared reader: size-capped, and its errors never show the content
+                    text = read_text(path, setting=env_name("secrets_dir"))
+                    out[source_key(name)] = text.strip()
+                break
+        return out
+
+    def get_field_value(self, field: Any, field_name: str) -> tuple[Any, str, bool]:
+        raise NotImplementedError
+
+
+def did_you_mean(name: str, known: set[str] | list[str]) -> str:
+    match = difflib.get_close_matches(name, sorted(known), n=1, cutoff=0.6)
+    return f" (did you mean '{match[0]}'?)" if match else ""
+
+
+def unknown_env_names(environ: dict[str, str] | None = None) -> list[tuple[str, str, bool]]:
+    """`ZT_*` variables that name no setting: (name, hint, looks_like_a_typo).
+
+    pydantic-settings ignores them silently. A near miss of a real name is a typo (an error);
+    anything else (e.g. Kubernetes' `ZT_SERVICE_HOST` for a Service called `zt`) is a warning.
+    """
+    environ = reading_environ() if environ is None else environ
+    known = {env_name(n) for n in Settings.model_fields} | {"ZT_HF_TOKEN"}
+    found = []
+    for key in sorted(environ):
+        upper = key.upper()
+        if not upper.startswith(ENV_PREFIX) or upper in known:
+            continue
+        close = difflib.get_close_matches(upper, sorted(known), n=1, cutoff=0.85)
+        hint = did_you_mean(upper, known)
+        found.append((key, hint, bool(close)))
+    return found
+
+
+def format_validation_error(error: ValidationError) -> list[str]:
+    """One line per setting, naming the env variable, the value and what is valid.
+
+    A union (`auto` or 0-3) fails once per member: those are merged into one line.
+    """
+    by_field: dict[str, tuple[Any, list[str]]] = {}
+    for item in error.errors():
+        loc = [str(p) for p in item.get("loc", ()) if not isinstance(p, int)]
+        field = field_of(loc[0]) if loc else "?"
+        if item.get("type") == "extra_forbidden":
+            hint = did_you_mean(field, Settings.model_fields)
+            by_field[field] = (None, [f"unknown setting{hint}"])
+            continue
+        msg = item.get("msg", "invalid").removeprefix("Input should be ")
+        value, msgs = by_field.setdefault(field, (item.get("input"), []))
+        if msg not in msgs:
+            msgs.append(msg)
+    lines = []
+    for field, (value, msgs) in by_field.items():
+        name = env_name(field) if field in Settings.model_fields else field
+        if msgs and msgs[0].startswith("unknown setting"):
+            lines.append(f"'{field}': {msgs[0]}")
+            continue
+        shown = "***" if _is_secret(field) else short_repr(value)
+        lines.append(f"{name}={shown}: expected {' or '.join(msgs)}")
+    return lines
+
+
+def load_settings(environ: Mapping[str, str] | None = None, **overrides: Any) -> Settings:
+    """Read every source; raise ConfigError with one line per problem. `environ`: the
+    variables to read instead of the process's (its config file and secrets folder too)."""
+    token = _ENVIRON.set(environ)
+    try:
+        return Settings(**overrides)
+    except ValidationError as exc:
+        raise ConfigError("invalid settings", problems=format_validation_error(exc)) from None
+    finally:
+        _ENVIRON.reset(token)
+
+
+def explicit_fields(settings: Settings) -> set[str]:
+    """Fields the user set in any source (not defaults): these override raw DeepSpeed/accelerate."""
+    return set(settings.model_fields_set)
+
+
+def masked_dump(settings: Settings) -> dict[str, Any]:
+    """The settings as JSON-able data with secrets masked, for logs and run records."""
+    data = settings.model_dump(mode="json")
+    for name, field in Settings.model_fields.items():
+        if field.annotation == SecretStr | None and data.get(name) is not None:
+            data[name] = "***"
+    return data

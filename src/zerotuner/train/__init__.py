@@ -1,0 +1,1 @@
+"""The rank side: loading, caching, the loop, samples, stopping."""

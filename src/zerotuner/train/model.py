@@ -1,0 +1,175 @@
+"""Loading a diffusers pipeline's parts.
+
+The denoiser (a UNet, or a transformer) is trained. The VAE and text encoders are frozen:
+they encode the dataset once (see cache.py) and are then dropped. What distinguishes the
+families lives in one module per family (families/), so the training loop has no family
+flags. This module knows nothing about distribution: deepspeed.initialize is in worker.py.
+"""
+
+from __future__ import annotations
+
+import gc
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from zerotuner import families
+from zerotuner.errors import ConfigError
+from zerotuner.families import hub_cache_dir
+from zerotuner.weights import zero_init
+
+# A diffusers pipeline's own files only: hub repos also hold single-file checkpoints and fp16
+# variants (SDXL base: ~20 GB more) that diffusers does not read here.
+HUB_FILES = (
+    "model_index.json",
+    "*/*.json",
+    "*/*.txt",
+    "*/*.model",
+    "*/diffusion_pytorch_model.safetensors",
+    "*/diffusion_pytorch_model-*-of-*.safetensors",
+    "*/model.safetensors",
+    "*/model-*-of-*.safetensors",
+)
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "no": torch.float32}
+
+
+def train_dtype(mixed_precision: str) -> torch.dtype:
+    """The dtype DeepSpeed keeps the UNet in (bf16/fp16 enabled in its config, else fp32)."""
+    return DTYPES[mixed_precision]
+
+
+def resolve_model(
+    model: str, *, cache_dir: Path, token: str | None = None, revision: str | None = None
+) -> Path:
+    """A local folder as is; a hub id downloaded once into the HF cache (HF_HOME or cache_dir).
+
+    Call it on one rank per node first, then on the others after a barrier, so only one
+    process downloads.
+    """
+    local = Path(model).expanduser()
+    if local.is_dir():
+        return local.resolve()
+    if local.is_absolute() or model.startswith("."):
+        raise ConfigError(f"ZT_MODEL={model}: no such folder")
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        HFValidationError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+    )
+
+    try:
+        path = snapshot_download(
+            model, cache_dir=hub_cache_dir(cache_dir), token=token, revision=revision,
+            allow_patterns=list(HUB_FILES),
+        )  # fmt: skip
+    except (RepositoryNotFoundError, GatedRepoError, HFValidationError) as exc:
+        raise ConfigError(
+            f"ZT_MODEL={model}: not a hub repository this token can read "
+            f"({type(exc).__name__}); give a local pipeline folder or a hub id"
+        ) from None
+    except LocalEntryNotFoundError:
+        raise ConfigError(
+            f"ZT_MODEL={model}: not in the model cache and the hub is unreachable or "
+            "HF_HUB_OFFLINE is set"
+        ) from None
+    return Path(path)
+
+
+@dataclass
+class Components:
+    """The parts of a pipeline the trainer needs. Frozen parts are None once dropped."""
+
+    family: str
+    source: Path  # local folder of the base pipeline (export copies the frozen parts from it)
+    denoiser: Any  # the trained denoiser: the UNet, or a transformer family's transformer
+    scheduler: Any  # DDPMScheduler: adds noise, gives SNR and velocity targets
+    vae: Any = None
+    text_encoders: list[Any] = field(default_factory=list)
+    tokenizers: list[Any] = field(default_factory=list)
+
+    def drop_frozen(self) -> None:
+        """After caching, the VAE and text encoders leave the device and the host before the
+        engine starts: their memory goes back, not into PyTorch's or glibc's free lists."""
+        self.vae = None
+        self.text_encoders = []
+        self.tokenizers = []
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        zero_init.trim()
+
+
+def load_denoiser(
+    source: Path,
+    *,
+    gradient_checkpointing: bool,
+    family: str = "sdxl",
+    deepspeed_config: dict[str, Any] | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> Any:
+    """The trainable denoiser (the family's UNet or transformer). At ZeRO-3 (`deepspeed_config`
+    given, stage 3) it is built inside deepspeed.zero.Init, each rank holding its partition
+    only (zero_init.py); else whole in `dtype`: fp32 for full training (DeepSpeed makes its
+    masters from it), the run's 16-bit dtype for a LoRA base, which DeepSpeed would cast to it
+    anyway and which has no masters."""
+    kind = families.get(family)
+    if zero_init.wanted(deepspeed_config):
+        assert deepspeed_config is not None
+        denoiser = zero_init.build(
+            kind.denoiser_class(), source / kind.denoiser, deepspeed_config,
+            gradient_checkpointing=gradient_checkpointing,
+        )  # fmt: skip
+        if denoiser is not None:
+            return denoiser
+    denoiser = kind.denoiser_class().from_pretrained(source, subfolder=kind.denoiser, dtype=dtype)
+    if gradient_checkpointing:
+        denoiser.enable_gradient_checkpointing()
+    denoiser.train()
+    return denoiser
+
+
+def load_frozen(components: Components, *, device: torch.device, text_dtype: torch.dtype) -> None:
+    """VAE (fp32: the SDXL VAE overflows in fp16) and the family's text encoders, eval mode."""
+    from diffusers import AutoencoderKL
+
+    vae = AutoencoderKL.from_pretrained(components.source, subfolder="vae", dtype=torch.float32)
+    components.vae = vae.to(device).eval().requires_grad_(False)
+    family = families.get(components.family)
+    encoders, tokenizers = family.load_text(components.source, dtype=text_dtype)
+    components.text_encoders = [e.to(device).eval().requires_grad_(False) for e in encoders]
+    components.tokenizers = tokenizers
+
+
+def load_components(
+    source: Path,
+    family: str,
+    *,
+    gradient_checkpointing: bool,
+    with_frozen: bool = True,
+    deepspeed_config: dict[str, Any] | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> Components:
+    """`deepspeed_config`: the run's effective DeepSpeed config (None outside a training rank);
+    `dtype`: the denoiser's below ZeRO-3 (see load_denoiser)."""
+    kind = families.get(family)
+    scheduler = kind.scheduler_class().from_pretrained(source, subfolder="scheduler")
+    denoiser = load_denoiser(
+        source, gradient_checkpointing=gradient_checkpointing, family=family,
+        deepspeed_config=deepspeed_config, dtype=dtype,
+    )  # fmt: skip
+    components = Components(family=family, source=source, denoiser=denoiser, scheduler=scheduler)
+    if with_frozen:
+        load_frozen(components, device=torch.device("cpu"), text_dtype=torch.float32)
+    return components
+
+
+@torch.no_grad()
+def encode_images(vae: Any, pixels: torch.Tensor) -> torch.Tensor:
+    """Pixels in [-1, 1] -> scaled latents (the distribution's mean: deterministic, cacheable)."""
+    latents = vae.encode(pixels.to(vae.device, vae.dtype)).latent_dist.mean
+    shift = getattr(vae.config, "shift_factor", None) or 0.0
+    return ((latents - shift) * vae.config.scaling_factor).float().cpu()

@@ -1,0 +1,228 @@
+"""The files a LoRA run writes: the adapter in diffusers' and kohya's layouts, and on request a
+whole pipeline with the adapter fused into its UNet.
+
+Under ZeRO-3 every parameter, frozen ones included, is a shard on each rank: the adapter is
+gathered (fp32 masters) before it is written, and a file that would be empty or of the wrong
+shapes (what `state_dict()` of a partitioned model yields) is refused. A folder is built beside
+its destination and renamed into place, so a reader never sees half of one.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+from zerotuner import families
+from zerotuner.weights.lora import ADAPTER
+from zerotuner.weights.pipeline_folder import load_part, write_pipeline
+
+log = logging.getLogger(__name__)
+
+ADAPTER_FILE = "pytorch_lora_weights.safetensors"
+# Not ending in ADAPTER_FILE: diffusers' `load_lora_weights(folder)` still picks the one above.
+KOHYA_FILE = "pytorch_lora_weights_kohya.safetensors"
+MERGED = "merged"  # final/merged/: the base pipeline with the adapter fused into its UNet
+TEXT_PARTS = ("text_encoder", "text_encoder_2")
+PARTS = ("unet", *TEXT_PARTS)  # diffusers' names, the prefixes of its adapter files' keys
+
+
+def check_adapter(state: dict[str, torch.Tensor], expected: dict[str, tuple[int, ...]]) -> None:
+    """Refuse an adapter that is empty, partial or of the wrong shapes (a ZeRO-3 shard or
+    placeholder saved as if it were the weight): no file beats a silently broken one."""
+    if not state or not expected:
+        raise RuntimeError("refusing to write an empty LoRA adapter (no adapter weights)")
+    if state.keys() != expected.keys():
+        missing = sorted(expected.keys() - state.keys())
+        extra = sorted(state.keys() - expected.keys())
+        raise RuntimeError(
+            f"refusing to write a partial LoRA adapter: missing {missing[:3]}, unexpected "
+            f"{extra[:3]}"
+        )
+    wrong = [
+        f"{name} {tuple(t.shape)} (expected {expected[name]})"
+        for name, t in state.items()
+        if tuple(t.shape) != expected[name] or t.numel() == 0
+    ]
+    if wrong:
+        raise RuntimeError(
+            f"refusing to write a LoRA adapter with wrong shapes: {'; '.join(wrong[:3])}"
+        )
+
+
+def write_gathered(
+    module: torch.nn.Module,
+    *,
+    rank: int,
+    family: str,
+    expected: dict[str, tuple[int, ...]],
+    adapter_metadata: dict[str, Any],
+    out: Path,
+    text_metadata: dict[str, Any] | None = None,
+    merge_base: Path | None = None,
+    initial: dict[str, torch.Tensor] | None = None,
+) -> bool:
+    """The engine's adapter gathered from every rank and written by rank 0 into `out` (a
+    collective; a refusal fails every rank, not only rank 0). True on rank 0."""
+    from zerotuner.weights.checkpoint import on_rank0
+    from zerotuner.weights.ema import trainable_state_dict
+
+    state = trainable_state_dict(module, rank=rank)
+
+    def write() -> None:
+        assert state is not None
+        write_adapter(
+            family, state, expected, adapter_metadata, out, text_metadata=text_metadata,
+            merge_base=merge_base, initial=initial,
+        )  # fmt: skip
+
+    on_rank0(rank, write)
+    return rank == 0
+
+
+def peft_keys(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Module parameter names to peft's saved names: the adapter name leaves the key
+    (`...to_q.lora_A.default.weight` -> `...to_q.lora_A.weight`)."""
+    return {name.replace(f".{ADAPTER}.", "."): t for name, t in state.items()}
+
+
+def by_part(
+    state: dict[str, torch.Tensor], denoiser: str = "unet"
+) -> dict[str, dict[str, torch.Tensor]]:
+    """The adapter's tensors per pipeline part, prefix dropped: a run without text encoder
+    adapters trains the bare `denoiser` (the UNet, or a transformer family's `transformer`:
+    names without a prefix); with them every name starts with its part (`unet.`,
+    `text_encoder.`, `text_encoder_2.`: lora_text.TextAndUNet)."""
+    parts: dict[str, dict[str, torch.Tensor]] = {}
+    for name, tensor in state.items():
+        part, _, rest = name.partition(".")
+        if part not in PARTS:
+            part, rest = denoiser, name
+        parts.setdefault(part, {})[rest] = tensor
+    return parts
+
+
+def kohya(
+    parts: dict[str, dict[str, torch.Tensor]], adapter: dict[str, Any]
+) -> dict[str, torch.Tensor]:
+    """The adapter in the kohya key format that ComfyUI, A1111 and diffusers read
+    (`lora_unet_<module>.lora_down.weight`, `.lora_up.weight`, `.alpha`; `lora_te1_` /
+    `lora_te2_` for the text encoders), from peft keys per part and the adapter's LoraConfig
+    (`adapter`, as `metadata` gives it; the text encoders' share its rank and alpha). kohya's
+    scale is always alpha / rank: diffusers' converter writes every `.alpha` as the rank, so the
+    true alpha is put back (rsLoRA's scale alpha / sqrt(rank) as the alpha alpha * sqrt(rank))."""
+    from diffusers.utils import convert_state_dict_to_kohya
+
+    converted = convert_state_dict_to_kohya(
+        {f"{part}.{k}": v for part, layers in parts.items() for k, v in layers.items()}
+    )
+    rank = adapter["r"]
+    alpha = adapter["lora_alpha"] * (math.sqrt(rank) if adapter.get("use_rslora") else 1.0)
+    for key in converted:
+        if key.endswith(".alpha"):
+            converted[key] = torch.tensor(float(alpha))
+    return {k: v.contiguous() for k, v in converted.items()}
+
+
+def write_adapter(
+    family: str,
+    state: dict[str, torch.Tensor],
+    expected: dict[str, tuple[int, ...]],
+    adapter_metadata: dict[str, Any],
+    out: Path,
+    *,
+    text_metadata: dict[str, Any] | None = None,
+    merge_base: Path | None = None,
+    initial: dict[str, torch.Tensor] | None = None,
+) -> Path:
+    """`out/pytorch_lora_weights.safetensors` (diffusers layout, metadata included) and its
+    kohya copy, built in a folder beside `out` and renamed into place; refused when the adapter
+    is not whole. `text_metadata`: the text encoders' LoraConfig when they trained. With
+    `merge_base`, also `out/merged/`: that pipeline with the adapter fused. `initial`: a PiSSA /
+    OLoRA adapter's starting weights (see plain_lora)."""
+    check_adapter(state, expected)
+    if initial is not None:
+        state, adapter_metadata = plain_lora(state, initial, adapter_metadata)
+    # peft's key names, as diffusers' newer LoRA examples save them: its older `lora.down` /
+    # `lora.up` names exist only for attention layers, and a file mixing both with conv or
+    # feed-forward targets loads without those layers
+    kind = families.get(family)
+    parts = by_part(peft_keys(state), kind.denoiser)
+    meta = {kind.denoiser: adapter_metadata} | {part: text_metadata for part in TEXT_PARTS}
+    out = Path(out)
+    tmp = out.with_name(f".{out.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    kind.pipeline_class().save_lora_weights(
+        tmp,
+        weight_name=ADAPTER_FILE,
+        **{f"{part}_lora_layers": {k: v.contiguous() for k, v in layers.items()}
+           for part, layers in parts.items()},
+        **{f"{part}_lora_adapter_metadata": meta[part] for part in parts},
+    )  # fmt: skip
+    # DoRA has no kohya file: its readers disagree on `dora_scale` (diffusers drops it,
+    # ComfyUI divides by the base weight's norm, not the adapted one's): a wrong image is worse.
+    # Neither has a transformer's: diffusers' converter knows the UNet's kohya names only.
+    if adapter_metadata and not adapter_metadata.get("use_dora") and kind.denoiser == "unet":
+        save_file(kohya(parts, adapter_metadata), str(tmp / KOHYA_FILE))
+    if merge_base is not None:
+        merged = {
+            part: merged_state(merge_base, part, layers, meta[part])
+            for part, layers in by_part(state, kind.denoiser).items()
+        }
+        unet = merged.pop(kind.denoiser)
+        write_pipeline(merge_base, unet, tmp / MERGED, text_states=merged)
+    if out.exists():
+        shutil.rmtree(out)
+    tmp.rename(out)
+    return out
+
+
+def plain_lora(
+    state: dict[str, torch.Tensor], initial: dict[str, torch.Tensor], adapter: dict[str, Any]
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """A PiSSA / OLoRA adapter as the plain LoRA that turns the published base into the trained
+    model. Such an adapter starts at (A0, B0) taken from the base weights, which keep
+    W - s B0 A0; trained to (A, B) the model is W + s (B A - B0 A0) = W + s [B, -B0] [A; A0]: a
+    LoRA of rank 2r with the same scale s (peft's own conversion for save_pretrained), so its
+    alpha doubles (rsLoRA's s = alpha / sqrt(r): times sqrt 2)."""
+    out = {k: v for k, v in state.items() if ".lora_A." not in k and ".lora_B." not in k}
+    for key, a in state.items():
+        if ".lora_A." in key:
+            b = key.replace(".lora_A.", ".lora_B.")
+            out[key] = torch.cat([a, initial[key].to(a.dtype)], dim=0)
+            out[b] = torch.cat([state[b], -initial[b].to(state[b].dtype)], dim=1)
+    grow = math.sqrt(2) if adapter.get("use_rslora") else 2.0
+    return out, adapter | {
+        "r": 2 * adapter["r"], "lora_alpha": adapter["lora_alpha"] * grow,
+        "init_lora_weights": True,
+    }  # fmt: skip
+
+
+def merged_state(
+    base: Path, part: str, state: dict[str, torch.Tensor], adapter_metadata: dict[str, Any]
+) -> dict[str, torch.Tensor]:
+    """The base pipeline's `part` (fp32) with its adapter (module names, no prefix) fused into
+    its weights by peft's own merge (DoRA's magnitudes and rsLoRA's scale included), under the
+    base's parameter names."""
+    from peft import LoraConfig
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    module = load_part(base, part)
+    module.add_adapter(LoraConfig(**adapter_metadata), adapter_name=ADAPTER)
+    _, unexpected = module.load_state_dict(state, strict=False)
+    if unexpected:
+        raise RuntimeError(f"the adapter does not fit {base}/{part}: unexpected {unexpected[:3]}")
+    for layer in module.modules():
+        if isinstance(layer, BaseTunerLayer):
+            layer.merge(adapter_names=[ADAPTER])
+    return {
+        name.replace(".base_layer.", "."): tensor.detach()
+        for name, tensor in module.state_dict().items()
+        if ".lora_" not in name
+    }
