@@ -1,0 +1,1 @@
+"""The tiny demo pipelines and dataset behind `make run` and the tests."""
