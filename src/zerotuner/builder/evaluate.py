@@ -13,13 +13,13 @@ secrets folder, so a hub id is judged from the local cache or by its name.
 
 from __future__ import annotations
 
-import argparse
 import os
 import re
 from pathlib import Path
 from typing import Any
 
 from zerotuner.builder.form import DEEPSPEED, compose
+from zerotuner.commands.what_if import WhatIf
 from zerotuner.errors import ConfigError, ZeroTunerError
 
 # Where this machine keeps the hub cache: the server's own, unless the form says.
@@ -43,26 +43,22 @@ def form_environ(env: dict[str, str]) -> dict[str, str]:
     }
 
 
-def what_if_args(hardware: dict[str, str]) -> argparse.Namespace:
-    """The Namespace `config --explain` and `plan --json` get from the same flags."""
+def what_if(hardware: dict[str, str]) -> WhatIf:
+    """The machine the form's hardware fields describe, as `config` and `plan` take it from
+    their flags."""
     gpus = hardware.get("gpus")
     if gpus is not None and not re.fullmatch(r"\d+", gpus):
         raise ConfigError(f"--gpus={gpus}: expected a whole number (0 = CPU accelerator)")
     bf16 = hardware.get("bf16")
     if bf16 not in (None, "true", "false"):
         raise ConfigError(f"--bf16={bf16}: expected true or false")
-    return argparse.Namespace(
+    return WhatIf(
         gpus=int(gpus) if gpus is not None else None,
         gpu_memory=hardware.get("gpu_memory"),
         host_memory=hardware.get("host_memory"),
         offload_disk=hardware.get("offload_disk"),
         nodes=None,  # the form sets ZT_NNODES, which --nodes stands for
         bf16=None if bf16 is None else bf16 == "true",
-        explain=True,
-        json=True,
-        model_family=None,
-        resolution=None,
-        train_batch_size=None,
     )
 
 
@@ -74,7 +70,7 @@ def evaluate(form: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {"settings": {}, "notes": [], "errors": [], "plan": None}
     try:
         composed = compose(form)
-        args = what_if_args(composed.hardware)
+        what = what_if(composed.hardware)
     except ConfigError as error:
         return out | {"exit_code": error.exit_code, "errors": _located(error.problems)}
     out["settings"] = composed.env
@@ -82,7 +78,7 @@ def evaluate(form: dict[str, Any]) -> dict[str, Any]:
     out["notes"] = [{"level": "info", "message": n} for n in composed.notes]
     environ = form_environ(composed.env)
     try:
-        result, described = config_command.evaluate(args, environ)
+        result, described = config_command.evaluate(what, environ)
         out["config"] = result.normalized.config
         out["described"] = described
         out["notes"] += [{"level": n.level, "message": n.message} for n in result.notes]
@@ -91,7 +87,7 @@ def evaluate(form: dict[str, Any]) -> dict[str, Any]:
         out |= {"config": None, "exit_code": error.exit_code}
         out["errors"] = _located(error.problems)
     try:
-        plan, hardware = plan_command.build_plan(args, environ)
+        plan, hardware = plan_command.build_plan(what, environ=environ)
         out["plan"] = plan_command.plan_json(plan, hardware)
         out["plan_exit_code"] = 0
     except ZeroTunerError as error:

@@ -35,11 +35,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def evaluate(
-    args: argparse.Namespace, environ: Mapping[str, str] | None = None
+    what: what_if.WhatIf, environ: Mapping[str, str] | None = None
 ) -> tuple[Preflight, str | None]:
     """What `config` prints, computed (the builder page calls it too, with the form's variables
     as `environ`): the preflight, and the described hardware in words (None when this machine
     was probed)."""
+    args = what
     from zerotuner.machine.hardware import describe_hardware
     from zerotuner.preflight.steps import preflight  # torch, through lora: not for --help
 
@@ -61,7 +62,7 @@ def evaluate(
 
 
 def run(args: argparse.Namespace) -> int:
-    result, described = evaluate(args)
+    result, described = evaluate(what_if.WhatIf.from_args(args))
     if described is not None:
         print(f"zerotuner: for described hardware: {described}", file=sys.stderr)
     shown = {"change", "warning"} | ({"info"} if args.explain else set())

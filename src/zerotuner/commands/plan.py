@@ -28,31 +28,36 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def build_plan(
-    args: argparse.Namespace, environ: Mapping[str, str] | None = None
+    what: what_if.WhatIf,
+    *,
+    model_family: str | None = None,
+    resolution: int | None = None,
+    train_batch_size: int | None = None,
+    environ: Mapping[str, str] | None = None,
 ) -> tuple[Plan, Hardware]:
     """What `plan` prints, computed (the builder page calls it too, with the form's variables
-    as `environ`)."""
+    as `environ`). `model_family`, `resolution`, `train_batch_size`: the what-if job."""
     from zerotuner.families import model_shape
     from zerotuner.preflight.steps import resolve_model
     from zerotuner.settings.effective import effective_settings
 
-    overrides: dict[str, Any] = what_if.settings_overrides(args)
-    if args.model_family:
-        overrides["model_family"] = args.model_family
-    if args.resolution:
-        overrides["resolution"] = args.resolution
-    if args.train_batch_size:
-        overrides["train_batch_size"] = args.train_batch_size
+    overrides: dict[str, Any] = what_if.settings_overrides(what)
+    if model_family:
+        overrides["model_family"] = model_family
+    if resolution:
+        overrides["resolution"] = resolution
+    if train_batch_size:
+        overrides["train_batch_size"] = train_batch_size
     effective = effective_settings(environ, **overrides)
     settings, inputs = effective.settings, effective.inputs
     model_dir = None
-    if args.model_family:  # what-if: the family's built-in config, whatever ZT_MODEL holds
-        shape = model_shape(args.model_family)
+    if model_family:  # what-if: the family's built-in config, whatever ZT_MODEL holds
+        shape = model_shape(model_family)
     else:
         source = resolve_model(settings, offline=effective.hub_offline)
         shape = model_shape(source.family, source.local_dir)  # type: ignore[arg-type]
         model_dir = source.local_dir
-    hardware = what_if.hardware_for(args, settings, ops=True)
+    hardware = what_if.hardware_for(what, settings, ops=True)
     topology = what_if.topology_for(settings, hardware, environ)
     from zerotuner.preflight.steps import plan_for  # torch, through lora: not for --help
 
@@ -63,7 +68,7 @@ def build_plan(
         base=inputs.deepspeed,
         world_size=topology.world_size,
         ranks_per_node=topology.nproc_per_node,
-        offload_disk_free=what_if.offload_disk_free(args, settings),
+        offload_disk_free=what_if.offload_disk_free(what, settings),
         model_dir=model_dir,
     )
     return plan, hardware
@@ -147,7 +152,10 @@ def plan_json(plan: Plan, hardware: Hardware) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> int:
-    plan, hardware = build_plan(args)
+    plan, hardware = build_plan(
+        what_if.WhatIf.from_args(args), model_family=args.model_family,
+        resolution=args.resolution, train_batch_size=args.train_batch_size,
+    )  # fmt: skip
     if args.json:
         print(json.dumps(plan_json(plan, hardware), indent=2))
     else:

@@ -12,6 +12,7 @@ import argparse
 import os
 import re
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -48,15 +49,33 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def settings_overrides(args: argparse.Namespace) -> dict[str, Any]:
+@dataclass(frozen=True)
+class WhatIf:
+    """The machine the what-if flags describe; all None: probe this one. The CLI reads it from
+    its flags (`from_args`), the builder from its form's hardware fields."""
+
+    gpus: int | None = None
+    gpu_memory: str | None = None
+    host_memory: str | None = None
+    nodes: int | None = None
+    offload_disk: str | None = None
+    bf16: bool | None = None
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> WhatIf:
+        return cls(args.gpus, args.gpu_memory, args.host_memory, args.nodes, args.offload_disk,
+                   args.bf16)  # fmt: skip
+
+
+def settings_overrides(args: WhatIf) -> dict[str, Any]:
     return {"nnodes": args.nodes} if args.nodes else {}
 
 
-def is_described(args: argparse.Namespace) -> bool:
+def is_described(args: WhatIf) -> bool:
     return any(v is not None for v in (args.gpus, args.gpu_memory, args.host_memory))
 
 
-def described_hardware(args: argparse.Namespace, device_setting: str) -> Hardware | None:
+def described_hardware(args: WhatIf, device_setting: str) -> Hardware | None:
     """The machine the flags describe; None when they describe none (probe this one)."""
     if not is_described(args):
         return None
@@ -79,7 +98,7 @@ def described_hardware(args: argparse.Namespace, device_setting: str) -> Hardwar
     return Hardware("cuda", cards, host_memory=host, cpu_count=os.cpu_count() or 1)
 
 
-def hardware_for(args: argparse.Namespace, settings: Settings, *, ops: bool = True) -> Hardware:
+def hardware_for(args: WhatIf, settings: Settings, *, ops: bool = True) -> Hardware:
     """The described machine, else this one probed (ROCm and MPS refused, exit 3)."""
     from zerotuner.machine.hardware import require_supported
     from zerotuner.machine.probe import probe
@@ -101,9 +120,9 @@ def topology_for(
     )
 
 
-def offload_disk_free(args: argparse.Namespace, settings: Settings) -> int | None:
+def offload_disk_free(args: WhatIf, settings: Settings) -> int | None:
     """--offload-disk, else (probing) the free space at ZT_OFFLOAD_DIR, else unknown."""
-    if getattr(args, "offload_disk", None):
+    if args.offload_disk:
         return parse_size(args.offload_disk, "--offload-disk")
     if is_described(args):
         return None
