@@ -1,5 +1,5 @@
 # syntax=docker/dockerfile:1
-# zerotuner: DeepSpeed fine-tuning appliance for SDXL / SD 1.x / SD 2.x.
+# zerotuner: DeepSpeed fine-tuning appliance for diffusion models (SD 1.x/2.x, SDXL, SD3, Flux.1).
 #   docker build -t zerotuner:latest .        (or `make image`)
 #   docker run --gpus all --shm-size 16g --ulimit memlock=-1 -p 9464:9464 \
 #     -v "$PWD/data:/data:ro" -v "$PWD/output:/output" zerotuner:latest
@@ -186,6 +186,6 @@ CMD ["train"]
 # The default image (last stage): runs as uid 1000 from the first instruction.
 FROM runtime-base AS runtime
 USER 1000
-# tini as PID 1; the entrypoint execs the zerotuner CLI, which maps failures to exit 0/1/2/3/143.
+# tini as PID 1; the entrypoint execs the zerotuner CLI, which maps failures to exit 0/1/2/3/4/143.
 ENTRYPOINT ["tini", "--", "/app/entrypoint"]
 CMD ["train"]
