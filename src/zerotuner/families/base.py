@@ -17,7 +17,14 @@ import torch
 
 if TYPE_CHECKING:
     from zerotuner.settings.schema import Settings
-    from zerotuner.train.model import Components
+
+
+class TextParts(Protocol):
+    """What a family encodes captions with (train.model.Components has them): the family
+    layer reads these two and knows nothing of the rank side that loads them."""
+
+    text_encoders: list[Any]
+    tokenizers: list[Any]
 
 
 class Objective(Protocol):
@@ -104,7 +111,7 @@ class ModelFamily:
         return {"prompt_embeds": encoder(ids[0]).last_hidden_state}
 
     @torch.no_grad()
-    def encode_text(self, components: Components, captions: list[str]) -> dict[str, torch.Tensor]:
+    def encode_text(self, components: TextParts, captions: list[str]) -> dict[str, torch.Tensor]:
         """`embed` once per caption at caching time: per-example tensors on the CPU."""
         encoders = components.text_encoders
         ids = self.tokens(components.tokenizers, captions).to(encoders[0].device)
