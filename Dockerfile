@@ -17,31 +17,47 @@
 #
 # For byte-for-byte reproducible builds pin the digests, e.g.
 #   docker buildx imagetools inspect nvidia/cuda:13.0.1-devel-ubuntu24.04
-# and append @sha256:... to the two FROM lines (digests are not invented here: verify them).
+# and append @sha256:... to BUILD_BASE and RUNTIME_BASE (digests are not invented here: verify them).
+#
+# Offline or air-gapped builds (docs/deploy.md "Building the image offline"): wheels downloaded
+# into wheelhouse/ beside this file are bind-mounted, never copied into a layer, and installed
+# with --build-arg PIP_NO_INDEX=1 --build-arg PIP_FIND_LINKS=/wheelhouse. A CPU stand-in for
+# the two CUDA bases (ACCELERATOR=cpu, BUILD_BASE/RUNTIME_BASE a local Debian image,
+# PYTHON_VERSION its Python) builds everything else in this file without nvcc or a driver:
+# `make test-image` builds and runs it (tests/image/run.sh).
 ARG CUDA_VERSION=13.0.1
 ARG UBUNTU_VERSION=ubuntu24.04
+ARG BUILD_BASE=nvidia/cuda:${CUDA_VERSION}-devel-${UBUNTU_VERSION}
+ARG RUNTIME_BASE=nvidia/cuda:${CUDA_VERSION}-runtime-${UBUNTU_VERSION}
+ARG PYTHON_VERSION=3.12
+# cuda: DeepSpeed's CUDA ops prebuilt with nvcc, the driver floor set for NVIDIA's runtime.
+# cpu: the stand-in; neither (no nvcc, no driver), DeepSpeed's CPU ops built for the CPU instead.
+ARG ACCELERATOR=cuda
 
 # ---------------------------------------------------------------------------------------------
 # Build stage: a CUDA *devel* image (has nvcc) compiles DeepSpeed's ops ahead of time, because
 # the runtime image has no nvcc and a JIT build there would fail at the first optimizer step.
-FROM nvidia/cuda:${CUDA_VERSION}-devel-${UBUNTU_VERSION} AS build
+FROM ${BUILD_BASE} AS build
 
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 ARG DEBIAN_FRONTEND=noninteractive
+ARG PYTHON_VERSION
+ARG ACCELERATOR
 
 # Ubuntu's package versions move with security updates and old ones leave the archive, so
 # pinning them would break the build within weeks; the base tag pins the release instead.
 # hadolint ignore=DL3008
 RUN apt-get update \
     && apt-get install -y --no-install-recommends \
-        python3.12 python3.12-dev python3.12-venv build-essential libaio-dev \
+        "python${PYTHON_VERSION}" "python${PYTHON_VERSION}-dev" "python${PYTHON_VERSION}-venv" \
+        build-essential libaio-dev \
     && rm -rf /var/lib/apt/lists/*
 
 ENV VIRTUAL_ENV=/opt/venv \
     PATH=/opt/venv/bin:$PATH \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PIP_NO_CACHE_DIR=1
-RUN python3.12 -m venv "$VIRTUAL_ENV"
+RUN "python${PYTHON_VERSION}" -m venv "$VIRTUAL_ENV"
 
 WORKDIR /src
 # The same dependency file `make setup` installs: one source of truth for versions.
@@ -53,12 +69,18 @@ COPY requirements.txt ./
 # is searched beside PyPI, where pip prefers its build (2.13.0+cu128 sorts above 2.13.0), and the
 # check after it fails the build when they still differ. The later `pip install -r` keeps it:
 # ==2.13.0 accepts 2.13.0+cu128. At run time zerotuner reads torch.version.cuda for the floor.
+# The CPU stand-in's torch is a CPU build: no CUDA to compare.
+# PIP_NO_INDEX / PIP_FIND_LINKS: unset by default; offline builds set them (top of this file).
 ARG CUDA_VERSION
 ARG TORCH_INDEX=https://download.pytorch.org/whl
-RUN grep -E '^(torch|ninja)==' requirements.txt > /tmp/build-requirements.txt \
+ARG PIP_NO_INDEX
+ARG PIP_FIND_LINKS
+RUN --mount=type=bind,source=wheelhouse,target=/wheelhouse \
+    grep -E '^(torch|ninja)==' requirements.txt > /tmp/build-requirements.txt \
     && cuda="${CUDA_VERSION%.*}" \
     && pip install --extra-index-url "${TORCH_INDEX}/cu${cuda%.*}${cuda#*.}" \
         -r /tmp/build-requirements.txt setuptools==84.2.1 \
+    && if [ "${ACCELERATOR:-cuda}" = cpu ]; then exit 0; fi \
     && python -c 'import sys, torch; built = torch.version.cuda; \
 sys.exit(None if built == sys.argv[1] else f"torch {torch.__version__} is built for CUDA {built}, the base image has {sys.argv[1]}")' "$cuda"
 
@@ -74,8 +96,14 @@ sys.exit(None if built == sys.argv[1] else f"torch {torch.__version__} is built 
 # DS_ACCELERATOR=cuda: without a visible GPU DeepSpeed would pick its CPU accelerator and build
 # the wrong op set.
 ARG TORCH_CUDA_ARCH_LIST="7.5;8.0;8.6;8.9;9.0;10.0;12.0+PTX"
+# The CPU stand-in installs the same requirements without them (it has no nvcc).
 ARG MAX_JOBS=4
-RUN DS_ACCELERATOR=cuda DS_BUILD_OPS=0 DS_ENABLE_NINJA=1 \
+RUN --mount=type=bind,source=wheelhouse,target=/wheelhouse \
+    if [ "${ACCELERATOR:-cuda}" = cpu ]; then \
+        pip install --no-build-isolation -r requirements.txt || exit 1; \
+        exit 0; \
+    fi \
+    && DS_ACCELERATOR=cuda DS_BUILD_OPS=0 DS_ENABLE_NINJA=1 \
     DS_BUILD_CPU_ADAM=1 DS_BUILD_AIO=1 DS_BUILD_FUSED_ADAM=1 \
     TORCH_CUDA_ARCH_LIST="$TORCH_CUDA_ARCH_LIST" MAX_JOBS="$MAX_JOBS" \
     pip install --no-build-isolation -r requirements.txt \
@@ -88,6 +116,17 @@ missing = [op for op in ('cpu_adam', 'async_io', 'fused_adam') if not info['inst
 assert info['accelerator_name'] == 'cuda' and not missing, (info['accelerator_name'], missing); \
 print('prebuilt DeepSpeed ops:', sorted(op for op, on in info['installed_ops'].items() if on))"
 
+# The CPU stand-in's ops instead (cpu_adam, async_io, shm comm, ...): DeepSpeed JIT-builds them
+# for its CPU accelerator, as `make setup` does, into the folder the runtime stage copies to its
+# TORCH_EXTENSIONS_DIR (same venv path, so they load without a rebuild). Before the package:
+# a change to src/ does not rebuild them. The CUDA build skips this.
+RUN --mount=type=bind,source=src/zerotuner/machine/ops.py,target=/tmp/ops.py \
+    if [ "${ACCELERATOR:-cuda}" = cpu ]; then \
+        DS_ACCELERATOR=cpu TORCH_EXTENSIONS_DIR=/cache/torch_extensions MAX_JOBS="$MAX_JOBS" \
+            python /tmp/ops.py \
+        && chmod -R g=u /cache; \
+    fi
+
 # The package itself, without dependencies: they came from requirements.txt above.
 COPY pyproject.toml README.md ./
 COPY src ./src
@@ -95,12 +134,12 @@ RUN pip install --no-deps --no-build-isolation .
 
 # ---------------------------------------------------------------------------------------------
 # Runtime stage: the matching CUDA *runtime* image (libcudart, no nvcc) plus the venv.
-FROM nvidia/cuda:${CUDA_VERSION}-runtime-${UBUNTU_VERSION} AS runtime-base
+FROM ${RUNTIME_BASE} AS runtime-common
 
 # OCI labels; pass the build facts: --build-arg REVISION=$(git rev-parse HEAD) \
 #   --build-arg CREATED=$(date -u +%Y-%m-%dT%H:%M:%SZ) --build-arg SOURCE=https://...
-ARG CUDA_VERSION
-ARG UBUNTU_VERSION
+ARG RUNTIME_BASE
+ARG PYTHON_VERSION
 ARG VERSION=0.1.0
 ARG REVISION=unknown
 ARG CREATED=unknown
@@ -111,19 +150,21 @@ LABEL org.opencontainers.image.title="zerotuner" \
       org.opencontainers.image.revision="${REVISION}" \
       org.opencontainers.image.created="${CREATED}" \
       org.opencontainers.image.source="${SOURCE}" \
-      org.opencontainers.image.base.name="nvidia/cuda:${CUDA_VERSION}-runtime-${UBUNTU_VERSION}"
+      org.opencontainers.image.base.name="${RUNTIME_BASE}"
 
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 ARG DEBIAN_FRONTEND=noninteractive
 
-# libaio1t64: the prebuilt async_io op (NVMe offload). tini: PID 1 that forwards SIGTERM and
-# reaps zombies. g++ / python3.12-dev / libaio-dev: Triton builds its launcher with the host
-# compiler, and on ZT_DEVICE=cpu DeepSpeed JIT-compiles its CPU ops (a few hundred MB on a
-# ~10 GB image). Versions unpinned for the reason given in the build stage.
+# libaio-dev brings libaio (libaio1t64 on Ubuntu 24.04, libaio1 on Debian 12): the prebuilt
+# async_io op (NVMe offload). tini: PID 1 that forwards SIGTERM and reaps zombies. g++ /
+# python3.X-dev / libaio-dev: Triton builds its launcher with the host compiler, and on
+# ZT_DEVICE=cpu DeepSpeed JIT-compiles its CPU ops (a few hundred MB on a ~10 GB image).
+# Versions unpinned for the reason given in the build stage.
 # hadolint ignore=DL3008
 RUN apt-get update \
     && apt-get install -y --no-install-recommends \
-        python3.12 python3.12-dev libaio1t64 libaio-dev g++ tini ca-certificates \
+        "python${PYTHON_VERSION}" "python${PYTHON_VERSION}-dev" libaio-dev g++ tini \
+        ca-certificates \
     && rm -rf /var/lib/apt/lists/*
 
 # A non-root user with uid 1000 (Ubuntu 24.04 images ship `ubuntu` with that uid: replace it).
@@ -150,6 +191,11 @@ ENV VIRTUAL_ENV=/opt/venv \
     NVIDIA_VISIBLE_DEVICES=all \
     NVIDIA_DRIVER_CAPABILITIES=compute,utility
 
+# The driver floor exists on a CUDA base only (the CPU stand-in has no NVIDIA_REQUIRE_CUDA to
+# rewrite, and the ${VAR%%...} forms need Dockerfile frontend 1.7, which an offline engine's
+# built-in frontend may predate); BuildKit skips the stage ACCELERATOR does not pick.
+FROM runtime-common AS runtime-cuda
+ARG CUDA_VERSION
 # NVIDIA's container runtime refuses to start the container on a driver that fails
 # NVIDIA_REQUIRE_CUDA (space-separated clauses are alternatives). The base image asks for its own
 # minor (cuda>=12.8); the wheels run on any driver of their major (minor-version compatibility),
@@ -163,6 +209,14 @@ RUN case "$NVIDIA_REQUIRE_CUDA" in "cuda>=${CUDA_VERSION%%.*}.0 "*) ;; \
         *) echo "unexpected NVIDIA_REQUIRE_CUDA=$NVIDIA_REQUIRE_CUDA" >&2; exit 1 ;; esac \
     && if [ "${CUDA_VERSION%%.*}" -lt 13 ]; then rm -rf /usr/local/cuda-*/compat; fi
 
+# The CPU stand-in: the CPU ops the build stage built, so no run JIT-compiles them (minutes).
+FROM runtime-common AS runtime-cpu
+COPY --from=build --chown=1000:0 /cache/torch_extensions /cache/torch_extensions
+
+# ---------------------------------------------------------------------------------------------
+# runtime-cuda or runtime-cpu above: a stage of this file, not an image to tag.
+# hadolint ignore=DL3006
+FROM runtime-${ACCELERATOR} AS runtime-base
 WORKDIR /app
 
 # /metrics, /healthz, /readyz (ZT_METRICS_PORT).

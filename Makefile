@@ -35,11 +35,14 @@ run: setup
 	$(BIN)/zerotuner demo $(DEMO_DIR)
 	$(DEMO_JOB) ZT_OUTPUT_DIR=$(DEMO_DIR)/output ./entrypoint train
 
-# The same demo, training a LoRA adapter (the settings `zerotuner demo` prints).
+# A LoRA adapter teaches the UNet `make run` trained a new concept (config/demo-lora.yaml): it
+# reuses demo/output/final when `make run` left one, and runs `make run` first otherwise.
 run-lora: setup
-	$(BIN)/zerotuner demo $(DEMO_DIR)
-	env $(DEMO_JOB) $$($(BIN)/python -c 'from zerotuner.commands.demo import LORA_SETTINGS; print(LORA_SETTINGS)') \
-	  ZT_OUTPUT_DIR=$(DEMO_DIR)/output-lora ./entrypoint train
+	test -f $(DEMO_DIR)/output/final/model_index.json || $(MAKE) run
+	$(BIN)/zerotuner demo $(DEMO_DIR) >/dev/null
+	ZT_DEVICE=cpu ZT_MODEL=$(DEMO_DIR)/output/final ZT_DATA_DIR=$(DEMO_DIR)/data-lora \
+	  ZT_CACHE_DIR=$(DEMO_DIR)/cache ZT_OFFLOAD_DIR=$(DEMO_DIR)/offload \
+	  ZT_CONFIG_FILE=config/demo-lora.yaml ZT_OUTPUT_DIR=$(DEMO_DIR)/output-lora ./entrypoint train
 
 test: setup
 	$(BIN)/pytest -q tests
@@ -59,6 +62,14 @@ docs: setup
 
 image:
 	docker build -t zerotuner:latest .
+
+# The image built for real against a local CPU stand-in for its CUDA bases, and run: docker
+# run, stop and resume, HEALTHCHECK, the commands, the RunPod target, compose with Prometheus
+# (tests/image/run.sh; docs/development.md "Image test"). Needs root; about 15 minutes the
+# first time, so not part of `make test`.
+.PHONY: test-image
+test-image: setup
+	bash tests/image/run.sh
 
 clean:
 	rm -rf $(DEMO_DIR) .pytest_cache

@@ -184,21 +184,33 @@ FLOW_HARDWARE = (("1 x 24 GB", 1, 24, 128), ("1 x 80 GB", 1, 80, 256), ("8 x 80 
 FLOW_MODELS = (("SD3.5 Large", "sd3"), ("FLUX.1-dev", "flux"))
 
 
-def flow_plan(family: str, gpus: int, gpu_gib: int, host_gib: int) -> dict[str, Any]:
-    """`zerotuner plan --json` for a flow family on what-if hardware."""
+def flow_plan(
+    family: str, gpus: int, gpu_gib: int, host_gib: int, training: str = "full"
+) -> dict[str, Any]:
+    """`zerotuner plan --json` for a flow family on what-if hardware (`training`: full, or
+    lora with the default adapter, as ZT_TRAINING_TYPE says)."""
     import contextlib
     import io
     import json
+    import os
 
     from zerotuner.cli import main
 
     out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        code = main([
-            "plan", "--model-family", family, "--resolution", "1024", "--train-batch-size", "1",
-            "--gpus", str(gpus), "--gpu-memory", f"{gpu_gib}GiB", "--host-memory",
-            f"{host_gib}GiB", "--offload-disk", "2TB", "--bf16", "--json",
-        ])  # fmt: skip
+    before = os.environ.get("ZT_TRAINING_TYPE")
+    os.environ["ZT_TRAINING_TYPE"] = training
+    try:
+        with contextlib.redirect_stdout(out):
+            code = main([
+                "plan", "--model-family", family, "--resolution", "1024", "--train-batch-size",
+                "1", "--gpus", str(gpus), "--gpu-memory", f"{gpu_gib}GiB", "--host-memory",
+                f"{host_gib}GiB", "--offload-disk", "2TB", "--bf16", "--json",
+            ])  # fmt: skip
+    finally:
+        if before is None:
+            del os.environ["ZT_TRAINING_TYPE"]
+        else:
+            os.environ["ZT_TRAINING_TYPE"] = before
     assert code == 0, out.getvalue()
     return json.loads(out.getvalue())
 
@@ -220,6 +232,37 @@ def flow_plans_markdown() -> str:
                 f"{row['device_bytes'] / GiB:.1f} | {row['host_bytes'] / GiB:.1f} "
                 f"({load / GiB:.1f}) | {row['disk_bytes'] / GiB:.1f} |"
             )
+    return "\n".join(rows) + "\n"
+
+
+# The newer families (issue 30) on the same hosts, full fine-tuning and LoRA (the default
+# adapter: rank 16 on the attention projections), with host memory per node in training and at
+# the load peak (the caching phase's text encoder counted in it).
+FAMILY_MODELS = (("Chroma1-HD", "chroma"), ("Z-Image-Turbo", "zimage"), ("Qwen-Image", "qwenimage"))
+
+
+def family_plans_markdown() -> str:
+    """docs/models.md's table of the planner's choices for the newer families."""
+    rows = [
+        "| model | GPUs (host RAM) | training | choice | device GiB | host GiB per node: "
+        "training (load peak) | disk GiB |",
+        "|---|---|---|---|---:|---:|---:|",
+    ]
+    for name, family in FAMILY_MODELS:
+        for label, gpus, gpu_gib, host_gib in FLOW_HARDWARE:
+            for training in ("full", "lora"):
+                plan = flow_plan(family, gpus, gpu_gib, host_gib, training)
+                c, load = plan["choice"], plan["load_peak"]["host_bytes"]
+                if c is None:  # nothing fits: the planner's first reason says why
+                    rows.append(f"| {name} | {label} ({host_gib} GiB) | {training} | nothing "
+                                f"fits: {plan['reasons'][0]} | | | |")  # fmt: skip
+                    continue
+                row = next(r for r in plan["rows"] if all(r[k] == v for k, v in c.items()))
+                rows.append(
+                    f"| {name} | {label} ({host_gib} GiB) | {training} | {row['label']} | "
+                    f"{row['device_bytes'] / GiB:.1f} | {row['host_bytes'] / GiB:.1f} "
+                    f"({load / GiB:.1f}) | {row['disk_bytes'] / GiB:.1f} |"
+                )
     return "\n".join(rows) + "\n"
 
 

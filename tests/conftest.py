@@ -69,6 +69,20 @@ def flow_demo_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return {family: _write(tmp_path_factory, family) for family in ("sd3", "flux")}
 
 
+@pytest.fixture(scope="session")
+def family_demo_dir(tmp_path_factory: pytest.TempPathFactory):
+    """`family_demo_dir(family)`: the demo of a newer family (chroma, zimage), written once per
+    session on first use (read-only)."""
+    written: dict[str, Path] = {}
+
+    def get(family: str) -> Path:
+        if family not in written:
+            written[family] = _write(tmp_path_factory, family)
+        return written[family]
+
+    return get
+
+
 @pytest.fixture
 def demo_job_env(monkeypatch, demo_dir, tmp_path):
     """The demo job on two CPU ranks for an in-process `zerotuner` command, every folder of its

@@ -79,6 +79,23 @@ def dockerfile_instructions() -> list[tuple[str, str]]:
     return [(line.split(None, 1)[0].upper(), line.split(None, 1)[1]) for line in lines]
 
 
+def shell_command(run_args: str) -> str:
+    """A RUN's shell command: its leading --mount flags (BuildKit's, not the shell's) dropped."""
+    return re.sub(r"^(?:--mount=\S+\s+)+", "", run_args)
+
+
+def dockerfile_default_arg(name: str) -> str:
+    """A global ARG's default with the ARGs before it expanded (${NAME} only)."""
+    values: dict[str, str] = {}
+    for instr, args in dockerfile_instructions():
+        if instr == "FROM":
+            break
+        if instr == "ARG" and "=" in args:
+            key, value = args.split("=", 1)
+            values[key] = re.sub(r"\$\{(\w+)\}", lambda m: values[m.group(1)], value)
+    return values[name]
+
+
 # --- Dockerfile ------------------------------------------------------------------------------
 
 
@@ -160,7 +177,12 @@ def test_dockerfile_prebuilds_the_deepspeed_ops_and_runs_as_uid_1000() -> None:
         assert flag in text
     assert "DS_ACCELERATOR=cuda" in text  # no GPU during the build: never guess
     froms = [a for i, a in dockerfile_instructions() if i == "FROM"]
-    assert "-devel-" in froms[0] and "-runtime-" in froms[1]
+    # The bases are build arguments (a CPU stand-in replaces them in `make test-image`); by
+    # default the build stage is CUDA's devel image (nvcc) and the runtime its runtime image.
+    assert froms[0] == "${BUILD_BASE} AS build" and froms[1].startswith("${RUNTIME_BASE} AS ")
+    assert dockerfile_default_arg("BUILD_BASE") == "nvidia/cuda:13.0.1-devel-ubuntu24.04"
+    assert dockerfile_default_arg("RUNTIME_BASE") == "nvidia/cuda:13.0.1-runtime-ubuntu24.04"
+    assert dockerfile_default_arg("ACCELERATOR") == "cuda"
     stages = re.findall(r"FROM \S+ AS (\S+)", text)
     assert stages[-1] == "runtime", "the default (last) stage must be the non-root image"
     last_stage = text.rsplit("FROM ", 1)[1]
@@ -271,7 +293,8 @@ def test_the_build_context_builds_the_package(tmp_path: Path) -> None:
     assert not (context / "tests").exists()
 
     grep = next(a for i, a in dockerfile_instructions() if i == "RUN" and "build-requirements" in a)
-    command = grep.split("&&")[0].replace("/tmp/build-requirements.txt", str(tmp_path / "b.txt"))
+    command = shell_command(grep).split("&&")[0]
+    command = command.replace("/tmp/build-requirements.txt", str(tmp_path / "b.txt"))
     assert run("bash", "-c", command, cwd=context).returncode == 0
     picked = (tmp_path / "b.txt").read_text().split()
     assert sorted(p.split("==")[0] for p in picked) == ["ninja", "torch"]

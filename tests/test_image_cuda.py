@@ -9,7 +9,7 @@ import shutil
 import sys
 
 import pytest
-from test_deploy import REPO, dockerfile_instructions, run
+from test_deploy import REPO, dockerfile_instructions, run, shell_command
 
 FAKE_TORCH = '__version__ = "2.13.0+cu{tag}"\nversion = type("version", (), {{"cuda": "{cuda}"}})\n'
 
@@ -28,8 +28,8 @@ def dockerfile_arg(name: str) -> str:
 def test_the_torch_wheel_follows_the_base_images_cuda(tmp_path, cuda_version, wheel_cuda, index):
     """The Dockerfile's torch install, run with pip and torch stood in: the index comes from
     CUDA_VERSION, and a wheel built for another CUDA fails the build with one line."""
-    command = next(
-        a for i, a in dockerfile_instructions() if i == "RUN" and "build-requirements" in a
+    command = shell_command(
+        next(a for i, a in dockerfile_instructions() if i == "RUN" and "build-requirements" in a)
     )
     bin_dir, site = tmp_path / "bin", tmp_path / "site" / "torch"
     bin_dir.mkdir()

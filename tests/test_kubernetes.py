@@ -20,7 +20,7 @@ from test_deploy import (
     run,
 )
 
-from zerotuner.errors import EXIT_CONFIG, EXIT_DIVERGED, EXIT_ENVIRONMENT
+from zerotuner.errors import EXIT_CONFIG, EXIT_DIVERGED, EXIT_ENVIRONMENT, EXIT_PEER_LOST
 
 
 @pytest.mark.parametrize("version", [K8S_OLDEST, K8S_VERSION])
@@ -63,8 +63,9 @@ def test_pytorchjob_has_what_the_training_operator_needs() -> None:
     replicas = job["spec"]["pytorchReplicaSpecs"]
     assert replicas["Master"]["replicas"] == 1 and replicas["Worker"]["replicas"] >= 1
     for spec in replicas.values():
-        # ExitCode: 1-127 permanent (our 2 and 3), 128-255 retried (our 143).
+        # ExitCode: 1-127 permanent (our 2, 3 and 4), 128-255 retried (our 143 and 200).
         assert spec["restartPolicy"] == "ExitCode"
+        assert 128 <= EXIT_PEER_LOST <= 255
         containers = spec["template"]["spec"]["containers"]
         assert containers[0]["name"] == "pytorch"  # the operator's default container name
         env = {e["name"] for e in containers[0].get("env", [])}
@@ -87,7 +88,7 @@ def test_podmonitor_scrapes_the_trainer_pods_metrics_port() -> None:
 
 
 @pytest.mark.parametrize("job", of_kind("Job"), ids=lambda j: j["metadata"]["name"])
-def test_jobs_fail_fast_on_exit_2_3_and_4_and_checkpoint_on_sigterm(job: dict) -> None:
+def test_jobs_fail_fast_on_exit_2_3_and_4_retry_200_and_checkpoint_on_sigterm(job: dict) -> None:
     spec = job["spec"]
     pod = spec["template"]["spec"]
     assert pod["restartPolicy"] == "Never"  # required by podFailurePolicy
@@ -100,6 +101,10 @@ def test_jobs_fail_fast_on_exit_2_3_and_4_and_checkpoint_on_sigterm(job: dict) -
     assert codes["containerName"] in {c["name"] for c in pod["containers"]}
     (ignore,) = [r for r in rules if r["action"] == "Ignore"]
     assert ignore["onPodConditions"] == [{"type": "DisruptionTarget", "status": "True"}]
+    # a lost node (exit 200): retried, resuming from the last committed checkpoint
+    (retry,) = [r for r in rules if r["action"] == "Count"]
+    assert retry["onExitCodes"]["values"] == [EXIT_PEER_LOST]
+    assert retry["onExitCodes"]["operator"] == "In"
     assert pod["terminationGracePeriodSeconds"] >= 300
     assert pod["enableServiceLinks"] is False  # a Service `zt` would inject ZT_SERVICE_HOST
     container = pod["containers"][0]

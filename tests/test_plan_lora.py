@@ -178,6 +178,17 @@ def test_plan_cli_shows_training_type_and_counts(monkeypatch, capsys):
     assert "training: full, 2567.5M trainable" in capsys.readouterr().out
 
 
+def test_plan_refuses_what_train_refuses_for_the_family(monkeypatch, capsys):
+    """Text encoder adapters on a transformer family: `plan` says so in one line, exit 2, as
+    `train` would (it used to end in a KeyError traceback)."""
+    monkeypatch.setenv("ZT_TRAINING_TYPE", "lora")
+    monkeypatch.setenv("ZT_LORA_TEXT_ENCODER", "true")
+    what_if = WHAT_IF.replace("sdxl", "flux").split()
+    assert cli.main([*what_if, *WHAT_IF_HW]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "ZT_LORA_TEXT_ENCODER=true" in err and "flux" in err
+
+
 def test_plan_of_a_local_model_sizes_the_adapter_on_its_own_unet(demo_job_env, demo_dir, capsys):
     demo_job_env.setenv("ZT_TRAINING_TYPE", "lora")
     demo_job_env.setenv("ZT_LORA_RANK", "8")

@@ -12,6 +12,9 @@ EXIT_ENVIRONMENT = 3  # the machine cannot run this job: never retry
 EXIT_DIVERGED = 4  # the loss or gradients stayed non-finite: never retry as-is (lower the
 # learning rate, change the precision; the last committed checkpoint is kept)
 EXIT_SIGNAL = 143  # stopped by SIGTERM/SIGINT after a committed checkpoint: a retry resumes
+EXIT_PEER_LOST = 200  # another node of a multi-node job was lost (preempted, killed, gone):
+# retry every node; they resume from the last committed checkpoint. In 128-255, so Kubeflow's
+# `restartPolicy: ExitCode` retries it, and above 128 + 64, so no signal's exit reads as it.
 
 
 class ZeroTunerError(Exception):
@@ -48,3 +51,10 @@ class Diverged(ZeroTunerError):
     the weights themselves did (exit 4). Nothing non-finite was saved, exported or pushed."""
 
     exit_code = EXIT_DIVERGED
+
+
+class PeerLost(ZeroTunerError):
+    """Another node of the job stopped answering mid-run (exit 200): this node stops with one
+    line naming it; a restart of every node resumes from the last committed checkpoint."""
+
+    exit_code = EXIT_PEER_LOST

@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from zerotuner.builder.form import DEEPSPEED, compose
-from zerotuner.commands.what_if import WhatIf
 from zerotuner.errors import ConfigError, ZeroTunerError
+from zerotuner.preflight.what_if import WhatIf, explain_config, plan_json, plan_what_if
 
 # Where this machine keeps the hub cache: the server's own, unless the form says.
 MACHINE_SETTINGS = ("ZT_CACHE_DIR",)
@@ -64,9 +64,6 @@ def what_if(hardware: dict[str, str]) -> WhatIf:
 
 def evaluate(form: dict[str, Any]) -> dict[str, Any]:
     """What `zerotuner config --explain` and `zerotuner plan --json` answer for this form."""
-    from zerotuner.commands import config as config_command
-    from zerotuner.commands import plan as plan_command
-
     out: dict[str, Any] = {"settings": {}, "notes": [], "errors": [], "plan": None}
     try:
         composed = compose(form)
@@ -78,7 +75,7 @@ def evaluate(form: dict[str, Any]) -> dict[str, Any]:
     out["notes"] = [{"level": "info", "message": n} for n in composed.notes]
     environ = form_environ(composed.env)
     try:
-        result, described = config_command.evaluate(what, environ)
+        result, described = explain_config(what, environ)
         out["config"] = result.normalized.config
         out["described"] = described
         out["notes"] += [{"level": n.level, "message": n.message} for n in result.notes]
@@ -87,8 +84,8 @@ def evaluate(form: dict[str, Any]) -> dict[str, Any]:
         out |= {"config": None, "exit_code": error.exit_code}
         out["errors"] = _located(error.problems)
     try:
-        plan, hardware = plan_command.build_plan(what, environ=environ)
-        out["plan"] = plan_command.plan_json(plan, hardware)
+        plan, hardware = plan_what_if(what, environ=environ)
+        out["plan"] = plan_json(plan, hardware)
         out["plan_exit_code"] = 0
     except ZeroTunerError as error:
         out["plan_exit_code"] = error.exit_code

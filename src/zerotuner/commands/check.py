@@ -146,17 +146,24 @@ def _finish(c: Checks) -> int:
 
 
 def _dataset(c: Checks) -> tuple[str, list[str]]:
-    from zerotuner.train.data import scan, upscale_warning
+    from zerotuner.train.data import recipe_notes, scan, upscale_warning
 
-    settings = c.facts["settings"]
-    dataset = scan(settings.data_dir, log_skipped=False, write_index=False)
+    s = c.facts["settings"]
+    dataset = scan(
+        s.data_dir, log_skipped=False, write_index=False, caption_template=s.caption_template,
+        min_image_size=s.min_image_size,
+    )  # fmt: skip
     warnings = dataset.warnings()  # the lines train logs
     shape = c.facts.get("shape")  # as train: ZT_RESOLUTION, else the family's own
-    resolution = settings.resolution or (shape.native_resolution if shape else None)
-    if resolution and (upscaled := upscale_warning(dataset, resolution)):
+    resolution = s.resolution or (shape.native_resolution if shape else None)
+    if resolution and (upscaled := upscale_warning(dataset, resolution, upscale=s.upscale)):
         warnings.append(upscaled)
     c.facts["dataset"] = dataset
-    return f"{len(dataset)} images in {settings.data_dir}", warnings
+    notes = recipe_notes(
+        dataset, resolution, caption_template=s.caption_template,
+        caption_dropout=s.caption_dropout, min_image_size=s.min_image_size, upscale=s.upscale,
+    )  # fmt: skip
+    return f"{len(dataset)} images in {s.data_dir}" + "".join(f"; {n}" for n in notes), warnings
 
 
 def _text_cache(c: Checks) -> str:
@@ -166,6 +173,7 @@ def _text_cache(c: Checks) -> str:
 
     settings, plan = c.facts["settings"], c.facts["plan"]
     captions = len({item.caption for item in c.facts["dataset"].items})
+    captions += settings.caption_dropout > 0  # the empty caption, cached once
     need = captions * plan.inputs.caption_cache_bytes
     free = free_bytes_at(settings.cache_dir) or 0
     size = f"{captions} captions x {plan.inputs.caption_cache_bytes / 2**20:.2f} MiB = "

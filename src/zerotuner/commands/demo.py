@@ -38,12 +38,17 @@ def run(args: argparse.Namespace) -> int:
         print("train the whole transformer on it, from the repository's root:")
         print(f"  {job} ZT_OUTPUT_DIR={root / 'output'} ./entrypoint train")
         return 0
+    from zerotuner.demo.concept import TRIGGER, write_concept_dataset
+
+    concept = write_concept_dataset(root / "data-lora", seed=args.seed).resolve()
+    print(f"demo concept for a LoRA (shapes behind the trigger word {TRIGGER!r}): {concept}")
     print("train the whole UNet on it (what `make run` does), from the repository's root:")
     print(f"  {job} ZT_OUTPUT_DIR={root / 'output'} ./entrypoint train")
-    print("or train a LoRA adapter on it (`make run-lora`; writes final/pytorch_lora_weights.*):")
-    print(f"  {job} {LORA_SETTINGS} ZT_OUTPUT_DIR={root / 'output-lora'} ./entrypoint train")
+    print("then teach the trained UNet the new concept with a LoRA adapter (`make run-lora`):")
+    print(
+        f"  ZT_DEVICE=cpu ZT_MODEL={root / 'output' / 'final'} ZT_DATA_DIR={concept} "
+        f"ZT_CACHE_DIR={root / 'cache'} ZT_OFFLOAD_DIR={root / 'offload'} "
+        f"ZT_CONFIG_FILE=config/demo-lora.yaml ZT_OUTPUT_DIR={root / 'output-lora'} "
+        "./entrypoint train"
+    )
     return 0
-
-
-# An adapter takes a larger rate than the whole UNet (diffusers' examples: 1e-4 vs 1e-5).
-LORA_SETTINGS = "ZT_TRAINING_TYPE=lora ZT_LORA_RANK=16 ZT_LEARNING_RATE=1e-2"

@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import argparse
 import json
-from collections.abc import Mapping
-from typing import Any
 
 from zerotuner.commands import what_if
 from zerotuner.families import FAMILIES, FLOW_FAMILIES
 from zerotuner.machine.hardware import Hardware, describe_hardware
 from zerotuner.preflight.plan import Plan, PlanInputs, gib
+from zerotuner.preflight.what_if import plan_json, plan_what_if
 from zerotuner.settings.schema import precision_name
 
 
@@ -25,53 +24,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     job.add_argument("--train-batch-size", type=int, help="micro batch per device")
     what_if.add_arguments(parser)
     parser.add_argument("--json", action="store_true", help="machine-readable output")
-
-
-def build_plan(
-    what: what_if.WhatIf,
-    *,
-    model_family: str | None = None,
-    resolution: int | None = None,
-    train_batch_size: int | None = None,
-    environ: Mapping[str, str] | None = None,
-) -> tuple[Plan, Hardware]:
-    """What `plan` prints, computed (the builder page calls it too, with the form's variables
-    as `environ`). `model_family`, `resolution`, `train_batch_size`: the what-if job."""
-    from zerotuner.families import model_shape
-    from zerotuner.preflight.steps import resolve_model
-    from zerotuner.settings.effective import effective_settings
-
-    overrides: dict[str, Any] = what_if.settings_overrides(what)
-    if model_family:
-        overrides["model_family"] = model_family
-    if resolution:
-        overrides["resolution"] = resolution
-    if train_batch_size:
-        overrides["train_batch_size"] = train_batch_size
-    effective = effective_settings(environ, **overrides)
-    settings, inputs = effective.settings, effective.inputs
-    model_dir = None
-    if model_family:  # what-if: the family's built-in config, whatever ZT_MODEL holds
-        shape = model_shape(model_family)
-    else:
-        source = resolve_model(settings, offline=effective.hub_offline)
-        shape = model_shape(source.family, source.local_dir)  # type: ignore[arg-type]
-        model_dir = source.local_dir
-    hardware = what_if.hardware_for(what, settings, ops=True)
-    topology = what_if.topology_for(settings, hardware, environ)
-    from zerotuner.preflight.steps import plan_for  # torch, through lora: not for --help
-
-    plan = plan_for(
-        settings,
-        shape,
-        hardware,
-        base=inputs.deepspeed,
-        world_size=topology.world_size,
-        ranks_per_node=topology.nproc_per_node,
-        offload_disk_free=what_if.offload_disk_free(what, settings),
-        model_dir=model_dir,
-    )
-    return plan, hardware
 
 
 def training_text(inputs: PlanInputs) -> str:
@@ -143,17 +95,9 @@ def phase_lines(plan: Plan) -> list[str]:
     return lines
 
 
-def plan_json(plan: Plan, hardware: Hardware) -> dict[str, Any]:
-    """What `plan --json` prints (the builder page and the run page show the same)."""
-    data = plan.to_dict()
-    data["hardware"] = describe_hardware(hardware)
-    data["warnings"] = list(hardware.warnings)
-    return data
-
-
 def run(args: argparse.Namespace) -> int:
-    plan, hardware = build_plan(
-        what_if.WhatIf.from_args(args), model_family=args.model_family,
+    plan, hardware = plan_what_if(
+        what_if.from_args(args), model_family=args.model_family,
         resolution=args.resolution, train_batch_size=args.train_batch_size,
     )  # fmt: skip
     if args.json:

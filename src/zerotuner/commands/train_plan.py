@@ -14,10 +14,11 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from zerotuner.commands.plan import plan_json, render
+from zerotuner.commands.plan import render
 from zerotuner.launch.job import Job
 from zerotuner.machine.offload_volume import mounted_offload_device, prepare_offload_dir
 from zerotuner.preflight.steps import Preflight, preflight
+from zerotuner.preflight.what_if import plan_json
 from zerotuner.settings.schema import Settings
 from zerotuner.weights.checkpoint import REMOTE_LATEST, checkpoints_dir
 

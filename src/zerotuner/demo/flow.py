@@ -25,7 +25,9 @@ from zerotuner.demo.parts import (
     write_tokenizer,
 )
 
-FlowFamily = Literal["sd3", "flux"]
+FlowFamily = Literal["sd3", "flux", "chroma", "zimage", "qwenimage"]
+# the demo module of each newer family
+MODULES = {"chroma": "chroma", "zimage": "z_image", "qwenimage": "qwen_image"}
 LATENT_CHANNELS = 16  # SD3's and Flux's VAEs
 T5_WIDTH = 64  # T5's d_model: SD3 pads the CLIP states (32 + 32) to it
 T5_MAX_TOKENS = 32
@@ -83,7 +85,13 @@ def write_flow_model(
     data_dir: Path | None = None,
 ) -> Path:  # fmt: skip
     """Build the tiny `family` pipeline and `save_pretrained` it into `model_dir`
-    (`data_dir`: the demo images its VAE's scaling factor is measured on)."""
+    (`data_dir`: the demo images its VAE's scaling factor is measured on). The families of
+    their own demo module (MODULES) are written there."""
+    import importlib
+
+    if family in MODULES:
+        module = importlib.import_module(f"zerotuner.demo.{MODULES[family]}")
+        return module.write_model(model_dir, seed=seed, corpus=corpus, data_dir=data_dir)
     import torch
     from diffusers import (
         FlowMatchEulerDiscreteScheduler,

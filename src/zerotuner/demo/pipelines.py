@@ -29,7 +29,7 @@ from zerotuner.families import FLOW_FAMILIES
 
 log = logging.getLogger(__name__)
 
-DemoFamily = Literal["sdxl", "sd1", "sd2", "sd3", "flux"]
+DemoFamily = Literal["sdxl", "sd1", "sd2", "sd3", "flux", "chroma", "zimage", "qwenimage"]
 
 SHAPES = ("circle", "square", "triangle")
 COLOURS = {"red": (220, 30, 30), "green": (30, 170, 60), "blue": (40, 70, 220),
@@ -80,14 +80,16 @@ def write_dataset(data_dir: Path, *, seed: int = 0, count: int = 64) -> Path:
         shape, colour, background = combos[i % len(combos)]
         # Every 8th image is landscape, every 8th (offset 4) portrait: aspect buckets matter.
         size = (144, 96) if i % 8 == 3 else (96, 144) if i % 8 == 7 else (96, 96)
-        image = _draw(rng, size, shape, COLOURS[colour], BACKGROUNDS[background])
+        image = draw_shape(rng, size, shape, COLOURS[colour], BACKGROUNDS[background])
         stem = data_dir / f"{i:03d}-{colour}-{shape}-on-{background}"
         image.save(stem.with_suffix(".png"), optimize=False)
         stem.with_suffix(".txt").write_text(f"a {colour} {shape} on a {background} background")
     return data_dir
 
 
-def _draw(rng: random.Random, size: tuple[int, int], shape: str, fill, background) -> Image.Image:
+def draw_shape(
+    rng: random.Random, size: tuple[int, int], shape: str, fill, background
+) -> Image.Image:
     """One big shape near the centre: a 4-million-parameter UNet learns it in a few hundred steps
     (small shapes anywhere in the frame take thousands)."""
     w, h = size

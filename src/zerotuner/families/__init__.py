@@ -1,15 +1,17 @@
 """Model families: the UNet families (SDXL, SD 1.x, SD 2.x) and the flow-matching transformer
-families (SD3 / SD3.5, Flux.1). This package's root knows what the planner and the normalizer
-need before any weights exist: detection from a pipeline's files, built-in configs and
-parameter shapes (the trained model is built on the meta device, `accelerate.init_empty_weights`,
-from a local config or from its family's built-in one, so planning works on a laptop with
-nothing downloaded). Each family is one `Spec` in REGISTRY, the torch-free facts every table
-here derives from, and one module behind `base.ModelFamily` with what it is to the trainer:
-`get(name)`. The loop, checkpoints, export and the planner never name a family.
+families (SD3 / SD3.5, Flux.1, Chroma, Z-Image). This package's root knows what the planner
+and the normalizer need before any weights exist: detection from a pipeline's files, built-in
+configs and parameter shapes (the trained model is built on the meta device,
+`accelerate.init_empty_weights`, from a local config or from its family's built-in one, so
+planning works on a laptop with nothing downloaded). Each family is one `Spec` in REGISTRY, the
+torch-free facts every table here derives from, and one module behind `base.ModelFamily` with
+what it is to the trainer: `get(name)`. The loop, checkpoints, export and the planner never
+name a family.
 """
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,8 +43,13 @@ class Spec:
     hub_markers: tuple[str, ...] = ()  # parts of a hub id's name that say it
     guess_order: int = 0  # lower is tried first: markers that others' names contain go last
     clip_tokens: int = 77  # CLIP tokens in a cached caption's states
-    t5_tokens: int = 0  # T5 tokens in them (the pipeline's default max_sequence_length)
+    # T5 tokens in them (Z-Image: its Qwen3 encoder's), the pipeline's max_sequence_length
+    t5_tokens: int = 0
     layer_keys: tuple[str, ...] = ()  # a transformer's config fields that count its blocks
+    # a transformer's config fields whose product is its width, and the one naming the width of
+    # the text states it takes
+    width_keys: tuple[str, ...] = ("num_attention_heads", "attention_head_dim")
+    text_width_key: str = "joint_attention_dim"
 
     @property
     def frozen_params(self) -> int:
@@ -51,13 +58,19 @@ class Spec:
 
 CLIP_L, CLIP_G, CLIP_G_SD3 = 123_060_480, 694_659_840, 123_650_304 + 694_659_840
 T5_XXL_PARAMS = 4_762_310_656  # the encoder of google/t5-v1_1-xxl
+QWEN3_4B_PARAMS = 4_022_468_096  # Qwen3Model of Qwen/Qwen3-4B's config (Z-Image's text encoder)
+QWEN25_VL_7B_PARAMS = 8_292_166_656  # Qwen2_5_VLForConditionalGeneration, Qwen2.5-VL-7B's config
+QWEN_VAE_PARAMS = 126_892_531  # AutoencoderKLQwenImage (Qwen-Image's video VAE)
 VAE_PARAMS = 83_653_863  # the SD 1.x/2.x/XL VAE
 VAE16_PARAMS = 83_819_683  # SD3's and Flux's 16-channel VAE
 VAE_SCALE = 8  # pixels per latent cell in every family's VAE
 
 # The published models: stabilityai/stable-diffusion-xl-base-1.0, runwayml/stable-diffusion-v1-5,
 # stabilityai/stable-diffusion-2-1, stabilityai/stable-diffusion-3.5-large, black-forest-labs/
-# FLUX.1-dev.
+# FLUX.1-dev, lodestones/Chroma1-HD (its transformer/config.json is ChromaTransformer2DModel's
+# defaults: 8.90B, the card's "8.9B"; T5-XXL and FLUX.1's VAE), Tongyi-MAI/Z-Image-Turbo
+# (transformer/config.json: 6.15B, the card's "6B"; Qwen3-4B as its text encoder, FLUX.1's VAE),
+# Qwen/Qwen-Image (transformer/config.json: 20.43B, the card's "20B"; Qwen2.5-VL-7B's 8.29B).
 REGISTRY: dict[str, Spec] = {
     "sdxl": Spec(
         "unet", "SDXL",
@@ -110,6 +123,39 @@ REGISTRY: dict[str, Spec] = {
         flow=True, pipeline="FluxPipeline", transformer="FluxTransformer2DModel",
         hub_markers=("flux",), guess_order=0, clip_tokens=0, t5_tokens=512,
         layer_keys=("num_layers", "num_single_layers"),
+    ),
+    "chroma": Spec(
+        "chroma", "Chroma",
+        {"patch_size": 1, "in_channels": 64, "num_layers": 19, "num_single_layers": 38,
+         "attention_head_dim": 128, "num_attention_heads": 24, "joint_attention_dim": 4096,
+         "axes_dims_rope": [16, 56, 56], "approximator_num_channels": 64,
+         "approximator_hidden_dim": 5120, "approximator_layers": 5},
+        (8_899_983_424, 47_185_920), T5_XXL_PARAMS, VAE16_PARAMS,
+        flow=True, pipeline="ChromaPipeline", transformer="ChromaTransformer2DModel",
+        hub_markers=("chroma",), guess_order=-1, clip_tokens=0, t5_tokens=512,
+        layer_keys=("num_layers", "num_single_layers"),
+    ),
+    "zimage": Spec(
+        "z_image", "ZImage",
+        {"all_patch_size": [2], "all_f_patch_size": [1], "in_channels": 16, "dim": 3840,
+         "n_layers": 30, "n_refiner_layers": 2, "n_heads": 30, "n_kv_heads": 30,
+         "norm_eps": 1e-05, "qk_norm": True, "cap_feat_dim": 2560, "rope_theta": 256.0,
+         "t_scale": 1000.0, "axes_dims": [32, 48, 48], "axes_lens": [1536, 512, 512]},
+        (6_154_908_736, 39_321_600), QWEN3_4B_PARAMS, VAE16_PARAMS,
+        flow=True, pipeline="ZImagePipeline", transformer="ZImageTransformer2DModel",
+        hub_markers=("z-image", "z_image", "zimage"), guess_order=-1, clip_tokens=0,
+        t5_tokens=512, layer_keys=("n_layers", "n_refiner_layers"), width_keys=("dim",),
+        text_width_key="cap_feat_dim",
+    ),
+    "qwenimage": Spec(
+        "qwen_image", "QwenImage",
+        {"patch_size": 2, "in_channels": 64, "out_channels": 16, "num_layers": 60,
+         "attention_head_dim": 128, "num_attention_heads": 24, "joint_attention_dim": 3584,
+         "guidance_embeds": False, "axes_dims_rope": [16, 56, 56]},
+        (20_430_401_088, 56_623_104), QWEN25_VL_7B_PARAMS, QWEN_VAE_PARAMS,
+        flow=True, pipeline="QwenImagePipeline", transformer="QwenImageTransformer2DModel",
+        hub_markers=("qwen-image", "qwen_image", "qwenimage"), guess_order=-1, clip_tokens=0,
+        t5_tokens=512, layer_keys=("num_layers",),
     ),
 }  # fmt: skip
 Family = str  # a key of REGISTRY
@@ -174,6 +220,7 @@ def detect_family(model_dir: Path) -> Family:
     if index.is_file():
         components = model_json(index)
         pipeline = str(components.get("_class_name", ""))
+        refuse_edit_model(model_dir, pipeline)
         if pipeline in PIPELINES:
             return PIPELINES[pipeline]  # type: ignore[return-value]
         foreign = pipeline and not pipeline.startswith("StableDiffusion")
@@ -235,8 +282,35 @@ def resolve_family(model: str, family_setting: str = "auto") -> Family:
     return family
 
 
+# Pipelines (and hub names) of image-edit models: they train on (source, target) image pairs,
+# and of FLUX.2, whose name would otherwise pass for FLUX.1's.
+EDIT_MARKERS = ("edit", "kontext")
+NOT_YET = ("flux.2", "flux2", "flux-2")
+
+
+def refuse_edit_model(model: Any, name: str) -> None:
+    """An image-edit model (Qwen-Image-Edit, FLUX.1 Kontext: a pipeline or hub name that says
+    so) or FLUX.2 is one line, exit 2, naming what zerotuner trains."""
+    import re
+
+    lowered = name.lower()
+    supported = (f"zerotuner trains text-to-image models from captioned images: "
+                 f"{', '.join(FAMILIES)}")  # fmt: skip
+    # words of a class or hub name: QwenImageEditPipeline, Qwen-Image-Edit-2509 (not "credit")
+    words = {w.lower() for w in re.findall(r"[A-Z]?[a-z]+|[A-Z]+(?![a-z])|\d+", name)}
+    if words & set(EDIT_MARKERS):
+        raise ConfigError(
+            f"ZT_MODEL={model}: {name} is an image-edit model, trained on paired (source, "
+            f"edited) images, which zerotuner does not take; {supported}"
+        )
+    if any(marker in lowered for marker in NOT_YET):
+        raise ConfigError(f"ZT_MODEL={model}: FLUX.2 ({name}) is not supported yet; {supported}")
+
+
 def guess_family(hub_id: str) -> Family | None:
-    """The family a hub id's name says (when its configs cannot be read), or None."""
+    """The family a hub id's name says (when its configs cannot be read), or None; an
+    image-edit model's or FLUX.2's name is refused (refuse_edit_model)."""
+    refuse_edit_model(hub_id, hub_id.rsplit("/", 1)[-1])
     name = hub_id.lower()
     for family, spec in sorted(REGISTRY.items(), key=lambda item: item[1].guess_order):
         if any(marker in name for marker in spec.hub_markers):
@@ -262,9 +336,12 @@ def frozen_params(
             continue
         with init_empty_weights():
             if sub == "vae":
-                from diffusers import AutoencoderKL
+                import diffusers
 
-                module = AutoencoderKL.from_config(AutoencoderKL.load_config(str(folder)))
+                index = model_dir / "model_index.json"  # Qwen-Image's is another class
+                named = model_json(index).get("vae") if index.is_file() else None
+                cls = getattr(diffusers, named[1] if named else "AutoencoderKL")
+                module = cls.from_config(cls.load_config(str(folder)))
             else:
                 import transformers
 
@@ -363,7 +440,10 @@ def vae_scale(model_dir: Path | None) -> int:
     """Pixels per latent cell: 8 for the published VAEs, 2 for the tiny demo VAE."""
     config = model_dir / "vae" / "config.json" if model_dir else None
     if config is not None and config.is_file():
-        return 2 ** (len(model_json(config)["block_out_channels"]) - 1)
+        vae = model_json(config)
+        if "temperal_downsample" in vae:  # Qwen-Image's video VAE: one halving per entry
+            return 2 ** len(vae["temperal_downsample"])
+        return 2 ** (len(vae["block_out_channels"]) - 1)
     return VAE_SCALE
 
 
@@ -405,7 +485,7 @@ def _transformer_shape(
     return ModelShape(
         family, params, largest, frozen, native, source,
         activations_1024=transformer_activations(family, config),
-        text_width=int(config["joint_attention_dim"]),
+        text_width=int(config[spec.text_width_key]),
     )  # fmt: skip
 
 
@@ -414,10 +494,12 @@ def transformer_activations(family: str, config: dict[str, Any]) -> tuple[int, i
     image in 16-bit: per layer 34 x tokens x width without checkpointing (Korthikanti et al.,
     arXiv 2205.05198, with fused attention: no tokens^2 term), and with it the layer inputs
     (2 x tokens x width each) plus one layer recomputed. Tokens: the image's patches (2x2
-    latent cells) and the text's (SD3: CLIP 77 + T5 256; Flux: T5 512)."""
+    latent cells) and the text's (SD3: CLIP 77 + T5 256; Flux, Chroma: T5 512; Z-Image: Qwen3
+    512). Layers: the family's `layer_keys` (Z-Image: its 30 main layers and the noise refiner's
+    2, which see the image; the context refiner's, on the text alone, are left out)."""
     spec = REGISTRY[family]
     tokens = (1024 // VAE_SCALE // 2) ** 2 + spec.clip_tokens + spec.t5_tokens
-    width = int(config["num_attention_heads"]) * int(config["attention_head_dim"])
+    width = math.prod(int(config[key]) for key in spec.width_keys)
     layers = sum(int(config[key]) for key in spec.layer_keys)
     per_layer = 34 * tokens * width
     return layers * per_layer, layers * 2 * tokens * width + per_layer

@@ -98,4 +98,6 @@ def to_device(value: Any, device: torch.device) -> Any:
         return value.to(device)
     if isinstance(value, dict):
         return {k: to_device(v, device) for k, v in value.items()}
+    if isinstance(value, list):  # Z-Image's captions: one tensor each
+        return [to_device(v, device) for v in value]
     return value

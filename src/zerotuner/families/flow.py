@@ -55,14 +55,20 @@ class FlowFamily(ModelFamily):
         ids = [i.to(encoders[0].device) for i in self.tokens(components.tokenizers, captions)]
         return {k: v.to(self.cache_dtype).cpu() for k, v in self.embed(encoders, ids).items()}
 
-    def objective(self, settings: Settings, scheduler: Any, model_config: Any) -> Any:
-        from zerotuner.families.flow_matching import FlowConfig, FlowObjective
+    def flow_config(self, settings: Settings, scheduler: Any) -> Any:
+        """The sigma sampling the run's settings and the model's scheduler give."""
+        from zerotuner.families.flow_matching import FlowConfig
 
-        config = FlowConfig.from_scheduler(
+        return FlowConfig.from_scheduler(
             scheduler.config, weighting=settings.weighting_scheme, logit_mean=settings.logit_mean,
             logit_std=settings.logit_std, mode_scale=settings.mode_scale,
         )  # fmt: skip
+
+    def objective(self, settings: Settings, scheduler: Any, model_config: Any) -> Any:
+        from zerotuner.families.flow_matching import FlowObjective
+
         guidance = settings.train_guidance if model_config.get("guidance_embeds") else None
+        config = self.flow_config(settings, scheduler)
         return FlowObjective(config, packed=self.packed, guidance=guidance)
 
     def pipeline_kwargs(self, settings: Settings) -> dict[str, Any]:

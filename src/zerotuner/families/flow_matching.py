@@ -117,12 +117,30 @@ class FlowObjective:
 
         from zerotuner.families.ddpm import device_of, to_device
 
-        batch, (height, width) = latents.shape[0], latents.shape[-2:]
         noise = torch.randn(latents.shape, generator=generator)
-        sigmas = sample_sigmas(batch, self.config, generator)
+        sigmas = sample_sigmas(latents.shape[0], self.config, generator)
         noisy, target = noisy_and_target(latents, noise, sigmas)
         device = device_of(model)
-        kwargs = to_device(kwargs, device)
+        pred = self.predict(model, noisy, sigmas, to_device(kwargs, device), device=device,
+                            dtype=dtype)  # fmt: skip
+        return F.mse_loss(pred.float(), target.to(device).float())
+
+    def predict(
+        self,
+        model: Any,
+        noisy: torch.Tensor,
+        sigmas: torch.Tensor,
+        kwargs: dict[str, Any],
+        *,
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> torch.Tensor:
+        """The model's velocity for the noised latents (batch, channels, height, width) at
+        `sigmas`, in the latents' layout: what a family that calls its transformer otherwise
+        (Chroma's mask, Z-Image's lists) overrides."""
+        from zerotuner.families.ddpm import to_device
+
+        batch, (height, width) = noisy.shape[0], noisy.shape[-2:]
         if self.packed:
             text_tokens = kwargs["encoder_hidden_states"].shape[1]
             extra = {"img_ids": image_ids(height, width), "txt_ids": torch.zeros(text_tokens, 3)}
@@ -132,8 +150,6 @@ class FlowObjective:
                 hidden_states=pack(noisy).to(device, dtype), timestep=sigmas.to(device, dtype),
                 **to_device(extra, device), **kwargs,
             ).sample  # fmt: skip
-            pred = unpack(pred, height, width)
-        else:
-            t = timesteps(sigmas, self.config).to(device, dtype)
-            pred = model(hidden_states=noisy.to(device, dtype), timestep=t, **kwargs).sample
-        return F.mse_loss(pred.float(), target.to(device).float())
+            return unpack(pred, height, width)
+        t = timesteps(sigmas, self.config).to(device, dtype)
+        return model(hidden_states=noisy.to(device, dtype), timestep=t, **kwargs).sample

@@ -17,6 +17,7 @@ import os
 import threading
 import time
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -57,6 +58,38 @@ def init_distributed(
             if text := printed.getvalue().strip():
                 log.log(logging.WARNING if failed else logging.DEBUG, "%s", text)
     return dist.get_rank(), dist.get_world_size()
+
+
+def timeout_warnings(settings: Any, *, device: str) -> list[str]:
+    """What the failure timeouts, as set, would do wrong (rank 0 logs them; none by default).
+
+    The order that makes a lost node a retry, not a stuck job: a silent node is lost after
+    ZT_PEER_TIMEOUT_SECONDS (60), a stuck collective fails after ZT_COLLECTIVE_TIMEOUT_SECONDS
+    (600; on NCCL the watchdog aborts the process, TORCH_NCCL_ASYNC_ERROR_HANDLING=1), and only
+    then does /healthz turn 503 (ZT_HANG_TIMEOUT_SECONDS, 1800) for the liveness probe."""
+    collective = settings.collective_timeout_seconds
+    hang = settings.hang_timeout_seconds
+    peer = settings.peer_timeout_seconds
+    warnings = []
+    if collective >= hang:
+        warnings.append(
+            f"ZT_COLLECTIVE_TIMEOUT_SECONDS={collective:g} is not below "
+            f"ZT_HANG_TIMEOUT_SECONDS={hang:g}: a rank stuck in a collective is restarted by the "
+            "liveness probe before it fails with a line of its own"
+        )
+    if peer >= min(collective, hang):
+        warnings.append(
+            f"ZT_PEER_TIMEOUT_SECONDS={peer:g} is not below ZT_COLLECTIVE_TIMEOUT_SECONDS="
+            f"{collective:g} and ZT_HANG_TIMEOUT_SECONDS={hang:g}: a silent node is found by "
+            "a timeout that cannot name it"
+        )
+    if device == "cuda" and os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING") in ("0", "2"):
+        warnings.append(
+            "TORCH_NCCL_ASYNC_ERROR_HANDLING="
+            f"{os.environ['TORCH_NCCL_ASYNC_ERROR_HANDLING']}: a rank whose collective timed out "
+            "is not ended and may wait forever; leave it unset (zerotuner sets 1)"
+        )
+    return warnings
 
 
 def node_leader(rank: int, world: int) -> tuple[int, int] | None:

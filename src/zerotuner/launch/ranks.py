@@ -30,6 +30,7 @@ from zerotuner.errors import (
     EXIT_ENVIRONMENT,
     EXIT_FAILURE,
     EXIT_OK,
+    EXIT_PEER_LOST,
     EXIT_SIGNAL,
     ConfigError,
     StoppedBeforeStart,
@@ -223,6 +224,10 @@ def exit_code(torchrun_code: int, statuses: list[Any], *, signalled: bool) -> in
         return EXIT_DIVERGED
     if signalled and codes and all(c == EXIT_SIGNAL for c in codes):
         return EXIT_SIGNAL
+    # another node was lost: retry every node; a rank of this node that failed on its own
+    # (1) makes it this node's failure
+    if EXIT_PEER_LOST in codes and EXIT_FAILURE not in codes:
+        return EXIT_PEER_LOST
     if torchrun_code == 0 and all(c == EXIT_OK for c in codes):
         return EXIT_OK
     return EXIT_FAILURE

@@ -271,6 +271,7 @@ class ProgressSink:
         self._window: list[StepRecord] = []
         self._window_start: float | None = None  # wall time the window's first step began
         self._steps_done = 0
+        self._finished = True
 
     def on_phase(self, phase: str) -> None:
         if not self.enabled or phase == self._phase:
@@ -319,6 +320,11 @@ class ProgressSink:
         if self.enabled:
             self._log.info("checkpoint at step %d committed in %.1f s", step, seconds)
 
+    def unfinished(self) -> None:
+        """The run ends without finishing (a failure, a stop): the summary says so."""
+        if self.enabled:
+            self._finished = False
+
     def close(self) -> None:
         if not self.enabled:
             return
@@ -326,4 +332,7 @@ class ProgressSink:
             self._bar.close()
             self._bar = None
         elapsed = format_duration(time.time() - self._started)
-        self._log.info("%d steps in %s", self._steps_done, elapsed)
+        if self._finished:
+            self._log.info("%d steps in %s", self._steps_done, elapsed)
+        else:
+            self._log.info("stopped unfinished after %d steps in %s", self._steps_done, elapsed)

@@ -3,4 +3,4 @@ family registry (`zerotuner.families.REGISTRY`, whose keys they are, in its orde
 
 from __future__ import annotations
 
-FAMILIES: tuple[str, ...] = ("sdxl", "sd1", "sd2", "sd3", "flux")
+FAMILIES: tuple[str, ...] = ("sdxl", "sd1", "sd2", "sd3", "flux", "chroma", "zimage", "qwenimage")

@@ -140,6 +140,31 @@ class Settings(BaseSettings):
         "256, Flux 512). Shorter: smaller text cache, faster steps.",
     )
     random_flip: bool = Field(False, description="Flip images horizontally at random.")
+    caption_template: str | None = Field(
+        None,
+        description="Every caption through a template with `{caption}` once, e.g. `sks "
+        "{caption}` (a trigger word) or `{caption}, in sks style`; cached as written. Empty: "
+        "captions as read.",
+    )
+    caption_dropout: float = Field(
+        0.0,
+        ge=0,
+        le=1,
+        description="Probability of training a sample on the empty caption (what classifier-"
+        "free guidance needs; 0.05-0.1 is usual), decided per sample and epoch from ZT_SEED.",
+    )
+    min_image_size: int = Field(
+        0,
+        ge=0,
+        description="Leave out images whose short side is below this many pixels (listed "
+        "with the skipped files); 0 keeps all.",
+    )
+    upscale: bool = Field(
+        True,
+        description="Enlarge images smaller than their bucket to cover it; `false`: such an "
+        "image trains at its own size (rounded down to the bucket step), in a bucket of its "
+        "own shape.",
+    )
     compile: Auto | bool = Field(
         "auto",
         description="torch.compile the model's repeated blocks; `auto` turns it on where it "
@@ -257,8 +282,19 @@ class Settings(BaseSettings):
         600,
         gt=0,
         description="How long a rank waits in a collective (barrier, all-reduce) of the process "
-        "group before failing. Caching waits do not depend on it: ranks waiting for the encoding "
-        "rank wait as long as it keeps working.",
+        "group before failing (gloo raises; NCCL's watchdog aborts the communicator and the "
+        "process: TORCH_NCCL_ASYNC_ERROR_HANDLING=1). Keep it below ZT_HANG_TIMEOUT_SECONDS, so "
+        "a stuck collective fails with its own exit before the liveness probe restarts the pod. "
+        "Caching waits do not depend on it: ranks waiting for the encoding rank wait as long as "
+        "it keeps working.",
+    )
+    peer_timeout_seconds: float = Field(
+        60,
+        gt=0,
+        description="Multi-node: a node whose ranks give no sign of life (a heartbeat each "
+        "second in torchrun's store) for this long is lost; the other nodes stop with exit 200 "
+        "(retryable) and one line naming it. A node that is killed is noticed at its first "
+        "failed collective, within seconds.",
     )
     log_format: Literal["text", "json"] = Field("text", description="Log line format.")
     log_level: Literal["debug", "info", "warning"] = Field(
@@ -329,6 +365,20 @@ class Settings(BaseSettings):
     @classmethod
     def _resume_word_or_path(cls, value: str) -> str:
         return value.strip() or "auto"
+
+    @field_validator("caption_template")
+    @classmethod
+    def _one_caption_slot(cls, value: str | None) -> str | None:
+        if value is None or not value.strip():
+            return None
+        if value.count("{caption}") != 1:
+            raise PydanticCustomError(
+                "caption_template",
+                "text with {slot} exactly once, where each caption goes (e.g. `sks {slot}` or "
+                "`{slot}, in sks style`)",
+                {"slot": "{caption}"},
+            )
+        return value.strip()
 
     @classmethod
     def settings_customise_sources(

@@ -2,13 +2,16 @@
 encoded once into the feature cache (cache.py), shared out among the nodes (each node's first
 rank encodes), before the engine starts; the frozen VAE and text encoders are released
 afterwards. The other ranks wait in a `distributed.PatientBarrier`, as long as the encoding
-takes (hours for a large dataset), and rank 0 reports how far its node is, with an ETA."""
+takes (hours for a large dataset), and rank 0 reports how far its node is, with an ETA.
+With ZT_CAPTION_DROPOUT the empty caption is encoded once with the rest; `batch_items` swaps
+it in for the samples that drop theirs."""
 
 from __future__ import annotations
 
 import logging
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -61,7 +64,8 @@ def fill(
         )
         for i, item in enumerate(dataset.items)
     ]
-    latents, captions = features.missing(items)
+    empty = [""] if settings.caption_dropout > 0 else []  # what a dropped caption reads
+    latents, captions = features.missing(items, empty)
     if not texts:
         captions = []
     leader = distributed.node_leader(rank, world)  # (node, nodes) on a node's first rank
@@ -91,7 +95,7 @@ def fill(
             log.info("caching: waiting for the other nodes' share (no time limit while they work)")
         barrier.wait()  # every entry is on disk now
     encoded_l, encoded_t = distributed.all_sum([len(my_latents), len(my_texts)])
-    unique = len({item.caption for item in items}) if texts else 0
+    unique = len({item.caption for item in items} | set(empty)) if texts else 0
     stats = feature_cache.CacheStats(
         latents_encoded=encoded_l,
         latents_reused=len(items) - encoded_l,
@@ -153,6 +157,25 @@ class Progress:
                 self.total,
                 format_duration(time.monotonic() - self.started),
             )
+
+
+def batch_items(
+    items: list[feature_cache.CacheItem],
+    keys: tuple[list[int], int],
+    *,
+    seed: int,
+    caption_dropout: float,
+) -> list[feature_cache.CacheItem]:
+    """The cache items of one micro-batch, `keys` being its (item indices, epoch): a sample
+    that drops its caption this epoch (data.caption_dropped) reads the empty caption's cached
+    embedding instead of its own, its latents unchanged."""
+    indices, epoch = keys
+    return [
+        replace(items[i], caption="")
+        if data.caption_dropped(seed, epoch, i, caption_dropout)
+        else items[i]
+        for i in indices
+    ]
 
 
 def _loader(item: data.Item, bucket: tuple[int, int]):

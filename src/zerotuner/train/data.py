@@ -7,7 +7,9 @@ cache (in the training worker) keys entries on what `scan` records per file.
 Order of a training epoch, independent of the world size: each aspect bucket is shuffled by
 (seed, epoch) and cut into full micro-batches (the last one topped up from the same bucket),
 then all batches are shuffled together. Ranks take every world_size-th batch, and the list is
-topped up so every rank gets the same number of batches (ranks must step together).
+topped up so every rank gets the same number of batches (ranks must step together). Which
+samples train on the empty caption (ZT_CAPTION_DROPOUT) is likewise a function of (seed,
+epoch, item) alone: `caption_dropped`.
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ LINK_OUT = "links outside the data folder"
 SUMMARY_EXAMPLES = 3  # paths named per kind of skipped file
 SUMMARY_KINDS = 8  # kinds of skipped file listed, one line each
 UPSCALE_NOTICE = 1.1  # enlarging an image by more than this is worth a warning
+SMALL = "smaller than ZT_MIN_IMAGE_SIZE"  # the skip reason of an image below it
 Size = tuple[int, int]  # (width, height) in pixels
 
 
@@ -107,6 +110,8 @@ def scan(
     index: Path | None = None,
     write_index: bool = True,
     workers: int | None = None,
+    caption_template: str | None = None,
+    min_image_size: int = 0,
 ) -> Dataset:
     """Find every readable PNG/JPEG/WebP under data_dir (recursively), with its caption.
 
@@ -114,8 +119,10 @@ def scan(
     With `index` (a JSON file outside the possibly read-only data dir) the results are
     remembered by (path, size, mtime) and a restart decodes only new or changed files; let one
     rank write it (`write_index`). Files that fail are skipped with one warning each (set
-    log_skipped=False on all ranks but one) and listed in `Dataset.skipped`. No usable image
-    is a ConfigError (exit 2).
+    log_skipped=False on all ranks but one) and listed in `Dataset.skipped`, as are images
+    whose short side is below `min_image_size` (ZT_MIN_IMAGE_SIZE). Each caption goes through
+    `caption_template` (ZT_CAPTION_TEMPLATE), so the text cache holds what is trained on. No
+    usable image is a ConfigError (exit 2).
     """
     data_dir = Path(data_dir)
     if not data_dir.is_dir():
@@ -162,9 +169,16 @@ def scan(
         if result.size is None:
             skipped.append((path, result.reason))
             continue
+        if min(result.size) < min_image_size:
+            w, h = result.size
+            why = f"{SMALL}={min_image_size} px on the short side"
+            skipped.append((path, f"{why} ({w}x{h})"))
+            continue
         caption, cut_at = _caption(path, data_dir, sidecars, metadata, skipped)
         if cut_at:
             cut.append(cut_at)
+        if caption_template is not None:
+            caption = apply_template(caption_template, caption)
         items.append(
             Item(path, caption, result.size, result.file_size, result.mtime_ns, result.digest)
         )
@@ -427,6 +441,28 @@ def _caption(
     return " ".join(words), None
 
 
+def apply_template(template: str, caption: str) -> str:
+    """The caption in ZT_CAPTION_TEMPLATE's `{caption}` (plain replacement: other braces are
+    text), stripped: `sks {caption}` and an image without a caption train on `sks`."""
+    return template.replace("{caption}", caption, 1).strip()
+
+
+def caption_dropped(seed: int, epoch: int, index: int, probability: float) -> bool:
+    """Whether item `index` trains on the empty caption in `epoch` (ZT_CAPTION_DROPOUT).
+
+    A pure function of (seed, epoch, item): the same on every rank, for any world size and
+    after a resume, with no state to checkpoint; a new draw each epoch. An item that appears
+    twice in an epoch (a batch topped up from its bucket) gets the same answer both times.
+    """
+    if probability <= 0:
+        return False
+    if probability >= 1:
+        return True
+    key = f"caption-dropout/{seed}/{epoch}/{index}".encode()
+    draw = int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "big") / 2**64
+    return draw < probability
+
+
 # --- aspect-ratio buckets -------------------------------------------------------------------
 
 
@@ -456,25 +492,59 @@ def nearest_bucket(size: Size, buckets: Sequence[Size]) -> Size:
     return min(buckets, key=lambda b: (abs(math.log(b[0] / b[1]) - ratio), -b[0] * b[1], b))
 
 
+def native_bucket(
+    size: Size, bucket: Size, *, resolution: int, multiple: int = 64, max_aspect: float = 4.0
+) -> Size:
+    """The bucket of an image with ZT_UPSCALE=false: `bucket` (its nearest) when the image
+    covers it, else the image's own size rounded down to `multiple` per side -- the long side
+    cut to max_aspect times the short one, the area kept within resolution**2 -- so it is
+    shrunk a little and cropped, never enlarged. A side shorter than one step becomes the step
+    (the one enlargement left; `upscale_warning` names those)."""
+    (w, h), (bw, bh) = size, bucket
+    if w >= bw and h >= bh:
+        return bucket
+    nw, nh = (max(multiple, side // multiple * multiple) for side in size)
+    limit = max(multiple, int(min(nw, nh) * max_aspect) // multiple * multiple)
+    nw, nh = min(nw, limit), min(nh, limit)
+    while nw * nh > resolution * resolution and max(nw, nh) > multiple:
+        nw, nh = (nw - multiple, nh) if nw >= nh else (nw, nh - multiple)
+    return nw, nh
+
+
 def assign_buckets(
-    items: Sequence[Item], resolution: int, *, multiple: int = 64, max_aspect: float = 4.0
+    items: Sequence[Item],
+    resolution: int,
+    *,
+    multiple: int = 64,
+    max_aspect: float = 4.0,
+    upscale: bool = True,
 ) -> dict[Size, list[int]]:
     """Item indices grouped by bucket (w, h); only buckets in use, in sorted order.
 
     `multiple` must keep latents divisible by the UNet's downsampling: pass
     vae_scale * 2 ** (len(unet.block_out_channels) - 1) or a multiple of it (64 for SDXL).
+    `upscale` False (ZT_UPSCALE): an image smaller than its bucket gets one of its own size
+    (`native_bucket`) instead of being enlarged to cover it.
     """
     sizes = bucket_sizes(resolution, multiple=multiple, max_aspect=max_aspect)
     groups: dict[Size, list[int]] = {}
     for index, item in enumerate(items):
-        groups.setdefault(nearest_bucket(item.size, sizes), []).append(index)
+        bucket = nearest_bucket(item.size, sizes)
+        if not upscale:
+            bucket = native_bucket(
+                item.size, bucket, resolution=resolution, multiple=multiple, max_aspect=max_aspect
+            )
+        groups.setdefault(bucket, []).append(index)
     return dict(sorted(groups.items()))
 
 
-def upscale_warning(dataset: Dataset, resolution: int, *, multiple: int = 64) -> str | None:
+def upscale_warning(
+    dataset: Dataset, resolution: int, *, multiple: int = 64, upscale: bool = True
+) -> str | None:
     """A line saying how many images are enlarged by more than 10% to cover their bucket at
-    this resolution, and by how much at most (upscaled images teach blur); None if none."""
-    buckets = assign_buckets(dataset.items, resolution, multiple=multiple)
+    this resolution, and by how much at most (upscaled images teach blur); None if none.
+    With `upscale` False only images with a side below one bucket step are enlarged."""
+    buckets = assign_buckets(dataset.items, resolution, multiple=multiple, upscale=upscale)
     scales = [
         max(bw / dataset.items[i].size[0], bh / dataset.items[i].size[1])
         for (bw, bh), indices in buckets.items()
@@ -483,10 +553,46 @@ def upscale_warning(dataset: Dataset, resolution: int, *, multiple: int = 64) ->
     upscaled = [scale for scale in scales if scale > UPSCALE_NOTICE]
     if not upscaled:
         return None
+    if not upscale:
+        return (
+            f"{len(upscaled)} of {len(scales)} images have a side below the bucket step "
+            f"{multiple} px and will be upscaled to it (up to {max(upscaled):.1f}x) despite "
+            f"ZT_UPSCALE=false: leave them out with ZT_MIN_IMAGE_SIZE={multiple}"
+        )
     return (
         f"{len(upscaled)} of {len(scales)} images are smaller than {resolution} px and will be "
-        f"upscaled (up to {max(upscaled):.1f}x): use larger images or a lower ZT_RESOLUTION"
+        f"upscaled (up to {max(upscaled):.1f}x): use larger images or a lower ZT_RESOLUTION, "
+        "train them at their own size (ZT_UPSCALE=false) or leave them out (ZT_MIN_IMAGE_SIZE)"
     )
+
+
+def recipe_notes(
+    dataset: Dataset,
+    resolution: int | None,
+    *,
+    multiple: int = 64,
+    caption_template: str | None = None,
+    caption_dropout: float = 0.0,
+    min_image_size: int = 0,
+    upscale: bool = True,
+) -> list[str]:
+    """What the data recipes in force do to this dataset, a few words each (for `check` and
+    the log): the caption template, the dropout, the images left out or kept at their size."""
+    notes = []
+    if caption_template:
+        notes.append(f"captions as {caption_template!r}")
+    if caption_dropout:
+        notes.append(f"{caption_dropout * 100:g}% of samples an epoch on the empty caption")
+    if min_image_size:
+        small = sum(why.startswith(SMALL) for _, why in dataset.skipped)
+        notes.append(f"{_count(small, 'image')} under {min_image_size} px left out")
+    if not upscale and resolution:
+        standard = set(bucket_sizes(resolution, multiple=multiple))
+        buckets = assign_buckets(dataset.items, resolution, multiple=multiple, upscale=False)
+        native = sum(len(ix) for size, ix in buckets.items() if size not in standard)
+        its = "its" if native == 1 else "their"
+        notes.append(f"{_count(native, 'image')} not upscaled (trained at {its} own size)")
+    return notes
 
 
 # --- loading one example ------------------------------------------------------------------------

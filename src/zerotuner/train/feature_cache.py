@@ -97,10 +97,13 @@ class FeatureCache:
         key = _digest("text", self.text_key, caption)
         return self.root / "text" / key[:2] / f"{key}.safetensors"
 
-    def missing(self, items: list[CacheItem]) -> tuple[list[int], list[str]]:
-        """Indices of items without latents, and captions without embeddings (sorted, unique)."""
+    def missing(
+        self, items: list[CacheItem], extra_captions: Iterable[str] = ()
+    ) -> tuple[list[int], list[str]]:
+        """Indices of items without latents, and captions without embeddings (sorted, unique);
+        `extra_captions` are cached too (the empty caption of ZT_CAPTION_DROPOUT)."""
         latents = [i for i, item in enumerate(items) if not self.latent_path(item).is_file()]
-        captions = sorted({item.caption for item in items})
+        captions = sorted({item.caption for item in items} | set(extra_captions))
         texts = [c for c in captions if not self.text_path(c).is_file()]
         return latents, texts
 

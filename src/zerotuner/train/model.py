@@ -134,9 +134,9 @@ def load_denoiser(
 
 def load_frozen(components: Components, *, device: torch.device, text_dtype: torch.dtype) -> None:
     """VAE (fp32: the SDXL VAE overflows in fp16) and the family's text encoders, eval mode."""
-    from diffusers import AutoencoderKL
-
-    vae = AutoencoderKL.from_pretrained(components.source, subfolder="vae", dtype=torch.float32)
+    vae = vae_class(components.source).from_pretrained(
+        components.source, subfolder="vae", dtype=torch.float32
+    )
     components.vae = vae.to(device).eval().requires_grad_(False)
     family = families.get(components.family)
     encoders, tokenizers = family.load_text(components.source, dtype=text_dtype)
@@ -167,9 +167,31 @@ def load_components(
     return components
 
 
+def vae_class(source: Path) -> type:
+    """The VAE's class as the pipeline's model_index.json names it (AutoencoderKL, or
+    Qwen-Image's AutoencoderKLQwenImage)."""
+    import importlib
+    import json
+
+    index = source / "model_index.json"
+    library, name = ("diffusers", "AutoencoderKL")
+    if index.is_file():
+        library, name = json.loads(index.read_text()).get("vae", (library, name))
+    return getattr(importlib.import_module(library), name)
+
+
 @torch.no_grad()
 def encode_images(vae: Any, pixels: torch.Tensor) -> torch.Tensor:
-    """Pixels in [-1, 1] -> scaled latents (the distribution's mean: deterministic, cacheable)."""
+    """Pixels in [-1, 1] -> scaled latents (the distribution's mean: deterministic, cacheable).
+    A VAE with per-channel `latents_mean` / `latents_std` (Qwen-Image's, a video VAE) encodes
+    a one-frame clip and is normalised by those, as QwenImagePipeline decodes."""
+    mean = getattr(vae.config, "latents_mean", None)
+    if mean is not None:
+        clip = pixels.to(vae.device, vae.dtype).unsqueeze(2)
+        latents = vae.encode(clip).latent_dist.mean.squeeze(2).float().cpu()
+        view = (1, len(mean), 1, 1)
+        std = torch.tensor(vae.config.latents_std, dtype=torch.float32).view(view)
+        return (latents - torch.tensor(mean, dtype=torch.float32).view(view)) / std
     latents = vae.encode(pixels.to(vae.device, vae.dtype)).latent_dist.mean
     shift = getattr(vae.config, "shift_factor", None) or 0.0
     return ((latents - shift) * vae.config.scaling_factor).float().cpu()

@@ -30,11 +30,15 @@ class StopRequest:
     to save); a second signal ends the process at once (the last committed checkpoint is
     never touched by a half save). Ranks agree over a gloo group (also beside NCCL)."""
 
-    def __init__(self) -> None:
+    def __init__(self, timeout_seconds: float | None = None) -> None:
+        import datetime
+
         import torch.distributed as dist
 
         self.signum: int | None = None
-        self._group = dist.new_group(backend="gloo")
+        # the job's collective timeout, not new_group's own default (30 min for gloo)
+        timeout = datetime.timedelta(seconds=timeout_seconds) if timeout_seconds else None
+        self._group = dist.new_group(backend="gloo", timeout=timeout)
         if threading.current_thread() is threading.main_thread():  # else the launcher's job
             for sig in (signal.SIGTERM, signal.SIGINT):
                 signal.signal(sig, self._handle)

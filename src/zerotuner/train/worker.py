@@ -7,8 +7,9 @@ loading -> caching -> training (with checkpointing and validating) -> exporting.
 only module that calls `deepspeed.initialize`.
 
 Each rank writes its exit status (records.write_rank_status): 0 done, 2 ConfigError,
-3 EnvironmentUnfit, 4 Diverged (non-finite steps, see zerotuner.train.nonfinite), 1 anything else;
-torchrun itself exits 1 for every failure.
+3 EnvironmentUnfit, 4 Diverged (non-finite steps, see zerotuner.train.nonfinite), 200 PeerLost
+(another node of the job was lost: zerotuner.launch.peers), 1 anything else; torchrun itself
+exits 1 for every failure. A rank dies with its agent (`peers.die_with_parent`).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import logging
 import os
 import sys
 import tempfile
+import threading
 import traceback
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict
@@ -32,11 +34,13 @@ from zerotuner.errors import (
     EXIT_DIVERGED,
     EXIT_FAILURE,
     EXIT_OK,
+    EXIT_PEER_LOST,
     EXIT_SIGNAL,
     Diverged,
+    PeerLost,
     ZeroTunerError,
 )
-from zerotuner.launch import distributed
+from zerotuner.launch import distributed, peers
 from zerotuner.launch.job import Job, load_job, wait_for_job
 from zerotuner.launch.records import Sink, StepRecord, write_rank_status
 from zerotuner.settings.effective import effective_settings
@@ -95,7 +99,7 @@ class Run:
         self.base_digest: str | None = None  # LoRA: sha256 of the base weights it sits on
         self.text_metadata: dict[str, Any] | None = None  # LoRA on the text encoders too
         self.initial_adapter: dict[str, torch.Tensor] | None = None  # PiSSA / OLoRA's start
-        self.stop = StopRequest()
+        self.stop = StopRequest(settings.collective_timeout_seconds)
         self.guard: nonfinite.PlainStepGuard | None = None
         self.due: set[str] = set()  # "save", "validate": due at a skipped step, done at the next
 
@@ -134,10 +138,14 @@ class Run:
         self.objective = self.conditioning.objective(
             s, self.components.scheduler, self.components.denoiser.config
         )
-        self.dataset = data.scan(s.data_dir, log_skipped=self.rank == 0)
+        self.dataset = data.scan(
+            s.data_dir, log_skipped=self.rank == 0, caption_template=s.caption_template,
+            min_image_size=s.min_image_size,
+        )  # fmt: skip
         self.buckets = data.assign_buckets(
-            self.dataset.items, job.resolution, multiple=self._bucket_multiple()
-        )
+            self.dataset.items, job.resolution, multiple=self._bucket_multiple(),
+            upscale=s.upscale,
+        )  # fmt: skip
         if self.rank == 0:  # every rank scanned the same files: count them once
             for sink in self.sinks:
                 if hasattr(sink, "on_dataset_skipped"):
@@ -156,17 +164,22 @@ class Run:
                 self.objective.describe(),
             )  # fmt: skip
             multiple = self._bucket_multiple()
-            if upscaled := data.upscale_warning(self.dataset, job.resolution, multiple=multiple):
+            if upscaled := data.upscale_warning(
+                self.dataset, job.resolution, multiple=multiple, upscale=s.upscale
+            ):
                 log.warning("%s", upscaled)
+            if notes := data.recipe_notes(
+                self.dataset, job.resolution, multiple=multiple,
+                caption_template=s.caption_template, caption_dropout=s.caption_dropout,
+                min_image_size=s.min_image_size, upscale=s.upscale,
+            ):  # fmt: skip
+                log.info("dataset recipes: %s", "; ".join(notes))
 
     def _bucket_multiple(self) -> int:
         """Bucket sides must survive the VAE's downsampling and the denoiser's (the UNet's
         levels, a transformer's patches)."""
-        from diffusers import AutoencoderKL
-
-        vae = AutoencoderKL.load_config(self.source, subfolder="vae")
         cells = self.conditioning.latent_multiple(self.components.denoiser.config)
-        step = 2 ** (len(vae["block_out_channels"]) - 1) * cells
+        step = families.vae_scale(Path(self.source)) * cells
         return max(step, 64) if self.job.resolution >= 512 else step
 
     # --- caching ------------------------------------------------------------------------
@@ -233,8 +246,9 @@ class Run:
                 self.ema.load(resumed.ema, resumed.ema_updates)
 
     # --- training -------------------------------------------------------------------------
-    def steps(self) -> Iterator[tuple[int, list[list[int]]]]:
-        """(step, micro-batches) from the resumed position; self.position follows along."""
+    def steps(self) -> Iterator[tuple[int, list[tuple[list[int], int]]]]:
+        """(step, micro-batches) from the resumed position; self.position follows along. A
+        micro-batch is (item indices, epoch): the epoch decides the caption dropout."""
         s = self.settings
         micro = data.iterate_batches(
             self.dataset,
@@ -249,7 +263,7 @@ class Run:
         for step in range(self.start_step + 1, s.max_steps + 1):
             batch = [next(micro) for _ in range(accumulation)]
             self.position = batch[-1][1]
-            yield step, [indices for indices, _ in batch]
+            yield step, [(indices, position.epoch) for indices, position in batch]
 
     def train(self) -> None:
         s = self.settings
@@ -276,8 +290,12 @@ class Run:
         if graphs := speed.graphs_built():
             log.info("speed: %d graphs compiled in this rank (blocks x bucket shapes)", graphs)
 
-    def _load_batch(self, keys: list[int], gen: torch.Generator, *, texts: bool) -> dict:
-        items = [self.items[i] for i in keys]
+    def _load_batch(
+        self, keys: tuple[list[int], int], gen: torch.Generator, *, texts: bool
+    ) -> dict:
+        items = caching.batch_items(
+            self.items, keys, seed=self.settings.seed, caption_dropout=self.settings.caption_dropout
+        )
         batch = self.features.load_batch(items, gen, texts=texts)
         if not texts:
             captions = [item.caption for item in items]
@@ -432,14 +450,91 @@ class Run:
             loss_curve_png(steps, self.run_dir / "loss.png")
 
 
+class Whereabouts:
+    """A sink that remembers where the run is (the last finished step, the phase), for the
+    line a lost node ends this rank with."""
+
+    def __init__(self) -> None:
+        self.step: int | None = None
+        self.phase = "starting"
+
+    def on_phase(self, phase: str) -> None:
+        self.phase = phase
+
+    def on_step(self, record: StepRecord) -> None:
+        self.step = record.step
+
+    def on_checkpoint(self, step: int, seconds: float) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def lost_line(lost: peers.LostPeers, where: Whereabouts, settings: Settings) -> str:
+    """One line: which node was lost, when, and what a restart resumes from."""
+    when = f"after step {where.step}" if where.step else f"while {where.phase} (no step yet)"
+    last = checkpoint.last_committed(settings.output_dir)
+    if settings.resume == "never":
+        resumes = "starts over (ZT_RESUME=never)"
+    elif last is None:
+        resumes = "starts over: no checkpoint was committed yet"
+    else:
+        resumes = f"resumes from {last}"
+    return (
+        f"lost {lost.describe()} {when}: it {lost.how}. Restart every node (exit "
+        f"{EXIT_PEER_LOST}, retryable); training {resumes}"
+    )
+
+
+def _say_lost(error: PeerLost) -> None:
+    """The line, once per node (every rank of a surviving node knows the same)."""
+    if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+        print(f"zerotuner: error: {error}", file=sys.stderr, flush=True)
+
+
+def _end_lost(lost: peers.LostPeers, *, rank: int, where: Whereabouts, settings: Settings) -> None:
+    """The watch found the node lost while this rank's main thread may wait in a collective
+    that never returns (NCCL): say so, record the status and end the process from here."""
+    try:
+        error = PeerLost(lost_line(lost, where, settings))
+        _say_lost(error)
+        write_rank_status(rank, EXIT_PEER_LOST, str(error))
+    finally:
+        sys.stderr.flush()
+        os._exit(EXIT_PEER_LOST)
+
+
+def _lost(watch: peers.PeerWatch | None, where: Whereabouts, settings: Settings) -> PeerLost | None:
+    """After a failure: the lost node it came from, if one was lost (else None: the failure is
+    this node's own)."""
+    if watch is None:
+        return None
+    lost = watch.diagnose()
+    if lost is None:
+        return None
+    if not watch.claim():  # the watch's thread is ending this rank with the same verdict
+        threading.Event().wait()
+    return PeerLost(lost_line(lost, where, settings))
+
+
 def train(settings: Settings, job: Job, *, sinks: Sequence[Sink] | None = None) -> int:
     """The whole job of one rank; returns its exit code (and writes it as its rank status)."""
     rank, code, message = int(os.environ.get("RANK", "0")), EXIT_FAILURE, ""
+    where, watch = Whereabouts(), None
     try:
         rank, world = distributed.init_distributed(
             device=job.device, master_addr=job.master_addr, master_port=job.master_port,
             timeout_seconds=settings.collective_timeout_seconds,
         )  # fmt: skip
+        watch = peers.start_watch(
+            rank=rank, world=world, master_addr=job.master_addr, master_port=job.master_port,
+            silent_seconds=settings.peer_timeout_seconds,
+            on_lost=functools.partial(_end_lost, rank=rank, where=where, settings=settings),
+        )  # fmt: skip
+        if rank == 0:
+            for warning in distributed.timeout_warnings(settings, device=job.device):
+                log.warning("%s", warning)
         lora.check_settings(settings)  # preflight did too; a launcher of its own may not
         families.check_family_settings(settings, job.family)
         if rank == 0:  # before anything looks for a checkpoint to resume
@@ -455,6 +550,7 @@ def train(settings: Settings, job: Job, *, sinks: Sequence[Sink] | None = None) 
             lora.check_resume(manifest, settings, resume)
         if sinks is None:
             sinks = build_sinks(settings, job, rank=rank, resume=resume)
+        sinks = [*sinks, where]
         run = Run(settings, job, sinks=sinks, rank=rank, world=world)
         run.load()
         if settings.training_type == "lora":  # an adapter resumes only onto its own base
@@ -465,22 +561,44 @@ def train(settings: Settings, job: Job, *, sinks: Sequence[Sink] | None = None) 
         run.engine(resume)
         run.train()
         run.finish()
+        if watch is not None:
+            watch.settle()
         code, message = EXIT_OK, f"finished at step {settings.max_steps}"
     except Stopped as stopped:
+        if watch is not None:
+            watch.settle()
         code, message = EXIT_SIGNAL, str(stopped)
         resumes = f"at step {stopped.step + 1}" if stopped.step else "where this one started"
         log.warning("%s: exit %d, a restart resumes %s", stopped, code, resumes)
     except ZeroTunerError as error:
-        code, message = error.exit_code, str(error)
+        # a rank that stopped hearing from the others (caching's wait) may have lost a node
+        lost = _lost(watch, where, settings) if error.exit_code == EXIT_FAILURE else None
+        if watch is not None:
+            watch.settle()
+        if lost is not None:
+            error = lost
+            _say_lost(error)
         # every rank diverges at the same step: rank 0 says it once
-        if rank == 0 or not isinstance(error, Diverged):
+        elif rank == 0 or not isinstance(error, Diverged):
             for line in error.problems:
                 print(f"zerotuner: error: {line}", file=sys.stderr, flush=True)
+        code, message = error.exit_code, str(error)
     except Exception as error:  # noqa: BLE001 - the status must be written whatever happened
-        traceback.print_exc()
-        code, message = EXIT_FAILURE, f"{type(error).__name__}: {error}"
+        lost = _lost(watch, where, settings)  # a failed collective: a node lost?
+        if watch is not None:
+            watch.settle()
+        if lost is not None:
+            _say_lost(lost)
+            code, message = lost.exit_code, str(lost)
+        else:
+            traceback.print_exc()
+            code, message = EXIT_FAILURE, f"{type(error).__name__}: {error}"
     finally:
+        if watch is not None:
+            watch.settle()
         for sink in sinks or ():
+            if code != EXIT_OK and hasattr(sink, "unfinished"):
+                sink.unfinished()  # the progress summary must not read as a finished run
             sink.close()
         write_rank_status(rank, code, message)
         if code in (EXIT_OK, EXIT_SIGNAL, EXIT_DIVERGED):  # every rank got here together
@@ -507,6 +625,7 @@ def main() -> None:
     overlap its planning, then `wait_for_job` waits for the job file."""
     from zerotuner.monitor.logs import demote_known_noise, rank_level, setup_logging
 
+    peers.die_with_parent()  # no rank trains on alone after its agent was killed
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     if os.environ.get("DS_ACCELERATOR") == "cpu":  # JIT-built ops: deepspeed.initialize asks
         speed.warm_cpu_info()  # for it; the answer comes while the rank imports

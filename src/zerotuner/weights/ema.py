@@ -48,8 +48,8 @@ def iter_full_named_parameters(
 
 
 def full_state_dict(module: torch.nn.Module, *, rank: int) -> dict[str, torch.Tensor] | None:
-    """An fp32 CPU copy of every parameter and buffer on rank 0 (None elsewhere); every rank
-    must call it. Used for samples and the final export.
+    """An fp32 CPU copy of every parameter and persistent buffer on rank 0 (None elsewhere);
+    every rank must call it. Used for samples and the final export.
 
     With mixed precision the optimizer's fp32 master weights are taken (DeepSpeed's
     `safe_get_full_fp32_param`, a collective at ZeRO 1-3), not the bf16/fp16 copies the
@@ -76,9 +76,12 @@ def full_state_dict(module: torch.nn.Module, *, rank: int) -> dict[str, torch.Te
         for name, param in iter_full_named_parameters(module):
             if state is not None:
                 state[name] = param.detach().float().cpu().clone()
-    if state is not None:
-        for name, buffer in module.named_buffers():
-            state[name] = buffer.detach().float().cpu().clone()
+    if state is not None:  # the persistent buffers, as state_dict (Chroma has another kind)
+        for owner, sub in module.named_modules():
+            for name, buffer in sub.named_buffers(recurse=False):
+                if name not in sub._non_persistent_buffers_set:
+                    key = f"{owner}.{name}" if owner else name
+                    state[key] = buffer.detach().float().cpu().clone()
     return state
 
 

@@ -1,0 +1,140 @@
+"""A tiny Qwen-Image pipeline, built offline from the real diffusers/transformers classes: a
+QwenImageTransformer2DModel of two blocks, a two-layer Qwen2_5_VLForConditionalGeneration (with
+a one-block vision tower it never uses), a word-level tokenizer with Qwen's chat markers that
+splits the pipeline's prompt template into the same 34 tokens before the prompt as Qwen's own
+(words, punctuation and newlines one token each), a small AutoencoderKLQwenImage (random
+weights: its latents are normalised by their per-channel mean and std on the demo images, as
+the published VAE's `latents_mean` / `latents_std` do) and the flow-matching Euler scheduler
+with dynamic shifting. Saved with `save_pretrained`, it loads and generates through
+QwenImagePipeline.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import tempfile
+from pathlib import Path
+
+from zerotuner.demo.parts import DEMO_RESOLUTION, EXTRA_WORDS
+
+SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+TEMPLATE_WORDS = (
+    "system user assistant describe the image by detailing color shape size texture quantity "
+    "text spatial relationships of objects and background"
+)
+QWEN_WIDTH = 32  # the text states' width: the transformer's joint_attention_dim
+
+
+def write_qwen_tokenizer(folder: Path, corpus: list[str]):
+    """Word-level: lower-cased words, each punctuation mark and each newline one token."""
+    from tokenizers import AddedToken, Regex, Tokenizer, models, normalizers, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    text = " ".join([*corpus, EXTRA_WORDS, TEMPLATE_WORDS]).lower()
+    words = sorted(set(re.findall(r"[a-z]+", text)))
+    tokens = [*SPECIALS, "<unk>", "\n", ",", ":", ".", *words]
+    tok = Tokenizer(models.WordLevel({t: i for i, t in enumerate(tokens)}, unk_token="<unk>"))
+    tok.normalizer = normalizers.Lowercase()
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex("\n"), "isolated"),
+        pre_tokenizers.Split(Regex(" +"), "removed"),
+        pre_tokenizers.Split(Regex("[^a-z\n]"), "isolated"),
+    ])  # fmt: skip
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIALS])
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<|endoftext|>", eos_token="<|im_end|>",
+        unk_token="<unk>", padding_side="right", model_max_length=2048,
+    )  # fmt: skip
+    tokenizer.save_pretrained(folder)
+    return tokenizer
+
+
+def _text_encoder(tokenizer, seed: int):
+    import torch
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    ids = {"pad_token_id": tokenizer.pad_token_id, "bos_token_id": tokenizer.pad_token_id,
+           "eos_token_id": tokenizer.eos_token_id}  # fmt: skip
+    torch.manual_seed(seed)
+    return Qwen2_5_VLForConditionalGeneration(
+        Qwen2_5_VLConfig(
+            text_config={
+                "vocab_size": len(tokenizer), "hidden_size": QWEN_WIDTH,
+                "intermediate_size": QWEN_WIDTH * 2, "num_hidden_layers": 2,
+                "num_attention_heads": 4, "num_key_value_heads": 2,
+                "max_position_embeddings": 2048, **ids,
+                "rope_parameters": {"rope_type": "default", "mrope_section": [1, 1, 2],
+                                    "rope_theta": 1000000.0},
+            },
+            vision_config={
+                "depth": 1, "hidden_size": 16, "intermediate_size": 32, "num_heads": 2,
+                "out_hidden_size": QWEN_WIDTH, "fullatt_block_indexes": [0],
+            },
+            vocab_size=len(tokenizer), **ids,
+        )
+    )  # fmt: skip
+
+
+def _vae(seed: int, data_dir: Path | None):
+    """A small video VAE (4 pixels per latent cell, 16 channels), its latents' per-channel
+    mean and std measured on the demo images."""
+    import numpy as np
+    import torch
+    from diffusers import AutoencoderKLQwenImage
+    from PIL import Image
+
+    torch.manual_seed(seed)
+    vae = AutoencoderKLQwenImage(
+        base_dim=8, z_dim=16, dim_mult=[1, 2, 2], num_res_blocks=1,
+        temperal_downsample=[False, True], latents_mean=[0.0] * 16, latents_std=[1.0] * 16,
+    )  # fmt: skip
+    if data_dir is None:
+        return vae
+    batch = []
+    for path in sorted(data_dir.glob("*.png"))[:16]:
+        with Image.open(path) as image:
+            side = min(image.size)
+            image = image.convert("RGB").crop((0, 0, side, side))
+            image = image.resize((DEMO_RESOLUTION, DEMO_RESOLUTION), Image.Resampling.BICUBIC)
+            batch.append(np.asarray(image, dtype=np.float32) / 127.5 - 1.0)
+    pixels = torch.from_numpy(np.stack(batch)).permute(0, 3, 1, 2).unsqueeze(2)
+    with torch.no_grad():
+        latents = vae.encode(pixels).latent_dist.mean
+    mean = [round(float(v), 5) for v in latents.mean(dim=(0, 2, 3, 4))]
+    std = [round(float(v), 5) for v in latents.std(dim=(0, 2, 3, 4))]
+    vae.register_to_config(latents_mean=mean, latents_std=std)
+    return vae
+
+
+def write_model(model_dir: Path, *, seed: int, corpus: list[str],
+                data_dir: Path | None = None) -> Path:  # fmt: skip
+    import torch
+    from diffusers import (
+        FlowMatchEulerDiscreteScheduler,
+        QwenImagePipeline,
+        QwenImageTransformer2DModel,
+    )
+
+    from zerotuner.demo.flow import LATENT_CHANNELS
+
+    work = Path(tempfile.mkdtemp(prefix="zerotuner-tokenizers-"))
+    tokenizer = write_qwen_tokenizer(work / "qwen", corpus)
+    text_encoder = _text_encoder(tokenizer, seed + 4)
+    torch.manual_seed(seed + 3)
+    transformer = QwenImageTransformer2DModel(
+        patch_size=2, in_channels=LATENT_CHANNELS * 4, out_channels=LATENT_CHANNELS,
+        num_layers=2, attention_head_dim=16, num_attention_heads=2,
+        joint_attention_dim=QWEN_WIDTH, axes_dims_rope=(4, 6, 6),
+    )  # fmt: skip
+    scheduler = FlowMatchEulerDiscreteScheduler(
+        shift=1.0, use_dynamic_shifting=True, base_image_seq_len=16, max_image_seq_len=256,
+        shift_terminal=0.02, time_shift_type="exponential",
+    )  # fmt: skip
+    pipe = QwenImagePipeline(
+        transformer=transformer, scheduler=scheduler, vae=_vae(seed, data_dir),
+        text_encoder=text_encoder, tokenizer=tokenizer,
+    )  # fmt: skip
+    pipe.save_pretrained(model_dir, safe_serialization=True)
+    shutil.rmtree(work, ignore_errors=True)
+    return model_dir

@@ -1,0 +1,109 @@
+"""Z-Image (Tongyi-MAI/Z-Image, Z-Image-Turbo): a single-stream DiT of about 6B parameters
+(ZImageTransformer2DModel: noise and context refiners, then 30 joint layers) conditioned on
+Qwen3-4B's states, with FLUX.1's 16-channel VAE and a flow-matching scheduler with a static
+shift (3.0).
+
+The objective is diffusers' Z-Image LoRA example's (examples/dreambooth/
+train_dreambooth_lora_z_image.py, diffusers 0.42) and what ZImagePipeline samples with
+(pipelines/z_image/pipeline_z_image.py):
+- captions: each prompt put in Qwen3's chat template (`apply_chat_template(...,
+  add_generation_prompt=True, enable_thinking=True)`), tokenized to max_sequence_length with
+  its attention mask, and Qwen3's second-to-last hidden states of the real tokens only
+  (`hidden_states[-2]`, `prompt_embeds[i][prompt_masks[i]]`); cached padded with the mask
+  beside them, and cut back to one tensor per caption for the transformer;
+- sigmas from the density the settings name, shifted by the scheduler's static shift (the
+  example indexes `noise_scheduler.timesteps`, which carry it), `(1 - sigma) x + sigma n`;
+- the transformer takes lists (one (channels, 1, height, width) latent per image, one
+  caption's states each) and the timestep `(1000 - t) / 1000 = 1 - sigma`, and predicts
+  `x - n`: the example negates its output (`model_pred = -model_pred`) against the target
+  `noise - x`, as the pipeline negates it before the scheduler's step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from zerotuner.families import REGISTRY
+from zerotuner.families.flow import FlowFamily
+from zerotuner.families.flow_matching import FlowObjective
+
+
+@dataclass(frozen=True)
+class ZImageObjective(FlowObjective):
+    def predict(
+        self,
+        model: Any,
+        noisy: torch.Tensor,
+        sigmas: torch.Tensor,
+        kwargs: dict[str, Any],
+        *,
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> torch.Tensor:
+        latents = list(noisy.to(device, dtype).unsqueeze(2).unbind(dim=0))
+        t = (1 - sigmas).to(device, dtype)
+        out = model(latents, t, kwargs["cap_feats"], return_dict=False)[0]
+        return -torch.stack(out, dim=0).squeeze(2)
+
+
+@dataclass(frozen=True)
+class ZImage(FlowFamily):
+    text_subfolders: tuple[tuple[str, str], ...] = (("text_encoder", "tokenizer"),)
+    max_sequence_length: int = REGISTRY["zimage"].t5_tokens
+
+    def text_cache_tag(self) -> str:
+        return f":qwen3-{self.max_sequence_length}"
+
+    def denoiser_class(self) -> type:
+        from diffusers import ZImageTransformer2DModel
+
+        return ZImageTransformer2DModel
+
+    def pipeline_class(self) -> type:
+        from diffusers import ZImagePipeline
+
+        return ZImagePipeline
+
+    @torch.no_grad()
+    def encode_text(self, components: Any, captions: list[str]) -> dict[str, torch.Tensor]:
+        """ZImagePipeline._encode_prompt, padded: the states and the tokens' mask."""
+        (encoder,), (tokenizer,) = components.text_encoders, components.tokenizers
+        prompts = [
+            tokenizer.apply_chat_template(
+                [{"role": "user", "content": caption}],
+                tokenize=False,
+                add_generation_prompt=True,
+                enable_thinking=True,
+            )
+            for caption in captions
+        ]
+        tokens = tokenizer(
+            prompts, padding="max_length", max_length=self.max_sequence_length,
+            truncation=True, return_tensors="pt",
+        )  # fmt: skip
+        ids = tokens.input_ids.to(encoder.device)
+        mask = tokens.attention_mask.to(encoder.device).bool()
+        states = encoder(input_ids=ids, attention_mask=mask, output_hidden_states=True)
+        return {
+            "prompt_embeds": states.hidden_states[-2].to(self.cache_dtype).cpu(),
+            "text_mask": mask.to(self.cache_dtype).cpu(),
+        }
+
+    def model_kwargs(self, batch: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, Any]:
+        """One caption's states per image, its real tokens only (the pipeline's list)."""
+        masks = batch["text_mask"].bool()
+        return {
+            "cap_feats": [
+                states[mask].to(dtype)
+                for states, mask in zip(batch["prompt_embeds"], masks, strict=True)
+            ]
+        }
+
+    def objective(self, settings: Any, scheduler: Any, model_config: Any) -> Any:
+        return ZImageObjective(self.flow_config(settings, scheduler))
+
+    def latent_multiple(self, model_config: Any) -> int:
+        return int(model_config.all_patch_size[0])

@@ -1,0 +1,323 @@
+"""The newer flow-matching families (issue 30): Chroma, Z-Image and Qwen-Image. Each family's
+tiny demo (real diffusers/transformers classes) loads and generates through its own pipeline and
+is told apart by its files and its hub id; the cached captions are the pipeline's own
+conditioning; on 2 CPU ranks at ZeRO-3 it trains in full (zero.Init, CPU offload, EMA) and as
+LoRA (NVMe offload): the held-out loss falls, the export loads and generates in the family's
+pipeline, the adapter loads with `load_lora_weights`, and the full run's checkpoint resumes on
+one rank at ZeRO-2. Image-edit models are refused in one line; the planner's table of the
+published models is the docs' one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import trainkit as tk
+from test_flow_training import PROMPT, SAVED, STEPS, TOKENS, assert_trained_and_generates
+from test_flow_training import held_out_loss as family_held_out_loss
+
+from zerotuner import families
+from zerotuner.errors import ConfigError
+from zerotuner.train import model
+from zerotuner.weights.checkpoint import read_manifest
+
+NEW = ["chroma", "zimage", "qwenimage"]
+PIPELINES = {"chroma": "ChromaPipeline", "zimage": "ZImagePipeline",
+             "qwenimage": "QwenImagePipeline"}  # fmt: skip
+TRANSFORMERS = {"chroma": "ChromaTransformer2DModel", "zimage": "ZImageTransformer2DModel",
+                "qwenimage": "QwenImageTransformer2DModel"}  # fmt: skip
+HUB_IDS = {"chroma": "lodestones/Chroma1-HD", "zimage": "Tongyi-MAI/Z-Image-Turbo",
+           "qwenimage": "Qwen/Qwen-Image"}  # fmt: skip
+
+
+def run(tmp: Path, demo: Path, family: str, *, stage: int, world: int = 2, output: Path,
+        lr: float = 3e-3, offload_optimizer="none", offload_param="none",
+        gradient_checkpointing=False, **settings) -> str:  # fmt: skip
+    config = tk.ds_config(
+        stage, world=world, steps=STEPS, lr=lr, offload_optimizer=offload_optimizer,
+        offload_param=offload_param, nvme_dir=tmp / "nvme",
+    )  # fmt: skip
+    job = tk.write_job(tmp / "job.json", model=demo / "model", deepspeed=config, family=family,
+                       world=world, gradient_checkpointing=gradient_checkpointing)  # fmt: skip
+    env = tk.settings_env(
+        model=demo / "model", data=demo / "data", output=output, cache=tmp.parent / "cache",
+        max_steps=STEPS, log_every_steps=1, max_sequence_length=TOKENS, **settings,
+    )  # fmt: skip
+    proc = tk.run_ranks(tmp, env, job_file=job, world=world)
+    tk.assert_ok(proc, tmp, world=world)
+    return proc.stdout + proc.stderr
+
+
+def image(pipe, prompt: str = PROMPT):
+    pipe.set_progress_bar_config(disable=True)
+    return pipe(
+        prompt, num_inference_steps=2, height=64, width=64, output_type="np",
+        max_sequence_length=TOKENS, generator=torch.Generator().manual_seed(0),
+    ).images[0]  # fmt: skip
+
+
+# --- the demo, detection, refusals --------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", NEW)
+def test_demo_generates_in_its_pipeline_and_is_detected(family, family_demo_dir, tmp_path):
+    """`zerotuner demo --family F` is F's pipeline, which generates prompt-dependent images;
+    the family is read from model_index.json, from a bare transformer folder's config, and
+    (offline) from the published hub id's name."""
+    from diffusers import DiffusionPipeline
+
+    demo = family_demo_dir(family)
+    pipe = DiffusionPipeline.from_pretrained(demo / "model")
+    assert type(pipe).__name__ == PIPELINES[family]
+    first, second = image(pipe), image(pipe, "a blue square on a black background")
+    assert first.shape == (64, 64, 3) and abs(first - second).mean() > 0
+    assert families.detect_family(demo / "model") == family
+    bare = tmp_path / "bare"
+    shutil.copytree(demo / "model" / "transformer", bare / "transformer")
+    assert families.detect_family(bare) == family
+    config = json.loads((bare / "transformer" / "config.json").read_text())
+    assert config["_class_name"] == TRANSFORMERS[family]
+    assert families.resolve_family(HUB_IDS[family]) == family
+
+
+@pytest.mark.parametrize(
+    ("name", "index"),
+    [("Qwen/Qwen-Image-Edit-2509", "QwenImageEditPlusPipeline"),
+     ("black-forest-labs/FLUX.1-Kontext-dev", "FluxKontextPipeline")],
+)  # fmt: skip
+def test_image_edit_models_are_refused_in_one_line(name, index, tmp_path, monkeypatch, capsys):
+    """An image-edit model needs paired images: by hub id (offline) or by its model_index, one
+    line naming what zerotuner trains (`config --explain`: exit 2)."""
+    with pytest.raises(ConfigError) as by_name:
+        families.resolve_family(name)
+    folder = tmp_path / "edit"
+    folder.mkdir()
+    (folder / "model_index.json").write_text(json.dumps({"_class_name": index}))
+    with pytest.raises(ConfigError) as by_index:
+        families.resolve_family(str(folder))
+    for error in (by_name.value, by_index.value):
+        text = str(error)
+        assert "\n" not in text and "image-edit model" in text
+        assert "chroma, zimage" in text
+    with pytest.raises(ConfigError, match="FLUX.2"):  # not guessed as FLUX.1 by its name
+        families.resolve_family("black-forest-labs/FLUX.2-dev")
+    assert families.resolve_family("someone/sdxl-credit-cards") == "sdxl"  # a word, not "edit"
+    (tmp_path / "data").mkdir()
+    code, out, err = tk.config_explain(monkeypatch, capsys, tmp_path, ZT_MODEL=name,
+                                       ZT_DATA_DIR=str(tmp_path / "data"))  # fmt: skip
+    errors = [line for line in err.splitlines() if line.startswith("zerotuner: error:")]
+    assert (code, out, len(errors)) == (2, "", 1) and "image-edit model" in errors[0]
+
+
+@pytest.mark.parametrize("family", NEW)
+def test_cached_captions_are_the_pipelines_own_conditioning(family, family_demo_dir):
+    """What the cache holds for a caption is what the family's pipeline encodes it to (Chroma:
+    T5 with the attention mask and its text mask; Z-Image: Qwen3's penultimate states of the
+    chat-templated prompt, the real tokens only; Qwen-Image: Qwen2.5-VL's last states after the
+    template's 34 tokens, padded to the batch's longest)."""
+    from diffusers import DiffusionPipeline
+
+    pipe = DiffusionPipeline.from_pretrained(family_demo_dir(family) / "model")
+    kind = dataclasses.replace(families.get(family), max_sequence_length=TOKENS)
+    parts = model.Components(
+        family=family, source=Path(), denoiser=None, scheduler=None,
+        text_encoders=[getattr(pipe, e) for e, _ in kind.text_subfolders],
+        tokenizers=[getattr(pipe, t) for _, t in kind.text_subfolders],
+    )  # fmt: skip
+    captions = [PROMPT, "a blue square on a black background", "a green circle"]
+    ours = kind.encode_text(parts, captions)
+    assert ours["prompt_embeds"].dtype == torch.bfloat16
+    kwargs = kind.model_kwargs(ours, torch.float32)
+    if family == "chroma":
+        embeds, _, mask, *_ = pipe.encode_prompt(
+            captions, None, do_classifier_free_guidance=False, max_sequence_length=TOKENS
+        )
+        torch.testing.assert_close(ours["prompt_embeds"], embeds.to(torch.bfloat16))
+        torch.testing.assert_close(kwargs["text_mask"], mask.float())
+    elif family == "qwenimage":
+        embeds, mask = pipe.encode_prompt(list(captions), max_sequence_length=TOKENS)
+        torch.testing.assert_close(
+            kwargs["encoder_hidden_states"], embeds.to(torch.bfloat16).float()
+        )
+        assert mask is not None  # the captions differ in length
+        assert torch.equal(kwargs["encoder_hidden_states_mask"], mask)
+    else:
+        embeds, _ = pipe.encode_prompt(
+            list(captions), do_classifier_free_guidance=False, max_sequence_length=TOKENS
+        )
+        assert [e.shape for e in kwargs["cap_feats"]] == [e.shape for e in embeds]
+        for cached, own in zip(kwargs["cap_feats"], embeds, strict=True):
+            torch.testing.assert_close(cached, own.to(torch.bfloat16).float())
+
+
+# --- training on 2 CPU ranks ------------------------------------------------------------------
+
+FULL = {"stage": 3, "offload_optimizer": "cpu", "offload_param": "cpu", "ema": True}
+LORA = {"stage": 3, "offload_optimizer": "nvme", "offload_param": "nvme",
+        "training_type": "lora", "lora_rank": 4, "lora_alpha": 4, "lora_merge": True,
+        "lr": 1e-2}  # fmt: skip
+# Qwen-Image's attention adapter moves its tiny model's loss slowly at 1e-2 over 10 steps.
+LORA_LR = {"qwenimage": 3e-2}
+
+
+@pytest.fixture(scope="session", params=NEW)
+def full_run(request, family_demo_dir, tmp_path_factory):
+    family = request.param
+    tmp = tmp_path_factory.mktemp(f"full-{family}") / "run"
+    tmp.mkdir()
+    demo = family_demo_dir(family)
+    log = run(
+        tmp, demo, family, output=tmp / "output", checkpoint_every_steps=SAVED,
+        validation_prompts=[PROMPT], validation_inference_steps=2, **FULL,
+    )  # fmt: skip
+    return family, demo, tmp / "output", log
+
+
+@pytest.mark.slow
+def test_full_fine_tuning_at_zero_3_trains_samples_and_exports(full_run) -> None:
+    """ZeRO-3 with the optimizer and parameters on the CPU: every step logged, the held-out
+    loss falls, final/ is the family's pipeline and generates, the EMA is another model."""
+    from diffusers import DiffusionPipeline
+
+    family, demo, output, log = full_run
+    assert [s["step"] for s in tk.read_steps(output)] == list(range(1, STEPS + 1))
+    assert "flow matching (sigmas logit_normal(0, 1)" in log
+    final = assert_trained_and_generates(demo, family, output / "final")
+    (sample,) = (output / "samples" / f"step-{STEPS}").glob("*.png")
+    assert sample.stat().st_size > 0
+    manifest = read_manifest(output / "checkpoints" / f"step-{SAVED}")
+    assert (manifest["family"], manifest["zero_stage"]) == (family, 3)
+    ema = DiffusionPipeline.from_pretrained(output / "final-ema").transformer
+    assert any(
+        not torch.equal(a, b)
+        for a, b in zip(ema.parameters(), final.transformer.parameters(), strict=True)
+    )
+
+
+@pytest.mark.slow
+def test_full_checkpoint_resumes_on_one_rank_at_zero_2(full_run, tmp_path) -> None:
+    """From the step-5 checkpoint, 1 rank at ZeRO-2 (the universal checkpoint) trains steps
+    6-10, EMA included, and exports the pipeline folder."""
+    family, demo, output, _ = full_run
+    stopped = tmp_path / "output"
+    (stopped / "checkpoints").mkdir(parents=True)
+    shutil.copytree(output / "checkpoints" / f"step-{SAVED}",
+                    stopped / "checkpoints" / f"step-{SAVED}")  # fmt: skip
+    log = run(tmp_path, demo, family, stage=2, world=1, output=stopped, ema=True,
+              checkpoint_every_steps=0)  # fmt: skip
+    assert "converting once to universal" in log
+    assert [s["step"] for s in tk.read_steps(stopped)] == list(range(SAVED + 1, STEPS + 1))
+    for folder in ("final", "final-ema"):
+        index = json.loads((stopped / folder / "model_index.json").read_text())
+        assert index["_class_name"] == PIPELINES[family]
+        assert (stopped / folder / "transformer" / "config.json").is_file()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", NEW)
+def test_lora_at_zero_3_loads_in_the_pipeline(family, family_demo_dir, tmp_path) -> None:
+    """A LoRA adapter at ZeRO-3 with everything on NVMe: `transformer.` keys that the family's
+    pipeline loads with `load_lora_weights`, lowering the held-out loss and changing the
+    images; the merged pipeline renders the same images; `export` writes the same adapter."""
+    import numpy as np
+    from diffusers import DiffusionPipeline
+    from safetensors.torch import load_file
+
+    from zerotuner.weights import lora_files
+    from zerotuner.weights.export import export_checkpoint
+
+    demo, output = family_demo_dir(family), tmp_path / "output"
+    settings = LORA | {"lr": LORA_LR.get(family, LORA["lr"])}
+    run(tmp_path, demo, family, output=output, checkpoint_every_steps=STEPS, **settings)
+    final = output / "final"
+    adapter = load_file(final / lora_files.ADAPTER_FILE)
+    assert adapter and all(k.startswith("transformer.") for k in adapter)
+    exported = load_file(
+        export_checkpoint(output / "checkpoints" / f"step-{STEPS}", tmp_path / "exported")
+        / lora_files.ADAPTER_FILE
+    )
+    assert exported.keys() == adapter.keys()
+    assert all(torch.equal(exported[k], adapter[k]) for k in adapter)
+    pipe = DiffusionPipeline.from_pretrained(demo / "model")
+    before, loss_before = image(pipe), family_held_out_loss(demo, family, pipe.transformer)
+    pipe.load_lora_weights(final)
+    adapted = image(pipe)
+    assert family_held_out_loss(demo, family, pipe.transformer) < 0.97 * loss_before
+    merged = image(DiffusionPipeline.from_pretrained(final / lora_files.MERGED))
+    assert np.abs(adapted - before).max() > 1e-3, "the adapter changes nothing"
+    assert np.abs(merged - adapted).max() < 1e-3
+
+
+# --- the planner on the published sizes -------------------------------------------------------
+
+
+def test_models_page_table_of_the_newer_families_is_what_the_planner_says():
+    """docs/models.md's Chroma1-HD / Z-Image-Turbo table (bench/paper.py: full and LoRA on
+    1 x 24 GB, 1 x 80 GB, 8 x 80 GB) cannot drift from the planner."""
+    import sys
+
+    repo = Path(__file__).resolve().parents[1]
+    sys.path.insert(0, str(repo))  # bench/ is a top-level package beside src/
+    from bench.paper import family_plans_markdown
+
+    page = (repo / "docs/models.md").read_text()
+    start = page.index("<!-- family-plans:start -->\n") + len("<!-- family-plans:start -->\n")
+    assert page[start : page.index("<!-- family-plans:end -->")] == family_plans_markdown()
+
+
+@pytest.mark.parametrize("family", NEW)
+def test_published_sizes_recount_and_the_text_encoder_is_counted_for_caching(family):
+    """The registry's counts are what the published configs build to on the meta device (the
+    transformer; Z-Image's Qwen3-4B encoder), and the caching phase holds the text encoder:
+    a 24 GB GPU's plan says so, and its cached captions are sized at the pipeline's length."""
+    from transformers import Qwen3Config, Qwen3Model
+
+    from zerotuner.families import REGISTRY, caption_cache_bytes, model_shape
+
+    shape, counted = model_shape(family), model_shape(family, recount=True)
+    assert (counted.denoiser_params, counted.largest_param) == REGISTRY[family].builtin_counts
+    assert shape.denoiser_params == counted.denoiser_params
+    assert shape.frozen_params == REGISTRY[family].text_params + REGISTRY[family].vae_params
+    if family == "zimage":
+        from accelerate import init_empty_weights
+
+        with init_empty_weights():
+            qwen = Qwen3Model(Qwen3Config(
+                hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
+                num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936,
+            ))  # fmt: skip
+        assert sum(p.numel() for p in qwen.parameters()) == REGISTRY[family].text_params
+    if family == "qwenimage":
+        from accelerate import init_empty_weights
+        from diffusers import AutoencoderKLQwenImage
+        from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+        text = {"vocab_size": 152064, "hidden_size": 3584, "intermediate_size": 18944,
+                "num_hidden_layers": 28, "num_attention_heads": 28, "num_key_value_heads": 4,
+                "tie_word_embeddings": False}  # Qwen2.5-VL-7B-Instruct's config  # fmt: skip
+        vision = {"depth": 32, "hidden_size": 1280, "intermediate_size": 3420, "num_heads": 16,
+                  "out_hidden_size": 3584}  # fmt: skip
+        with init_empty_weights():
+            vl = Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(
+                text_config=text, vision_config=vision, vocab_size=152064,
+                tie_word_embeddings=False,
+            ))  # fmt: skip
+            vae = AutoencoderKLQwenImage()
+        assert sum(p.numel() for p in vl.parameters()) == REGISTRY[family].text_params
+        assert sum(p.numel() for p in vae.parameters()) == REGISTRY[family].vae_params
+    width = {"chroma": 4096, "zimage": 2560, "qwenimage": 3584}[family]
+    assert caption_cache_bytes(shape) == 512 * width * 2
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/ beside src/
+    from bench.paper import flow_plan
+
+    phases = flow_plan(family, 1, 24, 128)["load_peak"]
+    assert phases["per_node"]["frozen_parts"] == 2 * shape.frozen_params  # bf16, once per node
+    caching = phases["phases"]["caching"]["host_bytes"]
+    assert caching - phases["phases"]["load"]["host_bytes"] == 2 * shape.frozen_params
