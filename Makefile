@@ -65,8 +65,8 @@ image:
 
 # The image built for real against a local CPU stand-in for its CUDA bases, and run: docker
 # run, stop and resume, HEALTHCHECK, the commands, the RunPod target, compose with Prometheus
-# (tests/image/run.sh; docs/development.md "Image test"). Needs root; about 15 minutes the
-# first time, so not part of `make test`.
+# (tests/image/run.sh; docs/development.md "Image test"). Needs root; about 30 minutes the
+# first time on 2 cores (DeepSpeed's CPU ops), 7 once cached, so not part of `make test`.
 .PHONY: test-image
 test-image: setup
 	bash tests/image/run.sh

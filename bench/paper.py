@@ -238,7 +238,10 @@ def flow_plans_markdown() -> str:
 # The newer families (issue 30) on the same hosts, full fine-tuning and LoRA (the default
 # adapter: rank 16 on the attention projections), with host memory per node in training and at
 # the load peak (the caching phase's text encoder counted in it).
-FAMILY_MODELS = (("Chroma1-HD", "chroma"), ("Z-Image-Turbo", "zimage"), ("Qwen-Image", "qwenimage"))
+FAMILY_MODELS = (
+    ("Chroma1-HD", "chroma"), ("Z-Image-Turbo", "zimage"), ("Qwen-Image", "qwenimage"),
+    ("FLUX.2-dev", "flux2"), ("FLUX.2-klein-4B", "flux2klein"),
+)  # fmt: skip
 
 
 def family_plans_markdown() -> str:

@@ -59,7 +59,8 @@ def test_transformer_pipelines_are_detected_and_foreign_settings_refused(
     assert code == 2 and out == "" and "Traceback" not in err
     assert lines == [
         f"zerotuner: error: ZT_SNR_GAMMA is set but ZT_MODEL is a {family} model, trained by "
-        "flow matching (SD3, Flux): unset ZT_SNR_GAMMA (it applies to the UNet families only)"
+        "flow matching (a transformer family): unset ZT_SNR_GAMMA (it applies to the UNet "
+        "families only)"
     ]
     monkeypatch.delenv("ZT_SNR_GAMMA")
     code, out, err = tk.config_explain(

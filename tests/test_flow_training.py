@@ -36,10 +36,11 @@ OTHER = {
 
 
 def run(tmp: Path, demo: Path, family: str, *, stage: int, world: int = 2, output: Path,
-        offload_optimizer="none", offload_param="none", gradient_checkpointing=False,
-        **settings) -> str:  # fmt: skip
+        lr: float = 3e-3, offload_optimizer="none", offload_param="none",
+        gradient_checkpointing=False, **settings) -> str:  # fmt: skip
+    """`family`'s demo trained on `world` CPU ranks at `stage`; the ranks' log."""
     config = tk.ds_config(
-        stage, world=world, steps=STEPS, lr=3e-3, offload_optimizer=offload_optimizer,
+        stage, world=world, steps=STEPS, lr=lr, offload_optimizer=offload_optimizer,
         offload_param=offload_param, nvme_dir=tmp / "nvme",
     )  # fmt: skip
     job = tk.write_job(tmp / "job.json", model=demo / "model", deepspeed=config, family=family,
@@ -107,7 +108,7 @@ def assert_trained_and_generates(demo: Path, family: str, folder: Path):
     assert held_out_loss(demo, family, pipe.transformer) < 0.97 * before
     pipe.set_progress_bar_config(disable=True)
     image = pipe(
-        PROMPT, num_inference_steps=2, height=64, width=64, output_type="np",
+        prompt=PROMPT, num_inference_steps=2, height=64, width=64, output_type="np",
         max_sequence_length=TOKENS, generator=torch.Generator().manual_seed(0),
     ).images[0]  # fmt: skip
     assert image.shape == (64, 64, 3) and np.isfinite(image).all()
@@ -118,7 +119,6 @@ def assert_trained_and_generates(demo: Path, family: str, folder: Path):
 def test_flow_families_train_sample_and_export(flow_run) -> None:
     """The loss on held-out draws falls; samples come from the family's pipeline; final/ is a
     pipeline folder that loads and generates; the checkpoint says what it is."""
-    from diffusers import DiffusionPipeline
 
     family, demo, output, log = flow_run
     assert [s["step"] for s in tk.read_steps(output)] == list(range(1, STEPS + 1))
@@ -129,11 +129,18 @@ def test_flow_families_train_sample_and_export(flow_run) -> None:
     manifest = read_manifest(output / "checkpoints" / f"step-{SAVED}")
     assert (manifest["family"], manifest["zero_stage"]) == (family, RUNS[family]["stage"])
     if RUNS[family]["ema"]:
-        ema = DiffusionPipeline.from_pretrained(output / "final-ema").transformer
-        assert any(
-            not torch.equal(a, b)
-            for a, b in zip(ema.parameters(), final.transformer.parameters(), strict=True)
-        )
+        assert_ema_differs(output, final)
+
+
+def assert_ema_differs(output: Path, final) -> None:
+    """final-ema/ is a pipeline whose transformer is not final/'s (`final`, loaded)."""
+    from diffusers import DiffusionPipeline
+
+    ema = DiffusionPipeline.from_pretrained(output / "final-ema").transformer
+    assert any(
+        not torch.equal(a, b)
+        for a, b in zip(ema.parameters(), final.transformer.parameters(), strict=True)
+    )
 
 
 @pytest.mark.slow
@@ -225,7 +232,7 @@ def test_lora_on_a_flow_transformer(flow_demo_dirs, tmp_path, family, stage) -> 
     def image(pipe) -> np.ndarray:
         pipe.set_progress_bar_config(disable=True)
         return pipe(
-            PROMPT, num_inference_steps=2, height=64, width=64, output_type="np",
+            prompt=PROMPT, num_inference_steps=2, height=64, width=64, output_type="np",
             max_sequence_length=TOKENS, generator=torch.Generator().manual_seed(0),
         ).images[0]  # fmt: skip
 

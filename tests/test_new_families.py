@@ -1,10 +1,12 @@
-"""The newer flow-matching families (issue 30): Chroma, Z-Image and Qwen-Image. Each family's
+"""The newer flow-matching families (issue 30): Chroma, Z-Image, Qwen-Image, FLUX.2 [dev] and
+[klein]. Each family's
 tiny demo (real diffusers/transformers classes) loads and generates through its own pipeline and
 is told apart by its files and its hub id; the cached captions are the pipeline's own
 conditioning; on 2 CPU ranks at ZeRO-3 it trains in full (zero.Init, CPU offload, EMA) and as
 LoRA (NVMe offload): the held-out loss falls, the export loads and generates in the family's
 pipeline, the adapter loads with `load_lora_weights`, and the full run's checkpoint resumes on
-one rank at ZeRO-2. Image-edit models are refused in one line; the planner's table of the
+one rank at ZeRO-2 (FLUX.2 [klein], [dev]'s transformer and objective with Qwen3's captions,
+trains as LoRA only here). Image-edit models are refused in one line; the planner's table of the
 published models is the docs' one.
 """
 
@@ -18,7 +20,15 @@ from pathlib import Path
 import pytest
 import torch
 import trainkit as tk
-from test_flow_training import PROMPT, SAVED, STEPS, TOKENS, assert_trained_and_generates
+from test_flow_training import (
+    PROMPT,
+    SAVED,
+    STEPS,
+    TOKENS,
+    assert_ema_differs,
+    assert_trained_and_generates,
+    run,
+)
 from test_flow_training import held_out_loss as family_held_out_loss
 
 from zerotuner import families
@@ -26,37 +36,23 @@ from zerotuner.errors import ConfigError
 from zerotuner.train import model
 from zerotuner.weights.checkpoint import read_manifest
 
-NEW = ["chroma", "zimage", "qwenimage"]
+NEW = ["chroma", "zimage", "qwenimage", "flux2", "flux2klein"]
+FULL_RUNS = ["chroma", "zimage", "qwenimage", "flux2"]  # the full run's fixture (+ resume)
 PIPELINES = {"chroma": "ChromaPipeline", "zimage": "ZImagePipeline",
-             "qwenimage": "QwenImagePipeline"}  # fmt: skip
+             "qwenimage": "QwenImagePipeline", "flux2": "Flux2Pipeline",
+             "flux2klein": "Flux2KleinPipeline"}  # fmt: skip
 TRANSFORMERS = {"chroma": "ChromaTransformer2DModel", "zimage": "ZImageTransformer2DModel",
-                "qwenimage": "QwenImageTransformer2DModel"}  # fmt: skip
+                "qwenimage": "QwenImageTransformer2DModel", "flux2": "Flux2Transformer2DModel",
+                "flux2klein": "Flux2Transformer2DModel"}  # fmt: skip
 HUB_IDS = {"chroma": "lodestones/Chroma1-HD", "zimage": "Tongyi-MAI/Z-Image-Turbo",
-           "qwenimage": "Qwen/Qwen-Image"}  # fmt: skip
-
-
-def run(tmp: Path, demo: Path, family: str, *, stage: int, world: int = 2, output: Path,
-        lr: float = 3e-3, offload_optimizer="none", offload_param="none",
-        gradient_checkpointing=False, **settings) -> str:  # fmt: skip
-    config = tk.ds_config(
-        stage, world=world, steps=STEPS, lr=lr, offload_optimizer=offload_optimizer,
-        offload_param=offload_param, nvme_dir=tmp / "nvme",
-    )  # fmt: skip
-    job = tk.write_job(tmp / "job.json", model=demo / "model", deepspeed=config, family=family,
-                       world=world, gradient_checkpointing=gradient_checkpointing)  # fmt: skip
-    env = tk.settings_env(
-        model=demo / "model", data=demo / "data", output=output, cache=tmp.parent / "cache",
-        max_steps=STEPS, log_every_steps=1, max_sequence_length=TOKENS, **settings,
-    )  # fmt: skip
-    proc = tk.run_ranks(tmp, env, job_file=job, world=world)
-    tk.assert_ok(proc, tmp, world=world)
-    return proc.stdout + proc.stderr
+           "qwenimage": "Qwen/Qwen-Image", "flux2": "black-forest-labs/FLUX.2-dev",
+           "flux2klein": "black-forest-labs/FLUX.2-klein-4B"}  # fmt: skip
 
 
 def image(pipe, prompt: str = PROMPT):
     pipe.set_progress_bar_config(disable=True)
     return pipe(
-        prompt, num_inference_steps=2, height=64, width=64, output_type="np",
+        prompt=prompt, num_inference_steps=2, height=64, width=64, output_type="np",
         max_sequence_length=TOKENS, generator=torch.Generator().manual_seed(0),
     ).images[0]  # fmt: skip
 
@@ -104,8 +100,10 @@ def test_image_edit_models_are_refused_in_one_line(name, index, tmp_path, monkey
         text = str(error)
         assert "\n" not in text and "image-edit model" in text
         assert "chroma, zimage" in text
-    with pytest.raises(ConfigError, match="FLUX.2"):  # not guessed as FLUX.1 by its name
-        families.resolve_family("black-forest-labs/FLUX.2-dev")
+    # FLUX.2 is not guessed as FLUX.1 by its name; with reference images it is refused
+    assert families.resolve_family("black-forest-labs/FLUX.2-dev") == "flux2"
+    with pytest.raises(ConfigError, match="without reference images"):
+        families.resolve_family("someone/FLUX.2-dev-edit")
     assert families.resolve_family("someone/sdxl-credit-cards") == "sdxl"  # a word, not "edit"
     (tmp_path / "data").mkdir()
     code, out, err = tk.config_explain(monkeypatch, capsys, tmp_path, ZT_MODEL=name,
@@ -146,6 +144,18 @@ def test_cached_captions_are_the_pipelines_own_conditioning(family, family_demo_
         )
         assert mask is not None  # the captions differ in length
         assert torch.equal(kwargs["encoder_hidden_states_mask"], mask)
+    elif family.startswith("flux2"):  # layers (10, 20, 30) / (9, 18, 27) side by side
+        embeds, _ = pipe.encode_prompt(list(captions), max_sequence_length=TOKENS)
+        assert embeds.shape[1:] == (TOKENS, pipe.transformer.config.joint_attention_dim)
+        torch.testing.assert_close(
+            kwargs["encoder_hidden_states"], embeds.to(torch.bfloat16).float()
+        )
+        # [dev]'s 24B encoder streams from host memory while caching (here to the CPU): the
+        # weights leave the module (meta), the states stay the same
+        parts.text_encoders = [model.streamed(parts.text_encoders[0], torch.device("cpu"))]
+        assert {p.device.type for p in parts.text_encoders[0].parameters()} == {"meta"}
+        assert torch.equal(kind.encode_text(parts, captions)["prompt_embeds"],
+                           ours["prompt_embeds"])  # fmt: skip
     else:
         embeds, _ = pipe.encode_prompt(
             list(captions), do_classifier_free_guidance=False, max_sequence_length=TOKENS
@@ -161,11 +171,14 @@ FULL = {"stage": 3, "offload_optimizer": "cpu", "offload_param": "cpu", "ema": T
 LORA = {"stage": 3, "offload_optimizer": "nvme", "offload_param": "nvme",
         "training_type": "lora", "lora_rank": 4, "lora_alpha": 4, "lora_merge": True,
         "lr": 1e-2}  # fmt: skip
-# Qwen-Image's attention adapter moves its tiny model's loss slowly at 1e-2 over 10 steps.
-LORA_LR = {"qwenimage": 3e-2}
+# Qwen-Image's attention adapter moves its tiny model's loss slowly at 1e-2 over 10 steps;
+# FLUX.2's adapters are the example's default: the single-stream block's projections too.
+LORA_LR = {"qwenimage": 3e-2, "flux2": 3e-2, "flux2klein": 5e-2}
+FLUX2_TARGETS = "attention,to_qkv_mlp_proj,single_transformer_blocks.0.attn.to_out"
+LORA_TARGETS = {"flux2": FLUX2_TARGETS, "flux2klein": FLUX2_TARGETS}
 
 
-@pytest.fixture(scope="session", params=NEW)
+@pytest.fixture(scope="session", params=FULL_RUNS)
 def full_run(request, family_demo_dir, tmp_path_factory):
     family = request.param
     tmp = tmp_path_factory.mktemp(f"full-{family}") / "run"
@@ -182,7 +195,6 @@ def full_run(request, family_demo_dir, tmp_path_factory):
 def test_full_fine_tuning_at_zero_3_trains_samples_and_exports(full_run) -> None:
     """ZeRO-3 with the optimizer and parameters on the CPU: every step logged, the held-out
     loss falls, final/ is the family's pipeline and generates, the EMA is another model."""
-    from diffusers import DiffusionPipeline
 
     family, demo, output, log = full_run
     assert [s["step"] for s in tk.read_steps(output)] == list(range(1, STEPS + 1))
@@ -192,11 +204,7 @@ def test_full_fine_tuning_at_zero_3_trains_samples_and_exports(full_run) -> None
     assert sample.stat().st_size > 0
     manifest = read_manifest(output / "checkpoints" / f"step-{SAVED}")
     assert (manifest["family"], manifest["zero_stage"]) == (family, 3)
-    ema = DiffusionPipeline.from_pretrained(output / "final-ema").transformer
-    assert any(
-        not torch.equal(a, b)
-        for a, b in zip(ema.parameters(), final.transformer.parameters(), strict=True)
-    )
+    assert_ema_differs(output, final)
 
 
 @pytest.mark.slow
@@ -233,6 +241,8 @@ def test_lora_at_zero_3_loads_in_the_pipeline(family, family_demo_dir, tmp_path)
 
     demo, output = family_demo_dir(family), tmp_path / "output"
     settings = LORA | {"lr": LORA_LR.get(family, LORA["lr"])}
+    if family in LORA_TARGETS:
+        settings["lora_targets"] = LORA_TARGETS[family]
     run(tmp_path, demo, family, output=output, checkpoint_every_steps=STEPS, **settings)
     final = output / "final"
     adapter = load_file(final / lora_files.ADAPTER_FILE)
@@ -283,7 +293,7 @@ def test_published_sizes_recount_and_the_text_encoder_is_counted_for_caching(fam
     assert (counted.denoiser_params, counted.largest_param) == REGISTRY[family].builtin_counts
     assert shape.denoiser_params == counted.denoiser_params
     assert shape.frozen_params == REGISTRY[family].text_params + REGISTRY[family].vae_params
-    if family == "zimage":
+    if family in ("zimage", "flux2klein"):  # Qwen3-4B (klein's Qwen3ForCausalLM ties lm_head)
         from accelerate import init_empty_weights
 
         with init_empty_weights():
@@ -310,7 +320,42 @@ def test_published_sizes_recount_and_the_text_encoder_is_counted_for_caching(fam
             vae = AutoencoderKLQwenImage()
         assert sum(p.numel() for p in vl.parameters()) == REGISTRY[family].text_params
         assert sum(p.numel() for p in vae.parameters()) == REGISTRY[family].vae_params
-    width = {"chroma": 4096, "zimage": 2560, "qwenimage": 3584}[family]
+    if family == "flux2":  # Mistral Small 3.x streams while caching: its largest layer counts
+        from accelerate import init_empty_weights
+        from diffusers import AutoencoderKLFlux2
+        from transformers import Mistral3Config, Mistral3ForConditionalGeneration
+
+        from zerotuner.families import MISTRAL_SMALL_3_LAYER
+
+        text = {
+            "model_type": "mistral",
+            "head_dim": 128,
+            "hidden_size": 5120,
+            "intermediate_size": 32768,
+            "num_attention_heads": 32,
+            "num_hidden_layers": 40,
+            "num_key_value_heads": 8,
+            "vocab_size": 131072,
+        }  # Mistral-Small-3.1-24B's
+        vision = {"model_type": "pixtral", "head_dim": 64, "hidden_size": 1024,
+                  "image_size": 1540, "patch_size": 14}  # fmt: skip
+        with init_empty_weights():
+            mistral = Mistral3ForConditionalGeneration(Mistral3Config(
+                text_config=text, vision_config=vision, spatial_merge_size=2,
+                multimodal_projector_bias=False, tie_word_embeddings=False,
+            ))  # fmt: skip
+            vae = AutoencoderKLFlux2()
+        assert sum(p.numel() for p in mistral.parameters()) == REGISTRY[family].text_params
+        assert sum(p.numel() for p in vae.parameters()) == REGISTRY[family].vae_params
+        largest = max(
+            sum(p.numel() for p in m.parameters(recurse=False)) for m in mistral.modules()
+        )
+        assert largest == MISTRAL_SMALL_3_LAYER
+        assert shape.caching_params == REGISTRY[family].vae_params + largest
+    else:
+        assert shape.caching_params is None  # the text encoder loads whole
+    width = {"chroma": 4096, "zimage": 2560, "qwenimage": 3584, "flux2": 15360,
+             "flux2klein": 7680}[family]  # fmt: skip
     assert caption_cache_bytes(shape) == 512 * width * 2
     import sys
 

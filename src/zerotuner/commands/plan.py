@@ -10,7 +10,7 @@ import argparse
 import json
 
 from zerotuner.commands import what_if
-from zerotuner.families import FAMILIES, FLOW_FAMILIES
+from zerotuner.families import FAMILIES, FLOW_FAMILIES, REGISTRY
 from zerotuner.machine.hardware import Hardware, describe_hardware
 from zerotuner.preflight.plan import Plan, PlanInputs, gib
 from zerotuner.preflight.what_if import plan_json, plan_what_if
@@ -65,8 +65,8 @@ def render(plan: Plan, hardware: Hardware) -> str:
     lines.append(
         f"text cache (ZT_CACHE_DIR): {per_caption / 2**20:.2f} MiB per caption, "
         f"{per_caption * 10_000 / 2**30:.1f} GiB per 10,000 captions"
-        + (" (T5 states in bf16; ZT_MAX_SEQUENCE_LENGTH shortens them)"
-           if i.family in FLOW_FAMILIES else "")
+        + (f" ({REGISTRY[i.family].long_encoder} states in bf16; ZT_MAX_SEQUENCE_LENGTH "
+           "shortens them)" if i.family in FLOW_FAMILIES else "")
     )  # fmt: skip
     lines += ["", f"choice: {plan.choice.label()}"]
     lines += [f"  - {reason}" for reason in plan.reasons]

@@ -7,7 +7,6 @@ with `save_pretrained`, it loads and generates through ChromaPipeline.
 
 from __future__ import annotations
 
-import shutil
 import tempfile
 from pathlib import Path
 
@@ -15,9 +14,17 @@ from pathlib import Path
 def write_model(model_dir: Path, *, seed: int, corpus: list[str],
                 data_dir: Path | None = None) -> Path:  # fmt: skip
     import torch
-    from diffusers import ChromaPipeline, ChromaTransformer2DModel, FlowMatchEulerDiscreteScheduler
+    from diffusers import ChromaPipeline, ChromaTransformer2DModel
 
-    from zerotuner.demo.flow import LATENT_CHANNELS, T5_WIDTH, _t5, _vae, write_t5_tokenizer
+    from zerotuner.demo.flow import (
+        LATENT_CHANNELS,
+        T5_WIDTH,
+        _t5,
+        _vae,
+        dynamic_scheduler,
+        save_pipeline,
+        write_t5_tokenizer,
+    )  # fmt: skip
 
     work = Path(tempfile.mkdtemp(prefix="zerotuner-tokenizers-"))
     tokenizer = write_t5_tokenizer(work / "t5", corpus)
@@ -29,13 +36,7 @@ def write_model(model_dir: Path, *, seed: int, corpus: list[str],
         axes_dims_rope=(4, 6, 6), approximator_num_channels=16, approximator_hidden_dim=32,
         approximator_layers=1,
     )  # fmt: skip
-    scheduler = FlowMatchEulerDiscreteScheduler(
-        shift=3.0, use_dynamic_shifting=True, base_image_seq_len=16, max_image_seq_len=256
-    )
-    pipe = ChromaPipeline(
-        transformer=transformer, scheduler=scheduler, vae=_vae(seed, data_dir),
-        text_encoder=t5, tokenizer=tokenizer,
+    return save_pipeline(
+        model_dir, work, ChromaPipeline, transformer=transformer, scheduler=dynamic_scheduler(),
+        vae=_vae(seed, data_dir), text_encoder=t5, tokenizer=tokenizer,
     )  # fmt: skip
-    pipe.save_pretrained(model_dir, safe_serialization=True)
-    shutil.rmtree(work, ignore_errors=True)
-    return model_dir

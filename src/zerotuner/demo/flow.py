@@ -25,9 +25,13 @@ from zerotuner.demo.parts import (
     write_tokenizer,
 )
 
-FlowFamily = Literal["sd3", "flux", "chroma", "zimage", "qwenimage"]
-# the demo module of each newer family
-MODULES = {"chroma": "chroma", "zimage": "z_image", "qwenimage": "qwen_image"}
+FlowFamily = Literal["sd3", "flux", "chroma", "zimage", "qwenimage", "flux2", "flux2klein"]
+# the demo module of each newer family, and its function that writes the model
+MODULES = {
+    "chroma": ("chroma", "write_model"), "zimage": ("z_image", "write_model"),
+    "qwenimage": ("qwen_image", "write_model"), "flux2": ("flux2", "write_model"),
+    "flux2klein": ("flux2", "write_klein_model"),
+}  # fmt: skip
 LATENT_CHANNELS = 16  # SD3's and Flux's VAEs
 T5_WIDTH = 64  # T5's d_model: SD3 pads the CLIP states (32 + 32) to it
 T5_MAX_TOKENS = 32
@@ -80,6 +84,23 @@ def _vae(seed: int, data_dir: Path | None):
     return vae
 
 
+def dynamic_scheduler(**config):
+    """FLUX.1's flow-matching Euler scheduler (dynamic shifting) at the demo's sizes."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    return FlowMatchEulerDiscreteScheduler(
+        **{"shift": 3.0, "use_dynamic_shifting": True, "base_image_seq_len": 16,
+           "max_image_seq_len": 256, **config}
+    )  # fmt: skip
+
+
+def save_pipeline(model_dir: Path, work: Path, pipeline: type, **parts) -> Path:
+    """`pipeline(**parts)` saved into `model_dir`; the tokenizers' scratch folder removed."""
+    pipeline(**parts).save_pretrained(model_dir, safe_serialization=True)
+    shutil.rmtree(work, ignore_errors=True)
+    return model_dir
+
+
 def write_flow_model(
     model_dir: Path, *, family: FlowFamily, seed: int, corpus: list[str],
     data_dir: Path | None = None,
@@ -90,8 +111,9 @@ def write_flow_model(
     import importlib
 
     if family in MODULES:
-        module = importlib.import_module(f"zerotuner.demo.{MODULES[family]}")
-        return module.write_model(model_dir, seed=seed, corpus=corpus, data_dir=data_dir)
+        module, function = MODULES[family]
+        write = getattr(importlib.import_module(f"zerotuner.demo.{module}"), function)
+        return write(model_dir, seed=seed, corpus=corpus, data_dir=data_dir)
     import torch
     from diffusers import (
         FlowMatchEulerDiscreteScheduler,
@@ -134,11 +156,8 @@ def write_flow_model(
             attention_head_dim=16, num_attention_heads=2, joint_attention_dim=T5_WIDTH,
             pooled_projection_dim=32, guidance_embeds=True, axes_dims_rope=(4, 6, 6),
         )  # fmt: skip
-        scheduler = FlowMatchEulerDiscreteScheduler(
-            shift=3.0, use_dynamic_shifting=True, base_image_seq_len=16, max_image_seq_len=256
-        )
         pipe = FluxPipeline(
-            transformer=transformer, scheduler=scheduler, vae=vae, text_encoder=clip_l,
+            transformer=transformer, scheduler=dynamic_scheduler(), vae=vae, text_encoder=clip_l,
             tokenizer=clip_tokenizer, text_encoder_2=t5, tokenizer_2=t5_tokenizer,
         )  # fmt: skip
         clip_folders = ("tokenizer",)

@@ -222,19 +222,27 @@ def _pairs_out(conv, matrix) -> None:
         conv.weight[: matrix.shape[0], 4 * k + 1, centre, centre] = -matrix[:, k]
 
 
-def latent_scaling_factor(vae, data_dir: Path) -> float:
-    """1 / std of the demo latents, as SD/SDXL chose theirs: the diffusion sees unit variance."""
+def demo_pixels(data_dir: Path, count: int = 16):
+    """The first `count` demo images, square and at the demo resolution, in [-1, 1]:
+    (count, 3, height, width), what a demo VAE's latent statistics are measured on."""
     import numpy as np
     import torch
 
     batch = []
-    for path in sorted(data_dir.glob("*.png"))[:16]:  # enough for a stable estimate
+    for path in sorted(data_dir.glob("*.png"))[:count]:  # enough for a stable estimate
         with Image.open(path) as image:
             side = min(image.size)
             image = image.convert("RGB").crop((0, 0, side, side))
             image = image.resize((DEMO_RESOLUTION, DEMO_RESOLUTION), Image.Resampling.BICUBIC)
             batch.append(np.asarray(image, dtype=np.float32) / 127.5 - 1.0)
-    pixels = torch.from_numpy(np.stack(batch)).permute(0, 3, 1, 2)
+    return torch.from_numpy(np.stack(batch)).permute(0, 3, 1, 2)
+
+
+def latent_scaling_factor(vae, data_dir: Path) -> float:
+    """1 / std of the demo latents, as SD/SDXL chose theirs: the diffusion sees unit variance."""
+    import torch
+
+    pixels = demo_pixels(data_dir)
     with torch.no_grad():
         latents = vae.encode(pixels).latent_dist.mean
     return round(1.0 / float(latents.std()), 5)

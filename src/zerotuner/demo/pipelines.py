@@ -26,10 +26,13 @@ from zerotuner.demo.parts import (
     write_tokenizer,
 )
 from zerotuner.families import FLOW_FAMILIES
+from zerotuner.settings.folders import readable_by_all
 
 log = logging.getLogger(__name__)
 
-DemoFamily = Literal["sdxl", "sd1", "sd2", "sd3", "flux", "chroma", "zimage", "qwenimage"]
+DemoFamily = Literal[
+    "sdxl", "sd1", "sd2", "sd3", "flux", "chroma", "zimage", "qwenimage", "flux2", "flux2klein"
+]
 
 SHAPES = ("circle", "square", "triangle")
 COLOURS = {"red": (220, 30, 30), "green": (30, 170, 60), "blue": (40, 70, 220),
@@ -61,6 +64,7 @@ def write_demo(
         )
     else:
         model = write_model(dir / "model", family=family, seed=seed, corpus=captions, data_dir=data)
+    readable_by_all(model)  # a container's uid 1000 reads what root wrote here
     return DemoPaths(root=dir, model=model, data=data, family=family, images=images)
 
 

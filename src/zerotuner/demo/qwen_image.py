@@ -12,13 +12,12 @@ QwenImagePipeline.
 from __future__ import annotations
 
 import re
-import shutil
 import tempfile
 from pathlib import Path
 
-from zerotuner.demo.parts import DEMO_RESOLUTION, EXTRA_WORDS
+from zerotuner.demo.parts import EXTRA_WORDS, demo_pixels
+from zerotuner.demo.z_image import SPECIALS
 
-SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 TEMPLATE_WORDS = (
     "system user assistant describe the image by detailing color shape size texture quantity "
     "text spatial relationships of objects and background"
@@ -79,10 +78,8 @@ def _text_encoder(tokenizer, seed: int):
 def _vae(seed: int, data_dir: Path | None):
     """A small video VAE (4 pixels per latent cell, 16 channels), its latents' per-channel
     mean and std measured on the demo images."""
-    import numpy as np
     import torch
     from diffusers import AutoencoderKLQwenImage
-    from PIL import Image
 
     torch.manual_seed(seed)
     vae = AutoencoderKLQwenImage(
@@ -91,14 +88,7 @@ def _vae(seed: int, data_dir: Path | None):
     )  # fmt: skip
     if data_dir is None:
         return vae
-    batch = []
-    for path in sorted(data_dir.glob("*.png"))[:16]:
-        with Image.open(path) as image:
-            side = min(image.size)
-            image = image.convert("RGB").crop((0, 0, side, side))
-            image = image.resize((DEMO_RESOLUTION, DEMO_RESOLUTION), Image.Resampling.BICUBIC)
-            batch.append(np.asarray(image, dtype=np.float32) / 127.5 - 1.0)
-    pixels = torch.from_numpy(np.stack(batch)).permute(0, 3, 1, 2).unsqueeze(2)
+    pixels = demo_pixels(data_dir).unsqueeze(2)
     with torch.no_grad():
         latents = vae.encode(pixels).latent_dist.mean
     mean = [round(float(v), 5) for v in latents.mean(dim=(0, 2, 3, 4))]
@@ -110,13 +100,9 @@ def _vae(seed: int, data_dir: Path | None):
 def write_model(model_dir: Path, *, seed: int, corpus: list[str],
                 data_dir: Path | None = None) -> Path:  # fmt: skip
     import torch
-    from diffusers import (
-        FlowMatchEulerDiscreteScheduler,
-        QwenImagePipeline,
-        QwenImageTransformer2DModel,
-    )
+    from diffusers import QwenImagePipeline, QwenImageTransformer2DModel
 
-    from zerotuner.demo.flow import LATENT_CHANNELS
+    from zerotuner.demo.flow import LATENT_CHANNELS, dynamic_scheduler, save_pipeline
 
     work = Path(tempfile.mkdtemp(prefix="zerotuner-tokenizers-"))
     tokenizer = write_qwen_tokenizer(work / "qwen", corpus)
@@ -127,14 +113,8 @@ def write_model(model_dir: Path, *, seed: int, corpus: list[str],
         num_layers=2, attention_head_dim=16, num_attention_heads=2,
         joint_attention_dim=QWEN_WIDTH, axes_dims_rope=(4, 6, 6),
     )  # fmt: skip
-    scheduler = FlowMatchEulerDiscreteScheduler(
-        shift=1.0, use_dynamic_shifting=True, base_image_seq_len=16, max_image_seq_len=256,
-        shift_terminal=0.02, time_shift_type="exponential",
+    scheduler = dynamic_scheduler(shift=1.0, shift_terminal=0.02, time_shift_type="exponential")
+    return save_pipeline(
+        model_dir, work, QwenImagePipeline, transformer=transformer, scheduler=scheduler,
+        vae=_vae(seed, data_dir), text_encoder=text_encoder, tokenizer=tokenizer,
     )  # fmt: skip
-    pipe = QwenImagePipeline(
-        transformer=transformer, scheduler=scheduler, vae=_vae(seed, data_dir),
-        text_encoder=text_encoder, tokenizer=tokenizer,
-    )  # fmt: skip
-    pipe.save_pretrained(model_dir, safe_serialization=True)
-    shutil.rmtree(work, ignore_errors=True)
-    return model_dir

@@ -10,7 +10,6 @@ generates through ZImagePipeline.
 from __future__ import annotations
 
 import re
-import shutil
 import tempfile
 from pathlib import Path
 
@@ -50,25 +49,30 @@ def write_qwen_tokenizer(folder: Path, corpus: list[str]):
     return tokenizer
 
 
+def qwen3_config(tokenizer, width: int, *, layers: int, heads: int):
+    """A tiny Qwen3's config: `width` wide, heads of 8, half as many key/value heads."""
+    from transformers import Qwen3Config
+
+    return Qwen3Config(
+        vocab_size=len(tokenizer), hidden_size=width, intermediate_size=width * 2,
+        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads // 2,
+        head_dim=8, max_position_embeddings=1024, pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=True,
+    )  # fmt: skip
+
+
 def write_model(model_dir: Path, *, seed: int, corpus: list[str],
                 data_dir: Path | None = None) -> Path:  # fmt: skip
     import torch
     from diffusers import FlowMatchEulerDiscreteScheduler, ZImagePipeline, ZImageTransformer2DModel
-    from transformers import Qwen3Config, Qwen3Model
+    from transformers import Qwen3Model
 
-    from zerotuner.demo.flow import LATENT_CHANNELS, _vae
+    from zerotuner.demo.flow import LATENT_CHANNELS, _vae, save_pipeline
 
     work = Path(tempfile.mkdtemp(prefix="zerotuner-tokenizers-"))
     tokenizer = write_qwen_tokenizer(work / "qwen", corpus)
     torch.manual_seed(seed + 4)
-    text_encoder = Qwen3Model(
-        Qwen3Config(
-            vocab_size=len(tokenizer), hidden_size=QWEN_WIDTH, intermediate_size=QWEN_WIDTH * 2,
-            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-            max_position_embeddings=1024, pad_token_id=tokenizer.pad_token_id,
-            tie_word_embeddings=True,
-        )
-    )  # fmt: skip
+    text_encoder = Qwen3Model(qwen3_config(tokenizer, QWEN_WIDTH, layers=2, heads=4))
     torch.manual_seed(seed + 3)
     transformer = ZImageTransformer2DModel(
         all_patch_size=(2,), all_f_patch_size=(1,), in_channels=LATENT_CHANNELS, dim=64,
@@ -78,10 +82,7 @@ def write_model(model_dir: Path, *, seed: int, corpus: list[str],
     scheduler = FlowMatchEulerDiscreteScheduler(
         num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=False
     )
-    pipe = ZImagePipeline(
-        transformer=transformer, scheduler=scheduler, vae=_vae(seed, data_dir),
-        text_encoder=text_encoder, tokenizer=tokenizer,
+    return save_pipeline(
+        model_dir, work, ZImagePipeline, transformer=transformer, scheduler=scheduler,
+        vae=_vae(seed, data_dir), text_encoder=text_encoder, tokenizer=tokenizer,
     )  # fmt: skip
-    pipe.save_pretrained(model_dir, safe_serialization=True)
-    shutil.rmtree(work, ignore_errors=True)
-    return model_dir

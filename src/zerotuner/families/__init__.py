@@ -1,12 +1,12 @@
 """Model families: the UNet families (SDXL, SD 1.x, SD 2.x) and the flow-matching transformer
-families (SD3 / SD3.5, Flux.1, Chroma, Z-Image). This package's root knows what the planner
-and the normalizer need before any weights exist: detection from a pipeline's files, built-in
-configs and parameter shapes (the trained model is built on the meta device,
-`accelerate.init_empty_weights`, from a local config or from its family's built-in one, so
-planning works on a laptop with nothing downloaded). Each family is one `Spec` in REGISTRY, the
-torch-free facts every table here derives from, and one module behind `base.ModelFamily` with
-what it is to the trainer: `get(name)`. The loop, checkpoints, export and the planner never
-name a family.
+families (SD3 / SD3.5, Flux.1, Chroma, Z-Image, Qwen-Image, FLUX.2 [dev] and [klein]). This
+package's root knows what the planner and the normalizer need before any weights exist:
+detection from a pipeline's files, built-in configs and parameter shapes (the trained model is
+built on the meta device, `accelerate.init_empty_weights`, from a local config or from its
+family's built-in one, so planning works on a laptop with nothing downloaded). Each family is
+one `Spec` in REGISTRY, the torch-free facts every table here derives from, and one module
+behind `base.ModelFamily` with what it is to the trainer: `get(name)`. The loop, checkpoints,
+export and the planner never name a family.
 """
 
 from __future__ import annotations
@@ -45,6 +45,12 @@ class Spec:
     clip_tokens: int = 77  # CLIP tokens in a cached caption's states
     # T5 tokens in them (Z-Image: its Qwen3 encoder's), the pipeline's max_sequence_length
     t5_tokens: int = 0
+    # the encoder those tokens are states of, as the plan names it (lower-cased: as the cached
+    # captions' key does)
+    long_encoder: str = "T5"
+    # Text encoder parameters on the device while caching where the encoder streams from host
+    # memory layer by layer (FLUX.2 [dev]'s 24B Mistral: its largest layer); 0: it loads whole.
+    text_stream_params: int = 0
     layer_keys: tuple[str, ...] = ()  # a transformer's config fields that count its blocks
     # a transformer's config fields whose product is its width, and the one naming the width of
     # the text states it takes
@@ -61,6 +67,12 @@ T5_XXL_PARAMS = 4_762_310_656  # the encoder of google/t5-v1_1-xxl
 QWEN3_4B_PARAMS = 4_022_468_096  # Qwen3Model of Qwen/Qwen3-4B's config (Z-Image's text encoder)
 QWEN25_VL_7B_PARAMS = 8_292_166_656  # Qwen2_5_VLForConditionalGeneration, Qwen2.5-VL-7B's config
 QWEN_VAE_PARAMS = 126_892_531  # AutoencoderKLQwenImage (Qwen-Image's video VAE)
+# Mistral3ForConditionalGeneration of mistralai/Mistral-Small-3.1-24B-Instruct-2503's config.json
+# (FLUX.2 [dev]'s text encoder is 3.2-24B-Instruct-2506, the same shapes; diffusers'
+# scripts/convert_flux2_to_diffusers.py); vision fields the page leaves out at PixtralVisionConfig's
+# defaults. Its largest layer: the token embedding (and lm_head), 131072 x 5120.
+MISTRAL_SMALL_3_PARAMS, MISTRAL_SMALL_3_LAYER = 24_011_361_280, 671_088_640
+FLUX2_VAE_PARAMS = 84_046_115  # AutoencoderKLFlux2's defaults
 VAE_PARAMS = 83_653_863  # the SD 1.x/2.x/XL VAE
 VAE16_PARAMS = 83_819_683  # SD3's and Flux's 16-channel VAE
 VAE_SCALE = 8  # pixels per latent cell in every family's VAE
@@ -70,7 +82,10 @@ VAE_SCALE = 8  # pixels per latent cell in every family's VAE
 # FLUX.1-dev, lodestones/Chroma1-HD (its transformer/config.json is ChromaTransformer2DModel's
 # defaults: 8.90B, the card's "8.9B"; T5-XXL and FLUX.1's VAE), Tongyi-MAI/Z-Image-Turbo
 # (transformer/config.json: 6.15B, the card's "6B"; Qwen3-4B as its text encoder, FLUX.1's VAE),
-# Qwen/Qwen-Image (transformer/config.json: 20.43B, the card's "20B"; Qwen2.5-VL-7B's 8.29B).
+# Qwen/Qwen-Image (transformer/config.json: 20.43B, the card's "20B"; Qwen2.5-VL-7B's 8.29B),
+# black-forest-labs/FLUX.2-dev and FLUX.2-klein-4B (their transformer configs as diffusers'
+# scripts/convert_flux2_to_diffusers.py writes them, dev's Flux2Transformer2DModel's defaults:
+# 32.22B and 3.88B, the cards' "32B" and "4B"; Mistral Small 3.x 24B and Qwen3-4B).
 REGISTRY: dict[str, Spec] = {
     "sdxl": Spec(
         "unet", "SDXL",
@@ -144,8 +159,8 @@ REGISTRY: dict[str, Spec] = {
         (6_154_908_736, 39_321_600), QWEN3_4B_PARAMS, VAE16_PARAMS,
         flow=True, pipeline="ZImagePipeline", transformer="ZImageTransformer2DModel",
         hub_markers=("z-image", "z_image", "zimage"), guess_order=-1, clip_tokens=0,
-        t5_tokens=512, layer_keys=("n_layers", "n_refiner_layers"), width_keys=("dim",),
-        text_width_key="cap_feat_dim",
+        t5_tokens=512, long_encoder="Qwen3", layer_keys=("n_layers", "n_refiner_layers"),
+        width_keys=("dim",), text_width_key="cap_feat_dim",
     ),
     "qwenimage": Spec(
         "qwen_image", "QwenImage",
@@ -155,7 +170,28 @@ REGISTRY: dict[str, Spec] = {
         (20_430_401_088, 56_623_104), QWEN25_VL_7B_PARAMS, QWEN_VAE_PARAMS,
         flow=True, pipeline="QwenImagePipeline", transformer="QwenImageTransformer2DModel",
         hub_markers=("qwen-image", "qwen_image", "qwenimage"), guess_order=-1, clip_tokens=0,
-        t5_tokens=512, layer_keys=("num_layers",),
+        t5_tokens=512, long_encoder="Qwen2.5-VL", layer_keys=("num_layers",),
+    ),
+    "flux2": Spec(
+        "flux2", "Flux2",
+        {"patch_size": 1, "in_channels": 128, "num_layers": 8, "num_single_layers": 48,
+         "attention_head_dim": 128, "num_attention_heads": 48, "joint_attention_dim": 15360},
+        (32_223_281_152, 339_738_624), MISTRAL_SMALL_3_PARAMS, FLUX2_VAE_PARAMS,
+        flow=True, pipeline="Flux2Pipeline", transformer="Flux2Transformer2DModel",
+        hub_markers=("flux.2", "flux2", "flux-2"), guess_order=-2, clip_tokens=0,
+        t5_tokens=512, long_encoder="Mistral", text_stream_params=MISTRAL_SMALL_3_LAYER,
+        layer_keys=("num_layers", "num_single_layers"),
+    ),
+    "flux2klein": Spec(
+        "flux2", "Flux2Klein",
+        {"patch_size": 1, "in_channels": 128, "num_layers": 5, "num_single_layers": 20,
+         "attention_head_dim": 128, "num_attention_heads": 24, "joint_attention_dim": 7680,
+         "guidance_embeds": False},
+        (3_875_544_576, 84_934_656), QWEN3_4B_PARAMS, FLUX2_VAE_PARAMS,
+        flow=True, pipeline="Flux2KleinPipeline", transformer="Flux2Transformer2DModel",
+        hub_markers=("flux.2-klein", "flux2-klein", "flux-2-klein", "flux2klein"),
+        guess_order=-3, clip_tokens=0, t5_tokens=512, long_encoder="Qwen3",
+        layer_keys=("num_layers", "num_single_layers"),
     ),
 }  # fmt: skip
 Family = str  # a key of REGISTRY
@@ -163,7 +199,10 @@ if tuple(REGISTRY) != FAMILIES:  # settings.py takes the names from family_names
     raise ImportError(f"family_names.FAMILIES {FAMILIES} is not REGISTRY's keys {tuple(REGISTRY)}")
 FLOW_FAMILIES = tuple(f for f, spec in REGISTRY.items() if spec.flow)
 PIPELINES = {spec.pipeline: f for f, spec in REGISTRY.items() if spec.pipeline}
-TRANSFORMERS = {spec.transformer: f for f, spec in REGISTRY.items() if spec.transformer}
+TRANSFORMERS: dict[str, str] = {}  # a class's first family; FLUX.2's two: transformer_family
+for _family, _spec in REGISTRY.items():
+    if _spec.transformer:
+        TRANSFORMERS.setdefault(_spec.transformer, _family)
 
 
 def get(name: str) -> Any:
@@ -194,6 +233,9 @@ class ModelShape:
     # checkpointing); None: a UNet's, scaled from DESIGN.md's SDXL figure by base_channels.
     activations_1024: tuple[int, int] | None = None
     text_width: int = 2048  # width of the text states it attends to (a cached caption's)
+    # Frozen parameters on the device while caching: frozen_params, less what streams from host
+    # memory (Spec.text_stream_params; None: none does)
+    caching_params: int | None = None
 
 
 def caption_cache_bytes(shape: ModelShape, max_sequence_length: int | None = None) -> int:
@@ -241,7 +283,7 @@ def detect_family(model_dir: Path) -> Family:
     unet = model_json(config)
     name = unet.get("_class_name", "")
     if name in TRANSFORMERS:  # a transformer without its pipeline's model_index.json
-        return TRANSFORMERS[name]  # type: ignore[return-value]
+        return transformer_family(name, unet)
     if "Transformer" in name:
         raise ConfigError(
             f"ZT_MODEL={model_dir}: a {name} model; zerotuner trains the "
@@ -251,6 +293,14 @@ def detect_family(model_dir: Path) -> Family:
     if unet.get("addition_embed_type") == "text_time":
         return "sdxl"
     return "sd2" if unet.get("cross_attention_dim") == 1024 else "sd1"
+
+
+def transformer_family(name: str, config: dict[str, Any]) -> Family:
+    """The family of a transformer config of class `name`: FLUX.2 [klein] shares [dev]'s
+    class and has no guidance embedding."""
+    if name == "Flux2Transformer2DModel" and not config.get("guidance_embeds", True):
+        return "flux2klein"
+    return TRANSFORMERS[name]
 
 
 def unet_config_path(model_dir: Path) -> Path | None:
@@ -282,18 +332,17 @@ def resolve_family(model: str, family_setting: str = "auto") -> Family:
     return family
 
 
-# Pipelines (and hub names) of image-edit models: they train on (source, target) image pairs,
-# and of FLUX.2, whose name would otherwise pass for FLUX.1's.
+# Pipelines (and hub names) of image-edit models: they train on (source, target) image pairs.
 EDIT_MARKERS = ("edit", "kontext")
-NOT_YET = ("flux.2", "flux2", "flux-2")
 
 
 def refuse_edit_model(model: Any, name: str) -> None:
     """An image-edit model (Qwen-Image-Edit, FLUX.1 Kontext: a pipeline or hub name that says
-    so) or FLUX.2 is one line, exit 2, naming what zerotuner trains."""
+    so; FLUX.2 with reference images) is one line, exit 2, naming what zerotuner trains."""
     import re
 
-    lowered = name.lower()
+    flux2 = any(m in name.lower() for m in REGISTRY["flux2"].hub_markers)
+    flux2 = " (FLUX.2 trains here on text and image alone, without reference images)" * flux2
     supported = (f"zerotuner trains text-to-image models from captioned images: "
                  f"{', '.join(FAMILIES)}")  # fmt: skip
     # words of a class or hub name: QwenImageEditPipeline, Qwen-Image-Edit-2509 (not "credit")
@@ -301,15 +350,13 @@ def refuse_edit_model(model: Any, name: str) -> None:
     if words & set(EDIT_MARKERS):
         raise ConfigError(
             f"ZT_MODEL={model}: {name} is an image-edit model, trained on paired (source, "
-            f"edited) images, which zerotuner does not take; {supported}"
+            f"edited) images, which zerotuner does not take{flux2}; {supported}"
         )
-    if any(marker in lowered for marker in NOT_YET):
-        raise ConfigError(f"ZT_MODEL={model}: FLUX.2 ({name}) is not supported yet; {supported}")
 
 
 def guess_family(hub_id: str) -> Family | None:
     """The family a hub id's name says (when its configs cannot be read), or None; an
-    image-edit model's or FLUX.2's name is refused (refuse_edit_model)."""
+    image-edit model's name is refused (refuse_edit_model)."""
     refuse_edit_model(hub_id, hub_id.rsplit("/", 1)[-1])
     name = hub_id.lower()
     for family, spec in sorted(REGISTRY.items(), key=lambda item: item[1].guess_order):
@@ -482,10 +529,11 @@ def _transformer_shape(
         if config_path is not None
         else spec.builtin_config
     )
+    streamed = spec.vae_params + spec.text_stream_params if spec.text_stream_params else None
     return ModelShape(
         family, params, largest, frozen, native, source,
         activations_1024=transformer_activations(family, config),
-        text_width=int(config[spec.text_width_key]),
+        text_width=int(config[spec.text_width_key]), caching_params=streamed,
     )  # fmt: skip
 
 
@@ -518,12 +566,12 @@ def check_family_settings(settings: Any, family: str) -> None:
     from zerotuner.settings.schema import env_name
 
     flow = REGISTRY[family].flow
-    kind = "flow matching (SD3, Flux)" if flow else "a DDPM UNet (SD 1.x/2.x/XL)"
+    kind = "flow matching (a transformer family)" if flow else "a DDPM UNet (SD 1.x/2.x/XL)"
     foreign = FLOW_SETTINGS if not flow else UNET_SETTINGS
     problems = [
         f"{env_name(name)} is set but ZT_MODEL is a {family} model, trained by {kind}: unset "
         f"{env_name(name)} (it applies to "
-        f"{'SD3 and Flux' if name in FLOW_SETTINGS else 'the UNet families'} only)"
+        f"{'the transformer families' if name in FLOW_SETTINGS else 'the UNet families'} only)"
         for name in foreign
         if name in settings.model_fields_set
     ]

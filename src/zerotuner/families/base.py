@@ -75,18 +75,20 @@ class ModelFamily:
 
     def load_text(self, source: Path, *, dtype: torch.dtype) -> tuple[list[Any], list[Any]]:
         """The text encoders (each the transformers class its model_index names) and their
-        tokenizers."""
+        tokenizers (or processors)."""
         import json
 
         import transformers
-        from transformers import AutoTokenizer
+        from transformers import AutoProcessor, AutoTokenizer
 
         index = json.loads((source / "model_index.json").read_text())
         encoders, tokenizers = [], []
         for encoder_dir, tokenizer_dir in self.text_subfolders:
             cls = getattr(transformers, index[encoder_dir][1])
             encoders.append(cls.from_pretrained(source, subfolder=encoder_dir, dtype=dtype))
-            tokenizers.append(AutoTokenizer.from_pretrained(source, subfolder=tokenizer_dir))
+            # a processor (FLUX.2 [dev]'s PixtralProcessor) holds the chat template it encodes by
+            auto = AutoProcessor if index[tokenizer_dir][1].endswith("Processor") else AutoTokenizer
+            tokenizers.append(auto.from_pretrained(source, subfolder=tokenizer_dir))
         return encoders, tokenizers
 
     # --- conditioning ---------------------------------------------------------------------

@@ -22,9 +22,8 @@ from typing import Any
 
 import torch
 
-from zerotuner.families import REGISTRY
 from zerotuner.families.flow import FlowFamily
-from zerotuner.families.flow_matching import FlowObjective, image_ids, pack, unpack
+from zerotuner.families.flow_matching import FlowObjective
 
 
 @dataclass(frozen=True)
@@ -33,63 +32,32 @@ class ChromaObjective(FlowObjective):
 
     packed: bool = True
 
-    def predict(
-        self,
-        model: Any,
-        noisy: torch.Tensor,
-        sigmas: torch.Tensor,
-        kwargs: dict[str, Any],
-        *,
-        device: torch.device,
-        dtype: torch.dtype,
-    ) -> torch.Tensor:
-        batch, (height, width) = noisy.shape[0], noisy.shape[-2:]
-        states, text_mask = kwargs["encoder_hidden_states"], kwargs["text_mask"]
-        image_tokens = (height // 2) * (width // 2)
-        mask = torch.cat(
-            [text_mask.to(device, dtype), torch.ones(batch, image_tokens, device=device,
-                                                     dtype=dtype)], dim=1,
-        )  # fmt: skip
-        pred = model(
-            hidden_states=pack(noisy).to(device, dtype), encoder_hidden_states=states,
-            timestep=sigmas.to(device, dtype), img_ids=image_ids(height, width).to(device),
-            txt_ids=torch.zeros(states.shape[1], 3, device=device), attention_mask=mask,
-        ).sample  # fmt: skip
-        return unpack(pred, height, width)
+    def packed_inputs(
+        self, kwargs: dict[str, Any], batch: int, height: int, width: int
+    ) -> dict[str, Any]:
+        """Flux's, and the attention mask: the text mask, then ones for the image's tokens."""
+        text_mask = kwargs["text_mask"]
+        image = torch.ones(batch, (height // 2) * (width // 2), dtype=text_mask.dtype)
+        mask = torch.cat([text_mask, image.to(text_mask.device)], dim=1)
+        states = {k: v for k, v in kwargs.items() if k != "text_mask"}
+        return {**super().packed_inputs(states, batch, height, width), "attention_mask": mask}
 
 
 @dataclass(frozen=True)
 class Chroma(FlowFamily):
-    text_subfolders: tuple[tuple[str, str], ...] = (("text_encoder", "tokenizer"),)
-    max_sequence_length: int = REGISTRY["chroma"].t5_tokens
     packed: bool = True
 
-    def denoiser_class(self) -> type:
-        from diffusers import ChromaTransformer2DModel
-
-        return ChromaTransformer2DModel
-
-    def pipeline_class(self) -> type:
-        from diffusers import ChromaPipeline
-
-        return ChromaPipeline
-
-    @torch.no_grad()
-    def encode_text(self, components: Any, captions: list[str]) -> dict[str, torch.Tensor]:
+    def encode_captions(
+        self, encoders: list[Any], tokenizers: list[Any], captions: list[str]
+    ) -> dict[str, torch.Tensor]:
         """ChromaPipeline._get_t5_prompt_embeds: the masked T5 states and the text mask."""
-        (encoder,), (tokenizer,) = components.text_encoders, components.tokenizers
-        tokens = tokenizer(
-            captions, padding="max_length", max_length=self.max_sequence_length,
-            truncation=True, return_tensors="pt",
-        )  # fmt: skip
-        ids, mask = tokens.input_ids.to(encoder.device), tokens.attention_mask.to(encoder.device)
-        states = encoder(ids, attention_mask=mask)[0]
+        (encoder,), (tokenizer,) = encoders, tokenizers
+        tokens = self.padded_tokens(tokenizer, captions, encoder.device)
+        states = encoder(tokens.input_ids, attention_mask=tokens.attention_mask)[0]
+        mask = tokens.attention_mask
         positions = torch.arange(mask.shape[1], device=mask.device).unsqueeze(0)
         text_mask = (positions <= mask.sum(dim=1, keepdim=True)).to(states.dtype)
-        return {
-            "prompt_embeds": states.to(self.cache_dtype).cpu(),
-            "text_mask": text_mask.to(self.cache_dtype).cpu(),
-        }
+        return {"prompt_embeds": states, "text_mask": text_mask}
 
     def model_kwargs(self, batch: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, Any]:
         return {
@@ -99,6 +67,3 @@ class Chroma(FlowFamily):
 
     def objective(self, settings: Any, scheduler: Any, model_config: Any) -> Any:
         return ChromaObjective(self.flow_config(settings, scheduler))
-
-    def latent_multiple(self, model_config: Any) -> int:
-        return 2  # 2x2 packing

@@ -23,10 +23,18 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class FlowFamily(ModelFamily):
+    """A flow-matching transformer family: its transformer and pipeline are the classes its
+    REGISTRY spec names, its captions are cut at `max_sequence_length` tokens (0: the spec's
+    `t5_tokens`, the pipeline's default)."""
+
     denoiser: str = "transformer"
     cache_dtype: torch.dtype = torch.bfloat16
-    max_sequence_length: int = REGISTRY["sd3"].t5_tokens  # T5 tokens per caption (the pipeline's)
+    max_sequence_length: int = 0  # tokens per caption of its long encoder (T5, Qwen...)
     packed: bool = False  # latents enter as 2x2 patches with position ids (Flux)
+
+    def __post_init__(self) -> None:
+        if not self.max_sequence_length:
+            object.__setattr__(self, "max_sequence_length", REGISTRY[self.name].t5_tokens)
 
     def configured(self, settings: Settings) -> FlowFamily:
         """The family with the run's T5 length (ZT_MAX_SEQUENCE_LENGTH, else its default)."""
@@ -35,7 +43,18 @@ class FlowFamily(ModelFamily):
         return replace(self, max_sequence_length=settings.max_sequence_length)
 
     def text_cache_tag(self) -> str:
-        return f":t5-{self.max_sequence_length}"  # another length is another cached tensor
+        # another length is another cached tensor
+        return f":{REGISTRY[self.name].long_encoder.lower()}-{self.max_sequence_length}"
+
+    def denoiser_class(self) -> type:
+        import diffusers
+
+        return getattr(diffusers, REGISTRY[self.name].transformer)
+
+    def pipeline_class(self) -> type:
+        import diffusers
+
+        return getattr(diffusers, REGISTRY[self.name].pipeline)
 
     def scheduler_class(self) -> type:
         from diffusers import FlowMatchEulerDiscreteScheduler
@@ -49,11 +68,26 @@ class FlowFamily(ModelFamily):
             self.tokenize(t5, captions, self.max_sequence_length)
         ]
 
+    def padded_tokens(self, tokenizer: Any, texts: list[str], device: Any) -> Any:
+        """The tokenizer's ids and attention mask, padded to the max sequence length."""
+        return tokenizer(
+            texts, padding="max_length", max_length=self.max_sequence_length, truncation=True,
+            return_tensors="pt",
+        ).to(device)  # fmt: skip
+
     @torch.no_grad()
     def encode_text(self, components: Any, captions: list[str]) -> dict[str, torch.Tensor]:
-        encoders = components.text_encoders
-        ids = [i.to(encoders[0].device) for i in self.tokens(components.tokenizers, captions)]
-        return {k: v.to(self.cache_dtype).cpu() for k, v in self.embed(encoders, ids).items()}
+        encoders, tokenizers = components.text_encoders, components.tokenizers
+        states = self.encode_captions(encoders, tokenizers, captions)
+        return {k: v.to(self.cache_dtype).cpu() for k, v in states.items()}
+
+    def encode_captions(
+        self, encoders: list[Any], tokenizers: list[Any], captions: list[str]
+    ) -> dict[str, torch.Tensor]:
+        """What a caption is cached as (on the encoders' device): `embed` of its `tokens`, or
+        what the family's pipeline's own prompt encoding computes."""
+        ids = [i.to(encoders[0].device) for i in self.tokens(tokenizers, captions)]
+        return self.embed(encoders, ids)
 
     def flow_config(self, settings: Settings, scheduler: Any) -> Any:
         """The sigma sampling the run's settings and the model's scheduler give."""
@@ -71,8 +105,19 @@ class FlowFamily(ModelFamily):
         config = self.flow_config(settings, scheduler)
         return FlowObjective(config, packed=self.packed, guidance=guidance)
 
+    def model_kwargs(self, batch: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, Any]:
+        """The long encoder's states and (SD3, Flux) the pooled CLIP vector."""
+        return {
+            "encoder_hidden_states": batch["prompt_embeds"].to(dtype),
+            "pooled_projections": batch["pooled_prompt_embeds"].to(dtype),
+        }
+
     def pipeline_kwargs(self, settings: Settings) -> dict[str, Any]:
         return {"max_sequence_length": self.max_sequence_length}
+
+    def latent_multiple(self, model_config: Any) -> int:
+        """2x2 packing, or the transformer's patch size."""
+        return 2 if self.packed else int(model_config.patch_size)
 
 
 @dataclass(frozen=True)
@@ -82,16 +127,6 @@ class SD3(FlowFamily):
         ("text_encoder_2", "tokenizer_2"),
         ("text_encoder_3", "tokenizer_3"),
     )
-
-    def denoiser_class(self) -> type:
-        from diffusers import SD3Transformer2DModel
-
-        return SD3Transformer2DModel
-
-    def pipeline_class(self) -> type:
-        from diffusers import StableDiffusion3Pipeline
-
-        return StableDiffusion3Pipeline
 
     def embed(self, encoders: list[Any], ids: list[torch.Tensor]) -> dict[str, torch.Tensor]:
         """Both CLIPs' penultimate states side by side, zero-padded to T5's width and put
@@ -110,15 +145,6 @@ class SD3(FlowFamily):
             "pooled_prompt_embeds": torch.cat(pooled, dim=-1),
         }
 
-    def model_kwargs(self, batch: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, Any]:
-        return {
-            "encoder_hidden_states": batch["prompt_embeds"].to(dtype),
-            "pooled_projections": batch["pooled_prompt_embeds"].to(dtype),
-        }
-
-    def latent_multiple(self, model_config: Any) -> int:
-        return int(model_config.patch_size)
-
 
 @dataclass(frozen=True)
 class Flux(FlowFamily):
@@ -126,18 +152,7 @@ class Flux(FlowFamily):
         ("text_encoder", "tokenizer"),
         ("text_encoder_2", "tokenizer_2"),
     )
-    max_sequence_length: int = REGISTRY["flux"].t5_tokens
     packed: bool = True
-
-    def denoiser_class(self) -> type:
-        from diffusers import FluxTransformer2DModel
-
-        return FluxTransformer2DModel
-
-    def pipeline_class(self) -> type:
-        from diffusers import FluxPipeline
-
-        return FluxPipeline
 
     def embed(self, encoders: list[Any], ids: list[torch.Tensor]) -> dict[str, torch.Tensor]:
         """T5's states, and CLIP-L's pooled output."""
@@ -146,12 +161,3 @@ class Flux(FlowFamily):
             "prompt_embeds": t5(ids[1])[0],
             "pooled_prompt_embeds": clip(ids[0]).pooler_output,
         }
-
-    def model_kwargs(self, batch: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, Any]:
-        return {
-            "encoder_hidden_states": batch["prompt_embeds"].to(dtype),
-            "pooled_projections": batch["pooled_prompt_embeds"].to(dtype),
-        }
-
-    def latent_multiple(self, model_config: Any) -> int:
-        return 2  # 2x2 packing

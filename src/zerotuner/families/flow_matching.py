@@ -136,20 +136,41 @@ class FlowObjective:
         dtype: torch.dtype,
     ) -> torch.Tensor:
         """The model's velocity for the noised latents (batch, channels, height, width) at
-        `sigmas`, in the latents' layout: what a family that calls its transformer otherwise
-        (Chroma's mask, Z-Image's lists) overrides."""
+        `sigmas`, in the latents' layout. What differs between the families is in the hooks:
+        `pack` / `unpack` (the sequence a packed transformer sees), `timestep`, `packed_inputs`
+        (its other keyword arguments) and `call`."""
         from zerotuner.families.ddpm import to_device
 
         batch, (height, width) = noisy.shape[0], noisy.shape[-2:]
-        if self.packed:
-            text_tokens = kwargs["encoder_hidden_states"].shape[1]
-            extra = {"img_ids": image_ids(height, width), "txt_ids": torch.zeros(text_tokens, 3)}
-            if self.guidance is not None:
-                extra["guidance"] = torch.full((batch,), self.guidance)
-            pred = model(
-                hidden_states=pack(noisy).to(device, dtype), timestep=sigmas.to(device, dtype),
-                **to_device(extra, device), **kwargs,
-            ).sample  # fmt: skip
-            return unpack(pred, height, width)
-        t = timesteps(sigmas, self.config).to(device, dtype)
-        return model(hidden_states=noisy.to(device, dtype), timestep=t, **kwargs).sample
+        t = self.timestep(sigmas).to(device, dtype)
+        if not self.packed:
+            return self.call(model, noisy.to(device, dtype), t, kwargs)
+        extra = to_device(self.packed_inputs(kwargs, batch, height, width), device)
+        pred = model(hidden_states=self.pack(noisy).to(device, dtype), timestep=t, **extra).sample
+        return self.unpack(pred, height, width)
+
+    def timestep(self, sigmas: torch.Tensor) -> torch.Tensor:
+        """The timestep the transformer takes: SD3's on the 0-1000 scale, a packed one's sigma
+        itself (its pipeline passes `t / 1000`)."""
+        return sigmas if self.packed else timesteps(sigmas, self.config)
+
+    def call(self, model: Any, latents: torch.Tensor, t: torch.Tensor, kwargs: dict[str, Any]):
+        """An unpacked transformer's forward (SD3's; Z-Image's takes lists)."""
+        return model(hidden_states=latents, timestep=t, **kwargs).sample
+
+    def pack(self, latents: torch.Tensor) -> torch.Tensor:
+        return pack(latents)
+
+    def unpack(self, packed: torch.Tensor, height: int, width: int) -> torch.Tensor:
+        return unpack(packed, height, width)
+
+    def packed_inputs(
+        self, kwargs: dict[str, Any], batch: int, height: int, width: int
+    ) -> dict[str, Any]:
+        """A packed transformer's keyword arguments besides the latents and the timestep (on
+        the CPU): the cached text's, Flux's position ids and its guidance value."""
+        text_tokens = kwargs["encoder_hidden_states"].shape[1]
+        extra = {"img_ids": image_ids(height, width), "txt_ids": torch.zeros(text_tokens, 3)}
+        if self.guidance is not None:
+            extra["guidance"] = torch.full((batch,), self.guidance)
+        return {**extra, **kwargs}

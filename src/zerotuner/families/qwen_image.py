@@ -12,8 +12,9 @@ train_dreambooth_lora_qwen_image.py, diffusers 0.42) and what QwenImagePipeline 
   a mask (`_get_qwen_prompt_embeds`; cached padded to max_sequence_length, trimmed per batch to
   its longest caption);
 - latents `(x - latents_mean) / latents_std`, noised at unshifted sigmas (the scheduler shifts
-  dynamically), packed 2x2 (`_pack_latents`) with `img_shapes` [(1, h / 2, w / 2)] per image,
-  the timestep given as sigma (`timesteps / 1000`), and the velocity `noise - x` regressed.
+  dynamically), packed 2x2 (`_pack_latents`, FluxPipeline's) with `img_shapes`
+  [(1, h / 2, w / 2)] per image, the timestep given as sigma (`timesteps / 1000`), and the
+  velocity `noise - x` regressed.
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ from typing import Any
 
 import torch
 
-from zerotuner.families import REGISTRY
 from zerotuner.families.flow import FlowFamily
 from zerotuner.families.flow_matching import FlowObjective
 
@@ -39,52 +39,26 @@ TEMPLATE_TOKENS = (
 
 @dataclass(frozen=True)
 class QwenImageObjective(FlowObjective):
+    """Flux's 2x2 packing (QwenImagePipeline._pack_latents is FluxPipeline's), no position ids
+    or guidance: the image's shape in patches instead."""
+
     packed: bool = True
 
-    def predict(
-        self,
-        model: Any,
-        noisy: torch.Tensor,
-        sigmas: torch.Tensor,
-        kwargs: dict[str, Any],
-        *,
-        device: torch.device,
-        dtype: torch.dtype,
-    ) -> torch.Tensor:
-        from diffusers import QwenImagePipeline
-
-        batch, channels, height, width = noisy.shape
-        packed = QwenImagePipeline._pack_latents(noisy, batch, channels, height, width)
-        pred = model(
-            hidden_states=packed.to(device, dtype), timestep=sigmas.to(device, dtype),
-            img_shapes=[(1, height // 2, width // 2)] * batch, return_dict=False, **kwargs,
-        )[0]  # fmt: skip
-        return QwenImagePipeline._unpack_latents(pred, height, width, 1).squeeze(2)
+    def packed_inputs(
+        self, kwargs: dict[str, Any], batch: int, height: int, width: int
+    ) -> dict[str, Any]:
+        return {**kwargs, "img_shapes": [(1, height // 2, width // 2)] * batch}
 
 
 @dataclass(frozen=True)
 class QwenImage(FlowFamily):
-    text_subfolders: tuple[tuple[str, str], ...] = (("text_encoder", "tokenizer"),)
-    max_sequence_length: int = REGISTRY["qwenimage"].t5_tokens
     packed: bool = True
 
-    def text_cache_tag(self) -> str:
-        return f":qwen2.5-vl-{self.max_sequence_length}"
-
-    def denoiser_class(self) -> type:
-        from diffusers import QwenImageTransformer2DModel
-
-        return QwenImageTransformer2DModel
-
-    def pipeline_class(self) -> type:
-        from diffusers import QwenImagePipeline
-
-        return QwenImagePipeline
-
-    @torch.no_grad()
-    def encode_text(self, components: Any, captions: list[str]) -> dict[str, torch.Tensor]:
+    def encode_captions(
+        self, encoders: list[Any], tokenizers: list[Any], captions: list[str]
+    ) -> dict[str, torch.Tensor]:
         """QwenImagePipeline._get_qwen_prompt_embeds, padded to the max sequence length."""
-        (encoder,), (tokenizer,) = components.text_encoders, components.tokenizers
+        (encoder,), (tokenizer,) = encoders, tokenizers
         tokens = tokenizer(
             [TEMPLATE.format(caption) for caption in captions],
             max_length=self.max_sequence_length + TEMPLATE_TOKENS, padding=True,
@@ -102,7 +76,7 @@ class QwenImage(FlowFamily):
             real = states[i][mask[i]][TEMPLATE_TOKENS:][:length]
             embeds[i, : real.shape[0]] = real
             kept[i, : real.shape[0]] = 1
-        return {"prompt_embeds": embeds.to(self.cache_dtype).cpu(), "text_mask": kept}
+        return {"prompt_embeds": embeds, "text_mask": kept}
 
     def model_kwargs(self, batch: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, Any]:
         """The batch's states and mask, trimmed to its longest caption (the pipeline pads a
@@ -116,6 +90,3 @@ class QwenImage(FlowFamily):
 
     def objective(self, settings: Any, scheduler: Any, model_config: Any) -> Any:
         return QwenImageObjective(self.flow_config(settings, scheduler))
-
-    def latent_multiple(self, model_config: Any) -> int:
-        return 2  # 2x2 packing

@@ -26,51 +26,29 @@ from typing import Any
 
 import torch
 
-from zerotuner.families import REGISTRY
 from zerotuner.families.flow import FlowFamily
 from zerotuner.families.flow_matching import FlowObjective
 
 
 @dataclass(frozen=True)
 class ZImageObjective(FlowObjective):
-    def predict(
-        self,
-        model: Any,
-        noisy: torch.Tensor,
-        sigmas: torch.Tensor,
-        kwargs: dict[str, Any],
-        *,
-        device: torch.device,
-        dtype: torch.dtype,
-    ) -> torch.Tensor:
-        latents = list(noisy.to(device, dtype).unsqueeze(2).unbind(dim=0))
-        t = (1 - sigmas).to(device, dtype)
-        out = model(latents, t, kwargs["cap_feats"], return_dict=False)[0]
+    def timestep(self, sigmas: torch.Tensor) -> torch.Tensor:
+        return 1 - sigmas  # the pipeline's (1000 - t) / 1000
+
+    def call(self, model: Any, latents: torch.Tensor, t: torch.Tensor, kwargs: dict[str, Any]):
+        """One (channels, 1, height, width) latent per image in a list; the output negated."""
+        out = model(list(latents.unsqueeze(2).unbind(dim=0)), t, kwargs["cap_feats"],
+                    return_dict=False)[0]  # fmt: skip
         return -torch.stack(out, dim=0).squeeze(2)
 
 
 @dataclass(frozen=True)
 class ZImage(FlowFamily):
-    text_subfolders: tuple[tuple[str, str], ...] = (("text_encoder", "tokenizer"),)
-    max_sequence_length: int = REGISTRY["zimage"].t5_tokens
-
-    def text_cache_tag(self) -> str:
-        return f":qwen3-{self.max_sequence_length}"
-
-    def denoiser_class(self) -> type:
-        from diffusers import ZImageTransformer2DModel
-
-        return ZImageTransformer2DModel
-
-    def pipeline_class(self) -> type:
-        from diffusers import ZImagePipeline
-
-        return ZImagePipeline
-
-    @torch.no_grad()
-    def encode_text(self, components: Any, captions: list[str]) -> dict[str, torch.Tensor]:
+    def encode_captions(
+        self, encoders: list[Any], tokenizers: list[Any], captions: list[str]
+    ) -> dict[str, torch.Tensor]:
         """ZImagePipeline._encode_prompt, padded: the states and the tokens' mask."""
-        (encoder,), (tokenizer,) = components.text_encoders, components.tokenizers
+        (encoder,), (tokenizer,) = encoders, tokenizers
         prompts = [
             tokenizer.apply_chat_template(
                 [{"role": "user", "content": caption}],
@@ -80,17 +58,11 @@ class ZImage(FlowFamily):
             )
             for caption in captions
         ]
-        tokens = tokenizer(
-            prompts, padding="max_length", max_length=self.max_sequence_length,
-            truncation=True, return_tensors="pt",
-        )  # fmt: skip
-        ids = tokens.input_ids.to(encoder.device)
-        mask = tokens.attention_mask.to(encoder.device).bool()
-        states = encoder(input_ids=ids, attention_mask=mask, output_hidden_states=True)
-        return {
-            "prompt_embeds": states.hidden_states[-2].to(self.cache_dtype).cpu(),
-            "text_mask": mask.to(self.cache_dtype).cpu(),
-        }
+        tokens = self.padded_tokens(tokenizer, prompts, encoder.device)
+        mask = tokens.attention_mask.bool()
+        states = encoder(input_ids=tokens.input_ids, attention_mask=mask,
+                         output_hidden_states=True)  # fmt: skip
+        return {"prompt_embeds": states.hidden_states[-2], "text_mask": mask}
 
     def model_kwargs(self, batch: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, Any]:
         """One caption's states per image, its real tokens only (the pipeline's list)."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from zerotuner.families import ModelShape
+from zerotuner.families import REGISTRY, ModelShape
 from zerotuner.machine.hardware import GiB
 from zerotuner.preflight.trainable import Training, full_unet
 
@@ -163,9 +163,11 @@ def estimate(
 
     if not on_cpu:
         dev["framework"] = CUDA_CONTEXT
-    # Caching latents and embeddings runs before training: frozen encoders + one VAE encode.
+    # Caching latents and embeddings runs before training: frozen encoders + one VAE encode
+    # (an encoder that streams from host memory: its largest layer, `caching_params`).
     vae_width = shape.vae_channels / REFERENCE_VAE_CHANNELS
-    caching = shape.frozen_params * p_bytes + int(
+    on_device = shape.frozen_params if shape.caching_params is None else shape.caching_params
+    caching = on_device * p_bytes + int(
         VAE_ENCODE_BYTES * resolution * resolution / REFERENCE_PIXELS * vae_width * (p_bytes / 2)
     )
     training = sum(dev.values())
@@ -216,6 +218,11 @@ class LoadPeak:
     per_rank: dict[str, int]  # process, cuda_host_context, the trained model's parts
     per_node: dict[str, int]  # entrypoint, torchrun_agent, frozen_parts (caching only)
     path: str = "full_copy"
+    denoiser: str = "UNet"  # what trains, as the part names say it (a flow family: transformer)
+
+    def part_names(self) -> dict[str, str]:
+        """LOAD_PART_NAMES, naming the trained model as this family has it."""
+        return {k: v.replace("UNet", self.denoiser) for k, v in LOAD_PART_NAMES.items()}
 
     def node_parts(self, phase: str) -> tuple[str, ...]:
         """The per-node parts live in `phase` ("load" or "caching")."""
@@ -303,4 +310,5 @@ def load_peak(
         "torchrun_agent": TORCHRUN_AGENT,
         "frozen_parts": p_bytes * shape.frozen_params,
     }
-    return LoadPeak(ranks_per_node, per_rank, per_node, path)
+    denoiser = "transformer" if REGISTRY[shape.family].flow else "UNet"
+    return LoadPeak(ranks_per_node, per_rank, per_node, path, denoiser)

@@ -21,7 +21,7 @@ from typing import Any
 from zerotuner.errors import ConfigError, EnvironmentUnfit
 from zerotuner.families import ModelShape, caption_cache_bytes
 from zerotuner.machine.hardware import GiB, Hardware, auto_precision
-from zerotuner.preflight.memory import LOAD_PART_NAMES, TRAINED_PARTS, LoadPeak, estimate, load_peak
+from zerotuner.preflight.memory import TRAINED_PARTS, LoadPeak, estimate, load_peak
 from zerotuner.preflight.memory import bucket as bucket  # deepspeed_config sizes buckets with it
 from zerotuner.preflight.pins import check_pins, legal, pin_text
 from zerotuner.preflight.trainable import Training, full_unet
@@ -150,13 +150,14 @@ class Plan:
 
     def phases(self) -> dict[str, dict[str, Any]]:
         """Host bytes per node by phase, and what is live in each."""
+        names = self.load.part_names()
         out = {
             phase: {
                 "host_bytes": self.load.phase_bytes(phase),
                 "live": [
-                    LOAD_PART_NAMES[k]
+                    names[k]
                     for k in (*self.load.per_rank, *self.load.node_parts(phase))
-                    if k in LOAD_PART_NAMES
+                    if k in names
                 ],
             }
             for phase in ("load", "caching")
@@ -426,10 +427,9 @@ def _load_unfit(load: LoadPeak, cap: Capacity, *, zero3: bool = False) -> str:
 
 def _load_what(load: LoadPeak) -> str:
     """What each rank holds at the load peak, in words."""
+    names = load.part_names()
     trained = ", ".join(
-        f"{LOAD_PART_NAMES[k]} ({gib(v)} GiB)"
-        for k, v in load.per_rank.items()
-        if k in TRAINED_PARTS
+        f"{names[k]} ({gib(v)} GiB)" for k, v in load.per_rank.items() if k in TRAINED_PARTS
     )
     frozen = gib(load.per_node["frozen_parts"])
     before = ", before DeepSpeed partitions anything" if load.path == "full_copy" else ""

@@ -33,6 +33,7 @@ from zerotuner.preflight.deepspeed_config import Decisions, Normalized, normaliz
 from zerotuner.preflight.pins import pins
 from zerotuner.preflight.plan import Plan, PlanRequest, gib, make_plan
 from zerotuner.settings.effective import Effective
+from zerotuner.settings.folders import unreadable_file
 from zerotuner.settings.inputs import UserInputs
 from zerotuner.settings.notes import Note
 from zerotuner.settings.schema import Settings, env_name, precision_name
@@ -103,6 +104,11 @@ def resolve_model(
         if snapshot is not None:
             local, hub_id, revision = snapshot, settings.model, snapshot.name
     if local.is_dir():
+        if (unreadable := unreadable_file(local)) is not None:
+            raise ConfigError(
+                f"{name}: {unreadable} cannot be read by uid {os.getuid()}; make the model's "
+                "files readable (chmod -R a+rX) or run as their owner"
+            )
         if settings.model_family != "auto":
             if unet_config_path(local) is None:
                 raise ConfigError(

@@ -3,4 +3,6 @@ family registry (`zerotuner.families.REGISTRY`, whose keys they are, in its orde
 
 from __future__ import annotations
 
-FAMILIES: tuple[str, ...] = ("sdxl", "sd1", "sd2", "sd3", "flux", "chroma", "zimage", "qwenimage")
+FAMILIES: tuple[str, ...] = (
+    "sdxl", "sd1", "sd2", "sd3", "flux", "chroma", "zimage", "qwenimage", "flux2", "flux2klein",
+)  # fmt: skip

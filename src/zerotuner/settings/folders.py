@@ -99,3 +99,29 @@ def _shown(path: Path) -> str:
     """The path as the user wrote it, and where it leads when that differs."""
     real = resolved(path)
     return str(path) if str(real) == str(path) else f"{path} (-> {real})"
+
+
+def readable_by_all(folder: Path) -> Path:
+    """Give every file and folder under `folder` the read (and folder search) bits the umask
+    allows. safetensors writes its files 0600, so an export or a demo model written as one
+    user (root on the host, uid 1000 in the image) could not be read as another: the container
+    that mounts it, the colleague who loads it."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for path in (folder, *folder.rglob("*")):
+        if path.is_symlink():
+            continue
+        extra = (0o555 if path.is_dir() else 0o444) & ~umask
+        mode = path.stat().st_mode & 0o7777
+        if mode | extra != mode:
+            path.chmod(mode | extra)
+    return folder
+
+
+def unreadable_file(folder: Path) -> Path | None:
+    """The first file under `folder` (links followed, as the hub cache's are) this process
+    cannot read, else None. Root reads everything: this matters for the image's uid 1000."""
+    for path in sorted(folder.rglob("*")):
+        if path.is_file() and not os.access(path, os.R_OK):
+            return path
+    return None

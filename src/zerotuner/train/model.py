@@ -140,8 +140,23 @@ def load_frozen(components: Components, *, device: torch.device, text_dtype: tor
     components.vae = vae.to(device).eval().requires_grad_(False)
     family = families.get(components.family)
     encoders, tokenizers = family.load_text(components.source, dtype=text_dtype)
-    components.text_encoders = [e.to(device).eval().requires_grad_(False) for e in encoders]
+    stream = device.type != "cpu" and families.REGISTRY[components.family].text_stream_params
+    components.text_encoders = [
+        streamed(e, device) if stream else e.to(device) for e in encoders
+    ]  # fmt: skip
+    for encoder in components.text_encoders:
+        encoder.eval().requires_grad_(False)
     components.tokenizers = tokenizers
+
+
+def streamed(encoder: Any, device: torch.device) -> Any:
+    """A text encoder too large for the device (FLUX.2 [dev]'s 24B Mistral: ~48 GB in bf16),
+    kept in host memory and streamed to `device` one layer at a time as it runs (accelerate's
+    `cpu_offload`, as diffusers' `enable_sequential_cpu_offload`); the planner counts its
+    largest layer on the device while caching."""
+    from accelerate import cpu_offload
+
+    return cpu_offload(encoder, execution_device=device)
 
 
 def load_components(
@@ -184,7 +199,10 @@ def vae_class(source: Path) -> type:
 def encode_images(vae: Any, pixels: torch.Tensor) -> torch.Tensor:
     """Pixels in [-1, 1] -> scaled latents (the distribution's mean: deterministic, cacheable).
     A VAE with per-channel `latents_mean` / `latents_std` (Qwen-Image's, a video VAE) encodes
-    a one-frame clip and is normalised by those, as QwenImagePipeline decodes."""
+    a one-frame clip and is normalised by those, as QwenImagePipeline decodes; FLUX.2's
+    (`flux2_latents`) by its batch norm's statistics."""
+    if getattr(vae, "bn", None) is not None:  # FLUX.2's AutoencoderKLFlux2
+        return flux2_latents(vae, vae.encode(pixels.to(vae.device, vae.dtype)).latent_dist.mode())
     mean = getattr(vae.config, "latents_mean", None)
     if mean is not None:
         clip = pixels.to(vae.device, vae.dtype).unsqueeze(2)
@@ -195,3 +213,16 @@ def encode_images(vae: Any, pixels: torch.Tensor) -> torch.Tensor:
     latents = vae.encode(pixels.to(vae.device, vae.dtype)).latent_dist.mean
     shift = getattr(vae.config, "shift_factor", None) or 0.0
     return ((latents - shift) * vae.config.scaling_factor).float().cpu()
+
+
+def flux2_latents(vae: Any, latents: torch.Tensor) -> torch.Tensor:
+    """FLUX.2's training latents (train_dreambooth_lora_flux2.py): 2x2 patches normalised by
+    the VAE's batch-norm running mean and std, put back in the VAE's grid (the objective
+    patches them again: flow matching's noise and loss do not see the permutation)."""
+    from diffusers import Flux2Pipeline
+
+    patches = Flux2Pipeline._patchify_latents(latents.float())
+    view = (1, -1, 1, 1)
+    mean = vae.bn.running_mean.view(view).float()
+    std = torch.sqrt(vae.bn.running_var.view(view).float() + vae.config.batch_norm_eps)
+    return Flux2Pipeline._unpatchify_latents((patches - mean) / std).cpu()

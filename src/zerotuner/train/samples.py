@@ -80,7 +80,7 @@ def render(
     for i, prompt in enumerate(prompts):
         generator = torch.Generator().manual_seed(seed + i)
         image = pipe(
-            prompt,
+            prompt=prompt,  # by name: FLUX.2's pipelines take reference images first
             height=resolution,
             width=resolution,
             num_inference_steps=inference_steps,

@@ -19,6 +19,7 @@ import torch
 from safetensors.torch import save_file
 
 from zerotuner import families
+from zerotuner.settings.folders import readable_by_all
 from zerotuner.weights.lora import ADAPTER
 from zerotuner.weights.pipeline_folder import load_part, write_pipeline
 
@@ -177,6 +178,7 @@ def write_adapter(
         }
         unet = merged.pop(kind.denoiser)
         write_pipeline(merge_base, unet, tmp / MERGED, text_states=merged)
+    readable_by_all(tmp)  # safetensors writes 0600: the adapter is for other users too
     if out.exists():
         shutil.rmtree(out)
     tmp.rename(out)

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from zerotuner.errors import ConfigError
+from zerotuner.settings.folders import readable_by_all
 
 
 def denoiser_part(base: Path) -> str:
@@ -86,6 +87,7 @@ def write_pipeline(
     shutil.copytree(base, tmp, ignore=shutil.ignore_patterns(*states, ".*"))
     for part, module in modules.items():
         module.save_pretrained(tmp / part, safe_serialization=True)
+    readable_by_all(tmp)  # safetensors writes 0600: the export is for other users too
     if out.exists():
         shutil.rmtree(out)
     tmp.rename(out)
