@@ -67,6 +67,16 @@ def flow_run(request, flow_demo_dirs, tmp_path_factory):
     return family, flow_demo_dirs[family], tmp / "output", log
 
 
+def pipeline_parts(pipe, family: str, kind, **parts) -> model.Components:
+    """A loaded pipeline's text encoders and tokenizers (those `kind` encodes with) as the
+    trainer's Components; `parts`: the other fields (source, scheduler, vae)."""
+    return model.Components(**{
+        "family": family, "source": Path(), "denoiser": None, "scheduler": None,
+        "text_encoders": [getattr(pipe, e) for e, _ in kind.text_subfolders],
+        "tokenizers": [getattr(pipe, t) for _, t in kind.text_subfolders], **parts,
+    })  # fmt: skip
+
+
 def held_out_loss(demo: Path, family: str, transformer, draws: int = 4) -> float:
     """The family's training loss of `transformer` on 16 demo images with fixed draws."""
     from diffusers import DiffusionPipeline
@@ -77,11 +87,8 @@ def held_out_loss(demo: Path, family: str, transformer, draws: int = 4) -> float
     pixels = torch.stack(
         [torch.from_numpy(data.load_example(i, (64, 64), flip=False).pixels) for i in items]
     )
-    parts = model.Components(
-        family=family, source=demo / "model", denoiser=None, scheduler=pipe.scheduler, vae=pipe.vae,
-        text_encoders=[getattr(pipe, e) for e, _ in kind.text_subfolders],
-        tokenizers=[getattr(pipe, t) for _, t in kind.text_subfolders],
-    )  # fmt: skip
+    parts = pipeline_parts(pipe, family, kind, source=demo / "model", scheduler=pipe.scheduler,
+                           vae=pipe.vae)  # fmt: skip
     text = kind.encode_text(parts, [item.caption for item in items])
     kwargs = kind.model_kwargs(text, torch.float32)
     objective = kind.objective(Settings(), pipe.scheduler, transformer.config)
@@ -182,11 +189,7 @@ def test_text_conditioning_is_the_pipelines_own(flow_demo_dirs, family) -> None:
 
     pipe = DiffusionPipeline.from_pretrained(flow_demo_dirs[family] / "model")
     kind = dataclasses.replace(families.get(family), max_sequence_length=TOKENS)
-    parts = model.Components(
-        family=family, source=Path(), denoiser=None, scheduler=None,
-        text_encoders=[getattr(pipe, e) for e, _ in kind.text_subfolders],
-        tokenizers=[getattr(pipe, t) for _, t in kind.text_subfolders],
-    )  # fmt: skip
+    parts = pipeline_parts(pipe, family, kind)
     captions = [PROMPT, "a blue square on a black background"]
     ours = kind.encode_text(parts, captions)
     if family == "sd3":

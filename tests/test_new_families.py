@@ -27,6 +27,7 @@ from test_flow_training import (
     TOKENS,
     assert_ema_differs,
     assert_trained_and_generates,
+    pipeline_parts,
     run,
 )
 from test_flow_training import held_out_loss as family_held_out_loss
@@ -122,11 +123,7 @@ def test_cached_captions_are_the_pipelines_own_conditioning(family, family_demo_
 
     pipe = DiffusionPipeline.from_pretrained(family_demo_dir(family) / "model")
     kind = dataclasses.replace(families.get(family), max_sequence_length=TOKENS)
-    parts = model.Components(
-        family=family, source=Path(), denoiser=None, scheduler=None,
-        text_encoders=[getattr(pipe, e) for e, _ in kind.text_subfolders],
-        tokenizers=[getattr(pipe, t) for _, t in kind.text_subfolders],
-    )  # fmt: skip
+    parts = pipeline_parts(pipe, family, kind)
     captions = [PROMPT, "a blue square on a black background", "a green circle"]
     ours = kind.encode_text(parts, captions)
     assert ours["prompt_embeds"].dtype == torch.bfloat16
