@@ -249,13 +249,14 @@ def test_check_reports_the_recipes(demo_job_env, tmp_path: Path, capsys) -> None
     demo_job_env.setenv("ZT_CAPTION_DROPOUT", "0.1")
     demo_job_env.setenv("ZT_MIN_IMAGE_SIZE", "64")
     demo_job_env.setenv("ZT_UPSCALE", "false")
+    demo_job_env.setenv("ZT_TIMESTEP_RANGE", "0.5-1")
     main(["check"])
     out = capsys.readouterr().out
     lines = [line for line in out.splitlines() if " dataset " in line]
     assert lines[0] == (
         f"OK   dataset          2 images in {folder}; captions as 'sks {{caption}}'; 10% of "
         "samples an epoch on the empty caption; 3 images under 64 px left out; 1 image not "
-        "upscaled (trained at its own size)"
+        "upscaled (trained at its own size); noise schedule 0.5-1 only"
     ), out
     assert lines[1] == (
         "WARN dataset          skipped 3 files, smaller than ZT_MIN_IMAGE_SIZE=64 px on the "
@@ -267,7 +268,8 @@ def test_check_reports_the_recipes(demo_job_env, tmp_path: Path, capsys) -> None
 @pytest.mark.slow
 def test_a_run_trains_with_the_recipes(demo_dir: Path, tmp_path: Path) -> None:
     """Two CPU ranks, 3 steps: the empty caption is cached beside the templated ones, the
-    recipes are logged, and the small demo images train in a bucket of their own size."""
+    recipes are logged, the small demo images train in a bucket of their own size, and the
+    objective takes the timestep range."""
     config = tk.ds_config(0, steps=3)
     job = tk.write_job(tmp_path / "job.json", model=demo_dir / "model", deepspeed=config,
                        resolution=128)  # fmt: skip
@@ -275,6 +277,7 @@ def test_a_run_trains_with_the_recipes(demo_dir: Path, tmp_path: Path) -> None:
         model=demo_dir / "model", data=demo_dir / "data", output=tmp_path / "output",
         cache=tmp_path / "cache", max_steps=3, checkpoint_every_steps=0, log_every_steps=1,
         caption_template="{caption}, sks style", caption_dropout=0.5, upscale="false",
+        timestep_range="0.0-0.5",
     )  # fmt: skip
     proc = tk.run_ranks(tmp_path, env, job_file=job)
     tk.assert_ok(proc, tmp_path)
@@ -282,9 +285,59 @@ def test_a_run_trains_with_the_recipes(demo_dir: Path, tmp_path: Path) -> None:
     assert "dataset recipes: captions as '{caption}, sks style'; 50% of samples an epoch" in log
     assert "64 images not upscaled (trained at their own size)" in log
     assert "will be upscaled" not in log
+    assert "prediction, timesteps 0-0.5 of the schedule" in log
     run = tmp_path / "output" / "run"
     buckets = tk.read_json(run / "dataset.json")["buckets"]
     assert set(buckets) == {"96x96", "144x96", "96x144"}  # the demo images' own sizes
     captions = {p.read_text() for p in (demo_dir / "data").glob("*.txt")}
     assert tk.read_json(run / "cache.json")["texts_encoded"] == len(captions) + 1
     assert len(tk.read_steps(tmp_path / "output")) == 3
+
+
+# --- the timestep / sigma range -------------------------------------------------------------------
+
+
+def _timesteps_seen(objective, latents: torch.Tensor, *, flow: bool) -> torch.Tensor:
+    """The timesteps a stand-in denoiser is called with for one batch (flow: sigma x 1000)."""
+    from types import SimpleNamespace
+
+    seen = []
+
+    def denoiser(*args, **kwargs):
+        noisy = kwargs.get("hidden_states", args[0] if args else None)
+        seen.append(kwargs["timestep"] if flow else args[1])
+        return SimpleNamespace(sample=torch.zeros_like(noisy))
+
+    objective.loss(
+        denoiser, latents, {}, generator=torch.Generator().manual_seed(0), dtype=torch.float32
+    )
+    return seen[0].float()
+
+
+@pytest.mark.parametrize("span,low,high", [("0.0-0.5", 0, 500), ("0.5-1", 500, 1000),
+                                           (None, 0, 1000)])  # fmt: skip
+def test_timestep_range_limits_the_noise_levels_the_model_is_trained_at(span, low, high) -> None:
+    from diffusers import DDPMScheduler, FlowMatchEulerDiscreteScheduler
+
+    s = load_settings({"ZT_TIMESTEP_RANGE": span} if span else {})
+    latents = torch.randn(512, 4, 2, 2)
+    sdxl = families.get("sdxl").configured(s)
+    ddpm_objective = sdxl.objective(s, DDPMScheduler(num_train_timesteps=1000), None)
+    t = _timesteps_seen(ddpm_objective, latents, flow=False)
+    assert low <= t.min() < low + 50 and high - 50 <= t.max() < high
+    sd3 = families.get("sd3").configured(s)
+    flow_objective = sd3.objective(s, FlowMatchEulerDiscreteScheduler(shift=3.0), {})
+    sigmas = _timesteps_seen(flow_objective, latents, flow=True) / 1000
+    assert low / 1000 <= sigmas.min() and sigmas.max() <= high / 1000
+    assert sigmas.max() - sigmas.min() > (high - low) / 1000 / 2  # spread over the range
+    if span:
+        assert "timesteps" in ddpm_objective.describe() and "sigmas in" in flow_objective.describe()
+
+
+def test_timestep_range_must_be_two_ordered_fractions() -> None:
+    assert load_settings({"ZT_TIMESTEP_RANGE": " 0 - .5 "}).timestep_range == "0-0.5"
+    for bad in ("0.5", "0.5-0.2", "0-1.5", "a-b", "0.2-0.2", "-1-0"):
+        with pytest.raises(ConfigError) as error:
+            load_settings({"ZT_TIMESTEP_RANGE": bad})
+        (line,) = error.value.problems
+        assert line.startswith(f"ZT_TIMESTEP_RANGE='{bad}': expected two fractions"), line

@@ -47,7 +47,7 @@ SECTIONS = tuple(
         ("Checkpoints", "checkpoint_every_steps checkpoints_keep resume"),
         ("Validation", "validation_prompts validation_every_steps validation_inference_steps "
          "validation_guidance_scale"),
-        ("Data recipes", "caption_template caption_dropout min_image_size upscale"),
+        ("Recipes", "caption_template caption_dropout min_image_size upscale timestep_range"),
         ("More", "seed ema ema_decay noise_offset snr_gamma prediction_type random_flip "
          "deepspeed_config"),
     )

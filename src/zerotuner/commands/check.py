@@ -162,6 +162,7 @@ def _dataset(c: Checks) -> tuple[str, list[str]]:
     notes = recipe_notes(
         dataset, resolution, caption_template=s.caption_template,
         caption_dropout=s.caption_dropout, min_image_size=s.min_image_size, upscale=s.upscale,
+        timestep_range=s.timestep_range,
     )  # fmt: skip
     return f"{len(dataset)} images in {s.data_dir}" + "".join(f"; {n}" for n in notes), warnings
 

@@ -29,6 +29,7 @@ class LossConfig:
     prediction_type: str  # epsilon | v_prediction
     snr_gamma: float | None  # min-SNR-gamma weighting (arXiv 2303.09556); None = plain MSE
     noise_offset: float  # adds a per-channel constant to the noise (brightness range)
+    timestep_range: tuple[float, float] = (0.0, 1.0)  # the schedule's part trained (fractions)
 
 
 def diffusion_loss(
@@ -49,7 +50,8 @@ def diffusion_loss(
             (batch, latents.shape[1], 1, 1), generator=generator
         )
     steps = scheduler.config.num_train_timesteps
-    timesteps = torch.randint(0, steps, (batch,), generator=generator)
+    low, high = (round(fraction * steps) for fraction in config.timestep_range)
+    timesteps = torch.randint(low, max(high, low + 1), (batch,), generator=generator)
     noisy = scheduler.add_noise(latents, noise, timesteps)
     if config.prediction_type == "v_prediction":
         target = scheduler.get_velocity(latents, noise, timesteps)
@@ -79,7 +81,9 @@ class DDPMObjective:
     config: LossConfig
 
     def describe(self) -> str:
-        return f"{self.config.prediction_type} prediction"
+        low, high = self.config.timestep_range
+        part = "" if (low, high) == (0.0, 1.0) else f", timesteps {low:g}-{high:g} of the schedule"
+        return f"{self.config.prediction_type} prediction{part}"
 
     def loss(self, model, latents, kwargs, *, generator, dtype) -> torch.Tensor:
         return diffusion_loss(

@@ -27,6 +27,7 @@ class FlowConfig:
     mode_scale: float = 1.29  # mode: how strongly the middle sigmas are favoured
     shift: float = 1.0  # the scheduler's static shift (1.0: none)
     num_train_timesteps: int = 1000
+    timestep_range: tuple[float, float] = (0.0, 1.0)  # sigmas scaled into it (ZT_TIMESTEP_RANGE)
 
     @classmethod
     def from_scheduler(cls, config: Any, **sampling: Any) -> FlowConfig:
@@ -48,7 +49,8 @@ def sample_sigmas(batch: int, config: FlowConfig, generator: torch.Generator) ->
         config.weighting, batch, logit_mean=config.logit_mean, logit_std=config.logit_std,
         mode_scale=config.mode_scale, generator=generator,
     )  # fmt: skip
-    return shift_sigmas(u, config.shift)
+    low, high = config.timestep_range  # the sampled density, squeezed into this part
+    return low + (high - low) * shift_sigmas(u, config.shift)
 
 
 def noisy_and_target(
@@ -102,7 +104,9 @@ class FlowObjective:
         shown = {"logit_normal": f"logit_normal({c.logit_mean:g}, {c.logit_std:g})",
                  "mode": f"mode({c.mode_scale:g})", "uniform": "uniform"}[c.weighting]  # fmt: skip
         guidance = f", guidance {self.guidance:g}" if self.guidance is not None else ""
-        return f"flow matching (sigmas {shown}, shift {c.shift:g}{guidance})"
+        low, high = c.timestep_range
+        part = "" if (low, high) == (0.0, 1.0) else f", sigmas in {low:g}-{high:g}"
+        return f"flow matching (sigmas {shown}, shift {c.shift:g}{part}{guidance})"
 
     def loss(
         self,

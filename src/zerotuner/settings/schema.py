@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import difflib
 import os
+import re
 from collections.abc import Iterator, Mapping
 from contextvars import ContextVar
 from pathlib import Path
@@ -126,6 +127,12 @@ class Settings(BaseSettings):
     logit_mean: float = Field(0.0, description="Flow matching, `logit_normal`: the mean.")
     logit_std: float = Field(1.0, gt=0, description="Flow matching, `logit_normal`: the std.")
     mode_scale: float = Field(1.29, description="Flow matching, `mode`: its scale.")
+    timestep_range: str | None = Field(
+        None,
+        description="Train on part of the noise schedule only: `low-high` as fractions of it "
+        "(0 clean, 1 pure noise), e.g. `0.0-0.5` (detail) or `0.5-1.0` (composition); the "
+        "DDPM timesteps and the flow-matching sigmas alike. Empty: all of it.",
+    )
     train_guidance: float = Field(
         3.5,
         ge=0,
@@ -366,6 +373,21 @@ class Settings(BaseSettings):
     def _resume_word_or_path(cls, value: str) -> str:
         return value.strip() or "auto"
 
+    @field_validator("timestep_range")
+    @classmethod
+    def _fraction_range(cls, value: str | None) -> str | None:
+        if value is None or not value.strip():
+            return None
+        match = FRACTIONS.match(value)
+        low, high = (float(g) for g in match.groups()) if match else (1.0, 0.0)
+        if not 0 <= low < high <= 1:
+            raise PydanticCustomError(
+                "timestep_range",
+                "two fractions of the noise schedule, `low-high` with 0 <= low < high <= 1 "
+                "(e.g. `0.0-0.5`: the less noisy half)",
+            )
+        return f"{low:g}-{high:g}"
+
     @field_validator("caption_template")
     @classmethod
     def _one_caption_slot(cls, value: str | None) -> str | None:
@@ -399,6 +421,15 @@ class Settings(BaseSettings):
 
 def env_name(field: str) -> str:
     return ENV_PREFIX + field.upper()
+
+
+FRACTIONS = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*-\s*(\d+(?:\.\d*)?|\.\d+)\s*$")
+
+
+def timestep_bounds(value: str | None) -> tuple[float, float]:
+    """ZT_TIMESTEP_RANGE as (low, high) fractions of the noise schedule; (0, 1) when unset."""
+    match = FRACTIONS.match(value) if value else None
+    return (float(match[1]), float(match[2])) if match else (0.0, 1.0)
 
 
 def precision_name(value: str) -> str:

@@ -575,9 +575,11 @@ def recipe_notes(
     caption_dropout: float = 0.0,
     min_image_size: int = 0,
     upscale: bool = True,
+    timestep_range: str | None = None,
 ) -> list[str]:
-    """What the data recipes in force do to this dataset, a few words each (for `check` and
-    the log): the caption template, the dropout, the images left out or kept at their size."""
+    """What the recipes in force do to this dataset, a few words each (for `check` and the
+    log): the caption template, the dropout, the images left out or kept at their size, the
+    part of the noise schedule trained."""
     notes = []
     if caption_template:
         notes.append(f"captions as {caption_template!r}")
@@ -592,6 +594,8 @@ def recipe_notes(
         native = sum(len(ix) for size, ix in buckets.items() if size not in standard)
         its = "its" if native == 1 else "their"
         notes.append(f"{_count(native, 'image')} not upscaled (trained at {its} own size)")
+    if timestep_range:
+        notes.append(f"noise schedule {timestep_range} only")
     return notes
 
 

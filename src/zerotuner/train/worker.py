@@ -172,6 +172,7 @@ class Run:
                 self.dataset, job.resolution, multiple=multiple,
                 caption_template=s.caption_template, caption_dropout=s.caption_dropout,
                 min_image_size=s.min_image_size, upscale=s.upscale,
+                timestep_range=s.timestep_range,
             ):  # fmt: skip
                 log.info("dataset recipes: %s", "; ".join(notes))
 
