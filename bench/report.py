@@ -171,6 +171,11 @@ def markdown(r: dict[str, Any]) -> str:
         from bench.load_peak import table
 
         out += table(r["load_peak"])
+    if r.get("load_peak_sdxl"):
+        from bench.load_peak import table
+
+        title = "## Load peak, SDXL-size UNet (2.57B, random weights; host RSS per rank)"
+        out += table(r["load_peak_sdxl"], title)
     if r.get("speed"):
         from bench.speed import table as speed_table
 
@@ -343,7 +348,7 @@ def merged(new: dict[str, Any], folder: Path) -> dict[str, Any]:
     old = json.loads(path.read_text())
     suites = (
         "overhead", "first_step", "planner", "lora_vs_full", "nvme", "scaling", "stops",
-        "gpu_paper", "load_peak", "speed",
+        "gpu_paper", "load_peak", "load_peak_sdxl", "speed",
     )  # fmt: skip
     for key in suites:
         if key in new:

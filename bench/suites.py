@@ -63,9 +63,12 @@ def intervals(steps: list[dict]) -> list[float]:
 # --- effective configs and plans from zerotuner's own preflight --------------------------------
 
 
-def preflight_for(b: Bench, **settings: Any) -> tuple[Any, dict[str, float]]:
+def preflight_for(
+    b: Bench, *, require_fit: bool = True, **settings: Any
+) -> tuple[Any, dict[str, float]]:
     """zerotuner's preflight in this process with the bench's ZT_* (timed: settings, probe,
-    plan), exactly as `zerotuner train` calls it."""
+    plan), exactly as `zerotuner train` calls it (`require_fit=False`: as `zerotuner config`
+    does, the closest option's config where nothing fits this host)."""
     from zerotuner.machine.probe import probe
     from zerotuner.preflight.steps import preflight
     from zerotuner.settings.effective import effective_settings
@@ -78,7 +81,7 @@ def preflight_for(b: Bench, **settings: Any) -> tuple[Any, dict[str, float]]:
     t1 = time.perf_counter()
     hardware = probe(effective.settings.device)
     t2 = time.perf_counter()
-    pre = preflight(effective, hardware=hardware)
+    pre = preflight(effective, hardware=hardware, require_fit=require_fit)
     t3 = time.perf_counter()
     return pre, {"settings": t1 - t0, "probe": t2 - t1, "plan": t3 - t2}
 
