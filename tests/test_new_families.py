@@ -38,7 +38,7 @@ from zerotuner.train import model
 from zerotuner.weights.checkpoint import read_manifest
 
 NEW = ["chroma", "zimage", "qwenimage", "flux2", "flux2klein"]
-FULL_RUNS = ["chroma", "zimage", "qwenimage", "flux2"]  # the full run's fixture (+ resume)
+FULL_RUNS = NEW  # the full run's fixture (+ resume)
 PIPELINES = {"chroma": "ChromaPipeline", "zimage": "ZImagePipeline",
              "qwenimage": "QwenImagePipeline", "flux2": "Flux2Pipeline",
              "flux2klein": "Flux2KleinPipeline"}  # fmt: skip
