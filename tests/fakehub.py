@@ -3,6 +3,8 @@
 Nothing can reach the real hub here; this lets huggingface_hub's own download and upload code run
 for real against loopback. It speaks the part of the Hub's HTTP API that code uses:
 
+- dataset repos (`datasets/<owner>/<name>` in `repos`) under `/api/datasets/` and
+  `/datasets/<repo>/resolve/` as models are under `/api/models/` and `/<repo>/resolve/`;
 - `GET /api/models/<repo>` and `/api/models/<repo>/revision/<rev>`: the commit id and files
   (`repo_info`, `model_info`, `snapshot_download`);
 - `HEAD`/`GET /<repo>/resolve/<rev>/<file>`: a file, with the X-Repo-Commit and ETag headers;
@@ -146,6 +148,14 @@ class FakeHub:
         match parts:
             case [owner, name, "resolve", revision, *file] if read and file:
                 return self._resolve(f"{owner}/{name}", revision, "/".join(file))
+            case ["datasets", owner, name, "resolve", revision, *file] if read and file:
+                return self._resolve(f"datasets/{owner}/{name}", revision, "/".join(file))
+            case ["api", "datasets", owner, name] if read:
+                return self._info(f"datasets/{owner}/{name}", "main", query)
+            case ["api", "datasets", owner, name, action, revision, *rest]:
+                return self._repo_api(
+                    method, action, f"datasets/{owner}/{name}", revision, rest, query, body
+                )
             case ["api", "whoami-v2"] if read:
                 role = "read" if self.read_only else "write"
                 return _json(

@@ -110,7 +110,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         c.skip("preflight", "the config files above must read first")
     c.facts = {k: v for k, v in c.facts.items() if v is not None}
-    if c.run("dataset", lambda: _dataset(c)) and "plan" in c.facts:
+    if c.run("dataset", lambda: _dataset(c)) and "plan" in c.facts and c.facts["dataset"]:
         c.run("text cache", lambda: _text_cache(c))
     if "inputs" not in c.facts:  # their nvme_path may name the offload folder
         c.skip("offload", "the config files above must read first")
@@ -146,13 +146,19 @@ def _finish(c: Checks) -> int:
 
 
 def _dataset(c: Checks) -> tuple[str, list[str]]:
-    from zerotuner.train.data import recipe_notes, scan, upscale_warning
+    from zerotuner.preflight.fetch import fetch_all
+    from zerotuner.settings.datasets import sources
+    from zerotuner.train.data import recipe_notes, scan_sources, upscale_warning
 
     s = c.facts["settings"]
-    dataset = scan(
-        s.data_dir, log_skipped=False, write_index=False, caption_template=s.caption_template,
-        min_image_size=s.min_image_size,
-    )  # fmt: skip
+    found = sources(s)
+    remote = fetch_all(found, s, listing_only=True)  # what is fetched, what is still to fetch
+    if remote.missing:
+        c.facts["dataset"] = None
+        return remote.describe(), []
+    dataset = scan_sources(
+        found, s.cache_dir, log_skipped=False, write_index=False, min_image_size=s.min_image_size
+    )
     warnings = dataset.warnings()  # the lines train logs
     shape = c.facts.get("shape")  # as train: ZT_RESOLUTION, else the family's own
     resolution = s.resolution or (shape.native_resolution if shape else None)
@@ -164,7 +170,9 @@ def _dataset(c: Checks) -> tuple[str, list[str]]:
         caption_dropout=s.caption_dropout, min_image_size=s.min_image_size, upscale=s.upscale,
         timestep_range=s.timestep_range,
     )  # fmt: skip
-    return f"{len(dataset)} images in {s.data_dir}" + "".join(f"; {n}" for n in notes), warnings
+    fetched = f"; {remote.describe()}" if remote.sources else ""
+    line = dataset.summary() + fetched + "".join(f"; {n}" for n in notes)
+    return line, warnings
 
 
 def _text_cache(c: Checks) -> str:

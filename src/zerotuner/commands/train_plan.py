@@ -17,8 +17,10 @@ from typing import TYPE_CHECKING
 from zerotuner.commands.plan import render
 from zerotuner.launch.job import Job
 from zerotuner.machine.offload_volume import mounted_offload_device, prepare_offload_dir
+from zerotuner.preflight.fetch import fetch_all
 from zerotuner.preflight.steps import Preflight, preflight
 from zerotuner.preflight.what_if import plan_json
+from zerotuner.settings.datasets import sources
 from zerotuner.settings.schema import Settings
 from zerotuner.weights.checkpoint import REMOTE_LATEST, checkpoints_dir
 
@@ -63,6 +65,8 @@ def prepare(
             log.info("removed stale swap data: %s", removed)
         for warning in report.warnings:
             log.warning("%s", warning)
+    # Once per node, after the plan held: remote datasets into the cache (preflight.fetch).
+    fetch_all(sources(settings), settings)
     job = job_from(pre)
     if server is not None:
         server.set_job(job)

@@ -36,8 +36,10 @@ class Objective(Protocol):
         *,
         generator: torch.Generator,
         dtype: torch.dtype,
+        mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """The training loss of one micro-batch (fp32), noise drawn from `generator`."""
+        """The training loss of one micro-batch (fp32), noise drawn from `generator`; `mask`
+        (batch, 1, h, w): each latent cell's weight (loss masks, `ddpm.masked_mse`)."""
         ...
 
     def describe(self) -> str:

@@ -8,7 +8,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from zerotuner.errors import ConfigError
 
@@ -41,6 +40,7 @@ def diffusion_loss(
     config: LossConfig,
     generator: torch.Generator,
     dtype: torch.dtype,
+    mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Noise the latents at random timesteps and regress the model's prediction (in fp32)."""
     batch = latents.shape[0]
@@ -63,14 +63,39 @@ def diffusion_loss(
     ).sample
     target = target.to(device)
     if config.snr_gamma is None:
-        return F.mse_loss(pred.float(), target.float())
+        return masked_mse(pred, target, mask)
     from diffusers.training_utils import compute_snr
 
     snr = compute_snr(scheduler, timesteps)
     weight = torch.clamp(snr, max=config.snr_gamma)
     weight = weight / (snr + 1) if config.prediction_type == "v_prediction" else weight / snr
-    per_sample = F.mse_loss(pred.float(), target.float(), reduction="none").mean(dim=(1, 2, 3))
-    return (per_sample * weight.to(device)).mean()
+    return masked_mse(pred, target, mask, weight=weight.to(device))
+
+
+def masked_mse(
+    pred: torch.Tensor,
+    target: torch.Tensor,
+    mask: torch.Tensor | None = None,
+    *,
+    weight: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The mean squared error in fp32, each sample weighted by `weight` (min-SNR) and each
+    latent cell by `mask` (batch, 1, h, w) when the batch has loss masks: a sample's error is
+    the mean over the cells its mask keeps, so a cell at 0 contributes nothing and each image
+    counts alike however much of it is masked (an all-black mask: the sample adds 0)."""
+    error = (pred.float() - target.float()) ** 2
+    if mask is None and weight is None:
+        return error.mean()
+    if mask is None:
+        per_sample = error.mean(dim=tuple(range(1, error.dim())))
+    else:
+        cells = mask.to(error.device, torch.float32)
+        # (batch, 1, h, w) over (batch, channels, [frames,] h, w)
+        cells = cells.reshape(cells.shape[0], 1, *[1] * (error.dim() - 4), *cells.shape[-2:])
+        cells = cells.expand_as(error)
+        dims = tuple(range(1, error.dim()))
+        per_sample = (error * cells).sum(dim=dims) / cells.sum(dim=dims).clamp_min(1e-6)
+    return (per_sample if weight is None else per_sample * weight).mean()
 
 
 @dataclass(frozen=True)
@@ -85,10 +110,10 @@ class DDPMObjective:
         part = "" if (low, high) == (0.0, 1.0) else f", timesteps {low:g}-{high:g} of the schedule"
         return f"{self.config.prediction_type} prediction{part}"
 
-    def loss(self, model, latents, kwargs, *, generator, dtype) -> torch.Tensor:
+    def loss(self, model, latents, kwargs, *, generator, dtype, mask=None) -> torch.Tensor:
         return diffusion_loss(
             model, self.scheduler, latents, kwargs, config=self.config, generator=generator,
-            dtype=dtype,
+            dtype=dtype, mask=mask,
         )  # fmt: skip
 
 

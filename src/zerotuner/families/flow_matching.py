@@ -116,10 +116,9 @@ class FlowObjective:
         *,
         generator: torch.Generator,
         dtype: torch.dtype,
+        mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        import torch.nn.functional as F
-
-        from zerotuner.families.ddpm import device_of, to_device
+        from zerotuner.families.ddpm import device_of, masked_mse, to_device
 
         noise = torch.randn(latents.shape, generator=generator)
         sigmas = sample_sigmas(latents.shape[0], self.config, generator)
@@ -127,7 +126,7 @@ class FlowObjective:
         device = device_of(model)
         pred = self.predict(model, noisy, sigmas, to_device(kwargs, device), device=device,
                             dtype=dtype)  # fmt: skip
-        return F.mse_loss(pred.float(), target.to(device).float())
+        return masked_mse(pred, target.to(device), mask)
 
     def predict(
         self,

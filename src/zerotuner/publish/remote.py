@@ -115,13 +115,19 @@ class S3Store:
             raise RemoteError(f"{what}: {_one_line(error)}") from None
 
     def list(self, prefix: str) -> dict[str, int]:
+        return {key: size for key, (size, _) in self.objects(prefix).items()}
+
+    def objects(self, prefix: str) -> dict[str, tuple[int, str]]:
+        """Keys under `prefix` with their size and ETag (an MD5 of the bytes unless the object
+        was uploaded in parts: then `md5-parts`), to fetch a dataset and verify it."""
         pages = self.client.get_paginator("list_objects_v2").paginate(
             Bucket=self.bucket, Prefix=self.prefix + prefix
         )
         found = {}
         for page in self._call(f"list {prefix}", list, pages):
             for item in page.get("Contents", []):
-                found[item["Key"][len(self.prefix) :]] = item["Size"]
+                key = item["Key"][len(self.prefix) :]
+                found[key] = (item["Size"], item.get("ETag", "").strip('"'))
         return found
 
     def upload(self, files: list[tuple[Path, str]], message: str) -> None:

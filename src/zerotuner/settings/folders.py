@@ -16,6 +16,7 @@ import tempfile
 from pathlib import Path
 
 from zerotuner.errors import ConfigError, EnvironmentUnfit
+from zerotuner.settings.datasets import sources
 from zerotuner.settings.schema import Settings, env_name
 
 # (folder, what goes wrong when it is the data folder or inside it)
@@ -36,23 +37,33 @@ def resolved(path: Path) -> Path:
 
 
 def overlaps(settings: Settings) -> list[str]:
-    """One line per folder that overlaps ZT_DATA_DIR, naming both settings and paths."""
-    data = resolved(settings.data_dir)
+    """One line per folder that overlaps a local dataset (ZT_DATA_DIR or an entry of
+    ZT_DATASETS_FILE), naming both settings and paths. Reading the datasets file here makes a
+    bad entry one line (exit 2) before anything else reads it."""
     problems = []
-    for name in ("output_dir", "cache_dir", "offload_dir"):
-        folder = getattr(settings, name)
-        path = resolved(folder)
-        if path == data or path.is_relative_to(data):
-            where = "is" if path == data else "is inside"
-            why = INSIDE_DATA[name]
-        elif name in HOLDS_NO_DATA and data.is_relative_to(path):
-            where, why = "holds", HOLDS_NO_DATA[name]
-        else:
+    for source in sources(settings):
+        if source.location.remote:  # its copy lives in the cache, which holds no user data
             continue
-        problems.append(
-            f"{env_name(name)}={_shown(folder)} {where} {env_name('data_dir')}="
-            f"{_shown(settings.data_dir)}: {why}; give each its own folder"
+        data = resolved(Path(source.path))
+        named = (
+            f"{env_name('data_dir')}={_shown(Path(source.path))}"
+            if settings.datasets_file is None
+            else f"the dataset {_shown(Path(source.path))} of {env_name('datasets_file')}"
         )
+        for name in ("output_dir", "cache_dir", "offload_dir"):
+            folder = getattr(settings, name)
+            path = resolved(folder)
+            if path == data or path.is_relative_to(data):
+                where = "is" if path == data else "is inside"
+                why = INSIDE_DATA[name]
+            elif name in HOLDS_NO_DATA and data.is_relative_to(path):
+                where, why = "holds", HOLDS_NO_DATA[name]
+            else:
+                continue
+            problems.append(
+                f"{env_name(name)}={_shown(folder)} {where} {named}: {why}; give each its own "
+                "folder"
+            )
     return problems
 
 

@@ -66,7 +66,18 @@ class Settings(BaseSettings):
         "auto",
         description="Model family; `auto` reads it from model_index.json / the model's config.",
     )
-    data_dir: Path = Field(Path("/data"), description="Training images with captions.")
+    data_dir: str = Field(
+        "/data",
+        description="Training images with captions: a folder, `s3://bucket/prefix` or "
+        "`hf://datasets/owner/name` (fetched once per node into ZT_CACHE_DIR/datasets).",
+    )
+    datasets_file: Path | None = Field(
+        None,
+        description="Several datasets in one run (YAML, JSON or TOML; replaces ZT_DATA_DIR): "
+        "each entry a `path` (folder or URL as ZT_DATA_DIR) with its own `repeats`, "
+        "`caption_template`, `resolution`, `caption_extension` and, for parquet shards, "
+        "`image_column` / `caption_column`.",
+    )
     output_dir: Path = Field(
         Path("/output"), description="Checkpoints, samples, run records and the final export."
     )
@@ -348,6 +359,13 @@ class Settings(BaseSettings):
                     ) from None
             return [p.strip() for p in text.split("|") if p.strip()]
         return value
+
+    @field_validator("data_dir", mode="before")
+    @classmethod
+    def _folder_or_url(cls, value: Any) -> Any:
+        """A folder (a Path is fine) or an s3:// / hf://datasets/ URL, kept as text: a Path
+        would fold the URL's `//`."""
+        return os.fspath(value) if isinstance(value, os.PathLike) else value
 
     @field_validator("zero_stage", mode="before")
     @classmethod

@@ -53,11 +53,10 @@ def fill(
         flip=settings.random_flip,
     )
     bucket_of = {i: size for size, indices in buckets.items() for i in indices}
-    root = dataset.root
     items = [
         feature_cache.CacheItem(
-            name=str(item.path.relative_to(root)),
-            content=item.digest,
+            name=item.name,
+            content=item.content,
             caption=item.caption,
             bucket=bucket_of[i],
             load=_loader(item, bucket_of[i]),
@@ -179,9 +178,10 @@ def batch_items(
 
 
 def _loader(item: data.Item, bucket: tuple[int, int]):
-    def load(flip: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    def load(flip: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         example = data.load_example(item, bucket, flip=flip)
         ids = time_ids(example.original_size, example.crop_top_left, example.target_size)
-        return torch.from_numpy(example.pixels), ids
+        mask = None if example.mask is None else torch.from_numpy(example.mask)
+        return torch.from_numpy(example.pixels), ids, mask
 
     return load

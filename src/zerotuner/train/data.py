@@ -10,6 +10,11 @@ then all batches are shuffled together. Ranks take every world_size-th batch, an
 topped up so every rank gets the same number of batches (ranks must step together). Which
 samples train on the empty caption (ZT_CAPTION_DROPOUT) is likewise a function of (seed,
 epoch, item) alone: `caption_dropped`.
+
+Several datasets (ZT_DATASETS_FILE) are scanned one by one (`scan_sources`) and joined into one
+Dataset whose `parts` keep each one's repeats and resolution: `dataset_buckets` lists an item
+once per repeat, so the order above needs nothing else. A loss mask is an image beside its
+picture, `foo.mask.png` for `foo.jpg`: white trains, black is left out (`Item.mask`).
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
 
 from zerotuner.errors import ConfigError
+from zerotuner.settings.datasets import DatasetSource, local_folder
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +57,7 @@ SUMMARY_EXAMPLES = 3  # paths named per kind of skipped file
 SUMMARY_KINDS = 8  # kinds of skipped file listed, one line each
 UPSCALE_NOTICE = 1.1  # enlarging an image by more than this is worth a warning
 SMALL = "smaller than ZT_MIN_IMAGE_SIZE"  # the skip reason of an image below it
+MASK_SUFFIX = ".mask"  # foo.mask.png weights the loss of foo.png / foo.jpg
 Size = tuple[int, int]  # (width, height) in pixels
 
 
@@ -64,6 +71,26 @@ class Item:
     file_size: int
     mtime_ns: int
     digest: str  # blake2b-128 of the file bytes
+    name: str = ""  # the path relative to its dataset's folder: the cache's name for it
+    mask: Path | None = None  # its loss mask (foo.mask.png)
+    mask_digest: str = ""
+
+    @property
+    def content(self) -> str:
+        """What the cached latents depend on besides the bucket: the image and its mask."""
+        return f"{self.digest}+{self.mask_digest}" if self.mask else self.digest
+
+
+@dataclass(frozen=True)
+class Part:
+    """One dataset of several: where its items start in the joined Dataset, how often each
+    trains an epoch, and its resolution (None: the job's)."""
+
+    label: str  # its path as the datasets file gives it
+    dataset: Dataset
+    start: int
+    repeats: int = 1
+    resolution: int | None = None
 
 
 @dataclass(frozen=True)
@@ -72,13 +99,16 @@ class Dataset:
     items: tuple[Item, ...]
     skipped: tuple[tuple[Path, str], ...]  # (path, reason) for every file left out
     cut_captions: tuple[str, ...] = ()  # where a caption over CAPTION_BYTES was cut short
+    parts: tuple[Part, ...] = ()  # several datasets: each one's own scan
 
     def __len__(self) -> int:
         return len(self.items)
 
     def warnings(self) -> list[str]:
         """What a user should know about this folder, in a few lines however many files:
-        one line per kind of skipped file, one for captions cut short."""
+        one line per kind of skipped file, one for captions cut short (per dataset)."""
+        if self.parts:
+            return [f"{p.label}: {line}" for p in self.parts for line in p.dataset.warnings()]
         lines = skip_summary(self.root, self.skipped)
         if self.cut_captions:
             lines.append(
@@ -87,6 +117,18 @@ class Dataset:
                 + _examples(self.cut_captions)
             )
         return lines
+
+    def summary(self) -> str:
+        """`12 images in /data`, or per dataset with its repeats."""
+        if not self.parts:
+            return f"{_count(len(self), 'image')} in {self.root}"
+        shown = []
+        for p in self.parts:
+            extra = [f"x{p.repeats}"] if p.repeats > 1 else []
+            extra += [f"{p.resolution} px"] if p.resolution else []
+            more = f" ({', '.join(extra)})" if extra else ""
+            shown.append(f"{_count(len(p.dataset), 'image')} in {p.label}{more}")
+        return f"{_count(len(self), 'image')} in {len(self.parts)} datasets: " + ", ".join(shown)
 
 
 @dataclass(frozen=True)
@@ -98,6 +140,7 @@ class Example:
     original_size: Size  # (h, w) of the source image after EXIF orientation
     crop_top_left: Size  # (top, left) of the crop in the resized image
     target_size: Size  # (h, w) of the bucket
+    mask: np.ndarray | None = None  # float32 (1, H, W) in [0, 1], cropped as the pixels
 
 
 # --- scanning ---------------------------------------------------------------------------------
@@ -112,6 +155,8 @@ def scan(
     workers: int | None = None,
     caption_template: str | None = None,
     min_image_size: int = 0,
+    caption_extension: str = ".txt",
+    setting: str = "ZT_DATA_DIR",
 ) -> Dataset:
     """Find every readable PNG/JPEG/WebP under data_dir (recursively), with its caption.
 
@@ -121,23 +166,29 @@ def scan(
     rank write it (`write_index`). Files that fail are skipped with one warning each (set
     log_skipped=False on all ranks but one) and listed in `Dataset.skipped`, as are images
     whose short side is below `min_image_size` (ZT_MIN_IMAGE_SIZE). Each caption goes through
-    `caption_template` (ZT_CAPTION_TEMPLATE), so the text cache holds what is trained on. No
-    usable image is a ConfigError (exit 2).
+    `caption_template` (ZT_CAPTION_TEMPLATE), so the text cache holds what is trained on.
+    Captions are read from `caption_extension` sidecars; `foo.mask.png` is foo's loss mask. No
+    usable image is a ConfigError (exit 2) naming `setting`.
     """
     data_dir = Path(data_dir)
     if not data_dir.is_dir():
         raise ConfigError(
-            f"ZT_DATA_DIR={data_dir}: no such directory; mount a folder of PNG, JPEG or WebP "
+            f"{setting}={data_dir}: no such directory; mount a folder of PNG, JPEG or WebP "
             "images (captions in sidecar .txt files or metadata.jsonl) there"
         )
     files, skipped = _walk(data_dir)
     metadata = _read_metadata([p for p in files if p.name == METADATA_FILE])
-    sidecars = {p for p in files if p.suffix == ".txt"}
+    sidecars = {p for p in files if p.suffix == caption_extension}
     candidates: list[Path] = []
+    masks: dict[Path, Path] = {}  # image stem path -> its mask
     for path in files:
         suffix = path.suffix.lower()
-        if suffix in IMAGE_SUFFIXES:
+        if suffix in IMAGE_SUFFIXES and path.stem.endswith(MASK_SUFFIX):
+            masks[path.with_name(path.stem.removesuffix(MASK_SUFFIX))] = path
+        elif suffix in IMAGE_SUFFIXES:
             candidates.append(path)
+        elif suffix not in COMPANION_SUFFIXES and path in sidecars:
+            continue
         elif suffix not in COMPANION_SUFFIXES:
             kind = f"'{suffix}' files" if suffix else "files without a suffix"
             skipped.append((path, f"{kind} are not read (PNG, JPEG or WebP are)"))
@@ -155,15 +206,21 @@ def scan(
                     return previous
         return _probe(path)
 
+    paired = {path: masks.pop(path.with_suffix(""), None) for path in candidates}
+    skipped += [(mask, "masks without an image of the same name") for mask in masks.values()]
+    mask_files = [m for m in paired.values() if m is not None]
     workers = workers or min(8, os.cpu_count() or 1)
     with ThreadPoolExecutor(max_workers=workers) as pool:  # PIL decodes without the GIL
-        probed = list(pool.map(probe, candidates))
-    if (
-        index
-        and write_index
-        and any(known.get(k) != p for k, p in _keyed(data_dir, candidates, probed))
-    ):
-        _write_index(index, data_dir, dict(_keyed(data_dir, candidates, probed)))
+        probed = list(pool.map(probe, candidates + mask_files))
+    probed, mask_probes = (
+        probed[: len(candidates)],
+        dict(zip(mask_files, probed[len(candidates) :], strict=True)),
+    )
+    candidates_and_masks = candidates + mask_files
+    all_probes = probed + list(mask_probes.values())
+    keyed = dict(_keyed(data_dir, candidates_and_masks, all_probes))
+    if index and write_index and any(known.get(k) != p for k, p in keyed.items()):
+        _write_index(index, data_dir, keyed)
     items, cut = [], []
     for path, result in zip(candidates, probed, strict=True):
         if result.size is None:
@@ -174,14 +231,22 @@ def scan(
             why = f"{SMALL}={min_image_size} px on the short side"
             skipped.append((path, f"{why} ({w}x{h})"))
             continue
-        caption, cut_at = _caption(path, data_dir, sidecars, metadata, skipped)
+        mask = paired[path]
+        if mask is not None and mask_probes[mask].size is None:
+            skipped.append((path, f"its mask is unusable ({mask_probes[mask].reason})"))
+            continue
+        caption, cut_at = _caption(path, data_dir, sidecars, metadata, skipped, caption_extension)
         if cut_at:
             cut.append(cut_at)
         if caption_template is not None:
             caption = apply_template(caption_template, caption)
         items.append(
-            Item(path, caption, result.size, result.file_size, result.mtime_ns, result.digest)
-        )
+            Item(
+                path, caption, result.size, result.file_size, result.mtime_ns, result.digest,
+                name=path.relative_to(data_dir).as_posix(), mask=mask,
+                mask_digest=mask_probes[mask].digest if mask else "",
+            )
+        )  # fmt: skip
     skipped.sort()
     dataset = Dataset(data_dir, tuple(items), tuple(skipped), tuple(sorted(cut)))
     if not items:
@@ -199,6 +264,64 @@ def scan(
         for line in dataset.warnings():
             log.warning("%s", line)
     return dataset
+
+
+def scan_sources(
+    sources: Sequence[DatasetSource],
+    cache_dir: Path,
+    *,
+    log_skipped: bool = True,
+    write_index: bool = True,
+    min_image_size: int = 0,
+) -> Dataset:
+    """Every dataset of the run scanned (`scan`) and joined: one dataset as it is, several
+    into a Dataset whose `parts` keep each one's repeats and resolution. A remote dataset is
+    read from its fetched copy (settings.datasets.local_folder); `preflight.fetch` made it."""
+    scanned = []
+    for source in sources:
+        folder = local_folder(source, cache_dir)
+        if source.location.remote and not (folder / FETCHED).is_file():
+            raise ConfigError(
+                f"{source.path}: not fetched into {folder} yet; `zerotuner train` fetches it "
+                "on each node before the ranks start"
+            )
+        setting = "ZT_DATA_DIR" if len(sources) == 1 else f"dataset {source.path}"
+        scanned.append(
+            scan(
+                folder,
+                log_skipped=False,
+                write_index=write_index,
+                caption_template=source.caption_template,
+                min_image_size=min_image_size,
+                caption_extension=source.caption_extension,
+                setting=setting,
+                index=_index_path(cache_dir, folder),
+            )  # fmt: skip
+        )
+    if len(scanned) == 1 and sources[0].repeats == 1 and sources[0].resolution is None:
+        dataset = scanned[0]
+    else:
+        parts, items, start = [], [], 0
+        for source, part in zip(sources, scanned, strict=True):
+            parts.append(Part(source.path, part, start, source.repeats, source.resolution))
+            items += part.items
+            start += len(part)
+        skipped = tuple(s for part in scanned for s in part.skipped)
+        cut = tuple(c for part in scanned for c in part.cut_captions)
+        dataset = Dataset(scanned[0].root, tuple(items), skipped, cut, tuple(parts))
+    if log_skipped:
+        for line in dataset.warnings():
+            log.warning("%s", line)
+    return dataset
+
+
+FETCHED = ".zerotuner-fetched"  # in a remote dataset's copy once every file is in place
+
+
+def _index_path(cache_dir: Path, folder: Path) -> Path:
+    """Where a folder's scan results are kept between starts (outside the data)."""
+    key = hashlib.sha256(str(folder.resolve()).encode()).hexdigest()[:16]
+    return cache_dir / "features" / "scans" / f"{key}.json"
 
 
 def _walk(root: Path) -> tuple[list[Path], list[tuple[Path, str]]]:
@@ -422,10 +545,12 @@ def _caption(
     sidecars: set[Path],
     metadata: dict[Path, tuple[str, bool]],
     skipped: list[tuple[Path, str]],
+    extension: str = ".txt",
 ) -> tuple[str, str | None]:
-    """Sidecar .txt first, then metadata.jsonl, then the file name; with where the caption
-    came from when it was cut to CAPTION_BYTES. An unreadable sidecar joins `skipped`."""
-    sidecar = path.with_suffix(".txt")
+    """Sidecar .txt (or `extension`) first, then metadata.jsonl, then the file name; with
+    where the caption came from when it was cut to CAPTION_BYTES. An unreadable sidecar joins
+    `skipped`."""
+    sidecar = path.with_suffix(extension)
     if sidecar in sidecars:
         try:
             with _open_regular(sidecar) as reader:
@@ -529,6 +654,8 @@ def assign_buckets(
     sizes = bucket_sizes(resolution, multiple=multiple, max_aspect=max_aspect)
     groups: dict[Size, list[int]] = {}
     for index, item in enumerate(items):
+        if item is None:  # another dataset's (dataset_buckets)
+            continue
         bucket = nearest_bucket(item.size, sizes)
         if not upscale:
             bucket = native_bucket(
@@ -538,17 +665,44 @@ def assign_buckets(
     return dict(sorted(groups.items()))
 
 
+def dataset_buckets(
+    dataset: Dataset,
+    resolution: int,
+    *,
+    multiple: int = 64,
+    max_aspect: float = 4.0,
+    upscale: bool = True,
+) -> dict[Size, list[int]]:
+    """`assign_buckets` over every dataset of the run at its own resolution, each item listed
+    once per repeat: the epoch order (`epoch_batches`) then trains it that often."""
+    if not dataset.parts:
+        return assign_buckets(
+            dataset.items, resolution, multiple=multiple, max_aspect=max_aspect, upscale=upscale
+        )
+    groups: dict[Size, list[int]] = {}
+    for part in dataset.parts:
+        # placeholders keep the joined dataset's indices
+        items = [None] * part.start + list(part.dataset.items)
+        own = assign_buckets(
+            items, part.resolution or resolution, multiple=multiple, max_aspect=max_aspect,
+            upscale=upscale,
+        )  # fmt: skip
+        for size, indices in own.items():
+            groups.setdefault(size, []).extend(indices * part.repeats)
+    return dict(sorted(groups.items()))
+
+
 def upscale_warning(
     dataset: Dataset, resolution: int, *, multiple: int = 64, upscale: bool = True
 ) -> str | None:
     """A line saying how many images are enlarged by more than 10% to cover their bucket at
     this resolution, and by how much at most (upscaled images teach blur); None if none.
     With `upscale` False only images with a side below one bucket step are enlarged."""
-    buckets = assign_buckets(dataset.items, resolution, multiple=multiple, upscale=upscale)
+    buckets = dataset_buckets(dataset, resolution, multiple=multiple, upscale=upscale)
     scales = [
         max(bw / dataset.items[i].size[0], bh / dataset.items[i].size[1])
         for (bw, bh), indices in buckets.items()
-        for i in indices
+        for i in set(indices)  # an image repeated is enlarged once
     ]
     upscaled = [scale for scale in scales if scale > UPSCALE_NOTICE]
     if not upscaled:
@@ -590,12 +744,14 @@ def recipe_notes(
         notes.append(f"{_count(small, 'image')} under {min_image_size} px left out")
     if not upscale and resolution:
         standard = set(bucket_sizes(resolution, multiple=multiple))
-        buckets = assign_buckets(dataset.items, resolution, multiple=multiple, upscale=False)
-        native = sum(len(ix) for size, ix in buckets.items() if size not in standard)
+        buckets = dataset_buckets(dataset, resolution, multiple=multiple, upscale=False)
+        native = sum(len(set(ix)) for size, ix in buckets.items() if size not in standard)
         its = "its" if native == 1 else "their"
         notes.append(f"{_count(native, 'image')} not upscaled (trained at {its} own size)")
     if timestep_range:
         notes.append(f"noise schedule {timestep_range} only")
+    if masked := sum(item.mask is not None for item in dataset.items):
+        notes.append(f"{_count(masked, 'image')} with a loss mask")
     return notes
 
 
@@ -610,19 +766,28 @@ def load_example(item: Item, bucket_size: Size, *, flip: bool = False) -> Exampl
     w, h = image.size
     scale = max(bw / w, bh / h)
     nw, nh = max(bw, round(w * scale)), max(bh, round(h * scale))
-    image = image.resize((nw, nh), Image.Resampling.LANCZOS, reducing_gap=3.0)
     left, top = (nw - bw) // 2, (nh - bh) // 2
-    image = image.crop((left, top, left + bw, top + bh))
-    if flip:
-        image = image.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
-        left = nw - left - bw  # where the crop sits in the mirrored image
-    pixels = np.asarray(image, dtype=np.float32).transpose(2, 0, 1) / 127.5 - 1.0
+
+    def fit(picture: Image.Image, resample: Image.Resampling) -> Image.Image:
+        gap = 3.0 if resample == Image.Resampling.LANCZOS else None
+        picture = picture.resize((nw, nh), resample, reducing_gap=gap)
+        picture = picture.crop((left, top, left + bw, top + bh))
+        return picture.transpose(Image.Transpose.FLIP_LEFT_RIGHT) if flip else picture
+
+    pixels = np.asarray(fit(image, Image.Resampling.LANCZOS), dtype=np.float32)
+    pixels = pixels.transpose(2, 0, 1) / 127.5 - 1.0
+    mask = None
+    if item.mask is not None:  # any size: stretched over the image, then cut as it is
+        with Image.open(item.mask) as raw:
+            grey = ImageOps.exif_transpose(raw).convert("L").resize((w, h), Image.Resampling.BOX)
+        mask = np.asarray(fit(grey, Image.Resampling.BOX), dtype=np.float32)[None] / 255.0
     return Example(
         pixels=np.ascontiguousarray(pixels),
         caption=item.caption,
         original_size=(item.size[1], item.size[0]),
-        crop_top_left=(top, left),
+        crop_top_left=(top, nw - left - bw if flip else left),  # in the mirrored image
         target_size=(bh, bw),
+        mask=mask,
     )
 
 
@@ -685,7 +850,7 @@ def batches(
         raise ValueError(f"rank {rank} outside world size {world_size}")
     if micro_batch < 1:
         raise ConfigError(f"ZT_TRAIN_BATCH_SIZE={micro_batch}: must be at least 1")
-    if sum(len(v) for v in buckets.values()) > len(dataset):
+    if any(i >= len(dataset) for v in buckets.values() for i in v):
         raise ValueError("buckets index more items than the dataset holds")
     order = epoch_batches(buckets, micro_batch=micro_batch, seed=seed, epoch=epoch)
     per_rank = -(-len(order) // world_size)

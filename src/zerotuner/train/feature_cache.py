@@ -34,10 +34,11 @@ ENCODE_BATCH = 8  # images or captions per encoder call while caching
 @dataclass(frozen=True)
 class CacheItem:
     """One training example as the cache sees it. `load(flip)` reads the bucketed image:
-    (C, H, W) tensor in [-1, 1] and SDXL's time ids (original size, crop, target size)."""
+    (C, H, W) tensor in [-1, 1], SDXL's time ids (original size, crop, target size) and,
+    optionally third, its loss mask (1, H, W) in [0, 1] (cached at the latents' size)."""
 
     name: str  # path relative to the data dir: stable across mounts
-    content: str  # a digest of the image file's bytes
+    content: str  # a digest of the image file's bytes (and its mask's)
     caption: str
     bucket: tuple[int, int]  # target (w, h) in pixels
     load: Callable[[bool], tuple[torch.Tensor, torch.Tensor]]
@@ -122,11 +123,14 @@ class FeatureCache:
                 variants = [False, True] if self.flip else [False]
                 for flip in variants:
                     loaded = [item.load(flip) for item in chunk]
-                    latents = encode(torch.stack([pixels for pixels, _ in loaded]))
+                    latents = encode(torch.stack([pixels for pixels, *_ in loaded]))
                     suffix = "_flipped" if flip else ""
-                    for i, (_, time_ids) in enumerate(loaded):
-                        rows[chunk[i].name][f"latents{suffix}"] = latents[i].contiguous()
-                        rows[chunk[i].name][f"time_ids{suffix}"] = time_ids
+                    for i, (_, time_ids, *mask) in enumerate(loaded):
+                        row = rows[chunk[i].name]
+                        row[f"latents{suffix}"] = latents[i].contiguous()
+                        row[f"time_ids{suffix}"] = time_ids
+                        if mask and mask[0] is not None:
+                            row[f"mask{suffix}"] = latent_mask(mask[0], latents[i].shape[-2:])
                 for item in chunk:
                     _save(rows.pop(item.name), self.latent_path(item))
                 progress(len(chunk))
@@ -152,13 +156,24 @@ class FeatureCache:
             row = load_file(self.latent_path(item))
             if self.flip:
                 mirrored = torch.rand((), generator=generator).item() < 0.5  # CPU generator
-                for key in ("latents", "time_ids"):
-                    flipped = row.pop(f"{key}_flipped")
-                    row[key] = flipped if mirrored else row[key]
+                for key in ("latents", "time_ids", "mask"):
+                    if f"{key}_flipped" in row:
+                        flipped = row.pop(f"{key}_flipped")
+                        row[key] = flipped if mirrored else row[key]
             if texts:
                 row.update(load_file(self.text_path(item.caption)))
             rows.append(row)
+        if any("mask" in row for row in rows):  # an image without a mask trains everywhere
+            for row in rows:
+                row.setdefault("mask", torch.ones(1, *row["latents"].shape[-2:]))
         return {key: torch.stack([r[key] for r in rows]) for key in rows[0]}
+
+
+def latent_mask(mask: torch.Tensor, size: torch.Size) -> torch.Tensor:
+    """A (1, H, W) pixel mask as the share of each latent cell it covers: (1, h, w)."""
+    import torch.nn.functional as F
+
+    return F.interpolate(mask[None].float(), size=tuple(size), mode="area")[0].contiguous()
 
 
 def _save(tensors: dict[str, torch.Tensor], path: Path) -> None:

@@ -48,7 +48,9 @@ def forward_backward(engine: Any, batch: dict[str, torch.Tensor], ctx: LoopConte
     """One micro-batch: loss, then engine.backward (DeepSpeed scales for accumulation). A
     non-finite loss gets NaN gradients, so the step is skipped on every rank (nonfinite)."""
     kwargs = ctx.conditioning.model_kwargs(batch, ctx.dtype)
-    loss = ctx.objective.loss(engine, batch["latents"], kwargs, generator=gen, dtype=ctx.dtype)
+    loss = ctx.objective.loss(
+        engine, batch["latents"], kwargs, generator=gen, dtype=ctx.dtype, mask=batch.get("mask")
+    )
     engine.backward(poison(loss))
     return loss.detach()
 

@@ -43,6 +43,7 @@ from zerotuner.errors import (
 from zerotuner.launch import distributed, peers
 from zerotuner.launch.job import Job, load_job, wait_for_job
 from zerotuner.launch.records import Sink, StepRecord, write_rank_status
+from zerotuner.settings import datasets
 from zerotuner.settings.effective import effective_settings
 from zerotuner.settings.schema import Settings
 from zerotuner.train import caching, data, loop, model, nonfinite, samples, speed
@@ -138,14 +139,13 @@ class Run:
         self.objective = self.conditioning.objective(
             s, self.components.scheduler, self.components.denoiser.config
         )
-        self.dataset = data.scan(
-            s.data_dir, log_skipped=self.rank == 0, caption_template=s.caption_template,
-            min_image_size=s.min_image_size,
+        self.dataset = data.scan_sources(
+            datasets.sources(s), s.cache_dir, log_skipped=self.rank == 0,
+            write_index=int(os.environ["LOCAL_RANK"]) == 0, min_image_size=s.min_image_size,
         )  # fmt: skip
-        self.buckets = data.assign_buckets(
-            self.dataset.items, job.resolution, multiple=self._bucket_multiple(),
-            upscale=s.upscale,
-        )  # fmt: skip
+        self.buckets = data.dataset_buckets(
+            self.dataset, job.resolution, multiple=self._bucket_multiple(), upscale=s.upscale
+        )
         if self.rank == 0:  # every rank scanned the same files: count them once
             for sink in self.sinks:
                 if hasattr(sink, "on_dataset_skipped"):
@@ -154,13 +154,17 @@ class Run:
                 self.run_dir / "dataset.json",
                 {
                     "images": len(self.dataset),
+                    "datasets": [
+                        {"path": p.label, "images": len(p.dataset), "repeats": p.repeats}
+                        for p in self.dataset.parts
+                    ],
                     "skipped": [[str(p), why] for p, why in self.dataset.skipped],
                     "buckets": {f"{w}x{h}": len(ix) for (w, h), ix in self.buckets.items()},
                 },
             )
             log.info(
-                "dataset: %d images, %d skipped, %d bucket(s); %s",
-                len(self.dataset), len(self.dataset.skipped), len(self.buckets),
+                "dataset: %s, %d skipped, %d bucket(s); %s",
+                self.dataset.summary(), len(self.dataset.skipped), len(self.buckets),
                 self.objective.describe(),
             )  # fmt: skip
             multiple = self._bucket_multiple()

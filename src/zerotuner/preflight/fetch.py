@@ -1,0 +1,423 @@
+"""Remote datasets fetched once per node, before the ranks start, into ZT_CACHE_DIR/datasets.
+
+`zerotuner train` runs on every node before torchrun; it fetches each `s3://` and
+`hf://datasets/` dataset of the run (settings/datasets.py) into the folder
+`settings.datasets.local_folder` names, and the ranks then read it as a local folder
+(`train.data.scan_sources` refuses one without its FETCHED marker). A lock on the folder lets
+nodes that share a cache volume take turns; the second finds the work done.
+
+- S3: every object under the prefix (any S3-compatible store; the credentials ZT_PUSH_TO
+  uses). Each file is written beside its place and renamed when whole, its size checked and
+  its MD5 against the ETag (single-part uploads; a multipart ETag is no MD5, the size is
+  checked); a manifest of (size, ETag) per key lets an interrupted fetch go on where it
+  stopped and a new start fetch only what changed. Files the prefix no longer holds are
+  removed from the copy (the copy is ours: the bucket keeps the data).
+- Hugging Face: `huggingface_hub.snapshot_download` (resumable, verified, into the same hub
+  cache the model uses; HF_HUB_OFFLINE reads it without a network). Parquet shards (the hub's
+  own layout: an image column of {bytes, path} and a caption column) are written out as
+  image files with a metadata.jsonl per shard, shard by shard, each marked when done; a
+  dataset of plain files (images + captions) is linked or copied as it is.
+`check` lists instead (`listing_only`): counts and sizes, what the cache holds already.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import shutil
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+from zerotuner.errors import ConfigError, EnvironmentUnfit
+from zerotuner.families import hub_cache_dir
+from zerotuner.publish.remote import RemoteError, open_store
+from zerotuner.settings.datasets import DatasetSource, Location, local_folder
+from zerotuner.settings.schema import Settings
+from zerotuner.train.data import FETCHED, IMAGE_SUFFIXES
+
+log = logging.getLogger(__name__)
+
+MANIFEST = ".zerotuner-manifest.json"
+LOCK = ".zerotuner-fetch.lock"
+LOG_EVERY_SECONDS = 30.0
+CAPTION_COLUMNS = ("text", "caption", "prompt", "captions")
+ROWS_PER_READ = 64  # parquet rows decoded at a time: bounded memory for any shard size
+# File signatures of the image formats a shard's bytes may hold (its `path` may be absent).
+SIGNATURES = ((b"\x89PNG", ".png"), (b"\xff\xd8\xff", ".jpg"), (b"RIFF", ".webp"))
+
+
+@dataclass
+class Fetched:
+    """One remote dataset: what the remote holds and what the copy holds."""
+
+    source: DatasetSource
+    folder: Path
+    files: int = 0
+    bytes: int = 0
+    complete: bool = False
+    fetched_files: int = 0  # downloaded (or written out) by this call
+
+    def describe(self) -> str:
+        state = "fetched" if self.complete else "not fetched yet (train fetches it)"
+        return f"{self.source.path}: {self.files} files, {_size(self.bytes)}, {state}"
+
+
+@dataclass
+class RemoteData:
+    sources: list[Fetched] = field(default_factory=list)
+
+    @property
+    def missing(self) -> list[Fetched]:
+        return [f for f in self.sources if not f.complete]
+
+    def describe(self) -> str:
+        held = sum(f.bytes for f in self.sources if f.complete)
+        lines = "; ".join(f.describe() for f in self.sources)
+        return f"{lines}; {_size(held)} of fetched copies in ZT_CACHE_DIR/datasets"
+
+
+def fetch_all(
+    sources: list[DatasetSource], settings: Settings, *, listing_only: bool = False
+) -> RemoteData:
+    """Fetch (or, `listing_only`, list) every remote dataset; local ones are left alone.
+    Network and permission failures are EnvironmentUnfit (exit 3) with one line."""
+    found = RemoteData()
+    for source in sources:
+        location = source.location
+        if not location.remote:
+            continue
+        folder = local_folder(source, settings.cache_dir)
+        fetch = _fetch_s3 if location.kind == "s3" else _fetch_hub
+        try:
+            found.sources.append(fetch(source, location, folder, settings, listing_only))
+        except RemoteError as error:
+            raise EnvironmentUnfit(f"{source.path}: cannot fetch it: {error}") from None
+    return found
+
+
+# --- S3 -------------------------------------------------------------------------------------
+
+
+def _fetch_s3(
+    source: DatasetSource, location: Location, folder: Path, settings: Settings, listing: bool
+) -> Fetched:
+    token = settings.hf_token.get_secret_value() if settings.hf_token else None
+    store = open_store(location.url, hf_token=token, secrets_dir=settings.secrets_dir)
+    objects = {k: v for k, v in store.objects("").items() if _kept(k)}
+    total = sum(size for size, _ in objects.values())
+    state = Fetched(source, folder, len(objects), total)
+    if not objects:
+        raise ConfigError(f"{source.path}: no objects under this prefix; check the URL")
+    if listing:
+        state.complete = _manifest(folder) == _expected(objects) and (folder / FETCHED).is_file()
+        return state
+    folder.mkdir(parents=True, exist_ok=True)
+    with _locked(folder):
+        manifest = _manifest(folder)
+        (folder / FETCHED).unlink(missing_ok=True)
+        todo = [k for k in sorted(objects) if not _have(folder, k, objects[k], manifest)]
+        progress = _Progress(f"fetching {source.path}", len(todo))
+        for key in todo:
+            size, etag = objects[key]
+            path = folder / key
+            path.parent.mkdir(parents=True, exist_ok=True)
+            part = path.with_name(f".{path.name}.part")
+            store.download(key, part)
+            _verify(part, key, size, etag)
+            os.replace(part, path)
+            manifest[key] = [size, etag]
+            _write_json(folder / MANIFEST, manifest)  # an interruption keeps what is done
+            state.fetched_files += 1
+            progress.advance(size)
+        _prune(folder, set(objects))
+        _write_json(folder / MANIFEST, _expected(objects))
+        _write_json(folder / FETCHED, {"url": location.url, "files": len(objects)})
+    state.complete = True
+    progress.done()
+    return state
+
+
+def _kept(key: str) -> bool:
+    """A key that is a file of the dataset: no folder marker, no `..`, no hidden part."""
+    parts = PurePosixPath(key).parts
+    return (
+        bool(parts)
+        and not key.endswith("/")
+        and not any(p in ("..", ".") or p.startswith(".") for p in parts)
+    )
+
+
+def _expected(objects: dict[str, tuple[int, str]]) -> dict[str, list]:
+    return {k: [size, etag] for k, (size, etag) in objects.items()}
+
+
+def _have(folder: Path, key: str, entry: tuple[int, str], manifest: dict[str, list]) -> bool:
+    path = folder / key
+    return manifest.get(key) == list(entry) and path.is_file() and path.stat().st_size == entry[0]
+
+
+def _verify(path: Path, key: str, size: int, etag: str) -> None:
+    got = path.stat().st_size
+    if got != size:
+        path.unlink(missing_ok=True)
+        raise RemoteError(f"{key}: {got} bytes arrived, the listing says {size}")
+    if len(etag) == 32 and "-" not in etag:  # a single-part upload's ETag is its MD5
+        digest = hashlib.md5(usedforsecurity=False)
+        with path.open("rb") as reader:
+            while chunk := reader.read(2**20):
+                digest.update(chunk)
+        if digest.hexdigest() != etag:
+            path.unlink(missing_ok=True)
+            raise RemoteError(f"{key}: its MD5 differs from the ETag {etag}")
+
+
+def _prune(folder: Path, keys: set[str]) -> None:
+    """Remove files of the copy the remote no longer holds (ours, not the user's)."""
+    for path in sorted(folder.rglob("*")):
+        name = path.relative_to(folder).as_posix()
+        if path.is_file() and not path.name.startswith(".zerotuner") and name not in keys:
+            path.unlink()
+
+
+# --- Hugging Face datasets ------------------------------------------------------------------
+
+
+def _fetch_hub(
+    source: DatasetSource, location: Location, folder: Path, settings: Settings, listing: bool
+) -> Fetched:
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        HFValidationError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
+
+    token = settings.hf_token.get_secret_value() if settings.hf_token else None
+    try:
+        snapshot = Path(
+            snapshot_download(
+                location.where,
+                repo_type="dataset",
+                revision=location.revision,
+                token=token,
+                cache_dir=hub_cache_dir(settings.cache_dir),
+                local_files_only=listing,
+            )  # fmt: skip
+        )
+    except (RepositoryNotFoundError, GatedRepoError, HFValidationError, RevisionNotFoundError):
+        raise ConfigError(
+            f"{source.path}: not a dataset repository (or revision) this token can read"
+        ) from None
+    except LocalEntryNotFoundError:
+        if listing:
+            return _list_hub(source, location, folder, token)
+        raise EnvironmentUnfit(
+            f"{source.path}: not in the hub cache and the hub is unreachable or HF_HUB_OFFLINE "
+            "is set"
+        ) from None
+    files = [p for p in sorted(snapshot.rglob("*")) if p.is_file() and _kept(p.name)]
+    state = Fetched(source, folder, len(files), sum(p.stat().st_size for p in files))
+    marker = {"url": location.url, "commit": snapshot.name}
+    if _read_json(folder / FETCHED) == marker:
+        state.complete = True
+        return state
+    if listing:
+        return state
+    folder.mkdir(parents=True, exist_ok=True)
+    with _locked(folder):
+        (folder / FETCHED).unlink(missing_ok=True)
+        shards = [p for p in files if p.suffix == ".parquet"]
+        progress = _Progress(f"writing out {source.path}", len(shards) or len(files))
+        if shards:
+            for shard in shards:
+                state.fetched_files += _write_shard(shard, snapshot, folder, source, marker)
+                progress.advance(shard.stat().st_size)
+        else:
+            for path in files:
+                _link_or_copy(path, folder / path.relative_to(snapshot))
+                state.fetched_files += 1
+                progress.advance(path.stat().st_size)
+        _write_json(folder / FETCHED, marker)
+    state.complete = True
+    progress.done()
+    return state
+
+
+def _list_hub(source: DatasetSource, location: Location, folder: Path, token: str | None):
+    """What `check` says of a hub dataset the cache does not hold yet: its files and size."""
+    from huggingface_hub import HfApi
+
+    try:
+        info = HfApi(token=token).dataset_info(
+            location.where, revision=location.revision, files_metadata=True
+        )
+    except Exception as error:  # offline, unreachable, refused: check reports, train fetches
+        raise EnvironmentUnfit(
+            f"{source.path}: cannot list it ({type(error).__name__}); it is not in the hub "
+            "cache either"
+        ) from None
+    files = [s for s in info.siblings or [] if _kept(PurePosixPath(s.rfilename).name)]
+    return Fetched(source, folder, len(files), sum(s.size or 0 for s in files))
+
+
+def _write_shard(
+    shard: Path, snapshot: Path, folder: Path, source: DatasetSource, marker: dict
+) -> int:
+    """One parquet shard as image files and a metadata.jsonl in a folder of its own; skipped
+    when a previous fetch of the same commit finished it. Returns the images written."""
+    import pyarrow.parquet as pq
+
+    out = folder / shard.relative_to(snapshot).with_suffix("")
+    done = out / ".zerotuner-shard.json"
+    if _read_json(done) == marker:
+        return 0
+    if out.exists():
+        shutil.rmtree(out)
+    out.mkdir(parents=True)
+    try:
+        reader = pq.ParquetFile(shard)
+    except Exception as error:  # pyarrow raises its own kinds for a damaged file
+        raise ConfigError(
+            f"{source.path}: {shard.name} is not a readable parquet file ({error})"
+        ) from None
+    image_column, caption_column = _columns(reader.schema_arrow, source, shard.name)
+    written, number = 0, 0
+    with (out / "metadata.jsonl").open("w") as metadata:
+        columns = [image_column, caption_column]
+        for batch in reader.iter_batches(batch_size=ROWS_PER_READ, columns=columns):
+            for image, caption in zip(*(batch.column(c).to_pylist() for c in columns), strict=True):
+                number += 1
+                data, name = _image_bytes(image)
+                if data is None:
+                    continue  # an empty cell: nothing to train on
+                suffix = _suffix(data, name)
+                file_name = f"{number:07d}{suffix}"
+                (out / file_name).write_bytes(data)
+                text = "" if caption is None else str(caption)
+                metadata.write(json.dumps({"file_name": file_name, "text": text}) + "\n")
+                written += 1
+    _write_json(done, marker)
+    return written
+
+
+def _columns(schema: Any, source: DatasetSource, shard: str) -> tuple[str, str]:
+    """The image column (the hub's Image feature: a struct with `bytes`; or raw binary) and the
+    caption column, as the entry names them or as found."""
+    import pyarrow as pa
+
+    names = schema.names
+
+    def is_image(name: str) -> bool:
+        kind = schema.field(name).type
+        return (pa.types.is_struct(kind) and kind.get_field_index("bytes") >= 0) or (
+            pa.types.is_binary(kind) or pa.types.is_large_binary(kind)
+        )
+
+    image = source.image_column or next((n for n in names if is_image(n)), None)
+    caption = source.caption_column or next((n for n in CAPTION_COLUMNS if n in names), None)
+    for what, name, setting in (("image", image, "image_column"),
+                                ("caption", caption, "caption_column")):  # fmt: skip
+        if name is None or name not in names:
+            raise ConfigError(
+                f"{source.path}: {shard} has no {what} column"
+                + (f" {name!r}" if name else "")
+                + f" (its columns: {', '.join(names)}); name it with `{setting}` in the "
+                "datasets file"
+            )
+    return image, caption
+
+
+def _image_bytes(cell: Any) -> tuple[bytes | None, str]:
+    if isinstance(cell, dict):
+        return cell.get("bytes"), cell.get("path") or ""
+    return cell, ""
+
+
+def _suffix(data: bytes, name: str) -> str:
+    """The file's suffix from its bytes (else its name's): scan reads PNG, JPEG and WebP and
+    lists anything else among the skipped files."""
+    for signature, suffix in SIGNATURES:
+        if data.startswith(signature) and (suffix != ".webp" or data[8:12] == b"WEBP"):
+            return suffix
+    suffix = PurePosixPath(name).suffix.lower()
+    return suffix if suffix in IMAGE_SUFFIXES else ".unknown"
+
+
+def _link_or_copy(source: Path, target: Path) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.unlink(missing_ok=True)
+    real = source.resolve()  # the hub cache's snapshot files link into its blobs
+    try:
+        os.link(real, target)
+    except OSError:
+        shutil.copyfile(real, target)
+
+
+# --- shared ---------------------------------------------------------------------------------
+
+
+@contextmanager
+def _locked(folder: Path) -> Iterator[None]:
+    """One fetcher per folder at a time (nodes sharing a cache volume)."""
+    with (folder / LOCK).open("a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _manifest(folder: Path) -> dict[str, list]:
+    found = _read_json(folder / MANIFEST)
+    return found if isinstance(found, dict) else {}
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _write_json(path: Path, content: Any) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(content))
+    os.replace(tmp, path)
+
+
+def _size(count: int) -> str:
+    return f"{count / 2**20:.1f} MiB" if count < 2**30 else f"{count / 2**30:.2f} GiB"
+
+
+class _Progress:
+    """A log line each tenth of the files (and at least every LOG_EVERY_SECONDS)."""
+
+    def __init__(self, what: str, total: int) -> None:
+        self.what, self.total, self.done_count, self.bytes = what, total, 0, 0
+        self.started = self.logged = time.monotonic()
+        self.tenths = 0
+        if total:
+            log.info("%s: %d files to go", what, total)
+
+    def advance(self, size: int) -> None:
+        self.done_count, self.bytes = self.done_count + 1, self.bytes + size
+        now = time.monotonic()
+        tenths = self.done_count * 10 // max(self.total, 1)
+        if tenths > self.tenths or now - self.logged > LOG_EVERY_SECONDS:
+            self.tenths, self.logged = tenths, now
+            log.info("%s: %d/%d files, %s", self.what, self.done_count, self.total,
+                     _size(self.bytes))  # fmt: skip
+
+    def done(self) -> None:
+        if self.total:
+            log.info("%s: done, %d files, %s in %.1f s", self.what, self.done_count,
+                     _size(self.bytes), time.monotonic() - self.started)  # fmt: skip
