@@ -12,6 +12,7 @@ adapter in place (backward computes no weight gradients for the frozen base).
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from typing import Any
 
 GiB = 1 << 30
@@ -188,31 +189,74 @@ def flow_plan(
     family: str, gpus: int, gpu_gib: int, host_gib: int, training: str = "full"
 ) -> dict[str, Any]:
     """`zerotuner plan --json` for a flow family on what-if hardware (`training`: full, or
-    lora with the default adapter, as ZT_TRAINING_TYPE says)."""
+    lora with the default adapter, as ZT_TRAINING_TYPE says). `family` may name one of
+    CONFIG_MODELS instead: its configs are planned as ZT_MODEL, as a hub model's are."""
     import contextlib
     import io
     import json
     import os
+    import tempfile
 
     from zerotuner.cli import main
 
     out = io.StringIO()
-    before = os.environ.get("ZT_TRAINING_TYPE")
+    names = ("ZT_TRAINING_TYPE", "ZT_MODEL")
+    before = {name: os.environ.get(name) for name in names}
     os.environ["ZT_TRAINING_TYPE"] = training
+    model = ["--model-family", family]
     try:
-        with contextlib.redirect_stdout(out):
+        with tempfile.TemporaryDirectory() as folder, contextlib.redirect_stdout(out):
+            if family in CONFIG_MODELS:
+                os.environ["ZT_MODEL"] = str(config_model(Path(folder), family))
+                model = []
             code = main([
-                "plan", "--model-family", family, "--resolution", "1024", "--train-batch-size",
+                "plan", *model, "--resolution", "1024", "--train-batch-size",
                 "1", "--gpus", str(gpus), "--gpu-memory", f"{gpu_gib}GiB", "--host-memory",
                 f"{host_gib}GiB", "--offload-disk", "2TB", "--bf16", "--json",
             ])  # fmt: skip
     finally:
-        if before is None:
-            del os.environ["ZT_TRAINING_TYPE"]
-        else:
-            os.environ["ZT_TRAINING_TYPE"] = before
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
     assert code == 0, out.getvalue()
     return json.loads(out.getvalue())
+
+
+# Published models planned from their configs (no family's built-in one): Wan2.1-T2V-14B's
+# transformer as diffusers' scripts/convert_wan_to_diffusers.py writes it ("Wan-T2V-14B": 40
+# layers, 40 heads of 128, ffn 13824; the built-in `wan` is the 1.3B), UMT5-XXL
+# (google/umt5-xxl's config) and AutoencoderKLWan's defaults, as a folder of configs alone.
+WAN_14B = {"ffn_dim": 13824, "num_attention_heads": 40, "num_layers": 40}
+UMT5_XXL = {"architectures": ["UMT5EncoderModel"], "model_type": "umt5", "d_model": 4096,
+            "d_ff": 10240, "d_kv": 64, "num_heads": 64, "num_layers": 24, "vocab_size": 256384,
+            "feed_forward_proj": "gated-gelu", "tie_word_embeddings": False}  # fmt: skip
+CONFIG_MODELS = {"wan-14b": ("wan", WAN_14B, UMT5_XXL)}
+
+
+def config_model(folder: Path, name: str) -> Path:
+    """CONFIG_MODELS[name] written as a pipeline folder of configs (model_index.json, the
+    transformer's, the text encoder's and the VAE's): `plan` counts them on the meta device."""
+    import json
+
+    from zerotuner.families import REGISTRY
+
+    family, transformer, text = CONFIG_MODELS[name]
+    spec = REGISTRY[family]
+    parts = {
+        "transformer": {"_class_name": spec.transformer, **spec.builtin_config, **transformer},
+        "text_encoder": text,
+        "vae": {"_class_name": "AutoencoderKLWan"},
+    }
+    index = {"_class_name": spec.pipeline, "transformer": ["diffusers", spec.transformer],
+             "text_encoder": ["transformers", text["architectures"][0]],
+             "vae": ["diffusers", "AutoencoderKLWan"]}  # fmt: skip
+    for part, config in parts.items():
+        (folder / part).mkdir(parents=True)
+        (folder / part / "config.json").write_text(json.dumps(config))
+    (folder / "model_index.json").write_text(json.dumps(index))
+    return folder
 
 
 def flow_plans_markdown() -> str:
@@ -241,6 +285,7 @@ def flow_plans_markdown() -> str:
 FAMILY_MODELS = (
     ("Chroma1-HD", "chroma"), ("Z-Image-Turbo", "zimage"), ("Qwen-Image", "qwenimage"),
     ("FLUX.2-dev", "flux2"), ("FLUX.2-klein-4B", "flux2klein"),
+    ("Wan2.1-T2V-1.3B", "wan"), ("Wan2.1-T2V-14B", "wan-14b"),
 )  # fmt: skip
 
 

@@ -25,12 +25,12 @@ from zerotuner.demo.parts import (
     write_tokenizer,
 )
 
-FlowFamily = Literal["sd3", "flux", "chroma", "zimage", "qwenimage", "flux2", "flux2klein"]
+FlowFamily = Literal["sd3", "flux", "chroma", "zimage", "qwenimage", "flux2", "flux2klein", "wan"]
 # the demo module of each newer family, and its function that writes the model
 MODULES = {
     "chroma": ("chroma", "write_model"), "zimage": ("z_image", "write_model"),
     "qwenimage": ("qwen_image", "write_model"), "flux2": ("flux2", "write_model"),
-    "flux2klein": ("flux2", "write_klein_model"),
+    "flux2klein": ("flux2", "write_klein_model"), "wan": ("wan", "write_model"),
 }  # fmt: skip
 LATENT_CHANNELS = 16  # SD3's and Flux's VAEs
 T5_WIDTH = 64  # T5's d_model: SD3 pads the CLIP states (32 + 32) to it

@@ -31,8 +31,9 @@ from zerotuner.settings.folders import readable_by_all
 log = logging.getLogger(__name__)
 
 DemoFamily = Literal[
-    "sdxl", "sd1", "sd2", "sd3", "flux", "chroma", "zimage", "qwenimage", "flux2", "flux2klein"
-]
+    "sdxl", "sd1", "sd2", "sd3", "flux", "chroma", "zimage", "qwenimage", "flux2", "flux2klein",
+    "wan",
+]  # fmt: skip
 
 SHAPES = ("circle", "square", "triangle")
 COLOURS = {"red": (220, 30, 30), "green": (30, 170, 60), "blue": (40, 70, 220),

@@ -1,5 +1,5 @@
 """Model families: the UNet families (SDXL, SD 1.x, SD 2.x) and the flow-matching transformer
-families (SD3 / SD3.5, Flux.1, Chroma, Z-Image, Qwen-Image, FLUX.2 [dev] and [klein]). This
+families (SD3 / SD3.5, Flux.1, Chroma, Z-Image, Qwen-Image, FLUX.2 [dev] and [klein], Wan). This
 package's root knows what the planner and the normalizer need before any weights exist:
 detection from a pipeline's files, built-in configs and parameter shapes (the trained model is
 built on the meta device, `accelerate.init_empty_weights`, from a local config or from its
@@ -73,6 +73,10 @@ QWEN_VAE_PARAMS = 126_892_531  # AutoencoderKLQwenImage (Qwen-Image's video VAE)
 # defaults. Its largest layer: the token embedding (and lm_head), 131072 x 5120.
 MISTRAL_SMALL_3_PARAMS, MISTRAL_SMALL_3_LAYER = 24_011_361_280, 671_088_640
 FLUX2_VAE_PARAMS = 84_046_115  # AutoencoderKLFlux2's defaults
+# UMT5EncoderModel of google/umt5-xxl's config (Wan's text encoder: d_model 4096, 24 layers,
+# vocabulary 256384), its token embedding counted once (`encoder.embed_tokens` is `shared`)
+UMT5_XXL_PARAMS = 5_680_910_336
+WAN_VAE_PARAMS = 126_892_531  # AutoencoderKLWan's defaults, Wan 2.1's VAE (Qwen-Image's network)
 VAE_PARAMS = 83_653_863  # the SD 1.x/2.x/XL VAE
 VAE16_PARAMS = 83_819_683  # SD3's and Flux's 16-channel VAE
 VAE_SCALE = 8  # pixels per latent cell in every family's VAE
@@ -85,7 +89,9 @@ VAE_SCALE = 8  # pixels per latent cell in every family's VAE
 # Qwen/Qwen-Image (transformer/config.json: 20.43B, the card's "20B"; Qwen2.5-VL-7B's 8.29B),
 # black-forest-labs/FLUX.2-dev and FLUX.2-klein-4B (their transformer configs as diffusers'
 # scripts/convert_flux2_to_diffusers.py writes them, dev's Flux2Transformer2DModel's defaults:
-# 32.22B and 3.88B, the cards' "32B" and "4B"; Mistral Small 3.x 24B and Qwen3-4B).
+# 32.22B and 3.88B, the cards' "32B" and "4B"; Mistral Small 3.x 24B and Qwen3-4B),
+# Wan-AI/Wan2.1-T2V-1.3B-Diffusers (the transformer config diffusers'
+# scripts/convert_wan_to_diffusers.py writes for Wan-T2V-1.3B: 1.42B, the card's "1.3B"; UMT5-XXL).
 REGISTRY: dict[str, Spec] = {
     "sdxl": Spec(
         "unet", "SDXL",
@@ -193,6 +199,17 @@ REGISTRY: dict[str, Spec] = {
         guess_order=-3, clip_tokens=0, t5_tokens=512, long_encoder="Qwen3",
         layer_keys=("num_layers", "num_single_layers"),
     ),
+    "wan": Spec(
+        "wan", "Wan",
+        {"patch_size": [1, 2, 2], "num_attention_heads": 12, "attention_head_dim": 128,
+         "in_channels": 16, "out_channels": 16, "text_dim": 4096, "freq_dim": 256,
+         "ffn_dim": 8960, "num_layers": 30, "cross_attn_norm": True,
+         "qk_norm": "rms_norm_across_heads", "eps": 1e-06},
+        (1_418_996_800, 14_155_776), UMT5_XXL_PARAMS, WAN_VAE_PARAMS,
+        flow=True, pipeline="WanPipeline", transformer="WanTransformer3DModel",
+        hub_markers=("wan-ai/", "wan2", "wan-2", "wan_2"), guess_order=-1, clip_tokens=0,
+        t5_tokens=512, long_encoder="UMT5", layer_keys=("num_layers",), text_width_key="text_dim",
+    ),
 }  # fmt: skip
 Family = str  # a key of REGISTRY
 if tuple(REGISTRY) != FAMILIES:  # settings.py takes the names from family_names, below this
@@ -263,6 +280,7 @@ def detect_family(model_dir: Path) -> Family:
         components = model_json(index)
         pipeline = str(components.get("_class_name", ""))
         refuse_edit_model(model_dir, pipeline)
+        refuse_wan_variant(model_dir, pipeline, components)
         if pipeline in PIPELINES:
             return PIPELINES[pipeline]  # type: ignore[return-value]
         foreign = pipeline and not pipeline.startswith("StableDiffusion")
@@ -282,6 +300,7 @@ def detect_family(model_dir: Path) -> Family:
         )
     unet = model_json(config)
     name = unet.get("_class_name", "")
+    refuse_wan_variant(model_dir, name, unet)
     if name in TRANSFORMERS:  # a transformer without its pipeline's model_index.json
         return transformer_family(name, unet)
     if "Transformer" in name:
@@ -354,10 +373,50 @@ def refuse_edit_model(model: Any, name: str) -> None:
         )
 
 
+# Wan's image- or video-conditioned variants, as their hub names say them (Wan2.1-I2V-14B-480P,
+# Wan2.1-FLF2V-14B-720P, Wan2.1-VACE-1.3B, Wan2.2-Animate-14B, Wan2.2-S2V-14B)
+WAN_CONDITIONED = ("i2v", "flf2v", "vace", "animate", "s2v", "v2v")
+WAN_SUPPORTED = ("zerotuner trains Wan's single-transformer text-to-video models (WanPipeline: "
+                 "Wan 2.1 T2V 1.3B and 14B, Wan 2.2 TI2V-5B) on captioned images as one-frame "
+                 "clips")  # fmt: skip
+
+
+def refuse_wan_variant(model: Any, name: str, config: dict[str, Any] | None = None) -> None:
+    """A Wan model other than a text-to-video transformer is one line, exit 2: Wan 2.2 A14B's
+    two experts (a `transformer_2` in model_index.json, `A14B` in a hub name) and the image- or
+    video-conditioned ones (WanImageToVideoPipeline, WanVACEPipeline...; `I2V`, `VACE`... in a
+    hub name; a WanTransformer3DModel whose input has more channels than its output)."""
+    import re
+
+    config = config or {}
+    lowered = name.lower()
+    if not name.startswith("Wan") and not any(m in lowered for m in REGISTRY["wan"].hub_markers):
+        return
+    words = set(re.split(r"[^a-z0-9]+", lowered))
+    expert = config.get("transformer_2") or [None]
+    if "a14b" in words or (isinstance(expert, list) and expert and expert[0]):
+        raise ConfigError(
+            f"ZT_MODEL={model}: {name} is Wan 2.2 A14B, two expert transformers (transformer "
+            f"and transformer_2, split by noise level), which zerotuner does not train yet; "
+            f"{WAN_SUPPORTED}"
+        )
+    pipeline = name.endswith("Pipeline") and name != REGISTRY["wan"].pipeline
+    inputs = config.get("in_channels")  # I2V's transformer takes the image's latents too
+    channels = inputs is not None and inputs != config.get("out_channels", inputs)
+    if pipeline or words & set(WAN_CONDITIONED) or channels:
+        raise ConfigError(
+            f"ZT_MODEL={model}: {name} is an image- or video-conditioned Wan model (image-to-"
+            f"video, first-last-frame, VACE, animate), trained on conditioning frames, which "
+            f"zerotuner does not take; {WAN_SUPPORTED}"
+        )
+
+
 def guess_family(hub_id: str) -> Family | None:
     """The family a hub id's name says (when its configs cannot be read), or None; an
-    image-edit model's name is refused (refuse_edit_model)."""
+    image-edit model's name is refused (refuse_edit_model), as a Wan variant's
+    (refuse_wan_variant)."""
     refuse_edit_model(hub_id, hub_id.rsplit("/", 1)[-1])
+    refuse_wan_variant(hub_id, hub_id)
     name = hub_id.lower()
     for family, spec in sorted(REGISTRY.items(), key=lambda item: item[1].guess_order):
         if any(marker in name for marker in spec.hub_markers):
@@ -395,6 +454,8 @@ def frozen_params(
                 config = transformers.AutoConfig.from_pretrained(str(folder))
                 arch = (config.architectures or ["CLIPTextModel"])[0]
                 module = getattr(transformers, arch)(config)
+        if hasattr(module, "tie_weights"):  # T5's and UMT5's encoder embedding is `shared`,
+            module.tie_weights()  # tied by from_pretrained, not on the meta device
         total += sum(p.numel() for p in module.parameters())
     return total
 
@@ -488,8 +549,9 @@ def vae_scale(model_dir: Path | None) -> int:
     config = model_dir / "vae" / "config.json" if model_dir else None
     if config is not None and config.is_file():
         vae = model_json(config)
-        if "temperal_downsample" in vae:  # Qwen-Image's video VAE: one halving per entry
-            return 2 ** len(vae["temperal_downsample"])
+        if "temperal_downsample" in vae:  # Qwen-Image's and Wan's video VAEs: one halving
+            # per entry, after the 2x2 pixel patches of Wan 2.2's (`patch_size`: 16 in all)
+            return 2 ** len(vae["temperal_downsample"]) * int(vae.get("patch_size") or 1)
         return 2 ** (len(vae["block_out_channels"]) - 1)
     return VAE_SCALE
 

@@ -5,4 +5,5 @@ from __future__ import annotations
 
 FAMILIES: tuple[str, ...] = (
     "sdxl", "sd1", "sd2", "sd3", "flux", "chroma", "zimage", "qwenimage", "flux2", "flux2klein",
+    "wan",
 )  # fmt: skip

@@ -79,14 +79,16 @@ def render(
     written = []
     for i, prompt in enumerate(prompts):
         generator = torch.Generator().manual_seed(seed + i)
-        image = pipe(
+        out = pipe(
             prompt=prompt,  # by name: FLUX.2's pipelines take reference images first
             height=resolution,
             width=resolution,
             num_inference_steps=inference_steps,
             generator=generator,
             **extra,
-        ).images[0]
+        )
+        # a video pipeline's (Wan's) first clip's first frame: it renders one-frame clips
+        image = out.frames[0][0] if not hasattr(out, "images") else out.images[0]
         path = out_dir / f"{i:02d}-{slug(prompt)}.png"
         image.save(path)
         written.append(path)

@@ -1,0 +1,111 @@
+"""Wan 2.1 / 2.2 text-to-video (Wan-AI/Wan2.1-T2V-1.3B-Diffusers, -14B, Wan2.2-TI2V-5B): a
+video DiT (WanTransformer3DModel: 3D patches of (1, 2, 2) latent cells, cross-attention to the
+text) conditioned on UMT5-XXL's last hidden states, with a causal video VAE (AutoencoderKLWan:
+latents normalised by a per-channel mean and std) and a flow-matching scheduler with a static
+shift (the published one is UniPCMultistepScheduler with flow sigmas and `flow_shift` 3.0).
+This slice trains on images, each a one-frame clip: latents (batch, channels, 1, h, w).
+
+What it trains on is what WanPipeline samples with (diffusers 0.42, pipelines/wan/
+pipeline_wan.py):
+- captions: `prompt_clean`, UMT5 tokens padded to max_sequence_length (default 512) with the
+  attention mask, the encoder's last hidden state computed with that mask, and every state past
+  the caption's real tokens set to zero (`_get_t5_prompt_embeds`: `u[:v]` then `new_zeros`);
+  the transformer takes them as `encoder_hidden_states`, without a mask;
+- latents `(x - latents_mean) / latents_std` (the pipeline decodes `latents * std + mean`), one
+  frame encoded through the video VAE (`train.model.encode_images`);
+- the transformer takes the noised clip and the timestep on the scheduler's 0-1000 scale.
+
+The noise schedule is musubi-tuner's for Wan (kohya-ss/musubi-tuner at 30c658c4,
+src/musubi_tuner/training/trainer_base.py `get_noisy_model_input_and_timesteps`,
+`--timestep_sampling shift`, which docs/wan.md recommends with `--discrete_flow_shift 3.0`):
+`t = sigmoid(randn)` (ZT_WEIGHTING_SCHEME's logit_normal(0, 1), the default), shifted as
+`shift t / (1 + (shift - 1) t)`, the input `(1 - t) x + t n`, the timestep `t * 1000`, the target
+`noise - x` (src/musubi_tuner/wan_train_network.py). The shift here is the model's own: its
+scheduler's `flow_shift` (UniPC) or `shift` (FlowMatchEulerDiscreteScheduler), 3.0 for
+Wan2.1-T2V-1.3B as musubi's example. finetrainers (a-r-r-o-w/finetrainers at f476c371,
+finetrainers/models/wan/base_specification.py `forward`) trains the same noising and target
+with the timestep `(sigma * 1000).long()`. Wan 2.2 TI2V-5B's pipeline (`expand_timesteps`)
+gives every latent token its own timestep, all equal without a conditioning image: the same
+embedding as one timestep per clip, which is what this passes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+from zerotuner.families.flow import FlowFamily
+from zerotuner.families.flow_matching import FlowObjective
+
+
+class PipelineScheduler:
+    """Loads the scheduler its scheduler_config.json names: Wan's published
+    UniPCMultistepScheduler (flow sigmas, `flow_shift`), or FlowMatchEulerDiscreteScheduler
+    (`shift`), which WanPipeline takes as well."""
+
+    @staticmethod
+    def from_pretrained(source: Any, subfolder: str = "scheduler", **kwargs: Any) -> Any:
+        import diffusers
+        from diffusers import FlowMatchEulerDiscreteScheduler
+
+        config = FlowMatchEulerDiscreteScheduler.load_config(source, subfolder=subfolder, **kwargs)
+        cls = getattr(diffusers, str(config.get("_class_name")), FlowMatchEulerDiscreteScheduler)
+        return cls.from_config(config)
+
+
+@dataclass(frozen=True)
+class WanObjective(FlowObjective):
+    """SD3's unpacked flow matching on a clip: an image's latents enter as one frame."""
+
+    def call(self, model: Any, latents: torch.Tensor, t: torch.Tensor, kwargs: dict[str, Any]):
+        image = latents.ndim == 4  # (batch, channels, height, width): one frame
+        clip = latents.unsqueeze(2) if image else latents
+        out = model(hidden_states=clip, timestep=t, **kwargs).sample
+        return out.squeeze(2) if image else out
+
+
+@dataclass(frozen=True)
+class Wan(FlowFamily):
+    def scheduler_class(self) -> type:
+        return PipelineScheduler
+
+    def encode_captions(
+        self, encoders: list[Any], tokenizers: list[Any], captions: list[str]
+    ) -> dict[str, torch.Tensor]:
+        """WanPipeline._get_t5_prompt_embeds: UMT5's masked states, zero past the caption."""
+        from diffusers.pipelines.wan.pipeline_wan import prompt_clean
+
+        (encoder,), (tokenizer,) = encoders, tokenizers
+        tokens = tokenizer(
+            [prompt_clean(caption) for caption in captions], padding="max_length",
+            max_length=self.max_sequence_length, truncation=True, add_special_tokens=True,
+            return_attention_mask=True, return_tensors="pt",
+        ).to(encoder.device)  # fmt: skip
+        states = encoder(tokens.input_ids, tokens.attention_mask).last_hidden_state
+        kept = tokens.attention_mask.gt(0).unsqueeze(-1).to(states.dtype)
+        return {"prompt_embeds": states * kept}
+
+    def model_kwargs(self, batch: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, Any]:
+        return {"encoder_hidden_states": batch["prompt_embeds"].to(dtype)}
+
+    def flow_config(self, settings: Any, scheduler: Any) -> Any:
+        """The settings' sigma sampling with the scheduler's static shift: UniPC's
+        `flow_shift` (FlowMatchEulerDiscreteScheduler's `shift` as the other families)."""
+        config = super().flow_config(settings, scheduler)
+        shift = scheduler.config.get("flow_shift")
+        if shift is not None and scheduler.config.get("use_flow_sigmas"):
+            return replace(config, shift=float(shift))
+        return config
+
+    def objective(self, settings: Any, scheduler: Any, model_config: Any) -> Any:
+        return WanObjective(self.flow_config(settings, scheduler))
+
+    def latent_multiple(self, model_config: Any) -> int:
+        """The transformer's spatial patch (its patch_size is (frames, height, width))."""
+        return int(model_config.patch_size[1])
+
+    def pipeline_kwargs(self, settings: Any) -> dict[str, Any]:
+        """A one-frame clip as PIL images (WanPipeline's default output is a numpy video)."""
+        return {**super().pipeline_kwargs(settings), "num_frames": 1, "output_type": "pil"}
