@@ -183,6 +183,21 @@ class Settings(BaseSettings):
         "image trains at its own size (rounded down to the bucket step), in a bucket of its "
         "own shape.",
     )
+    video_frames: int = Field(
+        81,
+        ge=1,
+        le=1025,
+        description="Video families (Wan): frames per training clip, sampled at ZT_VIDEO_FPS; "
+        "the model's rule holds (Wan: 4k+1, e.g. 17, 33, 81). A shorter clip trains at the "
+        "longest count it holds; an image is a one-frame clip.",
+    )
+    video_fps: float = Field(
+        16.0,
+        gt=0,
+        le=240,
+        description="Video families: the rate frames are sampled from a clip at (Wan 2.1 was "
+        "trained at 16 fps, Wan 2.2 5B at 24).",
+    )
     compile: Auto | bool = Field(
         "auto",
         description="torch.compile the model's repeated blocks; `auto` turns it on where it "
