@@ -220,3 +220,25 @@ def test_a_two_rank_demo_run_shows_its_loss_curve_and_samples(demo_dir, tmp_path
             proc.kill()
             psutil.wait_procs(tree, timeout=60)
         proc.wait(timeout=60)
+
+
+def test_image_samples_stay_images_on_the_page(tmp_path):
+    """An image family's samples (no .mp4 beside them) show as <img>, no <video>."""
+    write_samples(tmp_path)
+    server = MetricsServer(
+        "127.0.0.1", 0, source=CollectorRegistry(), output_dir=tmp_path, history_interval=None
+    )
+    with server, chromium() as browser:
+        assert "video" not in RunView(tmp_path).state([], "training")["samples"]["images"][0]
+        page = browser.new_page()
+        page.goto(server.url + "/")
+        page.wait_for_function(
+            "[...document.querySelectorAll('#samples img')].filter("
+            "i => i.complete && i.naturalWidth === 8).length === 2",
+            timeout=30_000,
+        )
+        assert page.locator("#samples video").count() == 0
+        assert page.locator("#samples figcaption").all_inner_texts() == [
+            "a red circle",
+            "a blue square",
+        ]

@@ -239,8 +239,12 @@ def test_full_fine_tuning_at_zero_3_trains_and_exports_a_wan_pipeline(demo, full
     assert held_out_loss(demo, FAMILY, final.transformer) < 0.97 * before
     frames = clip(final, frames=5)
     assert frames.shape == (5, 64, 64, 3) and np.isfinite(frames).all()
-    (sample,) = (output / "samples" / f"step-{STEPS}").glob("*.png")
-    assert sample.stat().st_size > 0
+    (sample,) = (output / "samples" / f"step-{STEPS}").glob("*.png")  # the contact sheet
+    assert sample.stat().st_size > 0 and sample.with_suffix(".mp4").is_file()
+    # The demo's clips trained as clips (9 frames, latents of 5 frames), its images as frames.
+    buckets = json.loads((output / "run" / "dataset.json").read_text())["buckets"]
+    assert buckets.get("64x64x9") == 8 and sum(buckets.values()) == 72, buckets
+    assert "64 images and 8 clips (4.0 s)" in log
     manifest = read_manifest(output / "checkpoints" / f"step-{SAVED}")
     assert (manifest["family"], manifest["zero_stage"]) == (FAMILY, 3)
     ema = DiffusionPipeline.from_pretrained(output / "final-ema").transformer

@@ -106,12 +106,15 @@ def run(args: argparse.Namespace) -> int:
                 if name == "hardware":  # no machine to check the job against
                     return _finish(c)
                 break
-        c.facts |= {"topology": pre.topology, "plan": pre.plan}
+        c.facts |= {"topology": pre.topology, "plan": pre.plan, "model": pre.model,
+                    "model_shape": pre.shape}  # fmt: skip
     else:
         c.skip("preflight", "the config files above must read first")
     c.facts = {k: v for k, v in c.facts.items() if v is not None}
     if c.run("dataset", lambda: _dataset(c)) and "plan" in c.facts and c.facts["dataset"]:
         c.run("text cache", lambda: _text_cache(c))
+        if "model" in c.facts and c.facts["model"].local_dir is not None:
+            c.run("latent cache", lambda: _latent_cache(c))
     if "inputs" not in c.facts:  # their nvme_path may name the offload folder
         c.skip("offload", "the config files above must read first")
     elif "plan" in c.facts or c.facts["settings"].offload_device:
@@ -146,9 +149,10 @@ def _finish(c: Checks) -> int:
 
 
 def _dataset(c: Checks) -> tuple[str, list[str]]:
+    from zerotuner import families
     from zerotuner.preflight.fetch import fetch_all
     from zerotuner.settings.datasets import sources
-    from zerotuner.train.data import recipe_notes, scan_sources, upscale_warning
+    from zerotuner.train.data import recipe_notes, scan_sources, upscale_warning, video_sampling
 
     s = c.facts["settings"]
     found = sources(s)
@@ -156,9 +160,14 @@ def _dataset(c: Checks) -> tuple[str, list[str]]:
     if remote.missing:
         c.facts["dataset"] = None
         return remote.describe(), []
+    source = c.facts.get("model")
+    video = None
+    if source is not None and source.local_dir is not None:  # as train samples clips
+        video = video_sampling(s, families.get(source.family), source.local_dir)
     dataset = scan_sources(
-        found, s.cache_dir, log_skipped=False, write_index=False, min_image_size=s.min_image_size
-    )
+        found, s.cache_dir, log_skipped=False, write_index=False,
+        min_image_size=s.min_image_size, video=video,
+    )  # fmt: skip
     warnings = dataset.warnings()  # the lines train logs
     shape = c.facts.get("shape")  # as train: ZT_RESOLUTION, else the family's own
     resolution = s.resolution or (shape.native_resolution if shape else None)
@@ -193,6 +202,34 @@ def _text_cache(c: Checks) -> str:
             "point ZT_CACHE_DIR at a larger disk or shorten ZT_MAX_SEQUENCE_LENGTH"
         )
     return f"{size}; {free / 2**30:.1f} GiB free"
+
+
+def _latent_cache(c: Checks) -> str:
+    """The images' and clips' cached latents at the buckets train will use (fp32)."""
+    import json
+
+    from zerotuner import families
+    from zerotuner.train.data import dataset_buckets, video_sampling
+    from zerotuner.train.feature_cache import latent_cache_bytes
+
+    s, dataset, model = c.facts["settings"], c.facts["dataset"], c.facts["model"]
+    resolution = s.resolution or c.facts["model_shape"].native_resolution  # as train's
+    vae = model.local_dir / "vae" / "config.json"
+    config = json.loads(vae.read_text()) if vae.is_file() else {}
+    channels = int(config.get("latent_channels") or config.get("z_dim") or 4)
+    scale = families.vae_scale(model.local_dir)
+    video = video_sampling(s, families.get(model.family), model.local_dir)
+    buckets = dataset_buckets(dataset, resolution, multiple=scale, upscale=s.upscale)
+    need = latent_cache_bytes(
+        buckets, channels=channels, scale=scale, frame_step=video.step if video else None,
+        flip=s.random_flip,
+    )  # fmt: skip
+    clip_buckets = sorted({b[2] for b in buckets if len(b) == 3})
+    frames = f"; clips of {', '.join(map(str, clip_buckets))} frames" if clip_buckets else ""
+    return (
+        f"{len(buckets)} buckets{frames}: about {need / 2**20:.1f} MiB of latents "
+        f"(ZT_CACHE_DIR={s.cache_dir})"
+    )
 
 
 def _offload(c: Checks) -> tuple[str, list[str]] | str:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+import numpy as np
 from PIL import Image, ImageDraw
 
 from zerotuner.demo.parts import (
@@ -35,6 +36,7 @@ DemoFamily = Literal[
     "wan",
 ]  # fmt: skip
 
+VIDEO_FAMILIES = ("wan",)  # their demo data holds clips too (demo/clips.py)
 SHAPES = ("circle", "square", "triangle")
 COLOURS = {"red": (220, 30, 30), "green": (30, 170, 60), "blue": (40, 70, 220),
            "yellow": (240, 210, 30)}  # fmt: skip
@@ -56,6 +58,8 @@ def write_demo(
     """Write DIR/model and DIR/data. Re-running overwrites only the files it writes."""
     dir = Path(dir)
     data = write_dataset(dir / "data", seed=seed, count=images)
+    if family in VIDEO_FAMILIES:  # clips beside the images (each image a one-frame clip)
+        write_clips(data)
     captions = [p.read_text() for p in sorted(data.glob("*.txt"))]
     if family in FLOW_FAMILIES:
         from zerotuner.demo.flow import write_flow_model
@@ -90,6 +94,64 @@ def write_dataset(data_dir: Path, *, seed: int = 0, count: int = 64) -> Path:
         image.save(stem.with_suffix(".png"), optimize=False)
         stem.with_suffix(".txt").write_text(f"a {colour} {shape} on a {background} background")
     return data_dir
+
+
+# The video families' clips: a shape moving across a plain background, captioned as the
+# images are plus which way it moves. PyAV (FFmpeg) writes H.264 .mp4, one .webm (VP8) and one
+# .gif: the formats a clip folder holds. 9 frames at 16 fps: Wan's 4k+1 at the rate it samples.
+CLIP_FRAMES, CLIP_FPS, CLIP_SIZE = 9, 16, 96
+CLIP_FORMATS = {".mp4": ("libx264", "yuv420p"), ".webm": ("libvpx", "yuv420p"),
+                ".gif": ("gif", "rgb8")}  # fmt: skip
+
+
+def write_clips(data_dir: Path, *, count: int = 8) -> list[Path]:
+    """`count` captioned clips in data_dir (beside the demo images); the last two are a .webm
+    and a .gif."""
+    data_dir.mkdir(parents=True, exist_ok=True)
+    combos = [(s, c, b) for s in SHAPES for c in COLOURS for b in BACKGROUNDS]
+    written = []
+    for i in range(count):
+        shape, colour, background = combos[(i * 7) % len(combos)]
+        direction = "right" if i % 2 == 0 else "left"
+        suffix = ".gif" if i == count - 1 else ".webm" if i == count - 2 else ".mp4"
+        stem = data_dir / f"clip-{i:02d}-{colour}-{shape}-moving-{direction}"
+        frames = [_clip_frame(k, shape, COLOURS[colour], BACKGROUNDS[background], direction)
+                  for k in range(CLIP_FRAMES)]  # fmt: skip
+        written.append(_encode_clip(frames, stem.with_suffix(suffix)))
+        caption = f"a {colour} {shape} moving {direction} on a {background} background"
+        stem.with_suffix(".txt").write_text(caption)
+    return written
+
+
+def _clip_frame(k: int, shape: str, fill, background, direction: str) -> np.ndarray:
+    image = Image.new("RGB", (CLIP_SIZE, CLIP_SIZE), background)
+    draw = ImageDraw.Draw(image)
+    r = CLIP_SIZE * 3 // 10
+    travel = (CLIP_SIZE - 2 * r) * k // (CLIP_FRAMES - 1)
+    cx = r + (travel if direction == "right" else CLIP_SIZE - 2 * r - travel)
+    cy = CLIP_SIZE // 2
+    if shape == "circle":
+        draw.ellipse((cx - r, cy - r, cx + r, cy + r), fill=fill)
+    elif shape == "square":
+        draw.rectangle((cx - r, cy - r, cx + r, cy + r), fill=fill)
+    else:
+        draw.polygon([(cx, cy - r), (cx - r, cy + r), (cx + r, cy + r)], fill=fill)
+    return np.asarray(image)
+
+
+def _encode_clip(frames: list[np.ndarray], path: Path) -> Path:
+    import av
+
+    codec, pixel_format = CLIP_FORMATS[path.suffix]
+    with av.open(str(path), mode="w") as container:
+        stream = container.add_stream(codec, rate=CLIP_FPS)
+        stream.width, stream.height, stream.pix_fmt = CLIP_SIZE, CLIP_SIZE, pixel_format
+        if codec == "libx264":
+            stream.options = {"crf": "18"}  # the shapes' edges stay sharp
+        for frame in frames:
+            container.mux(stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")))
+        container.mux(stream.encode())
+    return path
 
 
 def draw_shape(

@@ -58,6 +58,11 @@ class ModelFamily:
         """The family as this run's settings configure it (flow families: the T5 length)."""
         return self
 
+    def frame_step(self, source: Path) -> int | None:
+        """A video family's frame rule: clips train step * k + 1 frames (its VAE's temporal
+        compression). None: an image family (clips in the data are not read)."""
+        return None
+
     # --- parts --------------------------------------------------------------------------
     def denoiser_class(self) -> type:
         from diffusers import UNet2DConditionModel

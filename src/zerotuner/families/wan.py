@@ -3,7 +3,8 @@ video DiT (WanTransformer3DModel: 3D patches of (1, 2, 2) latent cells, cross-at
 text) conditioned on UMT5-XXL's last hidden states, with a causal video VAE (AutoencoderKLWan:
 latents normalised by a per-channel mean and std) and a flow-matching scheduler with a static
 shift (the published one is UniPCMultistepScheduler with flow sigmas and `flow_shift` 3.0).
-This slice trains on images, each a one-frame clip: latents (batch, channels, 1, h, w).
+It trains on clips (latents (batch, channels, frames, h, w), train/clips.py) and on images
+as one-frame clips.
 
 What it trains on is what WanPipeline samples with (diffusers 0.42, pipelines/wan/
 pipeline_wan.py):
@@ -11,8 +12,8 @@ pipeline_wan.py):
   attention mask, the encoder's last hidden state computed with that mask, and every state past
   the caption's real tokens set to zero (`_get_t5_prompt_embeds`: `u[:v]` then `new_zeros`);
   the transformer takes them as `encoder_hidden_states`, without a mask;
-- latents `(x - latents_mean) / latents_std` (the pipeline decodes `latents * std + mean`), one
-  frame encoded through the video VAE (`train.model.encode_images`);
+- latents `(x - latents_mean) / latents_std` (the pipeline decodes `latents * std + mean`), a
+  clip (or an image as one frame) encoded through the video VAE (`train.model.encode_images`);
 - the transformer takes the noised clip and the timestep on the scheduler's 0-1000 scale.
 
 The noise schedule is musubi-tuner's for Wan (kohya-ss/musubi-tuner at 30c658c4,
@@ -31,7 +32,9 @@ embedding as one timestep per clip, which is what this passes.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -57,7 +60,8 @@ class PipelineScheduler:
 
 @dataclass(frozen=True)
 class WanObjective(FlowObjective):
-    """SD3's unpacked flow matching on a clip: an image's latents enter as one frame."""
+    """SD3's unpacked flow matching on a clip: a clip's 5-D latents as they are, an image's
+    as one frame."""
 
     def call(self, model: Any, latents: torch.Tensor, t: torch.Tensor, kwargs: dict[str, Any]):
         image = latents.ndim == 4  # (batch, channels, height, width): one frame
@@ -102,10 +106,13 @@ class Wan(FlowFamily):
     def objective(self, settings: Any, scheduler: Any, model_config: Any) -> Any:
         return WanObjective(self.flow_config(settings, scheduler))
 
+    def frame_step(self, source: Any) -> int:
+        """AutoencoderKLWan halves time once per True in `temperal_downsample` (Wan 2.1's and
+        2.2's: 4x, so clips of 4k+1 frames, the first frame encoded alone)."""
+        path = Path(source) / "vae" / "config.json"
+        config = json.loads(path.read_text()) if path.is_file() else {}  # else the published
+        return 2 ** sum(bool(x) for x in config.get("temperal_downsample", [False, True, True]))
+
     def latent_multiple(self, model_config: Any) -> int:
         """The transformer's spatial patch (its patch_size is (frames, height, width))."""
         return int(model_config.patch_size[1])
-
-    def pipeline_kwargs(self, settings: Any) -> dict[str, Any]:
-        """A one-frame clip as PIL images (WanPipeline's default output is a numpy video)."""
-        return {**super().pipeline_kwargs(settings), "num_frames": 1, "output_type": "pil"}

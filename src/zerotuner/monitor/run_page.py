@@ -4,7 +4,8 @@
 - step time and device memory per rank over time: the metrics every rank already writes,
   sampled by the entrypoint's server thread every few seconds (step time is the mean over the
   interval, from the step histogram's sum and count);
-- validation samples: the newest OUTPUT/samples/step-N/ folder;
+- validation samples: the newest OUTPUT/samples/step-N/ folder (a video family's clip, NN.mp4,
+  beside its contact sheet NN.png);
 - the plan (handed over by `train`) and the effective DeepSpeed config (OUTPUT/run/
   deepspeed.json, else the job's).
 Nothing here runs in a rank: the training step does no extra work, and the page only reads.
@@ -25,7 +26,8 @@ MEMORY = "zerotuner_device_memory_allocated_bytes"
 MAX_STEPS = "zerotuner_max_steps"
 MAX_POINTS = 1000  # per series in an answer, and per rank in the history
 ETA_WINDOW = 20  # steps the ETA averages over (validation and checkpoints included)
-SAMPLE_FILE = re.compile(r"(step-\d+|base)/[A-Za-z0-9][A-Za-z0-9._-]*\.png")
+SAMPLE_FILE = re.compile(r"(step-\d+|base)/[A-Za-z0-9][A-Za-z0-9._-]*\.(png|mp4)")
+SAMPLE_TYPES = {".png": "image/png", ".mp4": "video/mp4"}
 
 
 class StepsLog:
@@ -191,18 +193,26 @@ class RunView:
         for path in sorted(latest.glob("*.png")):
             index = int(path.name[:2]) if path.name[:2].isdigit() else -1
             prompt = prompts.get(index, path.stem[3:].replace("-", " "))
-            images.append({"prompt": prompt, "url": f"/run/samples/{latest.name}/{path.name}"})
+            image = {"prompt": prompt, "url": f"/run/samples/{latest.name}/{path.name}"}
+            if path.with_suffix(".mp4").is_file():  # a clip, the PNG its contact sheet
+                image["video"] = f"/run/samples/{latest.name}/{path.stem}.mp4"
+            images.append(image)
         return {"step": int(latest.name[5:]), "images": images}
 
     def sample_image(self, relative: str) -> bytes | None:
-        """A PNG under OUTPUT/samples (step-N/ or base/), else None."""
+        """A PNG or MP4 under OUTPUT/samples (step-N/ or base/), else None."""
+        found = self.sample_file(relative)
+        return found[0] if found is not None else None
+
+    def sample_file(self, relative: str) -> tuple[bytes, str] | None:
+        """A sample's bytes and media type (SAMPLE_TYPES), else None."""
         if self.output_dir is None or not SAMPLE_FILE.fullmatch(relative):
             return None
         root = (self.output_dir / "samples").resolve()
         path = (root / relative).resolve()
-        if path.parent.parent != root or not path.is_file():
+        if path.parent.parent != root or path.suffix not in SAMPLE_TYPES or not path.is_file():
             return None
-        return path.read_bytes()
+        return path.read_bytes(), SAMPLE_TYPES[path.suffix]
 
 
 def _max_steps(families: list[Any]) -> int | None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import shutil
 import socket
 import tempfile
@@ -235,6 +236,40 @@ class NodeCollector:
 
 
 PROBES = ("/healthz", "/readyz")
+RANGE = re.compile(r"bytes=(\d*)-(\d*)")
+
+
+def ranged(
+    body: bytes, header: str | None, if_range: str | None = None
+) -> tuple[str, list[tuple[str, str]], bytes]:
+    """A sample file's answer to a request with `Range: bytes=...` (RFC 9110 14): (status,
+    headers, body). Chromium's media player asks for `bytes=0-`; answered 200 it still plays a
+    small clip through and loops it, but it cannot seek (`seekable` stays empty and a seek lands
+    on 0: the controls' scrubber does nothing); answered 206 it seeks
+    (tests/test_video_samples.py). One range is served (first-last, first-, -suffix); several
+    ranges, another unit, a malformed header or an If-Range (this server gives no validators)
+    get the whole file, 200, as the RFC allows; a range past the end gets 416."""
+    size = len(body)
+    whole = ("200 OK", [("Accept-Ranges", "bytes")], body)
+    match = RANGE.fullmatch((header or "").strip())
+    if match is None or if_range or match.groups() == ("", ""):
+        return whole
+    first, last = match.groups()
+    if first:
+        start, end = int(first), min(int(last), size - 1) if last else size - 1
+        if last and int(last) < start:
+            return whole  # invalid: ignored
+    else:  # the last `last` bytes
+        start, end = max(0, size - int(last)), size - 1
+        if int(last) == 0:
+            start = size  # unsatisfiable
+    if start >= size:
+        return "416 Range Not Satisfiable", [("Content-Range", f"bytes */{size}")], b""
+    return (
+        "206 Partial Content",
+        [("Accept-Ranges", "bytes"), ("Content-Range", f"bytes {start}-{end}/{size}")],
+        body[start : end + 1],
+    )
 
 
 class _Server(ConnectionLimits, WSGIServer):
@@ -345,7 +380,14 @@ class MetricsServer:
         found = self._run_page(path)
         if found is not None:
             body, media = found
-            start_response("200 OK", [("Content-Type", media), ("Cache-Control", "no-store")])
+            headers = [("Content-Type", media), ("Cache-Control", "no-store")]
+            status = "200 OK"
+            if path.startswith("/run/samples/"):  # a <video> asks for ranges (see `ranged`)
+                status, extra, body = ranged(
+                    body, environ.get("HTTP_RANGE"), environ.get("HTTP_IF_RANGE")
+                )
+                headers += [("X-Content-Type-Options", "nosniff"), *extra]
+            start_response(status, headers)
             return [body]
         start_response("404 Not Found", [("Content-Type", "text/plain; charset=utf-8")])
         return [b"not found: try /, /metrics, /healthz or /readyz\n"]
@@ -360,9 +402,8 @@ class MetricsServer:
             families, status = self.collector.snapshot()
             state = self.run_view.state(families, status.phase)
             return json.dumps(state).encode(), "application/json"
-        if path.startswith("/run/samples/"):
-            image = self.run_view.sample_image(path.removeprefix("/run/samples/"))
-            return (image, "image/png") if image is not None else None
+        if path.startswith("/run/samples/"):  # PNGs, and MP4s of a video family
+            return self.run_view.sample_file(path.removeprefix("/run/samples/"))
         return None
 
     def _sample_history(self) -> None:

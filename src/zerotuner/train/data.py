@@ -38,6 +38,7 @@ from PIL import Image, ImageOps, UnidentifiedImageError
 
 from zerotuner.errors import ConfigError
 from zerotuner.settings.datasets import DatasetSource, local_folder
+from zerotuner.train import clips
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +60,25 @@ UPSCALE_NOTICE = 1.1  # enlarging an image by more than this is worth a warning
 SMALL = "smaller than ZT_MIN_IMAGE_SIZE"  # the skip reason of an image below it
 MASK_SUFFIX = ".mask"  # foo.mask.png weights the loss of foo.png / foo.jpg
 Size = tuple[int, int]  # (width, height) in pixels
+# A bucket: (width, height), and for clips of more than one frame (width, height, frames).
+Bucket = tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Video:
+    """How a video family trains clips (ZT_VIDEO_FPS, ZT_VIDEO_FRAMES, and `step`, the
+    model's frame rule: step * k + 1 frames). A scan without it is an image family's."""
+
+    fps: float
+    frames: int
+    step: int
+
+
+def video_sampling(settings: object, family: object, source: Path) -> Video | None:
+    """How this run samples clips: for a video family (its `frame_step`), ZT_VIDEO_FPS and
+    ZT_VIDEO_FRAMES; None for an image family. `train` and `check` both ask here."""
+    step = family.frame_step(Path(source))
+    return Video(settings.video_fps, settings.video_frames, step) if step else None
 
 
 @dataclass(frozen=True)
@@ -74,11 +94,20 @@ class Item:
     name: str = ""  # the path relative to its dataset's folder: the cache's name for it
     mask: Path | None = None  # its loss mask (foo.mask.png)
     mask_digest: str = ""
+    frames: int = 1  # a clip's frames trained (clips.trained_frames); an image is one
+    fps: float = 0.0  # the rate a clip's frames are sampled at; 0 for an image
 
     @property
     def content(self) -> str:
-        """What the cached latents depend on besides the bucket: the image and its mask."""
+        """What the cached latents depend on besides the bucket: the image and its mask, or
+        the clip and the rate its frames are sampled at."""
+        if self.fps:
+            return f"{self.digest}@{self.fps:g}fps"
         return f"{self.digest}+{self.mask_digest}" if self.mask else self.digest
+
+    @property
+    def clip(self) -> bool:
+        return self.path.suffix.lower() in clips.CLIP_SUFFIXES
 
 
 @dataclass(frozen=True)
@@ -119,16 +148,27 @@ class Dataset:
         return lines
 
     def summary(self) -> str:
-        """`12 images in /data`, or per dataset with its repeats."""
+        """`12 images in /data` (`10 images and 4 clips (2.5 s) in /data`), or per dataset
+        with its repeats."""
         if not self.parts:
-            return f"{_count(len(self), 'image')} in {self.root}"
+            return f"{_contents(self.items)} in {self.root}"
         shown = []
         for p in self.parts:
             extra = [f"x{p.repeats}"] if p.repeats > 1 else []
             extra += [f"{p.resolution} px"] if p.resolution else []
             more = f" ({', '.join(extra)})" if extra else ""
-            shown.append(f"{_count(len(p.dataset), 'image')} in {p.label}{more}")
-        return f"{_count(len(self), 'image')} in {len(self.parts)} datasets: " + ", ".join(shown)
+            shown.append(f"{_contents(p.dataset.items)} in {p.label}{more}")
+        return f"{_contents(self.items)} in {len(self.parts)} datasets: " + ", ".join(shown)
+
+
+def _contents(items: Sequence[Item]) -> str:
+    """`12 images`, or with clips `10 images and 4 clips (2.5 s)`: the seconds they train."""
+    clips_in = [item for item in items if item.clip]
+    images = _count(len(items) - len(clips_in), "image")
+    if not clips_in:
+        return images
+    seconds = sum((item.frames - 1) / item.fps for item in clips_in if item.fps)
+    return f"{images} and {_count(len(clips_in), 'clip')} ({seconds:.1f} s)"
 
 
 @dataclass(frozen=True)
@@ -157,6 +197,7 @@ def scan(
     min_image_size: int = 0,
     caption_extension: str = ".txt",
     setting: str = "ZT_DATA_DIR",
+    video: Video | None = None,
 ) -> Dataset:
     """Find every readable PNG/JPEG/WebP under data_dir (recursively), with its caption.
 
@@ -185,14 +226,17 @@ def scan(
         suffix = path.suffix.lower()
         if suffix in IMAGE_SUFFIXES and path.stem.endswith(MASK_SUFFIX):
             masks[path.with_name(path.stem.removesuffix(MASK_SUFFIX))] = path
-        elif suffix in IMAGE_SUFFIXES:
+        elif suffix in IMAGE_SUFFIXES or (video and suffix in clips.CLIP_SUFFIXES):
             candidates.append(path)
+        elif suffix in clips.CLIP_SUFFIXES:
+            skipped.append((path, "video clips (ZT_MODEL is an image model: they train video "
+                                  "families such as Wan)"))  # fmt: skip
         elif suffix not in COMPANION_SUFFIXES and path in sidecars:
             continue
         elif suffix not in COMPANION_SUFFIXES:
             kind = f"'{suffix}' files" if suffix else "files without a suffix"
             skipped.append((path, f"{kind} are not read (PNG, JPEG or WebP are)"))
-    known = _read_index(index, data_dir) if index else {}
+    known = _read_index(index, data_dir, video) if index else {}
 
     def probe(path: Path) -> _Probe:
         previous = known.get(path.relative_to(data_dir).as_posix())
@@ -204,9 +248,17 @@ def scan(
             else:
                 if (stat.st_size, stat.st_mtime_ns) == (previous.file_size, previous.mtime_ns):
                     return previous
+        if video and path.suffix.lower() in clips.CLIP_SUFFIXES:
+            found = clips.probe(path, fps=video.fps, frames=video.frames, step=video.step)
+            return _Probe(found.file_size, found.mtime_ns, found.size, found.digest,
+                          found.reason, found.frames)  # fmt: skip
         return _probe(path)
 
-    paired = {path: masks.pop(path.with_suffix(""), None) for path in candidates}
+    paired = {
+        path: masks.pop(path.with_suffix(""), None) if path.suffix.lower() in IMAGE_SUFFIXES
+        else None
+        for path in candidates
+    }  # fmt: skip
     skipped += [(mask, "masks without an image of the same name") for mask in masks.values()]
     mask_files = [m for m in paired.values() if m is not None]
     workers = workers or min(8, os.cpu_count() or 1)
@@ -220,7 +272,7 @@ def scan(
     all_probes = probed + list(mask_probes.values())
     keyed = dict(_keyed(data_dir, candidates_and_masks, all_probes))
     if index and write_index and any(known.get(k) != p for k, p in keyed.items()):
-        _write_index(index, data_dir, keyed)
+        _write_index(index, data_dir, keyed, video)
     items, cut = [], []
     for path, result in zip(candidates, probed, strict=True):
         if result.size is None:
@@ -244,7 +296,8 @@ def scan(
             Item(
                 path, caption, result.size, result.file_size, result.mtime_ns, result.digest,
                 name=path.relative_to(data_dir).as_posix(), mask=mask,
-                mask_digest=mask_probes[mask].digest if mask else "",
+                mask_digest=mask_probes[mask].digest if mask else "", frames=result.frames,
+                fps=video.fps if video and path.suffix.lower() in clips.CLIP_SUFFIXES else 0.0,
             )
         )  # fmt: skip
     skipped.sort()
@@ -273,6 +326,7 @@ def scan_sources(
     log_skipped: bool = True,
     write_index: bool = True,
     min_image_size: int = 0,
+    video: Video | None = None,
 ) -> Dataset:
     """Every dataset of the run scanned (`scan`) and joined: one dataset as it is, several
     into a Dataset whose `parts` keep each one's repeats and resolution. A remote dataset is
@@ -296,6 +350,7 @@ def scan_sources(
                 caption_extension=source.caption_extension,
                 setting=setting,
                 index=_index_path(cache_dir, folder),
+                video=video,
             )  # fmt: skip
         )
     if len(scanned) == 1 and sources[0].repeats == 1 and sources[0].resolution is None:
@@ -433,6 +488,7 @@ class _Probe:
     size: Size | None  # (w, h) after EXIF orientation; None when skipped
     digest: str = ""
     reason: str = ""
+    frames: int = 1  # a clip's frames trained
 
 
 def _probe(path: Path) -> _Probe:
@@ -465,23 +521,35 @@ def _keyed(root: Path, paths: list[Path], probes: list[_Probe]):
     return ((p.relative_to(root).as_posix(), r) for p, r in zip(paths, probes, strict=True))
 
 
-def _read_index(index: Path, root: Path) -> dict[str, _Probe]:
-    """A previous scan's results; anything unexpected just means decoding again."""
+def _read_index(index: Path, root: Path, video: Video | None = None) -> dict[str, _Probe]:
+    """A previous scan's results (for the same clip sampling); anything unexpected just
+    means decoding again."""
     try:
         content = json.loads(index.read_text())
         if content.get("root") != str(root.resolve()):
             return {}
+        if content.get("video") != _sampling(video):
+            return {}
         return {
-            key: _Probe(e[0], e[1], tuple(e[2]) if e[2] else None, e[3], e[4])
+            key: _Probe(e[0], e[1], tuple(e[2]) if e[2] else None, e[3], e[4], *e[5:6])
             for key, e in content["files"].items()
         }
     except (OSError, ValueError, KeyError, TypeError, IndexError):
         return {}
 
 
-def _write_index(index: Path, root: Path, probes: dict[str, _Probe]) -> None:
-    files = {k: [p.file_size, p.mtime_ns, p.size, p.digest, p.reason] for k, p in probes.items()}
-    content = {"root": str(root.resolve()), "files": files}
+def _sampling(video: Video | None) -> list | None:
+    return None if video is None else [video.fps, video.frames, video.step]
+
+
+def _write_index(
+    index: Path, root: Path, probes: dict[str, _Probe], video: Video | None = None
+) -> None:
+    files = {
+        k: [p.file_size, p.mtime_ns, p.size, p.digest, p.reason, p.frames]
+        for k, p in probes.items()
+    }
+    content = {"root": str(root.resolve()), "video": _sampling(video), "files": files}
     try:
         index.parent.mkdir(parents=True, exist_ok=True)
         tmp = index.with_name(f".{index.name}.{os.getpid()}.tmp")
@@ -661,8 +729,14 @@ def assign_buckets(
             bucket = native_bucket(
                 item.size, bucket, resolution=resolution, multiple=multiple, max_aspect=max_aspect
             )
-        groups.setdefault(bucket, []).append(index)
+        key = bucket if item.frames == 1 else (*bucket, item.frames)  # clips: by frames too
+        groups.setdefault(key, []).append(index)
     return dict(sorted(groups.items()))
+
+
+def bucket_name(bucket: Bucket) -> str:
+    """`96x64`, or a clip bucket's `96x64x17` (width x height x frames)."""
+    return "x".join(str(side) for side in bucket)
 
 
 def dataset_buckets(
@@ -700,8 +774,8 @@ def upscale_warning(
     With `upscale` False only images with a side below one bucket step are enlarged."""
     buckets = dataset_buckets(dataset, resolution, multiple=multiple, upscale=upscale)
     scales = [
-        max(bw / dataset.items[i].size[0], bh / dataset.items[i].size[1])
-        for (bw, bh), indices in buckets.items()
+        max(bucket[0] / dataset.items[i].size[0], bucket[1] / dataset.items[i].size[1])
+        for bucket, indices in buckets.items()
         for i in set(indices)  # an image repeated is enlarged once
     ]
     upscaled = [scale for scale in scales if scale > UPSCALE_NOTICE]
@@ -745,7 +819,7 @@ def recipe_notes(
     if not upscale and resolution:
         standard = set(bucket_sizes(resolution, multiple=multiple))
         buckets = dataset_buckets(dataset, resolution, multiple=multiple, upscale=False)
-        native = sum(len(set(ix)) for size, ix in buckets.items() if size not in standard)
+        native = sum(len(set(ix)) for size, ix in buckets.items() if size[:2] not in standard)
         its = "its" if native == 1 else "their"
         notes.append(f"{_count(native, 'image')} not upscaled (trained at {its} own size)")
     if timestep_range:
@@ -758,11 +832,17 @@ def recipe_notes(
 # --- loading one example ------------------------------------------------------------------------
 
 
-def load_example(item: Item, bucket_size: Size, *, flip: bool = False) -> Example:
-    """RGB pixels resized to cover the bucket, center-cropped, optionally mirrored."""
-    bw, bh = bucket_size
-    with Image.open(item.path) as raw:
-        image = _to_rgb(ImageOps.exif_transpose(raw))
+def load_example(item: Item, bucket_size: Bucket, *, flip: bool = False) -> Example:
+    """RGB pixels resized to cover the bucket, center-cropped, optionally mirrored: (C, H, W),
+    or a clip's frames each so: (C, F, H, W)."""
+    bw, bh = bucket_size[:2]
+    if item.clip:
+        frames = clips.load_clip(item.path, fps=item.fps, frames=item.frames)
+        image = frames[0]
+    else:
+        with Image.open(item.path) as raw:
+            image = _to_rgb(ImageOps.exif_transpose(raw))
+        frames = [image]
     w, h = image.size
     scale = max(bw / w, bh / h)
     nw, nh = max(bw, round(w * scale)), max(bh, round(h * scale))
@@ -774,8 +854,10 @@ def load_example(item: Item, bucket_size: Size, *, flip: bool = False) -> Exampl
         picture = picture.crop((left, top, left + bw, top + bh))
         return picture.transpose(Image.Transpose.FLIP_LEFT_RIGHT) if flip else picture
 
-    pixels = np.asarray(fit(image, Image.Resampling.LANCZOS), dtype=np.float32)
-    pixels = pixels.transpose(2, 0, 1) / 127.5 - 1.0
+    fitted = [np.asarray(fit(f, Image.Resampling.LANCZOS), dtype=np.float32) for f in frames]
+    # (C, H, W); a clip's (F, H, W, C) -> (C, F, H, W)
+    pixels = np.stack(fitted).transpose(3, 0, 1, 2) if item.clip else fitted[0].transpose(2, 0, 1)
+    pixels = pixels / 127.5 - 1.0
     mask = None
     if item.mask is not None:  # any size: stretched over the image, then cut as it is
         with Image.open(item.mask) as raw:

@@ -169,6 +169,25 @@ class FeatureCache:
         return {key: torch.stack([r[key] for r in rows]) for key in rows[0]}
 
 
+def latent_cache_bytes(
+    buckets: dict[tuple[int, ...], list[int]],
+    *,
+    channels: int,
+    scale: int,
+    frame_step: int | None,
+    flip: bool,
+) -> int:
+    """What the cached latents of these buckets take on disk (fp32, as `encode_latents` writes
+    them; a mirror image each with ZT_RANDOM_FLIP): each item once however often it repeats,
+    a clip's frames folded by the VAE's temporal step."""
+    total = 0
+    for bucket, indices in buckets.items():
+        w, h, frames = (*bucket, 1) if len(bucket) == 2 else bucket
+        latent_frames = (frames - 1) // frame_step + 1 if frame_step else 1
+        total += len(set(indices)) * channels * latent_frames * (h // scale) * (w // scale) * 4
+    return total * (2 if flip else 1)
+
+
 def latent_mask(mask: torch.Tensor, size: torch.Size) -> torch.Tensor:
     """A (1, H, W) pixel mask as the share of each latent cell it covers: (1, h, w)."""
     import torch.nn.functional as F

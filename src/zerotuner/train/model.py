@@ -198,16 +198,19 @@ def vae_class(source: Path) -> type:
 @torch.no_grad()
 def encode_images(vae: Any, pixels: torch.Tensor) -> torch.Tensor:
     """Pixels in [-1, 1] -> scaled latents (the distribution's mean: deterministic, cacheable).
-    A VAE with per-channel `latents_mean` / `latents_std` (Qwen-Image's, a video VAE) encodes
-    a one-frame clip and is normalised by those, as QwenImagePipeline decodes; FLUX.2's
-    (`flux2_latents`) by its batch norm's statistics."""
+    A VAE with per-channel `latents_mean` / `latents_std` (Qwen-Image's, Wan's: video VAEs)
+    encodes a clip (an image as one frame) and is normalised by those, as the pipelines
+    decode; FLUX.2's (`flux2_latents`) by its batch norm's statistics."""
     if getattr(vae, "bn", None) is not None:  # FLUX.2's AutoencoderKLFlux2
         return flux2_latents(vae, vae.encode(pixels.to(vae.device, vae.dtype)).latent_dist.mode())
     mean = getattr(vae.config, "latents_mean", None)
     if mean is not None:
-        clip = pixels.to(vae.device, vae.dtype).unsqueeze(2)
-        latents = vae.encode(clip).latent_dist.mean.squeeze(2).float().cpu()
-        view = (1, len(mean), 1, 1)
+        frames = pixels.ndim == 5  # (batch, channels, frames, h, w): clips of a video family
+        clip = pixels.to(vae.device, vae.dtype)
+        clip = clip if frames else clip.unsqueeze(2)
+        latents = vae.encode(clip).latent_dist.mean.float().cpu()
+        latents = latents if frames else latents.squeeze(2)
+        view = (1, len(mean), *[1] * (latents.ndim - 2))
         std = torch.tensor(vae.config.latents_std, dtype=torch.float32).view(view)
         return (latents - torch.tensor(mean, dtype=torch.float32).view(view)) / std
     latents = vae.encode(pixels.to(vae.device, vae.dtype)).latent_dist.mean

@@ -8,21 +8,42 @@ from the base folder (they left memory after caching) and dropped afterwards.
 After each validation, samples/base-vs-trained.png sets the base model's images (same prompts,
 same seeds; rendered once into samples/base/) above the latest ones, so what training changed
 is one look away.
+
+A video family's pipeline (Wan) renders clips instead: per prompt NN-slug.mp4 (H.264, yuv420p,
+at ZT_VIDEO_FPS) and NN-slug.png, a contact sheet of evenly spaced frames; the comparison is
+samples/base-vs-trained/NN-slug.mp4 (the base model's clip beside the trained one) and its
+contact sheet NN-slug.png (base row above trained row).
 """
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
+import os
 import re
 import textwrap
+from fractions import Fraction
 from pathlib import Path
 
+import numpy as np
 import torch
 
 log = logging.getLogger(__name__)
 
 COMPARISON = "base-vs-trained.png"
+CLIP_COMPARISONS = "base-vs-trained"  # the folder of a video family's per-prompt comparisons
+VIDEO_FPS = 16.0  # ZT_VIDEO_FPS's default, for callers that pass none
+# Frames of a validation clip: ZT_VIDEO_FRAMES, at most MAX_SAMPLE_FRAMES. The validation
+# settings (prompts x ZT_VALIDATION_INFERENCE_STEPS at the bucket's resolution) already set
+# what an image sample costs; a clip multiplies that by its latent frames (Wan's VAE packs 4
+# frames into one) and attention over them grows faster still. 33 frames are 2 s at Wan 2.1's
+# 16 fps and 9 latent frames against 81 frames' 21: enough to see motion, a fraction of a full
+# clip's time, and it keeps the base model's clips (rendered once) cheap too.
+MAX_SAMPLE_FRAMES = 33
+SHEET_FRAMES = 8  # frames on a contact sheet, evenly spaced from first to last
+SHEET_COLUMNS = 4
+SHEET_SIDE = 384  # a larger frame is shrunk to this (its longer side) on a contact sheet
 
 
 def load_pipeline(
@@ -67,14 +88,26 @@ def render(
     guidance_scale: float | None = None,
     compare: bool = True,
     pipeline_kwargs: dict | None = None,
+    video_frames: int | None = None,
+    video_fps: float | None = None,
 ) -> list[Path]:
     """One image per prompt, prompt i with seed + i, into out_dir (e.g. samples/step-N/);
     then (compare) the side-by-side with the base model's images in out_dir's parent.
     guidance_scale None: the pipeline's default (SDXL 5, SD 7.5). `pipeline_kwargs`: the
-    family's own (the T5 length it trained with)."""
+    family's own (the T5 length it trained with).
+
+    A video pipeline (its call takes `num_frames`) renders a clip per prompt instead, of
+    `sample_frames(video_frames)` frames (whatever num_frames pipeline_kwargs names), written
+    as NN-slug.mp4 at `video_fps` (ZT_VIDEO_FPS; None: 16) beside its contact sheet NN-slug.png;
+    the .mp4 paths are returned."""
     extra = {} if guidance_scale is None else {"guidance_scale": guidance_scale}
     extra |= pipeline_kwargs or {}
     pipe = load_pipeline(base, unet_state, device=device, lora_dir=lora_dir)
+    video = "num_frames" in inspect.signature(pipe.__call__).parameters
+    fps = VIDEO_FPS if video_fps is None else video_fps
+    if video:
+        temporal = int(getattr(pipe, "vae_scale_factor_temporal", 1) or 1)
+        extra |= {"num_frames": sample_frames(video_frames, temporal), "output_type": "np"}
     out_dir.mkdir(parents=True, exist_ok=True)
     written = []
     for i, prompt in enumerate(prompts):
@@ -87,28 +120,41 @@ def render(
             generator=generator,
             **extra,
         )
-        # a video pipeline's (Wan's) first clip's first frame: it renders one-frame clips
-        image = out.frames[0][0] if not hasattr(out, "images") else out.images[0]
         path = out_dir / f"{i:02d}-{slug(prompt)}.png"
-        image.save(path)
-        written.append(path)
+        if video:  # the mp4 first: the run page shows a clip once its contact sheet is there
+            frames = as_uint8(out.frames[0])
+            written.append(write_clip(frames, path.with_suffix(".mp4"), fps))
+            contact_sheet(frames, path)
+        else:
+            out.images[0].save(path)
+            written.append(path)
     (out_dir / "prompts.txt").write_text(
         "".join(f"{seed + i}\t{p}\n" for i, p in enumerate(prompts))
     )
     del pipe
-    log.info("samples: %d image(s) in %s", len(written), out_dir)
+    log.info("samples: %d %s in %s", len(written), "clip(s)" if video else "image(s)", out_dir)
     if compare:
         try:
             base_images = _base_samples(
                 base, prompts, out_dir.parent / "base", resolution=resolution,
                 inference_steps=inference_steps, seed=seed, device=device,
                 guidance_scale=guidance_scale, pipeline_kwargs=pipeline_kwargs,
+                **({"video_frames": video_frames, "video_fps": fps} if video else {}),
             )  # fmt: skip
-            side_by_side(
-                [("base model", base_images), (out_dir.name.replace("-", " "), written)],
-                prompts,
-                out_dir.parent / COMPARISON,
-            )
+            label = out_dir.name.replace("-", " ")
+            if video:
+                for base_clip, clip in zip(base_images, written, strict=True):
+                    clips_side_by_side(
+                        [("base model", read_clip(base_clip)), (label, read_clip(clip))],
+                        out_dir.parent / CLIP_COMPARISONS / clip.name,
+                        fps,
+                    )
+            else:
+                side_by_side(
+                    [("base model", base_images), (label, written)],
+                    prompts,
+                    out_dir.parent / COMPARISON,
+                )
         except Exception as error:  # noqa: BLE001 - a nicety must not end a training run
             log.warning("samples: no side-by-side with the base model: %s", error)
     return written
@@ -121,6 +167,8 @@ def _base_samples(base: Path, prompts: list[str], out_dir: Path, **how) -> list[
     key.pop("device")
     stamp = out_dir / "render.json"
     paths = [out_dir / f"{i:02d}-{slug(p)}.png" for i, p in enumerate(prompts)]
+    if "video_frames" in how:  # a video family's: the clips beside their contact sheets
+        paths = [p.with_suffix(".mp4") for p in paths]
     if stamp.is_file() and json.loads(stamp.read_text()) == key and all(p.is_file() for p in paths):
         return paths
     written = render(base, None, prompts, out_dir, compare=False, **how)
@@ -160,3 +208,167 @@ def side_by_side(rows: list[tuple[str, list[Path]]], prompts: list[str], out: Pa
     sheet.save(out)
     log.info("samples: base model vs %s side by side in %s", rows[-1][0], out)
     return out
+
+
+# --- clips (video families) -------------------------------------------------------------------
+
+
+def sample_frames(requested: int | None, temporal: int = 1) -> int:
+    """Frames of a validation clip: ZT_VIDEO_FRAMES (None: as many as allowed), at most
+    MAX_SAMPLE_FRAMES, rounded down to the model's rule (k * temporal + 1: Wan's 4k+1)."""
+    frames = MAX_SAMPLE_FRAMES if requested is None else min(requested, MAX_SAMPLE_FRAMES)
+    temporal = max(1, temporal)
+    return max(1, (frames - 1) // temporal * temporal + 1)
+
+
+def as_uint8(clip: object) -> np.ndarray:
+    """A pipeline's clip (frames, height, width, 3), floats in [0, 1] or PIL images, as uint8."""
+    if isinstance(clip, list | tuple):
+        return np.stack([np.asarray(frame.convert("RGB")) for frame in clip])
+    array = np.asarray(clip)
+    if array.dtype == np.uint8:
+        return array
+    return (np.clip(array, 0.0, 1.0) * 255).round().astype(np.uint8)
+
+
+def video_codec() -> str:
+    """H.264 (libx264, else OpenH264) where the bundled FFmpeg has an encoder for it: every
+    browser plays it; else MPEG-4 part 2 (players such as VLC and ffplay do, browsers don't)."""
+    import av
+
+    for name in ("libx264", "libopenh264"):
+        if name in av.codecs_available:
+            try:
+                av.Codec(name, "w")
+                return name
+            except (ValueError, av.FFmpegError):
+                continue
+    return "mpeg4"
+
+
+def write_clip(frames: np.ndarray, path: Path, fps: float) -> Path:
+    """frames (n, height, width, 3) uint8 as an .mp4 at `fps`: yuv420p, odd sides padded by
+    repeating the last row/column, the index up front (faststart) so a browser starts at once.
+    Written beside and renamed into place: a reader never sees half a file."""
+    import av
+
+    frames = np.asarray(frames, dtype=np.uint8)
+    pad_h, pad_w = frames.shape[1] % 2, frames.shape[2] % 2
+    if pad_h or pad_w:
+        frames = np.pad(frames, ((0, 0), (0, pad_h), (0, pad_w), (0, 0)), mode="edge")
+    codec = video_codec()
+    partial = path.with_name(f".{path.name}.part")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with av.open(str(partial), "w", format="mp4", options={"movflags": "+faststart"}) as out:
+        stream = out.add_stream(codec, rate=Fraction(fps).limit_denominator(1001))
+        stream.width, stream.height = frames.shape[2], frames.shape[1]
+        stream.pix_fmt = "yuv420p"
+        if codec == "libx264":
+            stream.options = {"crf": "18", "preset": "medium"}
+        elif codec == "mpeg4":
+            stream.options = {"qscale": "3"}
+        for frame in frames:
+            out.mux(stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")))
+        out.mux(stream.encode())
+    os.replace(partial, path)
+    return path
+
+
+def read_clip(path: Path) -> np.ndarray:
+    """An .mp4's frames (n, height, width, 3) uint8."""
+    import av
+
+    with av.open(str(path)) as container:
+        return np.stack([f.to_ndarray(format="rgb24") for f in container.decode(video=0)])
+
+
+def spaced(count: int, wanted: int = SHEET_FRAMES) -> list[int]:
+    """Up to `wanted` frame indices, evenly spaced from the first to the last."""
+    return sorted({round(i) for i in np.linspace(0, count - 1, min(count, wanted))})
+
+
+def _cell(frames: np.ndarray) -> int:
+    """A frame's scale on a sheet or a comparison: small clips enlarged by a whole factor."""
+    side = max(frames.shape[1:3])
+    return max(1, 256 // side) if side < 256 else 1
+
+
+def _sheet_frame(frame: np.ndarray) -> object:
+    """A frame as a PIL image for a contact sheet: its longer side at most SHEET_SIDE."""
+    from PIL import Image
+
+    image = Image.fromarray(frame)
+    side = max(image.size)
+    if side <= SHEET_SIDE:
+        return image
+    size = (round(image.width * SHEET_SIDE / side), round(image.height * SHEET_SIDE / side))
+    return image.resize(size, Image.Resampling.LANCZOS)
+
+
+def contact_sheet(
+    frames: np.ndarray, path: Path, *, wanted: int = SHEET_FRAMES, columns: int = SHEET_COLUMNS
+) -> Path:
+    """Evenly spaced frames of a clip in a grid, row by row, 2 white pixels apart."""
+    from PIL import Image
+
+    chosen = [_sheet_frame(frames[i]) for i in spaced(len(frames), wanted)]
+    columns = min(columns, len(chosen))
+    rows = -(-len(chosen) // columns)
+    width, height = chosen[0].size
+    gap = 2
+    sheet = Image.new(
+        "RGB", (columns * width + (columns - 1) * gap, rows * height + (rows - 1) * gap), "white"
+    )
+    for n, frame in enumerate(chosen):
+        row, col = divmod(n, columns)
+        sheet.paste(frame, (col * (width + gap), row * (height + gap)))
+    sheet.save(path)
+    return path
+
+
+def clips_side_by_side(rows: list[tuple[str, np.ndarray]], out: Path, fps: float) -> Path:
+    """Clips of one prompt, labelled and side by side, as out (.mp4) and its contact sheet
+    (.png, a row of evenly spaced frames per clip, labels on the left). Small clips are enlarged
+    by a whole factor (crisp pixels); the shorter clip sets the length."""
+    from PIL import Image, ImageDraw, ImageFont
+
+    length = min(len(frames) for _, frames in rows)
+    scale = _cell(rows[0][1])
+    clips = [np.asarray(f[:length]) for _, f in rows]
+    if scale > 1:
+        clips = [c.repeat(scale, axis=1).repeat(scale, axis=2) for c in clips]
+    height = max(c.shape[1] for c in clips)
+    font = ImageFont.load_default(size=14)
+    top, gap = 20, 4
+    widths = [c.shape[2] for c in clips]
+    canvas = Image.new("RGB", (sum(widths) + gap * (len(clips) - 1), top + height), "white")
+    draw = ImageDraw.Draw(canvas)
+    x = 0
+    for (label, _), width in zip(rows, widths, strict=True):
+        draw.text((x + 4, 2), label, fill="black", font=font)
+        x += width + gap
+    header = np.asarray(canvas).copy()
+    composite = np.repeat(header[None], length, axis=0)
+    x = 0
+    for clip in clips:
+        composite[:, top : top + clip.shape[1], x : x + clip.shape[2]] = clip
+        x += clip.shape[2] + gap
+    out.parent.mkdir(parents=True, exist_ok=True)
+    write_clip(composite, out.with_suffix(".mp4"), fps)
+
+    # The sheet: a row per clip, the same evenly spaced frames in each.
+    picked = spaced(length)
+    left = max(int(font.getlength(label)) for label, _ in rows) + 12
+    cell_w, cell_h = _sheet_frame(clips[0][0]).size
+    sheet = Image.new(
+        "RGB", (left + len(picked) * (cell_w + 2), len(clips) * (cell_h + 2)), "white"
+    )
+    draw = ImageDraw.Draw(sheet)
+    for row, ((label, _), clip) in enumerate(zip(rows, clips, strict=True)):
+        y = row * (cell_h + 2)
+        draw.text((6, y + cell_h // 2 - 9), label, fill="black", font=font)
+        for col, i in enumerate(picked):
+            sheet.paste(_sheet_frame(clip[i]), (left + col * (cell_w + 2), y))
+    sheet.save(out.with_suffix(".png"))
+    log.info("samples: base model vs %s side by side in %s", rows[-1][0], out.with_suffix(".mp4"))
+    return out.with_suffix(".mp4")

@@ -142,6 +142,7 @@ class Run:
         self.dataset = data.scan_sources(
             datasets.sources(s), s.cache_dir, log_skipped=self.rank == 0,
             write_index=int(os.environ["LOCAL_RANK"]) == 0, min_image_size=s.min_image_size,
+            video=data.video_sampling(s, self.conditioning, self.source),
         )  # fmt: skip
         self.buckets = data.dataset_buckets(
             self.dataset, job.resolution, multiple=self._bucket_multiple(), upscale=s.upscale
@@ -159,7 +160,7 @@ class Run:
                         for p in self.dataset.parts
                     ],
                     "skipped": [[str(p), why] for p, why in self.dataset.skipped],
-                    "buckets": {f"{w}x{h}": len(ix) for (w, h), ix in self.buckets.items()},
+                    "buckets": {data.bucket_name(b): len(ix) for b, ix in self.buckets.items()},
                 },
             )
             log.info(
@@ -387,6 +388,8 @@ class Run:
             seed=s.seed,
             device=self.device,
             pipeline_kwargs=self.conditioning.pipeline_kwargs(s),
+            video_frames=s.video_frames,  # a video family's samples are clips
+            video_fps=s.video_fps,
         )
         if s.training_type == "lora":  # the base pipeline with the adapter as saved so far
             with tempfile.TemporaryDirectory() as tmp:

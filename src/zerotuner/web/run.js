@@ -52,18 +52,36 @@ function showSamples(samples) {
     return;
   }
   $("#samples-step").textContent = "step " + samples.step;
-  const wanted = samples.images.map((i) => i.url).join(" ");
+  const wanted = samples.images.map((i) => i.video || i.url).join(" ");
   if (box.dataset.shown === wanted) return; // unchanged: keep the images, no flicker
   box.dataset.shown = wanted;
   box.replaceChildren();
   for (const image of samples.images) {
     const figure = document.createElement("figure");
-    const img = document.createElement("img");
-    img.src = image.url;
-    img.alt = image.prompt;
     const caption = document.createElement("figcaption");
     caption.textContent = image.prompt;
-    figure.append(img, caption);
+    if (image.video) { // a video family's clip; its contact sheet is the poster and a link
+      const video = document.createElement("video");
+      video.controls = video.loop = video.muted = video.defaultMuted = video.playsInline = true;
+      video.preload = "auto";
+      video.poster = image.url;
+      video.src = image.video;
+      video.title = image.prompt;
+      const sheet = document.createElement("a");
+      sheet.href = image.url;
+      sheet.target = "_blank";
+      sheet.rel = "noopener";
+      sheet.className = "sheet";
+      sheet.textContent = "frames";
+      caption.append(" ", sheet);
+      figure.className = "clip";
+      figure.append(video, caption);
+    } else {
+      const img = document.createElement("img");
+      img.src = image.url;
+      img.alt = image.prompt;
+      figure.append(img, caption);
+    }
     box.append(figure);
   }
 }

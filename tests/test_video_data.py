@@ -1,0 +1,180 @@
+"""Clips as training data (issue 32): frames sampled at ZT_VIDEO_FPS with the model's frame
+rule, buckets by frames x height x width, images as one-frame clips, broken and hostile files
+listed with the skipped ones, latents through the video VAE, and `check`'s report."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from zerotuner.train import clips, data
+
+STEP = 4  # Wan's VAE: 4k+1 frames
+VIDEO = data.Video(fps=16.0, frames=81, step=STEP)
+
+
+def _write(path: Path, count: int, fps: int, *, codec: str = "libx264", size=(64, 48)) -> Path:
+    """A clip whose frame i is the solid grey level 4 * i (H.264 at crf 0: lossless)."""
+    import av
+
+    with av.open(str(path), mode="w") as container:
+        stream = container.add_stream(codec, rate=fps)
+        stream.width, stream.height = size
+        stream.pix_fmt = (
+            "rgb8" if codec == "gif" else "yuv444p" if codec == "libx264" else "yuv420p"
+        )
+        if codec == "libx264":
+            stream.options = {"crf": "0"}
+        for i in range(count):
+            frame = np.full((size[1], size[0], 3), 4 * i, dtype=np.uint8)
+            container.mux(stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")))
+        container.mux(stream.encode())
+    return path
+
+
+def _audio_only(path: Path) -> Path:
+    import av
+
+    with av.open(str(path), mode="w") as container:
+        stream = container.add_stream("mp2", rate=44100)
+        frame = av.AudioFrame.from_ndarray(np.zeros((1, 1152), dtype=np.int16), layout="mono")
+        frame.sample_rate = 44100
+        container.mux(stream.encode(frame))
+        container.mux(stream.encode())
+    return path
+
+
+def _levels(frames: list[np.ndarray]) -> list[int]:
+    return [round(float(f.mean()) / 4) for f in frames]
+
+
+@pytest.mark.parametrize(
+    ("available", "wanted", "step", "trained"),
+    [(9, 81, 4, 9), (10, 81, 4, 9), (3, 81, 4, 1), (200, 81, 4, 81), (6, 81, 2, 5), (1, 81, 4, 1)],
+)
+def test_a_clip_trains_the_longest_count_the_rule_allows(available, wanted, step, trained):
+    assert clips.trained_frames(available, wanted, step) == trained
+
+
+def test_frames_are_sampled_at_the_rate_asked(tmp_path) -> None:
+    """30 fps sampled at 16: frame k is the one on screen at k/16 s; 10 fps at 16 repeats."""
+    fast = _write(tmp_path / "fast.mp4", 30, 30)
+    got = _levels(clips.sample_frames(fast, fps=16, frames=9))
+    assert got == [int(k / 16 * 30 + 1e-9) for k in range(9)] == [0, 1, 3, 5, 7, 9, 11, 13, 15]
+    slow = _write(tmp_path / "slow.mp4", 6, 10)
+    assert _levels(clips.sample_frames(slow, fps=16, frames=81)) == [0, 0, 1, 1, 2, 3, 3, 4, 5]
+    gif = _write(tmp_path / "moving.gif", 5, 16, codec="gif")
+    assert len(clips.sample_frames(gif, fps=16, frames=81)) == 5
+
+
+def test_a_folder_of_clips_and_images_scans_as_clips(tmp_path, demo_dir) -> None:
+    for image in sorted((demo_dir / "data").glob("*.png"))[:3]:
+        shutil.copy(image, tmp_path / image.name)
+        shutil.copy(image.with_suffix(".txt"), tmp_path / image.with_suffix(".txt").name)
+    _write(tmp_path / "long.mp4", 48, 24)  # the last frame at 1.96 s: 32 sampled at 16 fps -> 29
+    _write(tmp_path / "short.webm", 4, 8, codec="libvpx")  # the last at 0.375 s: 7 -> 5
+    (tmp_path / "long.txt").write_text("a grey fade")
+    dataset = data.scan(tmp_path, log_skipped=False, video=VIDEO)
+    by_name = {item.name: item for item in dataset.items}
+    assert by_name["long.mp4"].frames == 29 and by_name["long.mp4"].caption == "a grey fade"
+    assert by_name["short.webm"].frames == 5 and by_name["short.webm"].caption == "short"
+    assert all(by_name[n].frames == 1 and not by_name[n].clip for n in by_name if ".png" in n)
+    assert dataset.summary() == f"3 images and 2 clips (2.0 s) in {tmp_path}"
+    buckets = data.dataset_buckets(dataset, 64, multiple=16)
+    names = {data.bucket_name(b) for b in buckets}
+    assert {"64x48x29", "64x48x5"} <= names or {"80x48x29", "80x48x5"} <= names, names
+    long_bucket = next(b for b, ix in buckets.items() if len(b) == 3 and b[2] == 29)
+    example = data.load_example(by_name["long.mp4"], long_bucket)
+    assert example.pixels.shape == (3, 29, long_bucket[1], long_bucket[0])
+    levels = (example.pixels.mean(axis=(0, 2, 3)) + 1) * 127.5 / 4
+    assert np.allclose(levels, [int(k / 16 * 24 + 1e-9) for k in range(29)], atol=0.3)
+    flipped = data.load_example(by_name["long.mp4"], long_bucket, flip=True)
+    assert np.allclose(flipped.pixels, example.pixels[..., ::-1], atol=1e-6)
+    # The same folder for an image family: the clips are listed, not read.
+    images_only = data.scan(tmp_path, log_skipped=False)
+    assert len(images_only) == 3
+    assert any("video clips (ZT_MODEL is an image model" in line for line in images_only.warnings())
+
+
+def test_broken_and_hostile_clips_are_listed_and_the_rest_trains(tmp_path) -> None:
+    good = _write(tmp_path / "good.mp4", 17, 16)
+    (tmp_path / "empty.mp4").write_bytes(b"")
+    (tmp_path / "noise.mov").write_bytes(os.urandom(4096))
+    (tmp_path / "text.mkv").write_text("not a video, just text\n" * 100)
+    whole = good.read_bytes()
+    (tmp_path / "cut.mp4").write_bytes(whole[: len(whole) // 3])
+    os.mkfifo(tmp_path / "pipe.mp4")
+    _audio_only(tmp_path / "audio.mkv")
+    dataset = data.scan(tmp_path, log_skipped=False, video=VIDEO)
+    assert [item.name for item in dataset.items] == ["good.mp4"]
+    reasons = {path.name: why for path, why in dataset.skipped}
+    assert reasons["empty.mp4"] == "empty (0 bytes)"
+    assert reasons["pipe.mp4"].startswith("not a regular file")
+    for name in ("noise.mov", "text.mkv", "cut.mp4"):
+        assert reasons[name].startswith("not a video"), (name, reasons[name])
+    assert reasons["audio.mkv"] == "no video stream"
+    lines = dataset.warnings()
+    assert len(lines) <= 4
+    assert (
+        "skipped 3 files, not a video (unreadable: Invalid data found when processing input)"
+        in lines[0]
+    )
+
+
+def test_a_decoding_trap_is_bounded(tmp_path, monkeypatch) -> None:
+    """A clip that needs far more frames decoded than sampled (a very high frame rate) is
+    refused once the bound is passed, not decoded to its end."""
+    trap = _write(tmp_path / "trap.mp4", 60, 240)
+    monkeypatch.setattr(clips, "DECODED_PER_SAMPLED", 4)
+    found = clips.probe(trap, fps=16, frames=9, step=STEP)
+    assert found.size is None and found.reason.startswith("too many frames per second")
+
+
+def test_a_scan_index_is_kept_per_sampling(tmp_path) -> None:
+    _write(tmp_path / "a.mp4", 48, 24)
+    index = tmp_path / "index" / "scan.json"
+    first = data.scan(tmp_path, log_skipped=False, video=VIDEO, index=index)
+    assert data.scan(tmp_path, log_skipped=False, video=VIDEO, index=index) == first
+    fewer = data.Video(fps=16.0, frames=9, step=STEP)
+    assert data.scan(tmp_path, log_skipped=False, video=fewer, index=index).items[0].frames == 9
+
+
+def test_clip_latents_keep_their_frames(family_demo_dir) -> None:
+    """The demo Wan VAE encodes a clip to (channels, latent frames, h, w), normalised."""
+    from diffusers import AutoencoderKLWan
+
+    from zerotuner.train import model
+
+    demo = family_demo_dir("wan")
+    vae = AutoencoderKLWan.from_pretrained(demo / "model" / "vae")
+    step = 2 ** sum(vae.config.temperal_downsample)
+    pixels = torch.rand(2, 3, 4 * step + 1, 32, 32) * 2 - 1
+    latents = model.encode_images(vae, pixels)
+    scale = 32 // latents.shape[-1]
+    assert latents.shape == (2, vae.config.z_dim, 5, 32 // scale, 32 // scale)
+    image = model.encode_images(vae, pixels[:, :, 0])
+    assert image.shape == (2, vae.config.z_dim, 32 // scale, 32 // scale)
+    assert torch.allclose(image, latents[:, :, 0], atol=1e-4)  # the first frame alone
+
+
+def test_check_reports_clips_buckets_and_the_latent_cache(family_demo_dir, tmp_path, capsys):
+    from zerotuner.cli import main
+
+    demo = family_demo_dir("wan")
+    env = {"ZT_MODEL": str(demo / "model"), "ZT_DATA_DIR": str(demo / "data"),
+           "ZT_OUTPUT_DIR": str(tmp_path / "out"), "ZT_CACHE_DIR": str(tmp_path / "cache"),
+           "ZT_OFFLOAD_DIR": str(tmp_path / "offload"), "ZT_DEVICE": "cpu",
+           "ZT_NUM_PROCESSES": "2", "ZT_RESOLUTION": "64", "ZT_METRICS_PORT": "0"}  # fmt: skip
+    with pytest.MonkeyPatch.context() as patch:
+        for key, value in env.items():
+            patch.setenv(key, value)
+        assert main(["check"]) == 0
+    out = capsys.readouterr().out
+    assert "64 images and 8 clips (4.0 s) in" in out
+    (line,) = [x for x in out.splitlines() if x.startswith("OK   latent cache")]
+    assert "clips of 9 frames" in line and "MiB of latents" in line
