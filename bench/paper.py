@@ -186,10 +186,12 @@ FLOW_MODELS = (("SD3.5 Large", "sd3"), ("FLUX.1-dev", "flux"))
 
 
 def flow_plan(
-    family: str, gpus: int, gpu_gib: int, host_gib: int, training: str = "full"
-) -> dict[str, Any]:
+    family: str, gpus: int, gpu_gib: int, host_gib: int, training: str = "full",
+    resolution: int | None = 1024, frames: int | None = None,
+) -> dict[str, Any]:  # fmt: skip
     """`zerotuner plan --json` for a flow family on what-if hardware (`training`: full, or
-    lora with the default adapter, as ZT_TRAINING_TYPE says). `family` may name one of
+    lora with the default adapter, as ZT_TRAINING_TYPE says; `resolution` None: the family's
+    native; `frames`: a video family's ZT_VIDEO_FRAMES). `family` may name one of
     CONFIG_MODELS instead: its configs are planned as ZT_MODEL, as a hub model's are."""
     import contextlib
     import io
@@ -199,18 +201,25 @@ def flow_plan(
 
     from zerotuner.cli import main
 
-    out = io.StringIO()
-    names = ("ZT_TRAINING_TYPE", "ZT_MODEL")
+    out, err = io.StringIO(), io.StringIO()
+    names = ("ZT_TRAINING_TYPE", "ZT_MODEL", "ZT_VIDEO_FRAMES")
     before = {name: os.environ.get(name) for name in names}
     os.environ["ZT_TRAINING_TYPE"] = training
+    if frames is not None:
+        os.environ["ZT_VIDEO_FRAMES"] = str(frames)
     model = ["--model-family", family]
+    size = ["--resolution", str(resolution)] if resolution else []
     try:
-        with tempfile.TemporaryDirectory() as folder, contextlib.redirect_stdout(out):
+        with (
+            tempfile.TemporaryDirectory() as folder,
+            contextlib.redirect_stdout(out),
+            contextlib.redirect_stderr(err),
+        ):
             if family in CONFIG_MODELS:
                 os.environ["ZT_MODEL"] = str(config_model(Path(folder), family))
                 model = []
             code = main([
-                "plan", *model, "--resolution", "1024", "--train-batch-size",
+                "plan", *model, *size, "--train-batch-size",
                 "1", "--gpus", str(gpus), "--gpu-memory", f"{gpu_gib}GiB", "--host-memory",
                 f"{host_gib}GiB", "--offload-disk", "2TB", "--bf16", "--json",
             ])  # fmt: skip
@@ -220,7 +229,12 @@ def flow_plan(
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
-    assert code == 0, out.getvalue()
+    if code == 3:  # nothing fits (EnvironmentUnfit): the planner's line, as its only reason
+        return {
+            "choice": None,
+            "reasons": [err.getvalue().strip().removeprefix("zerotuner: error: ")],
+        }
+    assert code == 0, out.getvalue() + err.getvalue()
     return json.loads(out.getvalue())
 
 
@@ -228,11 +242,25 @@ def flow_plan(
 # transformer as diffusers' scripts/convert_wan_to_diffusers.py writes it ("Wan-T2V-14B": 40
 # layers, 40 heads of 128, ffn 13824; the built-in `wan` is the 1.3B), UMT5-XXL
 # (google/umt5-xxl's config) and AutoencoderKLWan's defaults, as a folder of configs alone.
+# Wan2.2-TI2V-5B: the same script (huggingface/diffusers at 58eb52c0, "Wan2.2-TI2V-5B" and
+# `vae22_diffusers_config`): 30 layers, 24 heads of 128, ffn 14336, 48 latent channels; its VAE
+# 160 wide (decoder 256), z_dim 48, residual, 2x2 pixel patches, 4x in time and 16x in space
+# (latents_mean/std left at their defaults: the planner reads no weights). On the meta device
+# (diffusers 0.42): transformer 4,999,787,712 parameters (the card's "5B"), VAE 704,688,668.
 WAN_14B = {"ffn_dim": 13824, "num_attention_heads": 40, "num_layers": 40}
+WAN_5B = {"ffn_dim": 14336, "num_attention_heads": 24, "num_layers": 30, "in_channels": 48,
+          "out_channels": 48}  # fmt: skip
+WAN_VAE = {"_class_name": "AutoencoderKLWan"}  # Wan 2.1's: AutoencoderKLWan's defaults
+WAN22_VAE = {"_class_name": "AutoencoderKLWan", "base_dim": 160, "decoder_base_dim": 256,
+             "z_dim": 48, "is_residual": True, "in_channels": 12, "out_channels": 12,
+             "patch_size": 2, "scale_factor_temporal": 4, "scale_factor_spatial": 16}  # fmt: skip
 UMT5_XXL = {"architectures": ["UMT5EncoderModel"], "model_type": "umt5", "d_model": 4096,
             "d_ff": 10240, "d_kv": 64, "num_heads": 64, "num_layers": 24, "vocab_size": 256384,
             "feed_forward_proj": "gated-gelu", "tie_word_embeddings": False}  # fmt: skip
-CONFIG_MODELS = {"wan-14b": ("wan", WAN_14B, UMT5_XXL)}
+CONFIG_MODELS = {
+    "wan-14b": ("wan", WAN_14B, UMT5_XXL, WAN_VAE),
+    "wan-5b": ("wan", WAN_5B, UMT5_XXL, WAN22_VAE),
+}
 
 
 def config_model(folder: Path, name: str) -> Path:
@@ -242,12 +270,12 @@ def config_model(folder: Path, name: str) -> Path:
 
     from zerotuner.families import REGISTRY
 
-    family, transformer, text = CONFIG_MODELS[name]
+    family, transformer, text, vae = CONFIG_MODELS[name]
     spec = REGISTRY[family]
     parts = {
         "transformer": {"_class_name": spec.transformer, **spec.builtin_config, **transformer},
         "text_encoder": text,
-        "vae": {"_class_name": "AutoencoderKLWan"},
+        "vae": vae,
     }
     index = {"_class_name": spec.pipeline, "transformer": ["diffusers", spec.transformer],
              "text_encoder": ["transformers", text["architectures"][0]],
@@ -290,16 +318,18 @@ FAMILY_MODELS = (
 
 
 def family_plans_markdown() -> str:
-    """docs/models.md's table of the planner's choices for the newer families."""
+    """docs/models.md's table of the planner's choices for the newer families (Wan: one 1024 px
+    frame, an image as a one-frame clip; `video_plans_markdown` plans its clips)."""
     rows = [
         "| model | GPUs (host RAM) | training | choice | device GiB | host GiB per node: "
         "training (load peak) | disk GiB |",
         "|---|---|---|---|---:|---:|---:|",
     ]
     for name, family in FAMILY_MODELS:
+        frames = 1 if family.startswith("wan") else None
         for label, gpus, gpu_gib, host_gib in FLOW_HARDWARE:
             for training in ("full", "lora"):
-                plan = flow_plan(family, gpus, gpu_gib, host_gib, training)
+                plan = flow_plan(family, gpus, gpu_gib, host_gib, training, frames=frames)
                 c, load = plan["choice"], plan["load_peak"]["host_bytes"]
                 if c is None:  # nothing fits: the planner's first reason says why
                     rows.append(f"| {name} | {label} ({host_gib} GiB) | {training} | nothing "
@@ -310,6 +340,48 @@ def family_plans_markdown() -> str:
                     f"| {name} | {label} ({host_gib} GiB) | {training} | {row['label']} | "
                     f"{row['device_bytes'] / GiB:.1f} | {row['host_bytes'] / GiB:.1f} "
                     f"({load / GiB:.1f}) | {row['disk_bytes'] / GiB:.1f} |"
+                )
+    return "\n".join(rows) + "\n"
+
+
+# Wan's text-to-video models on the same hosts, clips of ZT_VIDEO_FRAMES=81 at Wan's native 480p
+# (832 x 480: ZT_RESOLUTION's default for wan, 632, the side of a square of that area), full
+# and LoRA, the planner choosing gradient checkpointing as everything else.
+VIDEO_MODELS = (
+    ("Wan2.1-T2V-1.3B", "wan"), ("Wan2.2-TI2V-5B", "wan-5b"), ("Wan2.1-T2V-14B", "wan-14b"),
+)  # fmt: skip
+VIDEO_FRAMES = 81
+
+
+def video_plans_markdown() -> str:
+    """docs/models.md's table of the planner's choices for Wan's clips."""
+    rows = [
+        "| model | GPUs (host RAM) | training | clip: frames (latent), tokens | choice | device "
+        "GiB | host GiB per node: training (load peak) | disk GiB |",
+        "|---|---|---|---|---|---:|---:|---:|",
+    ]
+    for name, family in VIDEO_MODELS:
+        for label, gpus, gpu_gib, host_gib in FLOW_HARDWARE:
+            for training in ("full", "lora"):
+                plan = flow_plan(family, gpus, gpu_gib, host_gib, training, resolution=None,
+                                 frames=VIDEO_FRAMES)  # fmt: skip
+                c = plan["choice"]
+                if c is None:  # nothing fits: the planner's line, up to its advice
+                    why = plan["reasons"][0].split("; use more")[0]
+                    rows.append(f"| {name} | {label} ({host_gib} GiB) | {training} | "
+                                f"{VIDEO_FRAMES} | {why} | | | |")  # fmt: skip
+                    continue
+                i = plan["inputs"]
+                clip = (
+                    f"{i['frames']} ({i['latent_frames']}), {i['tokens']} at {i['resolution']} px"
+                )
+                row = next(r for r in plan["rows"] if all(r[k] == v for k, v in c.items()))
+                load = plan["load_peak"]["host_bytes"]
+                rows.append(
+                    f"| {name} | {label} ({host_gib} GiB) | {training} | {clip} | "
+                    f"{row['label']} | {row['device_bytes'] / GiB:.1f} | "
+                    f"{row['host_bytes'] / GiB:.1f} ({load / GiB:.1f}) | "
+                    f"{row['disk_bytes'] / GiB:.1f} |"
                 )
     return "\n".join(rows) + "\n"
 

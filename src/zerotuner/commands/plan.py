@@ -39,12 +39,20 @@ def training_text(inputs: PlanInputs) -> str:
     return f"lora, {trainable:.1f}M trainable (adapter), {frozen:.1f}M frozen (base UNet)"
 
 
+def clip_text(inputs: PlanInputs) -> str:
+    """A video family's clip as planned: ` x 81 frames (21 latent frames, 32760 tokens)`."""
+    if inputs.frames is None:
+        return ""
+    return (f" x {inputs.frames} frames (ZT_VIDEO_FRAMES; {inputs.latent_frames} latent "
+            f"frames, {inputs.tokens} tokens per clip)")  # fmt: skip
+
+
 def render(plan: Plan, hardware: Hardware) -> str:
     i = plan.inputs
     lines = [
         f"hardware: {describe_hardware(hardware)}",
         f"job: {i.family} {'transformer' if i.family in FLOW_FAMILIES else 'UNet'} "
-        f"{i.denoiser_params / 1e9:.3f}B params, {i.resolution} px, "
+        f"{i.denoiser_params / 1e9:.3f}B params, {i.resolution} px{clip_text(i)}, "
         f"micro batch {i.micro_batch}, world size {i.world_size}, "
         f"{precision_name(i.precision)}",
         f"training: {training_text(i)}",

@@ -56,6 +56,12 @@ class Spec:
     # the text states it takes
     width_keys: tuple[str, ...] = ("num_attention_heads", "attention_head_dim")
     text_width_key: str = "joint_attention_dim"
+    # A video family (Wan) trains clips of ZT_VIDEO_FRAMES frames: the planner counts frames x
+    # tokens (`VideoShape`) and the frame rule (`frames = temporal * k + 1`) is checked.
+    video: bool = False
+    # The side of the square whose area it plans for (ZT_RESOLUTION's default, the area side
+    # buckets are cut at): 1024 px; Wan's 480p, 832 x 480 (399,360 px), fits in 632^2.
+    native_resolution: int = 1024
 
     @property
     def frozen_params(self) -> int:
@@ -209,6 +215,7 @@ REGISTRY: dict[str, Spec] = {
         flow=True, pipeline="WanPipeline", transformer="WanTransformer3DModel",
         hub_markers=("wan-ai/", "wan2", "wan-2", "wan_2"), guess_order=-1, clip_tokens=0,
         t5_tokens=512, long_encoder="UMT5", layer_keys=("num_layers",), text_width_key="text_dim",
+        video=True, native_resolution=632,
     ),
 }  # fmt: skip
 Family = str  # a key of REGISTRY
@@ -233,6 +240,62 @@ def get(name: str) -> Any:
     return getattr(importlib.import_module(f"zerotuner.families.{spec.module}"), spec.cls)(name)
 
 
+# Wan's transformer block (diffusers 0.42 WanTransformerBlock) in 16-bit: the bytes autograd
+# saves for backward, counted on the meta device with torch.autograd.graph.saved_tensors_hooks
+# (tests/test_plan_video.py recounts them at 1.3B's, 5B's and 14B's widths), SDPA saving what
+# a fused kernel saves (query, key, value and output; flash and memory-efficient attention keep
+# no tokens x tokens matrix, so memory is linear in tokens, plus each head's fp32 logsumexp,
+# counted here for self- and cross-attention). Per video token and layer: 76 x width (the block
+# normalises and modulates in fp32: each norm's fp32 input and modulated output; q and k
+# before and after their RMS norms and RoPE; the self- and cross-attention projections' inputs
+# and outputs) + 4 x ffn_dim (the GELU's input and output) + 36 (the norms' statistics). Per
+# text token and layer: 16 x width + 4 (cross-attention's keys, before and after their norm,
+# the norm's statistic, and values). Korthikanti et al.'s 34 x tokens x width
+# (`transformer_activations`) counts a standard GPT block with no fp32 norms, no cross-attention
+# and a 4x MLP: 2-3x less here.
+WAN_TOKEN_WIDTH_BYTES, WAN_TOKEN_FFN_BYTES, WAN_TOKEN_BYTES = 76, 4, 36
+WAN_TEXT_WIDTH_BYTES, WAN_TEXT_BYTES = 16, 4
+LSE_BYTES = 2 * 4  # fp32 logsumexp per head per token: self- and cross-attention
+
+
+@dataclass(frozen=True)
+class VideoShape:
+    """A video family's clip in the transformer: how frames and pixels become tokens (the
+    VAE's compression, the transformer's patch) and what each token's activations cost.
+
+    Latent frames: (frames - 1) / temporal + 1 (the causal VAE keeps the first frame alone);
+    tokens: latent frames / patch_t x (pixels / spatial^2 / (patch_h x patch_w)), the pixels of
+    ZT_RESOLUTION^2 (the area buckets are cut at: 832 x 480 fits in 632^2)."""
+
+    temporal: int  # frames per latent frame (Wan's VAE: 4)
+    spatial: int  # pixels per latent cell side (Wan 2.1's VAE 8, Wan 2.2 TI2V-5B's 16)
+    patch: tuple[int, int, int]  # the transformer's (frames, height, width) patch
+    layers: int
+    token_bytes: int  # per video token and layer, 16-bit, without checkpointing
+    input_bytes: int  # per video token and layer with checkpointing: the block's input
+    text_bytes: int  # per layer: the text's keys and values (the cached caption's tokens)
+    rope_bytes: int  # per video token, once: RoPE's fp32 cos and sin, shared by every layer
+    latent_channels: int = 16
+
+    def latent_frames(self, frames: int) -> int:
+        return (frames - 1) // self.temporal + 1
+
+    def tokens(self, frames: int, resolution: int) -> int:
+        cell = self.spatial * self.spatial * self.patch[1] * self.patch[2]
+        return -(-self.latent_frames(frames) // self.patch[0]) * (resolution * resolution // cell)
+
+    def activations(self, tokens: int, checkpointing: bool) -> int:
+        """16-bit bytes for `tokens`: every layer's saved tensors, or with checkpointing each
+        block's input (its hidden states: 2 x width per token) plus one block recomputed."""
+        layer = self.token_bytes * tokens + self.text_bytes
+        kept = (
+            self.layers * self.input_bytes * tokens + layer
+            if checkpointing
+            else self.layers * layer
+        )
+        return kept + self.rope_bytes * tokens
+
+
 @dataclass(frozen=True)
 class ModelShape:
     """What memory planning and bucket sizing need to know about the trained model (a UNet,
@@ -253,6 +316,8 @@ class ModelShape:
     # Frozen parameters on the device while caching: frozen_params, less what streams from host
     # memory (Spec.text_stream_params; None: none does)
     caching_params: int | None = None
+    # A video family's clip geometry and activations per token (None: an image family)
+    video: VideoShape | None = None
 
 
 def caption_cache_bytes(shape: ModelShape, max_sequence_length: int | None = None) -> int:
@@ -568,8 +633,8 @@ def _transformer_shape(
 ) -> ModelShape:
     """model_shape of a flow-matching transformer (SD3's or Flux's), counted like a UNet,
     with its activations from its layers and width (`transformer_activations`)."""
-    native = 1024  # SD3.5 and Flux.1 are trained at 1024 px
     spec = REGISTRY[family]
+    native = spec.native_resolution  # SD3.5 and Flux.1 are trained at 1024 px, Wan at 480p
     frozen = frozen_params(model_dir) if model_dir and config_path else spec.frozen_params
     if config_path is None and not recount:
         params, largest = spec.builtin_counts
@@ -592,10 +657,44 @@ def _transformer_shape(
         else spec.builtin_config
     )
     streamed = spec.vae_params + spec.text_stream_params if spec.text_stream_params else None
+    video = video_shape(family, config, model_dir) if spec.video else None
     return ModelShape(
         family, params, largest, frozen, native, source,
         activations_1024=transformer_activations(family, config),
-        text_width=int(config[spec.text_width_key]), caching_params=streamed,
+        text_width=int(config[spec.text_width_key]), caching_params=streamed, video=video,
+    )  # fmt: skip
+
+
+def video_scales(model_dir: Path | None) -> tuple[int, int]:
+    """(frames, pixels) per latent cell of a video VAE: AutoencoderKLWan's
+    `scale_factor_temporal` and `scale_factor_spatial` (what WanPipeline sizes latents by),
+    else from its layers (`vae_scale`; a halving in time per true `temperal_downsample`), else
+    Wan 2.1's defaults (4, 8)."""
+    config = model_dir / "vae" / "config.json" if model_dir else None
+    vae = model_json(config) if config is not None and config.is_file() else {}
+    downsample = vae.get("temperal_downsample")
+    temporal = vae.get("scale_factor_temporal") or (2 ** sum(map(bool, downsample))
+                                                    if downsample else 4)  # fmt: skip
+    spatial = vae.get("scale_factor_spatial") or (vae_scale(model_dir) if downsample else VAE_SCALE)
+    return int(temporal), int(spatial)
+
+
+def video_shape(family: str, config: dict[str, Any], model_dir: Path | None) -> VideoShape:
+    """A video transformer's VideoShape from its config (Wan: WanTransformer3DModel's
+    `patch_size`, `num_layers`, width and `ffn_dim`) and its VAE's (`video_scales`)."""
+    spec = REGISTRY[family]
+    temporal, spatial = video_scales(model_dir)
+    heads = int(config["num_attention_heads"])
+    width = math.prod(int(config[key]) for key in spec.width_keys)
+    head_dim = width // heads
+    per_token = (WAN_TOKEN_WIDTH_BYTES * width + WAN_TOKEN_FFN_BYTES * int(config["ffn_dim"])
+                 + WAN_TOKEN_BYTES + LSE_BYTES * heads)  # fmt: skip
+    return VideoShape(
+        temporal=temporal, spatial=spatial, patch=tuple(int(p) for p in config["patch_size"]),
+        layers=sum(int(config[key]) for key in spec.layer_keys), token_bytes=per_token,
+        input_bytes=2 * width,
+        text_bytes=(WAN_TEXT_WIDTH_BYTES * width + WAN_TEXT_BYTES) * spec.t5_tokens,
+        rope_bytes=2 * 4 * head_dim, latent_channels=int(config.get("in_channels", 16)),
     )  # fmt: skip
 
 
@@ -622,15 +721,39 @@ FLOW_SETTINGS = (
 )  # fmt: skip
 
 
-def check_family_settings(settings: Any, family: str) -> None:
+VIDEO_SETTINGS = ("video_frames", "video_fps")
+
+
+def check_family_settings(settings: Any, family: str, shape: ModelShape | None = None) -> None:
     """A setting of the other objective (a UNet's DDPM, a transformer's flow matching), or
-    one the family cannot do yet, is one line, exit 2."""
+    one the family cannot do yet, is one line, exit 2: a video setting for an image family, or
+    a clip length a video family's VAE cannot take (`shape`: the model's own, whose VAE says
+    the frame rule; else the family's published one)."""
     from zerotuner.settings.schema import env_name
 
+    problems = []
+    if not REGISTRY[family].video:
+        videos = ", ".join(f for f, spec in REGISTRY.items() if spec.video)
+        problems += [
+            f"{env_name(name)} is set but ZT_MODEL is a {family} model, trained on images: unset "
+            f"{env_name(name)} (it applies to the video families only: {videos})"
+            for name in VIDEO_SETTINGS
+            if name in settings.model_fields_set
+        ]
+    else:
+        video = shape.video if shape is not None else None
+        step = video.temporal if video is not None else video_scales(None)[0]
+        frames = settings.video_frames
+        if (frames - 1) % step:
+            below = (frames - 1) // step * step + 1
+            problems.append(
+                f"{env_name('video_frames')}={frames}: {REGISTRY[family].cls} takes "
+                f"{step}k+1 frames ({below} or {below + step})"
+            )
     flow = REGISTRY[family].flow
     kind = "flow matching (a transformer family)" if flow else "a DDPM UNet (SD 1.x/2.x/XL)"
     foreign = FLOW_SETTINGS if not flow else UNET_SETTINGS
-    problems = [
+    problems += [
         f"{env_name(name)} is set but ZT_MODEL is a {family} model, trained by {kind}: unset "
         f"{env_name(name)} (it applies to "
         f"{'the transformer families' if name in FLOW_SETTINGS else 'the UNet families'} only)"

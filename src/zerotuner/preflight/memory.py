@@ -26,6 +26,7 @@ REFERENCE_CHANNELS = 320
 # the VAE's first-block width (128 in every published SD/SDXL VAE).
 VAE_ENCODE_BYTES = 3 * GiB
 REFERENCE_VAE_CHANNELS = 128
+VAE_CHUNK_FRAMES = 4 + 2  # a video VAE's chunk and its causal cache (AutoencoderKLWan)
 
 CUDA_CONTEXT = 1 * GiB  # device memory: CUDA context, cuBLAS/cuDNN workspaces
 # Host memory a process costs besides its tensors. Measured on the CPU path (bench, tiny demo,
@@ -63,6 +64,7 @@ def estimate(
     on_cpu: bool,
     ema: bool,
     training: Training | None = None,
+    frames: int = 1,
 ) -> tuple[int, int, int, dict[str, int]]:
     """(device bytes per rank, host bytes per node, disk bytes per node, named parts).
 
@@ -78,6 +80,9 @@ def estimate(
     states and the buffers they pass through count those only; a frozen base (LoRA) counts
     its weights, in the same dtype, replicated below ZeRO-3 and partitioned at ZeRO-3 (moved
     to the host or disk with parameter offload).
+
+    `frames`: a video family's clip length (ZT_VIDEO_FRAMES): its activations count the
+    clip's tokens (`families.VideoShape`), its VAE encodes the clip while caching.
     """
     training = training or full_unet(shape)
     psi = shape.denoiser_params  # what normalize sizes DeepSpeed's buffers by
@@ -160,6 +165,10 @@ def estimate(
         per_image, width = shape.activations_1024[1 if gradient_checkpointing else 0], 1.0
     scale = (resolution * resolution / REFERENCE_PIXELS) * width * (p_bytes / 2)
     dev["activations"] = int(per_image * scale * micro_batch)
+    if shape.video is not None:  # a clip: frames x tokens (VideoShape), linear in tokens
+        tokens = shape.video.tokens(frames, resolution)
+        clip = shape.video.activations(tokens, gradient_checkpointing)
+        dev["activations"] = int(clip * (p_bytes / 2) * micro_batch)
 
     if not on_cpu:
         dev["framework"] = CUDA_CONTEXT
@@ -167,9 +176,16 @@ def estimate(
     # (an encoder that streams from host memory: its largest layer, `caching_params`).
     vae_width = shape.vae_channels / REFERENCE_VAE_CHANNELS
     on_device = shape.frozen_params if shape.caching_params is None else shape.caching_params
-    caching = on_device * p_bytes + int(
-        VAE_ENCODE_BYTES * resolution * resolution / REFERENCE_PIXELS * vae_width * (p_bytes / 2)
-    )
+    encode = VAE_ENCODE_BYTES * resolution * resolution / REFERENCE_PIXELS * vae_width
+    if shape.video is not None and frames > 1:
+        # AutoencoderKLWan encodes a clip causally, its first frame then chunks of 4
+        # (`_encode`), each causal convolution keeping its input's last 2 frames
+        # (CACHE_T) for the next chunk: about 6 frames' encoding at once, plus the clip's
+        # pixels (3 channels) and latents on the device.
+        latent = shape.video.latent_frames(frames) * resolution * resolution
+        latent = latent * shape.video.latent_channels // shape.video.spatial**2
+        encode = encode * min(frames, VAE_CHUNK_FRAMES) + 2 * (3 * frames * resolution**2 + latent)
+    caching = on_device * p_bytes + int(encode * (p_bytes / 2))
     training = sum(dev.values())
     device = max(training, caching + (0 if on_cpu else CUDA_CONTEXT))
     if caching > training:

@@ -107,6 +107,7 @@ class PlanRequest:
     mixed_precision: str = "auto"  # auto | no | fp16 | bf16, as asked (resolve_precision)
     ema: bool = False  # an fp32 EMA copy on the host
     max_sequence_length: int | None = None  # the T5 tokens a flow family's cached caption holds
+    frames: int = 1  # a video family's clip length (ZT_VIDEO_FRAMES); 1 for the image families
     # where the pins came from (a raw DeepSpeed key instead of the ZT_* name), for messages
     pin_names: dict[str, str] = field(default_factory=dict)
 
@@ -134,6 +135,11 @@ class PlanInputs:
     offload_disk_free_bytes: int | None
     ema: bool
     caption_cache_bytes: int  # one caption's cached text states
+    # a video family's clip as planned: frames (ZT_VIDEO_FRAMES), latent frames and the
+    # transformer's tokens per clip; None for the image families
+    frames: int | None = None
+    latent_frames: int | None = None
+    tokens: int | None = None
 
 
 @dataclass(frozen=True)
@@ -315,6 +321,7 @@ def make_plan(
                     on_cpu=on_cpu,
                     ema=request.ema,
                     training=training,
+                    frames=request.frames,
                 )
                 short = _shortfalls(device, host, disk, cap, on_cpu, hardware.nvme_offload_possible)
                 rows.append(
@@ -348,6 +355,7 @@ def make_plan(
         offload_disk_free_bytes=offload_disk_free,
         ema=request.ema,
         caption_cache_bytes=caption_cache_bytes(shape, request.max_sequence_length),
+        **_clip(shape, request),
     )
 
     def load_for(row: Estimate, stage: int | None = None) -> LoadPeak:
@@ -405,6 +413,17 @@ def make_plan(
             raise EnvironmentUnfit(message)
         reasons.insert(0, f"the hardware planned for cannot run it: {message}")
     return Plan(tuple(rows), choice, tuple(reasons), inputs, load)
+
+
+def _clip(shape: ModelShape, request: PlanRequest) -> dict[str, int]:
+    """A video family's clip as planned (PlanInputs' frames, latent frames and tokens)."""
+    if shape.video is None:
+        return {}
+    return {
+        "frames": request.frames,
+        "latent_frames": shape.video.latent_frames(request.frames),
+        "tokens": shape.video.tokens(request.frames, request.resolution),
+    }
 
 
 def _load_unfit(load: LoadPeak, cap: Capacity, *, zero3: bool = False) -> str:

@@ -241,6 +241,7 @@ class PreflightRun:
         )
         check_family_settings(settings, model.family)
         shape = model_shape(model.family, model.local_dir)  # type: ignore[arg-type]
+        check_family_settings(settings, model.family, shape)  # the model's VAE: its frame rule
         check_resume(settings, model.family, shape)
         if settings.training_type == "lora":
             lora.check_model_targets(settings, model.family, model.local_dir)
@@ -389,6 +390,7 @@ def plan_for(
         mixed_precision=user.mixed_precision,
         ema=settings.ema,
         max_sequence_length=settings.max_sequence_length,
+        frames=settings.video_frames if shape.video is not None else 1,
         pin_names=user.names,
     )
     return make_plan(

@@ -187,7 +187,7 @@ def plan_what_if(
         source = resolve_model(settings, offline=effective.hub_offline)
         shape = model_shape(source.family, source.local_dir)  # type: ignore[arg-type]
         model_dir = source.local_dir
-    check_family_settings(settings, shape.family)  # as `train` would refuse them: one line
+    check_family_settings(settings, shape.family, shape)  # as `train` would refuse them
     hardware = hardware_for(what, settings, ops=True)
     topology = topology_for(settings, hardware, environ)
     from zerotuner.preflight.steps import plan_for  # torch, through lora
