@@ -458,3 +458,20 @@ def test_three_datasets_train_on_two_ranks_and_resume_mid_epoch_on_one(
     assert "fetching" not in log and "writing out" not in log  # the copies were complete
     after = tk.read_json(tmp_path / "output" / "checkpoints" / "step-6" / "zerotuner.json")
     assert after["position"] == {"epoch": 0, "batch": 10}  # the next two global batches
+
+
+def test_the_builder_shows_the_data_settings_and_keeps_a_remote_dataset_in_the_job() -> None:
+    from zerotuner.builder.exports import kubernetes_job
+    from zerotuner.builder.form import form_fields
+
+    sections = {s["title"]: [f["name"] for f in s["fields"]] for s in form_fields()}
+    assert sections["Data"] == ["ZT_DATA_DIR", "ZT_DATASETS_FILE"]
+    assert sections["Recipes"][:2] == ["ZT_CAPTION_TEMPLATE", "ZT_CAPTION_DROPOUT"]
+
+    def config_block(text: str) -> str:
+        return text.split("zerotuner.yaml: |", 1)[1].split("---", 1)[0]
+
+    remote = kubernetes_job({"ZT_DATA_DIR": f"s3://{BUCKET}/images"}, gpus=1)
+    assert f"data_dir: s3://{BUCKET}/images" in config_block(remote)
+    local = kubernetes_job({"ZT_DATA_DIR": "/data/images"}, gpus=1)
+    assert "data_dir" not in config_block(local)  # a mount: the Job's volume gives it

@@ -126,7 +126,9 @@ def kubernetes_job(env: dict[str, str], *, gpus: int | None) -> str:
     """config/kubernetes/job.yaml (PVCs, ConfigMap, Job) with this config in the ConfigMap and
     the described GPUs per node in the Job's limit. Comments kept: the text is edited."""
     template = resources.files("zerotuner.web").joinpath("job.yaml").read_text()
-    body = config_mapping(env, leave_out=MOUNTED)
+    # An s3:// or hf:// dataset is no mount: the Job's config keeps it.
+    remote = "://" in env.get("ZT_DATA_DIR", "")
+    body = config_mapping(env, leave_out=tuple(m for m in MOUNTED if not remote or m != "data_dir"))
     config = (
         yaml.safe_dump(body, sort_keys=False, allow_unicode=True, width=100) if body else "{}\n"
     )

@@ -32,6 +32,7 @@ SECTIONS = tuple(
     (title, tuple(names.split()))
     for title, names in (
         ("Model", "model model_family resolution"),
+        ("Data", "data_dir datasets_file"),
         ("Batch and steps", "train_batch_size gradient_accumulation_steps max_steps"),
         ("Training type", "training_type lora_rank lora_alpha lora_dropout lora_targets "
          "lora_dora lora_rslora lora_merge"),
@@ -48,6 +49,7 @@ SECTIONS = tuple(
         ("Validation", "validation_prompts validation_every_steps validation_inference_steps "
          "validation_guidance_scale"),
         ("Recipes", "caption_template caption_dropout min_image_size upscale timestep_range"),
+        ("Video", "video_frames video_fps expert"),
         ("More", "seed ema ema_decay noise_offset snr_gamma prediction_type random_flip "
          "deepspeed_config"),
     )
