@@ -19,6 +19,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
 
@@ -118,22 +119,30 @@ def test_timeouts_in_the_order_that_names_a_lost_node(monkeypatch):
 # --- the watch, in process on a real TCP store -----------------------------------------------
 
 
-def _watches(world: int, local: int, **kw):
-    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    watches = [
-        peers.PeerWatch(
-            peers.connect_store("127.0.0.1", server.port, timeout_seconds=5), rank=r,
-            world=world, local_world=local, master_addr="127.0.0.1", host=f"host{r // local}",
-            beat_seconds=0.1, watch_seconds=0.1, **kw,
-        ).start()
-        for r in range(world)
-    ]  # fmt: skip
-    return server, watches
+@contextmanager
+def watching(world: int, local: int, *, on_lost_for=None, **kw):
+    """`world` started PeerWatches on a real TCP store, node = rank // local, settled at the
+    end. Yields ([the store's server], watches): clear the list to take the store down (node
+    0's agent gone). `on_lost_for(rank)` gives each rank its own `on_lost`."""
+    server = [dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)]
+    watches: list[peers.PeerWatch] = []
+    try:
+        for r in range(world):
+            own = {"on_lost": on_lost_for(r)} if on_lost_for else {}
+            watches.append(peers.PeerWatch(
+                peers.connect_store("127.0.0.1", server[0].port, timeout_seconds=5), rank=r,
+                world=world, local_world=local, master_addr="127.0.0.1", host=f"host{r // local}",
+                beat_seconds=0.1, watch_seconds=0.1, **own, **kw,
+            ).start())  # fmt: skip
+        yield server, watches
+    finally:
+        for watch in watches:
+            watch.settle()
+        server.clear()
 
 
 def test_a_silent_node_is_named_and_every_node_agrees():
-    server, watches = _watches(4, 2)
-    try:
+    with watching(4, 2) as (_, watches):
         assert watches[0].diagnose(seconds=1) is None  # every rank counts: no node lost
         for lost in watches[2:]:
             lost.settle()  # node 1 (ranks 2 and 3) stops counting
@@ -141,35 +150,22 @@ def test_a_silent_node_is_named_and_every_node_agrees():
         assert verdict == peers.LostPeers(1, "host1", (2, 3), "stopped answering")
         assert verdict.describe() == "node 1 (host host1, ranks 2-3)"
         assert watches[1].diagnose(seconds=1) == verdict  # the recorded verdict, at once
-    finally:
-        for watch in watches:
-            watch.settle()
-        del server
 
 
 def test_a_rank_of_this_node_gone_is_no_lost_peer():
-    server, watches = _watches(4, 2)
-    try:
+    with watching(4, 2) as (_, watches):
         watches[1].settle()  # this node's own rank: a local failure, not another node's
         assert watches[0].diagnose(seconds=1) is None
-    finally:
-        for watch in watches:
-            watch.settle()
-        del server
 
 
 def test_the_store_gone_means_node_0_lost():
-    server, watches = _watches(2, 1)
-    try:
+    with watching(2, 1) as (server, watches):
         watches[0].settle()
-        del server  # node 0's agent, which holds the store, is gone
+        server.clear()  # node 0's agent, which holds the store, is gone
         time.sleep(0.3)
         verdict = watches[1].diagnose(seconds=1)
         assert verdict is not None and verdict.node == 0 and verdict.host == "127.0.0.1"
         assert watches[0].diagnose(seconds=1) is None  # node 0 never blames itself
-    finally:
-        for watch in watches:
-            watch.settle()
 
 
 def test_the_watch_ends_every_rank_when_a_node_goes_silent():
@@ -188,16 +184,7 @@ def test_the_watch_ends_every_rank_when_a_node_goes_silent():
 
         return report
 
-    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    watches = [
-        peers.PeerWatch(
-            peers.connect_store("127.0.0.1", server.port, timeout_seconds=5), rank=r, world=3,
-            local_world=1, master_addr="127.0.0.1", host=f"host{r}", silent_seconds=0.5,
-            on_lost=on_lost(r), beat_seconds=0.1, watch_seconds=0.1,
-        ).start()
-        for r in range(3)
-    ]  # fmt: skip
-    try:
+    with watching(3, 1, on_lost_for=on_lost, silent_seconds=0.5) as (_, watches):
         watches[2]._stop.set()  # node 2 freezes: no error, no beat
         assert done.wait(10), found
         assert (
@@ -205,10 +192,6 @@ def test_the_watch_ends_every_rank_when_a_node_goes_silent():
             and found[0].node == 2
             and "no sign of life for 0.5 s" in found[0].how
         )
-    finally:
-        for watch in watches:
-            watch.settle()
-        del server
 
 
 # --- a rank dies with its agent --------------------------------------------------------------

@@ -246,3 +246,20 @@ def latent_scaling_factor(vae, data_dir: Path) -> float:
     with torch.no_grad():
         latents = vae.encode(pixels).latent_dist.mean
     return round(1.0 / float(latents.std()), 5)
+
+
+def normalise_video_latents(vae, data_dir: Path | None):
+    """A video VAE (Qwen-Image's, Wan's) with `latents_mean` / `latents_std` measured on the
+    demo images, each a one-frame clip, as the published VAEs carry their own; unchanged
+    without data."""
+    import torch
+
+    if data_dir is None:
+        return vae
+    pixels = demo_pixels(data_dir).unsqueeze(2)
+    with torch.no_grad():
+        latents = vae.encode(pixels).latent_dist.mean
+    mean = [round(float(v), 5) for v in latents.mean(dim=(0, 2, 3, 4))]
+    std = [round(float(v), 5) for v in latents.std(dim=(0, 2, 3, 4))]
+    vae.register_to_config(latents_mean=mean, latents_std=std)
+    return vae

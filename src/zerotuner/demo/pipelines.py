@@ -129,13 +129,7 @@ def _clip_frame(k: int, shape: str, fill, background, direction: str) -> np.ndar
     r = CLIP_SIZE * 3 // 10
     travel = (CLIP_SIZE - 2 * r) * k // (CLIP_FRAMES - 1)
     cx = r + (travel if direction == "right" else CLIP_SIZE - 2 * r - travel)
-    cy = CLIP_SIZE // 2
-    if shape == "circle":
-        draw.ellipse((cx - r, cy - r, cx + r, cy + r), fill=fill)
-    elif shape == "square":
-        draw.rectangle((cx - r, cy - r, cx + r, cy + r), fill=fill)
-    else:
-        draw.polygon([(cx, cy - r), (cx - r, cy + r), (cx + r, cy + r)], fill=fill)
+    _draw(draw, shape, (cx, CLIP_SIZE // 2), r, fill)
     return np.asarray(image)
 
 
@@ -165,14 +159,20 @@ def draw_shape(
     side = min(w, h)
     r = rng.randint(side * 30 // 100, side * 35 // 100)
     jitter = side // 16
-    cx, cy = w // 2 + rng.randint(-jitter, jitter), h // 2 + rng.randint(-jitter, jitter)
+    centre = (w // 2 + rng.randint(-jitter, jitter), h // 2 + rng.randint(-jitter, jitter))
+    _draw(draw, shape, centre, r, fill)
+    return image
+
+
+def _draw(draw: ImageDraw.ImageDraw, shape: str, centre: tuple[int, int], r: int, fill) -> None:
+    """A circle, square or triangle of radius r around centre."""
+    cx, cy = centre
     if shape == "circle":
         draw.ellipse((cx - r, cy - r, cx + r, cy + r), fill=fill)
     elif shape == "square":
         draw.rectangle((cx - r, cy - r, cx + r, cy + r), fill=fill)
     else:
         draw.polygon([(cx, cy - r), (cx - r, cy + r), (cx + r, cy + r)], fill=fill)
-    return image
 
 
 # --- model ----------------------------------------------------------------------------------

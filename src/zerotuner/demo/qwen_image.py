@@ -15,7 +15,7 @@ import re
 import tempfile
 from pathlib import Path
 
-from zerotuner.demo.parts import EXTRA_WORDS, demo_pixels
+from zerotuner.demo.parts import EXTRA_WORDS, normalise_video_latents
 from zerotuner.demo.z_image import SPECIALS
 
 TEMPLATE_WORDS = (
@@ -86,15 +86,7 @@ def _vae(seed: int, data_dir: Path | None):
         base_dim=8, z_dim=16, dim_mult=[1, 2, 2], num_res_blocks=1,
         temperal_downsample=[False, True], latents_mean=[0.0] * 16, latents_std=[1.0] * 16,
     )  # fmt: skip
-    if data_dir is None:
-        return vae
-    pixels = demo_pixels(data_dir).unsqueeze(2)
-    with torch.no_grad():
-        latents = vae.encode(pixels).latent_dist.mean
-    mean = [round(float(v), 5) for v in latents.mean(dim=(0, 2, 3, 4))]
-    std = [round(float(v), 5) for v in latents.std(dim=(0, 2, 3, 4))]
-    vae.register_to_config(latents_mean=mean, latents_std=std)
-    return vae
+    return normalise_video_latents(vae, data_dir)
 
 
 def write_model(model_dir: Path, *, seed: int, corpus: list[str],

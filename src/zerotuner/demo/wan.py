@@ -13,7 +13,7 @@ from __future__ import annotations
 import tempfile
 from pathlib import Path
 
-from zerotuner.demo.parts import demo_pixels
+from zerotuner.demo.parts import normalise_video_latents
 
 
 def _umt5(vocab_size: int, seed: int):
@@ -45,15 +45,7 @@ def _vae(seed: int, data_dir: Path | None):
         temperal_downsample=[False, True], latents_mean=[0.0] * LATENT_CHANNELS,
         latents_std=[1.0] * LATENT_CHANNELS, scale_factor_spatial=4, scale_factor_temporal=2,
     )  # fmt: skip
-    if data_dir is None:
-        return vae
-    pixels = demo_pixels(data_dir).unsqueeze(2)
-    with torch.no_grad():
-        latents = vae.encode(pixels).latent_dist.mean
-    mean = [round(float(v), 5) for v in latents.mean(dim=(0, 2, 3, 4))]
-    std = [round(float(v), 5) for v in latents.std(dim=(0, 2, 3, 4))]
-    vae.register_to_config(latents_mean=mean, latents_std=std)
-    return vae
+    return normalise_video_latents(vae, data_dir)
 
 
 def scheduler():
