@@ -398,6 +398,9 @@ def test_three_datasets_train_on_two_ranks_and_resume_mid_epoch_on_one(
     one of parquet shards on the (fake) hub, caption dropout 0.1: `check` lists them, two
     CPU ranks train 4 steps, one rank resumes mid-epoch from the checkpoint at step 4."""
     local = _copy(_demo_files(demo_dir, 0, 8), tmp_path / "local")
+    first_image = sorted(local.glob("*.png"))[0]
+    with Image.open(first_image) as opened:  # one image trains on its left half only
+        _halves(opened.size, 255, 0, "L").save(local / f"{first_image.stem}.mask.png")
     _upload(s3, "run", _demo_files(demo_dir, 8, 8))
     repo = tmp_path / "repo"
     _parquet_repo(repo, demo_dir, count=4)
@@ -428,6 +431,7 @@ def test_three_datasets_train_on_two_ranks_and_resume_mid_epoch_on_one(
         f"dataset: 20 images in 3 datasets: 8 images in {local} (x3), 8 images in "
         f"s3://{BUCKET}/run, 4 images in hf://datasets/acme/shapes, 1 skipped" in log
     )
+    assert "1 image with a loss mask" in log
     run = tmp_path / "output" / "run"
     record = tk.read_json(run / "dataset.json")
     assert [d["images"] for d in record["datasets"]] == [8, 8, 4]
