@@ -178,3 +178,15 @@ def test_check_reports_clips_buckets_and_the_latent_cache(family_demo_dir, tmp_p
     assert "64 images and 8 clips (4.0 s) in" in out
     (line,) = [x for x in out.splitlines() if x.startswith("OK   latent cache")]
     assert "clips of 9 frames" in line and "MiB of latents" in line
+
+
+def test_huge_clips_are_refused_before_decoding(tmp_path, monkeypatch) -> None:
+    """Over the size limit (2 GiB) or the per-frame pixel limit (PIL's bomb limit): listed as
+    too large; the limits are lowered here to stand for a huge file."""
+    clip = _write(tmp_path / "big.mp4", 9, 16)
+    monkeypatch.setattr(clips, "CLIP_BYTES", clip.stat().st_size - 1)
+    assert clips.probe(clip, fps=16, frames=9, step=STEP).reason.startswith("too large (over")
+    monkeypatch.setattr(clips, "CLIP_BYTES", 2**30)
+    monkeypatch.setattr(clips, "MAX_FRAME_PIXELS", 64 * 48 - 1)
+    found = clips.probe(clip, fps=16, frames=9, step=STEP)
+    assert found.size is None and found.reason == "too large (frames of 64x48 pixels)"
