@@ -318,6 +318,9 @@ class ModelShape:
     caching_params: int | None = None
     # A video family's clip geometry and activations per token (None: an image family)
     video: VideoShape | None = None
+    # Wan 2.2 A14B: its two expert transformers' boundary_ratio (model_index.json; nan: the
+    # index names a transformer_2 without one); None: a model with one denoiser
+    boundary_ratio: float | None = None
 
 
 def caption_cache_bytes(shape: ModelShape, max_sequence_length: int | None = None) -> int:
@@ -338,14 +341,15 @@ def hub_cache_dir(cache_dir: Path) -> Path:
     return Path(os.environ.get("HF_HOME") or cache_dir / "huggingface") / "hub"
 
 
-def detect_family(model_dir: Path) -> Family:
-    """SDXL has a second text encoder and `text_time` conditioning; SD2 attends with 1024 dims."""
+def detect_family(model_dir: Path, expert: str | None = None) -> Family:
+    """SDXL has a second text encoder and `text_time` conditioning; SD2 attends with 1024 dims.
+    `expert`: ZT_EXPERT (Wan 2.2 A14B is refused without it)."""
     index = model_dir / "model_index.json"
     if index.is_file():
         components = model_json(index)
         pipeline = str(components.get("_class_name", ""))
         refuse_edit_model(model_dir, pipeline)
-        refuse_wan_variant(model_dir, pipeline, components)
+        refuse_wan_variant(model_dir, pipeline, components, expert)
         if pipeline in PIPELINES:
             return PIPELINES[pipeline]  # type: ignore[return-value]
         foreign = pipeline and not pipeline.startswith("StableDiffusion")
@@ -387,17 +391,20 @@ def transformer_family(name: str, config: dict[str, Any]) -> Family:
     return TRANSFORMERS[name]
 
 
-def unet_config_path(model_dir: Path) -> Path | None:
-    """The trained model's config: the UNet's, or a transformer family's transformer's."""
-    candidates = [model_dir / part / "config.json" for part in ("unet", "transformer")]
+def unet_config_path(model_dir: Path, denoiser: str | None = None) -> Path | None:
+    """The trained model's config: the UNet's, or a transformer family's transformer's (or
+    the `denoiser` folder's: Wan 2.2 A14B's chosen expert, `transformer_2`)."""
+    parts = (denoiser,) if denoiser else ("unet", "transformer")
+    candidates = [model_dir / part / "config.json" for part in parts]
     for candidate in (*candidates, model_dir / "config.json"):
         if candidate.is_file():
             return candidate
     return None
 
 
-def resolve_family(model: str, family_setting: str = "auto") -> Family:
-    """ZT_MODEL_FAMILY, else read from a local folder, else guessed from a hub id's name."""
+def resolve_family(model: str, family_setting: str = "auto", expert: str | None = None) -> Family:
+    """ZT_MODEL_FAMILY, else read from a local folder, else guessed from a hub id's name.
+    `expert`: ZT_EXPERT (Wan 2.2 A14B is refused without it)."""
     if family_setting != "auto":
         if family_setting not in FAMILIES:
             raise ConfigError(
@@ -406,8 +413,8 @@ def resolve_family(model: str, family_setting: str = "auto") -> Family:
         return family_setting  # type: ignore[return-value]
     path = Path(model)
     if path.is_dir():
-        return detect_family(path)
-    family = guess_family(model)
+        return detect_family(path, expert)
+    family = guess_family(model, expert)
     if family is None:
         raise ConfigError(
             f"ZT_MODEL={model}: cannot tell the model family from the name; set ZT_MODEL_FAMILY "
@@ -441,16 +448,60 @@ def refuse_edit_model(model: Any, name: str) -> None:
 # Wan's image- or video-conditioned variants, as their hub names say them (Wan2.1-I2V-14B-480P,
 # Wan2.1-FLF2V-14B-720P, Wan2.1-VACE-1.3B, Wan2.2-Animate-14B, Wan2.2-S2V-14B)
 WAN_CONDITIONED = ("i2v", "flf2v", "vace", "animate", "s2v", "v2v")
-WAN_SUPPORTED = ("zerotuner trains Wan's single-transformer text-to-video models (WanPipeline: "
-                 "Wan 2.1 T2V 1.3B and 14B, Wan 2.2 TI2V-5B) on captioned images as one-frame "
-                 "clips")  # fmt: skip
+WAN_SUPPORTED = ("zerotuner trains Wan's text-to-video models (WanPipeline: Wan 2.1 T2V 1.3B "
+                 "and 14B, Wan 2.2 TI2V-5B, and Wan 2.2 T2V A14B one expert per run with "
+                 "ZT_EXPERT) on captioned clips and images")  # fmt: skip
+# ZT_EXPERT: the pipeline folder (and WanPipeline attribute) of each of A14B's experts. WanPipeline
+# (diffusers 0.42, pipelines/wan/pipeline_wan.py) runs `transformer` at the timesteps t >=
+# boundary_ratio * num_train_timesteps (the noisy ones), `transformer_2` below.
+EXPERTS = {"high": "transformer", "low": "transformer_2"}
 
 
-def refuse_wan_variant(model: Any, name: str, config: dict[str, Any] | None = None) -> None:
+def expert_range(expert: str, boundary: float) -> tuple[float, float]:
+    """The part of the noise schedule (sigmas, 0 clean to 1 noise) an expert denoises."""
+    return (boundary, 1.0) if expert == "high" else (0.0, boundary)
+
+
+def expert_sigmas(settings: Any, boundary: float | None) -> tuple[float, float]:
+    """The sigmas a run of ZT_EXPERT trains: the expert's part of the schedule, or the
+    ZT_TIMESTEP_RANGE inside it; one line, exit 2, for a boundary WanPipeline never uses or a
+    range outside the expert's."""
+    from zerotuner.settings.schema import env_name, timestep_bounds
+
+    expert = settings.expert
+    if boundary is None or math.isnan(boundary) or not 0 < boundary < 1:
+        raise ConfigError(
+            f"{env_name('expert')}={expert}: the model's model_index.json names a "
+            f"transformer_2 but no boundary_ratio between 0 and 1 ({boundary}), so WanPipeline "
+            f"never runs one of the experts; give it the boundary_ratio it was trained with"
+        )
+    low, high = expert_range(expert, boundary)
+    if settings.timestep_range is None:
+        return low, high
+    want = timestep_bounds(settings.timestep_range)
+    if not low <= want[0] < want[1] <= high:
+        raise ConfigError(
+            f"{env_name('timestep_range')}={settings.timestep_range}: outside the {expert}-noise "
+            f"expert's part of the schedule ({EXPERTS[expert]}: {low:g}-{high:g}, the model's "
+            f"boundary_ratio {boundary:g}); give a range inside it, or unset it to train all of it"
+        )
+    return want
+
+
+def has_experts(config: dict[str, Any]) -> bool:
+    """A model_index.json naming a `transformer_2` (Wan 2.2 A14B; TI2V-5B's is null)."""
+    expert = config.get("transformer_2") or [None]
+    return isinstance(expert, list) and bool(expert) and bool(expert[0])
+
+
+def refuse_wan_variant(
+    model: Any, name: str, config: dict[str, Any] | None = None, expert: str | None = None
+) -> None:
     """A Wan model other than a text-to-video transformer is one line, exit 2: Wan 2.2 A14B's
-    two experts (a `transformer_2` in model_index.json, `A14B` in a hub name) and the image- or
-    video-conditioned ones (WanImageToVideoPipeline, WanVACEPipeline...; `I2V`, `VACE`... in a
-    hub name; a WanTransformer3DModel whose input has more channels than its output)."""
+    two experts (a `transformer_2` in model_index.json, `A14B` in a hub name) without
+    ZT_EXPERT (`expert`), and the image- or video-conditioned ones (WanImageToVideoPipeline,
+    WanVACEPipeline...; `I2V`, `VACE`... in a hub name; a WanTransformer3DModel whose input has
+    more channels than its output)."""
     import re
 
     config = config or {}
@@ -458,13 +509,6 @@ def refuse_wan_variant(model: Any, name: str, config: dict[str, Any] | None = No
     if not name.startswith("Wan") and not any(m in lowered for m in REGISTRY["wan"].hub_markers):
         return
     words = set(re.split(r"[^a-z0-9]+", lowered))
-    expert = config.get("transformer_2") or [None]
-    if "a14b" in words or (isinstance(expert, list) and expert and expert[0]):
-        raise ConfigError(
-            f"ZT_MODEL={model}: {name} is Wan 2.2 A14B, two expert transformers (transformer "
-            f"and transformer_2, split by noise level), which zerotuner does not train yet; "
-            f"{WAN_SUPPORTED}"
-        )
     pipeline = name.endswith("Pipeline") and name != REGISTRY["wan"].pipeline
     inputs = config.get("in_channels")  # I2V's transformer takes the image's latents too
     channels = inputs is not None and inputs != config.get("out_channels", inputs)
@@ -474,14 +518,22 @@ def refuse_wan_variant(model: Any, name: str, config: dict[str, Any] | None = No
             f"video, first-last-frame, VACE, animate), trained on conditioning frames, which "
             f"zerotuner does not take; {WAN_SUPPORTED}"
         )
+    if ("a14b" in words or has_experts(config)) and not expert:
+        raise ConfigError(
+            f"ZT_MODEL={model}: {name} is Wan 2.2 A14B, two expert transformers (transformer "
+            f"for the noisy steps, transformer_2 for the clean ones, split at its "
+            f"boundary_ratio): set ZT_EXPERT=high or ZT_EXPERT=low to train one of them (one "
+            f"expert per run: two runs train both; the export is a WanPipeline folder with the "
+            f"other expert unchanged)"
+        )
 
 
-def guess_family(hub_id: str) -> Family | None:
+def guess_family(hub_id: str, expert: str | None = None) -> Family | None:
     """The family a hub id's name says (when its configs cannot be read), or None; an
     image-edit model's name is refused (refuse_edit_model), as a Wan variant's
-    (refuse_wan_variant)."""
+    (refuse_wan_variant; `expert`: ZT_EXPERT)."""
     refuse_edit_model(hub_id, hub_id.rsplit("/", 1)[-1])
-    refuse_wan_variant(hub_id, hub_id)
+    refuse_wan_variant(hub_id, hub_id, expert=expert)
     name = hub_id.lower()
     for family, spec in sorted(REGISTRY.items(), key=lambda item: item[1].guess_order):
         if any(marker in name for marker in spec.hub_markers):
@@ -526,13 +578,18 @@ def frozen_params(
 
 
 def model_shape(
-    family: Family, model_dir: Path | None = None, *, recount: bool = False
+    family: Family,
+    model_dir: Path | None = None,
+    *,
+    recount: bool = False,
+    denoiser: str | None = None,
 ) -> ModelShape:
     """Count the UNet's parameters on the meta device: no memory, no download.
 
-    A built-in family uses its stored counts unless `recount`.
+    A built-in family uses its stored counts unless `recount`. `denoiser`: the trained part's
+    folder when it is not the family's first (Wan 2.2 A14B's `transformer_2`: EXPERTS).
     """
-    config_path = unet_config_path(model_dir) if model_dir else None
+    config_path = unet_config_path(model_dir, denoiser) if model_dir else None
     spec = REGISTRY[family]
     if spec.flow:
         return _transformer_shape(family, model_dir, config_path, recount=recount)
@@ -597,13 +654,14 @@ def _unet_shape(
     )
 
 
-def meta_model(family: str, model_dir: Path | None = None) -> Any:
-    """The trained model (UNet or transformer) on the meta device, from the model's own config
-    when `model_dir` has one, else its family's built-in config: shapes, no weights."""
+def meta_model(family: str, model_dir: Path | None = None, denoiser: str | None = None) -> Any:
+    """The trained model (UNet or transformer; `denoiser`: that folder's) on the meta device,
+    from the model's own config when `model_dir` has one, else its family's built-in config:
+    shapes, no weights."""
     from accelerate import init_empty_weights
 
     cls = get(family).denoiser_class()
-    path = unet_config_path(model_dir) if model_dir else None
+    path = unet_config_path(model_dir, denoiser) if model_dir else None
     config = cls.load_config(str(path.parent)) if path else REGISTRY[family].builtin_config
     with init_empty_weights():
         return cls.from_config(config)
@@ -662,7 +720,19 @@ def _transformer_shape(
         family, params, largest, frozen, native, source,
         activations_1024=transformer_activations(family, config),
         text_width=int(config[spec.text_width_key]), caching_params=streamed, video=video,
+        boundary_ratio=boundary_ratio(model_dir) if model_dir else None,
     )  # fmt: skip
+
+
+def boundary_ratio(model_dir: Path) -> float | None:
+    """Wan 2.2 A14B's model_index.json `boundary_ratio` where it names a `transformer_2`
+    (nan: it names none); None: a model with one denoiser."""
+    index = model_dir / "model_index.json"
+    components = model_json(index) if index.is_file() else {}
+    if not has_experts(components):
+        return None
+    value = components.get("boundary_ratio")
+    return float(value) if isinstance(value, int | float) else math.nan
 
 
 def video_scales(model_dir: Path | None) -> tuple[int, int]:
@@ -760,6 +830,7 @@ def check_family_settings(settings: Any, family: str, shape: ModelShape | None =
         for name in foreign
         if name in settings.model_fields_set
     ]
+    problems += expert_problems(settings, family, shape)
     if flow and settings.training_type == "lora" and settings.lora_text_encoder:
         problems.append(
             f"{env_name('lora_text_encoder')}=true: text encoder adapters are for the UNet "
@@ -767,3 +838,29 @@ def check_family_settings(settings: Any, family: str, shape: ModelShape | None =
         )
     if problems:
         raise ConfigError(problems[0], problems=problems)
+
+
+def expert_problems(settings: Any, family: str, shape: ModelShape | None) -> list[str]:
+    """ZT_EXPERT against the model: set for a model with one denoiser (a non-Wan family, or a
+    Wan model whose configs were read and have no transformer_2), or unset for Wan 2.2 A14B
+    (ZT_MODEL_FAMILY=wan skips detection's refusal), or its sigmas (`expert_sigmas`)."""
+    from zerotuner.settings.schema import env_name
+
+    expert, name = settings.expert, env_name("expert")
+    read = shape is not None and not shape.source.startswith("built-in")
+    boundary = shape.boundary_ratio if shape is not None else None
+    if expert and family != "wan":
+        why = f"it chooses one of Wan 2.2 A14B's two expert transformers; unset {name}"
+        return [f"{name}={expert} is set but ZT_MODEL is a {family} model: {why}"]
+    if expert and read and boundary is None:
+        why = f"not Wan 2.2 A14B's two experts (no transformer_2 in model_index.json); unset {name}"
+        return [f"{name}={expert} is set but ZT_MODEL has one transformer, {why}"]
+    if not expert and boundary is not None:
+        why = f"set {name}=high or {name}=low to train one of them (one expert per run)"
+        return [f"ZT_MODEL={settings.model} is Wan 2.2 A14B, two expert transformers: {why}"]
+    if expert and read:
+        try:
+            expert_sigmas(settings, boundary)
+        except ConfigError as error:
+            return [str(error)]
+    return []

@@ -54,8 +54,9 @@ class ModelFamily:
     text_subfolders: tuple[tuple[str, str], ...] = (("text_encoder", "tokenizer"),)
     cache_dtype: torch.dtype = torch.float32  # of the cached text embeddings
 
-    def configured(self, settings: Settings) -> ModelFamily:
-        """The family as this run's settings configure it (flow families: the T5 length)."""
+    def configured(self, settings: Settings, source: Path | None = None) -> ModelFamily:
+        """The family as this run's settings configure it (flow families: the T5 length; Wan
+        2.2 A14B: the expert trained, read with its boundary from the pipeline at `source`)."""
         return self
 
     def frame_step(self, source: Path) -> int | None:

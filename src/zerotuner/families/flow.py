@@ -18,6 +18,8 @@ from zerotuner.families import REGISTRY
 from zerotuner.families.base import ModelFamily
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from zerotuner.settings.schema import Settings
 
 
@@ -36,7 +38,7 @@ class FlowFamily(ModelFamily):
         if not self.max_sequence_length:
             object.__setattr__(self, "max_sequence_length", REGISTRY[self.name].t5_tokens)
 
-    def configured(self, settings: Settings) -> FlowFamily:
+    def configured(self, settings: Settings, source: Path | None = None) -> FlowFamily:
         """The family with the run's T5 length (ZT_MAX_SEQUENCE_LENGTH, else its default)."""
         if settings.max_sequence_length is None:
             return self

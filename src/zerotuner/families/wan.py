@@ -28,6 +28,13 @@ finetrainers/models/wan/base_specification.py `forward`) trains the same noising
 with the timestep `(sigma * 1000).long()`. Wan 2.2 TI2V-5B's pipeline (`expand_timesteps`)
 gives every latent token its own timestep, all equal without a conditioning image: the same
 embedding as one timestep per clip, which is what this passes.
+
+Wan 2.2 T2V A14B is two such transformers, experts by noise level: WanPipeline runs
+`transformer` at the timesteps t >= boundary_ratio * 1000 (the noisy ones: sigma >= the
+boundary) and `transformer_2` below. A run trains one (ZT_EXPERT: `configured`): its folder is
+the denoiser everywhere (loading, checkpoints, export, samples), its sigmas the expert's part of
+the schedule through ZT_TIMESTEP_RANGE's path (`FlowConfig.timestep_range`), and the export a
+whole WanPipeline folder with the other expert as it was.
 """
 
 from __future__ import annotations
@@ -61,7 +68,19 @@ class PipelineScheduler:
 @dataclass(frozen=True)
 class WanObjective(FlowObjective):
     """SD3's unpacked flow matching on a clip: a clip's 5-D latents as they are, an image's
-    as one frame."""
+    as one frame. `expert`: A14B's expert trained (`high`, `low`; "" none), on `expert_range`."""
+
+    expert: str = ""
+    expert_range: tuple[float, float] = (0.0, 1.0)
+
+    def describe(self) -> str:
+        if not self.expert:
+            return super().describe()
+        from zerotuner.families import EXPERTS
+
+        low, high = self.expert_range
+        return (f"{self.expert}-noise expert ({EXPERTS[self.expert]}), sigmas in "
+                f"{low:g}-{high:g}: {super().describe()}")  # fmt: skip
 
     def call(self, model: Any, latents: torch.Tensor, t: torch.Tensor, kwargs: dict[str, Any]):
         image = latents.ndim == 4  # (batch, channels, height, width): one frame
@@ -72,6 +91,21 @@ class WanObjective(FlowObjective):
 
 @dataclass(frozen=True)
 class Wan(FlowFamily):
+    expert: str = ""  # ZT_EXPERT: A14B's expert trained (`denoiser` is its folder)
+    boundary: float | None = None  # A14B's boundary_ratio (model_index.json)
+
+    def configured(self, settings: Any, source: Path | None = None) -> Wan:
+        """With ZT_EXPERT: the expert's folder as the denoiser, and the boundary between the
+        experts read from the pipeline at `source`."""
+        family = super().configured(settings, source)
+        if not settings.expert:
+            return family
+        from zerotuner.families import EXPERTS, boundary_ratio
+
+        boundary = boundary_ratio(Path(source)) if source is not None else None
+        return replace(family, denoiser=EXPERTS[settings.expert], expert=settings.expert,
+                       boundary=boundary)  # fmt: skip
+
     def scheduler_class(self) -> type:
         return PipelineScheduler
 
@@ -100,11 +134,22 @@ class Wan(FlowFamily):
         config = super().flow_config(settings, scheduler)
         shift = scheduler.config.get("flow_shift")
         if shift is not None and scheduler.config.get("use_flow_sigmas"):
-            return replace(config, shift=float(shift))
+            config = replace(config, shift=float(shift))
+        if self.expert:  # A14B: the expert's sigmas (or ZT_TIMESTEP_RANGE's inside them)
+            from zerotuner.families import expert_sigmas
+
+            config = replace(config, timestep_range=expert_sigmas(settings, self.boundary))
         return config
 
     def objective(self, settings: Any, scheduler: Any, model_config: Any) -> Any:
-        return WanObjective(self.flow_config(settings, scheduler))
+        config = self.flow_config(settings, scheduler)
+        if not self.expert:
+            return WanObjective(config)
+        from zerotuner.families import expert_range
+
+        assert self.boundary is not None  # flow_config refused a model without one
+        return WanObjective(config, expert=self.expert,
+                            expert_range=expert_range(self.expert, self.boundary))  # fmt: skip
 
     def frame_step(self, source: Any) -> int:
         """AutoencoderKLWan halves time once per True in `temperal_downsample` (Wan 2.1's and

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from zerotuner.errors import ConfigError
 from zerotuner.families import (
+    EXPERTS,
     FAMILIES,
     HUB_CONFIG_FILES,
     ModelShape,
@@ -118,13 +119,13 @@ def resolve_model(
             family, reason = settings.model_family, env_name("model_family")
         else:
             where = f"its configs at commit {revision[:12]}" if revision else str(local)
-            family, reason = detect_family(local), f"detected from {where}"
+            family, reason = detect_family(local, settings.expert), f"detected from {where}"
         return ModelSource(family, local, reason, hub_id, revision)
     if looks_local:
         raise ConfigError(f"{name}: no such folder")
     if settings.model_family != "auto":
         return ModelSource(settings.model_family, None, env_name("model_family"), settings.model)
-    family = guess_family(settings.model)
+    family = guess_family(settings.model, settings.expert)
     if family is None:
         raise ConfigError(
             f"{env_name('model')}={settings.model}: its configs cannot be read ({unreachable}) "
@@ -240,7 +241,8 @@ class PreflightRun:
             settings, offline=self.effective.hub_offline, will_train=self.require_fit
         )
         check_family_settings(settings, model.family)
-        shape = model_shape(model.family, model.local_dir)  # type: ignore[arg-type]
+        expert = EXPERTS.get(settings.expert or "")  # A14B: the expert this run trains
+        shape = model_shape(model.family, model.local_dir, denoiser=expert)  # type: ignore[arg-type]
         check_family_settings(settings, model.family, shape)  # the model's VAE: its frame rule
         check_resume(settings, model.family, shape)
         if settings.training_type == "lora":
@@ -357,7 +359,7 @@ def check_resume(settings: Settings, family: str, shape: ModelShape) -> None:
     manifest = checkpoint.read_manifest(path) or {}
     checkpoint.check_model(
         manifest, family=family, denoiser_params=shape.denoiser_params, model=settings.model,
-        path=path,
+        path=path, expert=settings.expert,
     )  # fmt: skip
     lora.check_resume(manifest, settings, path)
 

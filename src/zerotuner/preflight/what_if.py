@@ -167,7 +167,7 @@ def plan_what_if(
     """What `zerotuner plan` prints, computed (the builder page asks too, with the form's
     variables as `environ`). `model_family`, `resolution`, `train_batch_size`: the what-if
     job."""
-    from zerotuner.families import check_family_settings, model_shape
+    from zerotuner.families import EXPERTS, check_family_settings, model_shape
     from zerotuner.preflight.steps import resolve_model
     from zerotuner.settings.effective import effective_settings
 
@@ -185,7 +185,8 @@ def plan_what_if(
         shape = model_shape(model_family)
     else:
         source = resolve_model(settings, offline=effective.hub_offline)
-        shape = model_shape(source.family, source.local_dir)  # type: ignore[arg-type]
+        expert = EXPERTS.get(settings.expert or "")  # A14B: the expert trained
+        shape = model_shape(source.family, source.local_dir, denoiser=expert)  # type: ignore[arg-type]
         model_dir = source.local_dir
     check_family_settings(settings, shape.family, shape)  # as `train` would refuse them
     hardware = hardware_for(what, settings, ops=True)

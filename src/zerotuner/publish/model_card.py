@@ -47,9 +47,15 @@ def model_card(settings: Settings, output_dir: Path) -> str:
     lines += [f"# {kind} for {settings.model}", "", "Trained with zerotuner (DeepSpeed ZeRO)."]
     if last is not None:
         lines += ["", f"Steps: {last['step']}; last logged loss {last['loss']:.4f}."]
-    if lora:
-        lines += ["", "```python", "pipe.load_lora_weights(\"<this repo>\", subfolder=\"final\")",
+    if lora:  # Wan 2.2 A14B's low-noise expert: the adapter goes onto transformer_2
+        into = ", load_into_transformer_2=True" if settings.expert == "low" else ""
+        lines += ["", "```python",
+                  f"pipe.load_lora_weights(\"<this repo>\", subfolder=\"final\"{into})",
                   "```"]  # fmt: skip
+    if settings.expert:
+        lines += ["", f"Wan 2.2 A14B's {settings.expert}-noise expert "
+                  f"(`{'transformer' if settings.expert == 'high' else 'transformer_2'}`) only; "
+                  "the other expert is the base model's."]  # fmt: skip
     if (output_dir / "run" / "loss.png").is_file():
         lines += ["", "![loss curve](run/loss.png)"]
     samples = _latest_samples(output_dir)

@@ -198,6 +198,13 @@ class Settings(BaseSettings):
         description="Video families: the rate frames are sampled from a clip at (Wan 2.1 was "
         "trained at 16 fps, Wan 2.2 5B at 24).",
     )
+    expert: Literal["high", "low"] | None = Field(
+        None,
+        description="Wan 2.2 A14B (two expert transformers): the one this run trains, `high` "
+        "(`transformer`, the noisy steps) or `low` (`transformer_2`, the clean ones), on its "
+        "part of the noise schedule (the model's boundary_ratio); the export keeps the other "
+        "as it was. Two runs train both. Empty: a model with one transformer.",
+    )
     compile: Auto | bool = Field(
         "auto",
         description="torch.compile the model's repeated blocks; `auto` turns it on where it "

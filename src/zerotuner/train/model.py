@@ -110,26 +110,29 @@ def load_denoiser(
     family: str = "sdxl",
     deepspeed_config: dict[str, Any] | None = None,
     dtype: torch.dtype = torch.float32,
+    denoiser: str | None = None,
 ) -> Any:
-    """The trainable denoiser (the family's UNet or transformer). At ZeRO-3 (`deepspeed_config`
+    """The trainable denoiser (the family's UNet or transformer; `denoiser`: the pipeline
+    folder it is in when not the family's own, Wan 2.2 A14B's expert). At ZeRO-3 (`deepspeed_config`
     given, stage 3) it is built inside deepspeed.zero.Init, each rank holding its partition
     only (zero_init.py); else whole in `dtype`: fp32 for full training (DeepSpeed makes its
     masters from it), the run's 16-bit dtype for a LoRA base, which DeepSpeed would cast to it
     anyway and which has no masters."""
     kind = families.get(family)
+    part = denoiser or kind.denoiser
     if zero_init.wanted(deepspeed_config):
         assert deepspeed_config is not None
-        denoiser = zero_init.build(
-            kind.denoiser_class(), source / kind.denoiser, deepspeed_config,
+        built = zero_init.build(
+            kind.denoiser_class(), source / part, deepspeed_config,
             gradient_checkpointing=gradient_checkpointing,
         )  # fmt: skip
-        if denoiser is not None:
-            return denoiser
-    denoiser = kind.denoiser_class().from_pretrained(source, subfolder=kind.denoiser, dtype=dtype)
+        if built is not None:
+            return built
+    model = kind.denoiser_class().from_pretrained(source, subfolder=part, dtype=dtype)
     if gradient_checkpointing:
-        denoiser.enable_gradient_checkpointing()
-    denoiser.train()
-    return denoiser
+        model.enable_gradient_checkpointing()
+    model.train()
+    return model
 
 
 def load_frozen(components: Components, *, device: torch.device, text_dtype: torch.dtype) -> None:
@@ -167,16 +170,17 @@ def load_components(
     with_frozen: bool = True,
     deepspeed_config: dict[str, Any] | None = None,
     dtype: torch.dtype = torch.float32,
+    denoiser: str | None = None,
 ) -> Components:
     """`deepspeed_config`: the run's effective DeepSpeed config (None outside a training rank);
-    `dtype`: the denoiser's below ZeRO-3 (see load_denoiser)."""
+    `dtype`: the denoiser's below ZeRO-3, `denoiser` its folder (see load_denoiser)."""
     kind = families.get(family)
     scheduler = kind.scheduler_class().from_pretrained(source, subfolder="scheduler")
-    denoiser = load_denoiser(
+    trained = load_denoiser(
         source, gradient_checkpointing=gradient_checkpointing, family=family,
-        deepspeed_config=deepspeed_config, dtype=dtype,
+        deepspeed_config=deepspeed_config, dtype=dtype, denoiser=denoiser,
     )  # fmt: skip
-    components = Components(family=family, source=source, denoiser=denoiser, scheduler=scheduler)
+    components = Components(family=family, source=source, denoiser=trained, scheduler=scheduler)
     if with_frozen:
         load_frozen(components, device=torch.device("cpu"), text_dtype=torch.float32)
     return components

@@ -52,20 +52,23 @@ def load_pipeline(
     *,
     device: str,
     lora_dir: Path | None = None,
+    denoiser: str | None = None,
 ) -> object:
-    """`unet_state`: the trained denoiser's weights (UNet or transformer), None for the base's
-    as saved; `lora_dir`: a LoRA adapter loaded on top."""
+    """`unet_state`: the trained denoiser's weights (UNet or transformer; `denoiser`: the part
+    they are, Wan 2.2 A14B's expert), None for the base's as saved; `lora_dir`: a LoRA adapter
+    loaded on top (into `transformer_2` for A14B's low-noise expert)."""
     from diffusers import DiffusionPipeline
 
     from zerotuner.weights.pipeline_folder import built_part, denoiser_part
 
     parts = {}
+    part = denoiser or denoiser_part(base)
     if unet_state is not None:
-        part = denoiser_part(base)
         parts[part] = built_part(base, part, unet_state)
     pipe = DiffusionPipeline.from_pretrained(base, dtype=torch.float32, **parts)
     if lora_dir is not None:
-        pipe.load_lora_weights(lora_dir)
+        into = {"load_into_transformer_2": True} if part == "transformer_2" else {}
+        pipe.load_lora_weights(lora_dir, **into)
     pipe.set_progress_bar_config(disable=True)
     return pipe.to(device)
 
@@ -90,6 +93,7 @@ def render(
     pipeline_kwargs: dict | None = None,
     video_frames: int | None = None,
     video_fps: float | None = None,
+    denoiser: str | None = None,
 ) -> list[Path]:
     """One image per prompt, prompt i with seed + i, into out_dir (e.g. samples/step-N/);
     then (compare) the side-by-side with the base model's images in out_dir's parent.
@@ -99,10 +103,10 @@ def render(
     A video pipeline (its call takes `num_frames`) renders a clip per prompt instead, of
     `sample_frames(video_frames)` frames (whatever num_frames pipeline_kwargs names), written
     as NN-slug.mp4 at `video_fps` (ZT_VIDEO_FPS; None: 16) beside its contact sheet NN-slug.png;
-    the .mp4 paths are returned."""
+    the .mp4 paths are returned. `denoiser`: the trained part (load_pipeline)."""
     extra = {} if guidance_scale is None else {"guidance_scale": guidance_scale}
     extra |= pipeline_kwargs or {}
-    pipe = load_pipeline(base, unet_state, device=device, lora_dir=lora_dir)
+    pipe = load_pipeline(base, unet_state, device=device, lora_dir=lora_dir, denoiser=denoiser)
     video = "num_frames" in inspect.signature(pipe.__call__).parameters
     fps = VIDEO_FPS if video_fps is None else video_fps
     if video:

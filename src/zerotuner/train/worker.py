@@ -126,6 +126,9 @@ class Run:
         self.phase("loading")
         if int(os.environ["LOCAL_RANK"]) != 0:
             self.source = resolve()
+        self.conditioning = families.get(job.family).configured(s, self.source)
+        # Wan 2.2 A14B's expert (ZT_EXPERT): the folder trained, exported and sampled
+        self.part = self.conditioning.denoiser if s.expert else None
         self.components = model.load_components(
             self.source,
             job.family,
@@ -134,8 +137,8 @@ class Run:
             deepspeed_config=job.deepspeed,
             # a LoRA base is frozen: loaded straight in the run's dtype, no fp32 copy
             dtype=self.dtype if s.training_type == "lora" else torch.float32,
+            denoiser=self.part,
         )
-        self.conditioning = families.get(job.family).configured(s)
         self.objective = self.conditioning.objective(
             s, self.components.scheduler, self.components.denoiser.config
         )
@@ -357,6 +360,7 @@ class Run:
             "mixed_precision": job.mixed_precision,
             "position": asdict(self.position),
             **lora.manifest_entries(s, base_digest=self.base_digest),
+            **({"expert": s.expert, "denoiser": self.part} if self.part else {}),
         }
         seconds = checkpoint.save(
             self.engine_,
@@ -390,6 +394,7 @@ class Run:
             pipeline_kwargs=self.conditioning.pipeline_kwargs(s),
             video_frames=s.video_frames,  # a video family's samples are clips
             video_fps=s.video_fps,
+            denoiser=self.part,
         )
         if s.training_type == "lora":  # the base pipeline with the adapter as saved so far
             with tempfile.TemporaryDirectory() as tmp:
@@ -420,6 +425,7 @@ class Run:
                         self.job.family, self.ema.state_dict(), self.adapter_shapes,
                         self.adapter_metadata, s.output_dir / "final-ema",
                         text_metadata=self.text_metadata, initial=self.initial_adapter,
+                        denoiser=self.part,
                     )  # fmt: skip
                 self._loss_curve()
                 log.info(
@@ -427,15 +433,23 @@ class Run:
                     f" and {final / lora_files.MERGED}" if s.lora_merge else "",
                     " and final-ema" if self.ema else "",
                 )  # fmt: skip
+                if self.part == "transformer_2":  # diffusers' WanLoraLoaderMixin
+                    log.info(
+                        "the adapter is the low-noise expert's: load it with "
+                        "WanPipeline.load_lora_weights(final, load_into_transformer_2=True)"
+                    )
             distributed.barrier()
             return
         state = full_state_dict(self.engine_.module, rank=self.rank)  # collective
         if self.rank == 0:
-            out = pipeline_folder.write_pipeline(self.source, state, s.output_dir / "final")
+            out = pipeline_folder.write_pipeline(
+                self.source, state, s.output_dir / "final", denoiser=self.part
+            )
             if self.ema is not None:
                 pipeline_folder.write_pipeline(
-                    self.source, self.ema.state_dict(), s.output_dir / "final-ema"
-                )
+                    self.source, self.ema.state_dict(), s.output_dir / "final-ema",
+                    denoiser=self.part,
+                )  # fmt: skip
             self._loss_curve()
             log.info("exported %s%s", out, " and final-ema" if self.ema else "")
         distributed.barrier()
@@ -445,7 +459,7 @@ class Run:
             self.engine_.module, rank=self.rank, family=self.job.family,
             expected=self.adapter_shapes, adapter_metadata=self.adapter_metadata, out=out,
             text_metadata=self.text_metadata, merge_base=self.source if merge else None,
-            initial=self.initial_adapter,
+            initial=self.initial_adapter, denoiser=self.part,
         )  # fmt: skip
 
     def _loss_curve(self) -> None:
@@ -553,7 +567,7 @@ def train(settings: Settings, job: Job, *, sinks: Sequence[Sink] | None = None) 
             manifest = checkpoint.read_manifest(resume) or {}
             checkpoint.check_model(
                 manifest, family=job.family, denoiser_params=job.denoiser_params,
-                model=job.model, path=resume,
+                model=job.model, path=resume, expert=settings.expert,
             )  # fmt: skip
             lora.check_resume(manifest, settings, resume)
         if sinks is None:

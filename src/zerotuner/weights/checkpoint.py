@@ -461,18 +461,32 @@ def _replay_cpu_adam_steps(engine: Any) -> None:
 
 
 def check_model(
-    manifest: dict[str, Any], *, family: str, denoiser_params: int | None, model: str, path: Path
+    manifest: dict[str, Any],
+    *,
+    family: str,
+    denoiser_params: int | None,
+    model: str,
+    path: Path,
+    expert: str | None = None,
 ) -> None:
     """Refuse (exit 2, one line) to resume a checkpoint trained on another model family or on
     a network of another size: its tensors have other shapes, and DeepSpeed would fail
-    mid-load with a size mismatch. (Manifests from before the count was recorded are checked
-    by family only.)"""
+    mid-load with a size mismatch; or on Wan 2.2 A14B's other expert (`expert`: ZT_EXPERT;
+    the same shapes, another network). (Manifests from before the count was recorded are
+    checked by family only.)"""
     fresh = "set ZT_MODEL back to it, or ZT_RESUME=never or another ZT_OUTPUT_DIR to start afresh"
     saved = manifest.get("family")
     if saved is not None and saved != family:
         raise ConfigError(
             f"ZT_MODEL={model}: a {family} model, but the checkpoint to resume ({path}) trained "
             f"a {saved} model; {fresh}"
+        )
+    if (manifest.get("expert") or None) != (expert or None):
+        trained = f"ZT_EXPERT={manifest['expert']}" if manifest.get("expert") else "no ZT_EXPERT"
+        raise ConfigError(
+            f"ZT_EXPERT={expert or ''}: the checkpoint to resume ({path}) trained with {trained} "
+            f"(another expert of the model); set ZT_EXPERT back, or ZT_RESUME=never or another "
+            f"ZT_OUTPUT_DIR to start afresh"
         )
     params = manifest.get("denoiser_params")
     if params is not None and denoiser_params is not None and params != denoiser_params:

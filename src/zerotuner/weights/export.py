@@ -82,7 +82,7 @@ def export_checkpoint(
             "is from a full run, whose export is a whole pipeline already"
         )
     state = checkpoint_unet_state(checkpoint, ema=ema)
-    return write_pipeline(base, state, out)
+    return write_pipeline(base, state, out, denoiser=manifest.get("denoiser"))
 
 
 def _export_lora(
@@ -104,8 +104,9 @@ def _export_lora(
     from zerotuner.weights.lora_files import write_adapter
 
     adapter, family = manifest["lora"], manifest["family"]
+    part = manifest.get("denoiser")  # Wan 2.2 A14B's expert; else the family's own
     config = make_config(adapter | {"init": "gaussian"})  # its shapes: nothing to read here
-    denoiser = families.meta_model(family, base)
+    denoiser = families.meta_model(family, base, part)
     denoiser.requires_grad_(False)
     denoiser.add_adapter(config, adapter_name=ADAPTER)
     module, text_metadata = denoiser, None
@@ -114,12 +115,12 @@ def _export_lora(
         text_metadata = metadata(lora_text.text_config(adapter))
     initial, init = None, adapter.get("init", "gaussian")
     if init != "gaussian":  # its start, from the base weights again
-        start = load_part(base, families.get(family).denoiser)
+        start = load_part(base, part or families.get(family).denoiser)
         start.add_adapter(make_config(adapter), adapter_name=ADAPTER)
         initial = initial_adapter(start, init)
     state = checkpoint_unet_state(checkpoint, ema=ema)
     return write_adapter(
         family, {name: t for name, t in state.items() if ".lora_" in name}, shapes(module),
         metadata(config), out, text_metadata=text_metadata, merge_base=base if merged else None,
-        initial=initial,
+        initial=initial, denoiser=part,
     )  # fmt: skip

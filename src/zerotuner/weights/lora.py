@@ -215,10 +215,11 @@ def initial_adapter(module: torch.nn.Module, init: str) -> dict[str, torch.Tenso
 def check_model_targets(settings: Settings, family: str, model_dir: Path | None) -> None:
     """check_targets before launch, on the model built from its config on the meta device (no
     weights read; a hub model not yet fetched is checked against its family's config)."""
-    from zerotuner.families import meta_model
+    from zerotuner.families import EXPERTS, meta_model
 
     targets = parse_targets(settings.lora_targets)
-    check_targets(meta_model(family, model_dir), targets, settings.lora_init)
+    denoiser = EXPERTS.get(settings.expert or "")  # Wan 2.2 A14B's expert
+    check_targets(meta_model(family, model_dir, denoiser), targets, settings.lora_init)
 
 
 def lora_config(settings: Settings) -> Any:
@@ -305,19 +306,20 @@ def manifest_entries(settings: Settings, *, base_digest: str | None = None) -> d
     return entries
 
 
-def base_folders(source: Path, *, text_encoder: bool) -> list[str]:
-    """The pipeline parts an adapter sits on: the UNet, and the text encoders if they train."""
+def base_folders(source: Path, *, text_encoder: bool, denoiser: str | None = None) -> list[str]:
+    """The pipeline parts an adapter sits on: the UNet (`denoiser`: that folder, Wan 2.2 A14B's
+    expert), and the text encoders if they train."""
     texts = ["text_encoder", "text_encoder_2"] if text_encoder else []
-    denoiser = "unet" if (source / "unet").is_dir() else "transformer"
+    denoiser = denoiser or ("unet" if (source / "unet").is_dir() else "transformer")
     return [denoiser, *(t for t in texts if (source / t).is_dir())]
 
 
-def base_digest(source: Path, *, text_encoder: bool = False) -> str:
+def base_digest(source: Path, *, text_encoder: bool = False, denoiser: str | None = None) -> str:
     """sha256 over the base weight files the adapter sits on (names and contents): what it
     was trained on, whatever the folder or hub id is called. (The manifest keeps it as
     `base_unet_sha256`, the name it had before text encoders could train.)"""
     digest = hashlib.sha256()
-    for folder in base_folders(source, text_encoder=text_encoder):
+    for folder in base_folders(source, text_encoder=text_encoder, denoiser=denoiser):
         files = (source / folder).iterdir()
         for path in sorted(p for p in files if p.suffix in (".safetensors", ".bin")):
             with path.open("rb") as f:
@@ -326,11 +328,15 @@ def base_digest(source: Path, *, text_encoder: bool = False) -> str:
     return digest.hexdigest()
 
 
-def shared_base_digest(source: Path, *, rank: int, text_encoder: bool = False) -> str:
+def shared_base_digest(
+    source: Path, *, rank: int, text_encoder: bool = False, denoiser: str | None = None
+) -> str:
     """base_digest read once (rank 0) and given to every rank (a collective)."""
     import torch.distributed as dist
 
-    shared = [base_digest(source, text_encoder=text_encoder) if rank == 0 else None]
+    shared = [
+        base_digest(source, text_encoder=text_encoder, denoiser=denoiser) if rank == 0 else None
+    ]
     if dist.is_available() and dist.is_initialized():
         dist.broadcast_object_list(shared, src=0)
     assert shared[0] is not None
@@ -339,9 +345,13 @@ def shared_base_digest(source: Path, *, rank: int, text_encoder: bool = False) -
 
 def base_for_resume(source: Path, settings: Settings, resume: Path | None, *, rank: int) -> str:
     """The base UNet's digest (every rank), checked against the checkpoint to resume."""
+    from zerotuner.families import EXPERTS
     from zerotuner.weights.checkpoint import read_manifest
 
-    digest = shared_base_digest(source, rank=rank, text_encoder=settings.lora_text_encoder)
+    digest = shared_base_digest(
+        source, rank=rank, text_encoder=settings.lora_text_encoder,
+        denoiser=EXPERTS.get(settings.expert or ""),  # Wan 2.2 A14B's expert
+    )  # fmt: skip
     if resume:
         check_resume_base(read_manifest(resume) or {}, digest, settings, resume)
     return digest

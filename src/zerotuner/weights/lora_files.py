@@ -67,9 +67,11 @@ def write_gathered(
     text_metadata: dict[str, Any] | None = None,
     merge_base: Path | None = None,
     initial: dict[str, torch.Tensor] | None = None,
+    denoiser: str | None = None,
 ) -> bool:
     """The engine's adapter gathered from every rank and written by rank 0 into `out` (a
-    collective; a refusal fails every rank, not only rank 0). True on rank 0."""
+    collective; a refusal fails every rank, not only rank 0). True on rank 0. `denoiser`: see
+    write_adapter."""
     from zerotuner.weights.checkpoint import on_rank0
     from zerotuner.weights.ema import trainable_state_dict
 
@@ -79,7 +81,7 @@ def write_gathered(
         assert state is not None
         write_adapter(
             family, state, expected, adapter_metadata, out, text_metadata=text_metadata,
-            merge_base=merge_base, initial=initial,
+            merge_base=merge_base, initial=initial, denoiser=denoiser,
         )  # fmt: skip
 
     on_rank0(rank, write)
@@ -140,12 +142,16 @@ def write_adapter(
     text_metadata: dict[str, Any] | None = None,
     merge_base: Path | None = None,
     initial: dict[str, torch.Tensor] | None = None,
+    denoiser: str | None = None,
 ) -> Path:
     """`out/pytorch_lora_weights.safetensors` (diffusers layout, metadata included) and its
     kohya copy, built in a folder beside `out` and renamed into place; refused when the adapter
     is not whole. `text_metadata`: the text encoders' LoraConfig when they trained. With
     `merge_base`, also `out/merged/`: that pipeline with the adapter fused. `initial`: a PiSSA /
-    OLoRA adapter's starting weights (see plain_lora)."""
+    OLoRA adapter's starting weights (see plain_lora). `denoiser`: the pipeline part the
+    adapter is on when not the family's own (Wan 2.2 A14B's `transformer_2`): the file keeps
+    the family's names (`transformer.`: WanPipeline.load_lora_weights(..., load_into_transformer_2=
+    True) puts it on that expert), the merged pipeline fuses it into that part."""
     check_adapter(state, expected)
     if initial is not None:
         state, adapter_metadata = plain_lora(state, initial, adapter_metadata)
@@ -172,12 +178,15 @@ def write_adapter(
     if adapter_metadata and not adapter_metadata.get("use_dora") and kind.denoiser == "unet":
         save_file(kohya(parts, adapter_metadata), str(tmp / KOHYA_FILE))
     if merge_base is not None:
+        target = denoiser or kind.denoiser  # the part the adapter is on
         merged = {
-            part: merged_state(merge_base, part, layers, meta[part])
+            part: merged_state(
+                merge_base, target if part == kind.denoiser else part, layers, meta[part]
+            )
             for part, layers in by_part(state, kind.denoiser).items()
         }
         unet = merged.pop(kind.denoiser)
-        write_pipeline(merge_base, unet, tmp / MERGED, text_states=merged)
+        write_pipeline(merge_base, unet, tmp / MERGED, text_states=merged, denoiser=denoiser)
     readable_by_all(tmp)  # safetensors writes 0600: the adapter is for other users too
     if out.exists():
         shutil.rmtree(out)

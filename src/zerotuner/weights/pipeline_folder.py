@@ -75,12 +75,13 @@ def write_pipeline(
     out: Path,
     *,
     text_states: dict[str, dict[str, torch.Tensor]] | None = None,
+    denoiser: str | None = None,
 ) -> Path:
-    """Write `out` as a pipeline folder: `base` without its denoiser (UNet or transformer),
-    plus these weights (and `text_states`: text encoders' weights by part name, e.g. a merged
-    LoRA's)."""
+    """Write `out` as a pipeline folder: `base` without its denoiser (UNet or transformer;
+    `denoiser`: that part, Wan 2.2 A14B's trained expert, the other copied as it is), plus these
+    weights (and `text_states`: text encoders' weights by part name, e.g. a merged LoRA's)."""
     out = Path(out)
-    states = {denoiser_part(base): unet_state} | (text_states or {})
+    states = {denoiser or denoiser_part(base): unet_state} | (text_states or {})
     modules = {part: built_part(base, part, state) for part, state in states.items()}
     tmp = out.with_name(f".{out.name}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
