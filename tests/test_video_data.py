@@ -190,3 +190,10 @@ def test_huge_clips_are_refused_before_decoding(tmp_path, monkeypatch) -> None:
     monkeypatch.setattr(clips, "MAX_FRAME_PIXELS", 64 * 48 - 1)
     found = clips.probe(clip, fps=16, frames=9, step=STEP)
     assert found.size is None and found.reason == "too large (frames of 64x48 pixels)"
+
+
+def test_wans_own_480p_is_a_bucket_at_its_step() -> None:
+    """Wan plans and trains at 632 px (the area of 832x480) in 16 px steps (its VAE's 8 x its
+    patch's 2): 832x480 and 480x832 are buckets; 64 px steps would miss them."""
+    assert {(832, 480), (480, 832)} <= set(data.bucket_sizes(632, multiple=16))
+    assert (832, 480) not in data.bucket_sizes(632, multiple=64)

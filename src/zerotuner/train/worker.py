@@ -189,7 +189,10 @@ class Run:
         levels, a transformer's patches)."""
         cells = self.conditioning.latent_multiple(self.components.denoiser.config)
         step = families.vae_scale(Path(self.source)) * cells
-        return max(step, 64) if self.job.resolution >= 512 else step
+        # 64 px steps from 512 px up, the buckets SDXL and its peers train; a video family
+        # keeps its own (Wan's 832x480 is a multiple of 16, not of 64)
+        video = self.conditioning.frame_step(Path(self.source)) is not None
+        return max(step, 64) if self.job.resolution >= 512 and not video else step
 
     # --- caching ------------------------------------------------------------------------
     def cache(self) -> None:
