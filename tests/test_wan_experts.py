@@ -211,7 +211,8 @@ def test_low_expert_full_fine_tuning_at_zero_2(a14b, tmp_path):
     """The low-noise expert alone trains: the objective drew sigmas in 0-0.875 only (every
     draw, recorded through the real sampler), the export's transformer_2 changed, its
     transformer is the base's byte for byte, the pipeline renders a clip, and the checkpoint
-    records the expert, which `zerotuner export` writes back into transformer_2."""
+    records the expert, which `zerotuner export` writes back into transformer_2; it resumes
+    on one rank at ZeRO-3."""
     import numpy as np
     from diffusers import DiffusionPipeline
 
@@ -244,6 +245,27 @@ def test_low_expert_full_fine_tuning_at_zero_2(a14b, tmp_path):
 
         check_model(manifest, family="wan", denoiser_params=None, model="m", path=output,
                     expert="high")  # fmt: skip
+    # The expert resumes on one rank at ZeRO-3: another world size and stage.
+    resume = tmp_path / "resume"
+    resume.mkdir()
+    config = tk.ds_config(3, world=1, steps=STEPS + 2)
+    job = tk.write_job(resume / "job.json", model=a14b / "model", deepspeed=config, family="wan",
+                       world=1)  # fmt: skip
+    env = tk.settings_env(
+        model=a14b / "model", data=a14b / "data", output=output, cache=a14b / "cache",
+        max_steps=STEPS + 2, log_every_steps=1, max_sequence_length=TOKENS, video_frames=5,
+        expert="low", checkpoint_every_steps=0,
+    )  # fmt: skip
+    proc = tk.run_ranks(resume, env, job_file=job, world=1)
+    tk.assert_ok(proc, resume, world=1)
+    assert f"at step {STEPS}" in proc.stdout + proc.stderr
+    assert [s["step"] for s in tk.read_steps(output)][-2:] == [STEPS + 1, STEPS + 2]
+    again = _tensors(output / "final" / "transformer_2")
+    assert any(not torch.equal(again[k], trained[k]) for k in trained)  # trained on
+    for name in sorted(p.name for p in (base / "transformer").iterdir()):  # still the base's
+        assert (output / "final" / "transformer" / name).read_bytes() == (
+            base / "transformer" / name
+        ).read_bytes()
 
 
 @pytest.mark.slow
