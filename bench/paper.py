@@ -296,15 +296,20 @@ def flow_plans_markdown() -> str:
     for name, family in FLOW_MODELS:
         for label, gpus, gpu_gib, host_gib in FLOW_HARDWARE:
             plan = flow_plan(family, gpus, gpu_gib, host_gib)
-            c = plan["choice"]  # the row it picked: its memory
-            row = next(r for r in plan["rows"] if all(r[k] == v for k, v in c.items()))
-            load = plan["load_peak"]["host_bytes"]
-            rows.append(
-                f"| {name} | {label} ({host_gib} GiB) | {row['label']} | "
-                f"{row['device_bytes'] / GiB:.1f} | {row['host_bytes'] / GiB:.1f} "
-                f"({load / GiB:.1f}) | {row['disk_bytes'] / GiB:.1f} |"
-            )
+            rows.append(f"| {name} | {label} ({host_gib} GiB) | {_chosen_cells(plan)} |")
     return "\n".join(rows) + "\n"
+
+
+def _chosen_cells(plan: dict) -> str:
+    """A table's cells for the plan's choice: its label, device GiB, host GiB in training (at
+    the load peak) and disk GiB."""
+    c = plan["choice"]  # the row it picked: its memory
+    row = next(r for r in plan["rows"] if all(r[k] == v for k, v in c.items()))
+    load = plan["load_peak"]["host_bytes"]
+    return (
+        f"{row['label']} | {row['device_bytes'] / GiB:.1f} | {row['host_bytes'] / GiB:.1f} "
+        f"({load / GiB:.1f}) | {row['disk_bytes'] / GiB:.1f}"
+    )
 
 
 # The newer families (issue 30) on the same hosts, full fine-tuning and LoRA (the default
@@ -330,16 +335,13 @@ def family_plans_markdown() -> str:
         for label, gpus, gpu_gib, host_gib in FLOW_HARDWARE:
             for training in ("full", "lora"):
                 plan = flow_plan(family, gpus, gpu_gib, host_gib, training, frames=frames)
-                c, load = plan["choice"], plan["load_peak"]["host_bytes"]
+                c = plan["choice"]
                 if c is None:  # nothing fits: the planner's first reason says why
                     rows.append(f"| {name} | {label} ({host_gib} GiB) | {training} | nothing "
                                 f"fits: {plan['reasons'][0]} | | | |")  # fmt: skip
                     continue
-                row = next(r for r in plan["rows"] if all(r[k] == v for k, v in c.items()))
                 rows.append(
-                    f"| {name} | {label} ({host_gib} GiB) | {training} | {row['label']} | "
-                    f"{row['device_bytes'] / GiB:.1f} | {row['host_bytes'] / GiB:.1f} "
-                    f"({load / GiB:.1f}) | {row['disk_bytes'] / GiB:.1f} |"
+                    f"| {name} | {label} ({host_gib} GiB) | {training} | {_chosen_cells(plan)} |"
                 )
     return "\n".join(rows) + "\n"
 
@@ -375,13 +377,9 @@ def video_plans_markdown() -> str:
                 clip = (
                     f"{i['frames']} ({i['latent_frames']}), {i['tokens']} at {i['resolution']} px"
                 )
-                row = next(r for r in plan["rows"] if all(r[k] == v for k, v in c.items()))
-                load = plan["load_peak"]["host_bytes"]
                 rows.append(
                     f"| {name} | {label} ({host_gib} GiB) | {training} | {clip} | "
-                    f"{row['label']} | {row['device_bytes'] / GiB:.1f} | "
-                    f"{row['host_bytes'] / GiB:.1f} ({load / GiB:.1f}) | "
-                    f"{row['disk_bytes'] / GiB:.1f} |"
+                    f"{_chosen_cells(plan)} |"
                 )
     return "\n".join(rows) + "\n"
 

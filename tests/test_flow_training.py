@@ -6,6 +6,7 @@ resumes on one rank at another stage."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import shutil
 from pathlib import Path
 
@@ -246,3 +247,23 @@ def test_lora_on_a_flow_transformer(flow_demo_dirs, tmp_path, family, stage) -> 
     merged = image(DiffusionPipeline.from_pretrained(final / lora_files.MERGED))
     assert np.abs(adapted - before).max() > 1e-3, "the adapter changes nothing"
     assert np.abs(merged - adapted).max() < 1e-3
+
+
+def resumes_on_one_rank_at_zero_2(
+    tmp_path: Path, demo: Path, family: str, output: Path, pipeline: str
+) -> None:
+    """A full run's step-SAVED checkpoint, alone in a new output folder, trains on to STEPS on
+    1 rank at ZeRO-2 (converted once to a universal checkpoint), EMA included, and exports
+    `pipeline` folders."""
+    stopped = tmp_path / "output"
+    (stopped / "checkpoints").mkdir(parents=True)
+    shutil.copytree(output / "checkpoints" / f"step-{SAVED}",
+                    stopped / "checkpoints" / f"step-{SAVED}")  # fmt: skip
+    log = run(tmp_path, demo, family, stage=2, world=1, output=stopped, ema=True,
+              checkpoint_every_steps=0)  # fmt: skip
+    assert "converting once to universal" in log
+    assert [s["step"] for s in tk.read_steps(stopped)] == list(range(SAVED + 1, STEPS + 1))
+    for folder in ("final", "final-ema"):
+        index = json.loads((stopped / folder / "model_index.json").read_text())
+        assert index["_class_name"] == pipeline
+        assert (stopped / folder / "transformer" / "config.json").is_file()

@@ -28,6 +28,7 @@ from test_flow_training import (
     assert_ema_differs,
     assert_trained_and_generates,
     pipeline_parts,
+    resumes_on_one_rank_at_zero_2,
     run,
 )
 from test_flow_training import held_out_loss as family_held_out_loss
@@ -209,18 +210,7 @@ def test_full_checkpoint_resumes_on_one_rank_at_zero_2(full_run, tmp_path) -> No
     """From the step-5 checkpoint, 1 rank at ZeRO-2 (the universal checkpoint) trains steps
     6-10, EMA included, and exports the pipeline folder."""
     family, demo, output, _ = full_run
-    stopped = tmp_path / "output"
-    (stopped / "checkpoints").mkdir(parents=True)
-    shutil.copytree(output / "checkpoints" / f"step-{SAVED}",
-                    stopped / "checkpoints" / f"step-{SAVED}")  # fmt: skip
-    log = run(tmp_path, demo, family, stage=2, world=1, output=stopped, ema=True,
-              checkpoint_every_steps=0)  # fmt: skip
-    assert "converting once to universal" in log
-    assert [s["step"] for s in tk.read_steps(stopped)] == list(range(SAVED + 1, STEPS + 1))
-    for folder in ("final", "final-ema"):
-        index = json.loads((stopped / folder / "model_index.json").read_text())
-        assert index["_class_name"] == PIPELINES[family]
-        assert (stopped / folder / "transformer" / "config.json").is_file()
+    resumes_on_one_rank_at_zero_2(tmp_path, demo, family, output, PIPELINES[family])
 
 
 @pytest.mark.slow

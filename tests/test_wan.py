@@ -20,7 +20,16 @@ from pathlib import Path
 import pytest
 import torch
 import trainkit as tk
-from test_flow_training import PROMPT, SAVED, STEPS, TOKENS, held_out_loss, pipeline_parts, run
+from test_flow_training import (
+    PROMPT,
+    SAVED,
+    STEPS,
+    TOKENS,
+    held_out_loss,
+    pipeline_parts,
+    resumes_on_one_rank_at_zero_2,
+    run,
+)
 
 from zerotuner import families
 from zerotuner.errors import ConfigError
@@ -257,18 +266,7 @@ def test_full_checkpoint_resumes_on_one_rank_at_zero_2(demo, full_run, tmp_path)
     """From the step-5 checkpoint, 1 rank at ZeRO-2 (the universal checkpoint) trains steps
     6-10, EMA included, and exports WanPipeline folders."""
     output, _ = full_run
-    stopped = tmp_path / "output"
-    (stopped / "checkpoints").mkdir(parents=True)
-    shutil.copytree(output / "checkpoints" / f"step-{SAVED}",
-                    stopped / "checkpoints" / f"step-{SAVED}")  # fmt: skip
-    log = run(tmp_path, demo, FAMILY, stage=2, world=1, output=stopped, ema=True,
-              checkpoint_every_steps=0)  # fmt: skip
-    assert "converting once to universal" in log
-    assert [s["step"] for s in tk.read_steps(stopped)] == list(range(SAVED + 1, STEPS + 1))
-    for folder in ("final", "final-ema"):
-        index = json.loads((stopped / folder / "model_index.json").read_text())
-        assert index["_class_name"] == "WanPipeline"
-        assert (stopped / folder / "transformer" / "config.json").is_file()
+    resumes_on_one_rank_at_zero_2(tmp_path, demo, FAMILY, output, "WanPipeline")
 
 
 @pytest.mark.slow
