@@ -479,3 +479,14 @@ def test_the_builder_shows_the_data_settings_and_keeps_a_remote_dataset_in_the_j
     assert f"data_dir: s3://{BUCKET}/images" in config_block(remote)
     local = kubernetes_job({"ZT_DATA_DIR": "/data/images"}, gpus=1)
     assert "data_dir" not in config_block(local)  # a mount: the Job's volume gives it
+
+
+def test_a_missing_dataset_folder_names_the_datasets_file(demo_job_env, tmp_path, capsys):
+    from zerotuner.cli import main
+
+    path = _datasets_file(tmp_path, {"datasets": [str(tmp_path / "nowhere")]})
+    demo_job_env.setenv("ZT_DATASETS_FILE", str(path))
+    assert main(["check"]) == 2
+    out = capsys.readouterr().out
+    assert f"FAIL dataset          ZT_DATASETS_FILE={path}: path={tmp_path / 'nowhere'}: no " in out
+    assert "Traceback" not in out

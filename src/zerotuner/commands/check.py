@@ -166,7 +166,7 @@ def _dataset(c: Checks) -> tuple[str, list[str]]:
         video = video_sampling(s, families.get(source.family), source.local_dir)
     dataset = scan_sources(
         found, s.cache_dir, log_skipped=False, write_index=False,
-        min_image_size=s.min_image_size, video=video,
+        min_image_size=s.min_image_size, video=video, datasets_file=s.datasets_file,
     )  # fmt: skip
     warnings = dataset.warnings()  # the lines train logs
     shape = c.facts.get("shape")  # as train: ZT_RESOLUTION, else the family's own

@@ -327,10 +327,12 @@ def scan_sources(
     write_index: bool = True,
     min_image_size: int = 0,
     video: Video | None = None,
+    datasets_file: Path | None = None,
 ) -> Dataset:
     """Every dataset of the run scanned (`scan`) and joined: one dataset as it is, several
     into a Dataset whose `parts` keep each one's repeats and resolution. A remote dataset is
-    read from its fetched copy (settings.datasets.local_folder); `preflight.fetch` made it."""
+    read from its fetched copy (settings.datasets.local_folder); `preflight.fetch` made it.
+    `datasets_file` (ZT_DATASETS_FILE): what an error names instead of ZT_DATA_DIR."""
     scanned = []
     for source in sources:
         folder = local_folder(source, cache_dir)
@@ -339,7 +341,7 @@ def scan_sources(
                 f"{source.path}: not fetched into {folder} yet; `zerotuner train` fetches it "
                 "on each node before the ranks start"
             )
-        setting = "ZT_DATA_DIR" if len(sources) == 1 else f"dataset {source.path}"
+        setting = f"ZT_DATASETS_FILE={datasets_file}: path" if datasets_file else "ZT_DATA_DIR"
         scanned.append(
             scan(
                 folder,

@@ -146,6 +146,7 @@ class Run:
             datasets.sources(s), s.cache_dir, log_skipped=self.rank == 0,
             write_index=int(os.environ["LOCAL_RANK"]) == 0, min_image_size=s.min_image_size,
             video=data.video_sampling(s, self.conditioning, self.source),
+            datasets_file=s.datasets_file,
         )  # fmt: skip
         self.buckets = data.dataset_buckets(
             self.dataset, job.resolution, multiple=self._bucket_multiple(), upscale=s.upscale
