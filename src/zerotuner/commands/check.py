@@ -164,6 +164,7 @@ def _dataset(c: Checks) -> tuple[str, list[str]]:
     video = None
     if source is not None and source.local_dir is not None:  # as train samples clips
         video = video_sampling(s, families.get(source.family), source.local_dir)
+    c.facts["video"] = video
     dataset = scan_sources(
         found, s.cache_dir, log_skipped=False, write_index=False,
         min_image_size=s.min_image_size, video=video, datasets_file=s.datasets_file,
@@ -206,23 +207,18 @@ def _text_cache(c: Checks) -> str:
 
 def _latent_cache(c: Checks) -> str:
     """The images' and clips' cached latents at the buckets train will use (fp32)."""
-    import json
-
     from zerotuner import families
-    from zerotuner.train.data import dataset_buckets, video_sampling
+    from zerotuner.train.data import dataset_buckets
     from zerotuner.train.feature_cache import latent_cache_bytes
 
     s, dataset, model = c.facts["settings"], c.facts["dataset"], c.facts["model"]
+    video = c.facts.get("video")  # as `_dataset` sampled the clips
     resolution = s.resolution or c.facts["model_shape"].native_resolution  # as train's
-    vae = model.local_dir / "vae" / "config.json"
-    config = json.loads(vae.read_text()) if vae.is_file() else {}
-    channels = int(config.get("latent_channels") or config.get("z_dim") or 4)
     scale = families.vae_scale(model.local_dir)
-    video = video_sampling(s, families.get(model.family), model.local_dir)
     buckets = dataset_buckets(dataset, resolution, multiple=scale, upscale=s.upscale)
     need = latent_cache_bytes(
-        buckets, channels=channels, scale=scale, frame_step=video.step if video else None,
-        flip=s.random_flip,
+        buckets, channels=families.vae_latent_channels(model.local_dir), scale=scale,
+        frame_step=video.step if video else None, flip=s.random_flip,
     )  # fmt: skip
     clip_buckets = sorted({b[2] for b in buckets if len(b) == 3})
     frames = f"; clips of {', '.join(map(str, clip_buckets))} frames" if clip_buckets else ""

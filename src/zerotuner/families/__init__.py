@@ -735,6 +735,14 @@ def boundary_ratio(model_dir: Path) -> float | None:
     return float(value) if isinstance(value, int | float) else math.nan
 
 
+def vae_latent_channels(model_dir: Path) -> int:
+    """Channels of a latent cell: `latent_channels` (AutoencoderKL, FLUX.2's), or a video VAE's
+    `z_dim` (Qwen-Image's, Wan's); 4 (SD's) without a config."""
+    config = model_dir / "vae" / "config.json"
+    vae = model_json(config) if config.is_file() else {}
+    return int(vae.get("latent_channels") or vae.get("z_dim") or 4)
+
+
 def video_scales(model_dir: Path | None) -> tuple[int, int]:
     """(frames, pixels) per latent cell of a video VAE: AutoencoderKLWan's
     `scale_factor_temporal` and `scale_factor_spatial` (what WanPipeline sizes latents by),

@@ -39,7 +39,6 @@ whole WanPipeline folder with the other expert as it was.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -152,11 +151,11 @@ class Wan(FlowFamily):
                             expert_range=expert_range(self.expert, self.boundary))  # fmt: skip
 
     def frame_step(self, source: Any) -> int:
-        """AutoencoderKLWan halves time once per True in `temperal_downsample` (Wan 2.1's and
-        2.2's: 4x, so clips of 4k+1 frames, the first frame encoded alone)."""
-        path = Path(source) / "vae" / "config.json"
-        config = json.loads(path.read_text()) if path.is_file() else {}  # else the published
-        return 2 ** sum(bool(x) for x in config.get("temperal_downsample", [False, True, True]))
+        """Clips of step * k + 1 frames: the VAE's temporal compression (Wan 2.1's and 2.2's
+        4x; the first frame is encoded alone)."""
+        from zerotuner.families import video_scales
+
+        return video_scales(Path(source))[0]
 
     def latent_multiple(self, model_config: Any) -> int:
         """The transformer's spatial patch (its patch_size is (frames, height, width))."""

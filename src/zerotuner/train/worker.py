@@ -142,10 +142,11 @@ class Run:
         self.objective = self.conditioning.objective(
             s, self.components.scheduler, self.components.denoiser.config
         )
+        self.video = data.video_sampling(s, self.conditioning, self.source)  # None: images
         self.dataset = data.scan_sources(
             datasets.sources(s), s.cache_dir, log_skipped=self.rank == 0,
             write_index=int(os.environ["LOCAL_RANK"]) == 0, min_image_size=s.min_image_size,
-            video=data.video_sampling(s, self.conditioning, self.source),
+            video=self.video,
             datasets_file=s.datasets_file,
         )  # fmt: skip
         self.buckets = data.dataset_buckets(
@@ -192,7 +193,7 @@ class Run:
         step = families.vae_scale(Path(self.source)) * cells
         # 64 px steps from 512 px up, the buckets SDXL and its peers train; a video family
         # keeps its own (Wan's 832x480 is a multiple of 16, not of 64)
-        video = self.conditioning.frame_step(Path(self.source)) is not None
+        video = self.video is not None
         return max(step, 64) if self.job.resolution >= 512 and not video else step
 
     # --- caching ------------------------------------------------------------------------
