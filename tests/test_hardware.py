@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from zerotuner.errors import ConfigError, EnvironmentUnfit
 from zerotuner.machine.driver import CUDA12_BUILD, Driver, driver_problem, driver_warnings
 from zerotuner.machine.hardware import (
+    GPU,
     CudaDevice,
     Facts,
     GiB,
+    Hardware,
     MiB,
     NvmlDevice,
     OpStatus,
@@ -391,3 +395,55 @@ def test_the_entrypoint_exits_3_with_one_line_on_an_old_driver(tmp_path):
     assert len(errors) == 1 and EXPECTED_LINE in errors[0], result.stderr[-2000:]
     assert "Traceback" not in result.stderr and "CUDA initialization" not in result.stderr
     assert not (tmp_path / "output").exists()
+
+
+# --- what the lent H200 showed (bench/results/gpu/2026-11-27) --------------------------------
+
+
+def test_an_arch_specific_cuda_target_is_given_to_deepspeed_as_the_plain_one(monkeypatch):
+    from deepspeed.ops.op_builder.fused_adam import FusedAdamBuilder
+
+    from zerotuner.launch.ranks import Topology, worker_env
+    from zerotuner.machine.ops import deepspeed_arch_list
+
+    builder = FusedAdamBuilder()  # the CUDA op's builder: its arch parsing runs without a GPU
+    builder.jit_mode = True
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "9.0a")  # what the CUDA image sets
+    with pytest.raises(ValueError, match="'0a'"):
+        builder.compute_capability_args()
+    gpus = Hardware("cuda", (GPU(0, "H200", 140 * GiB, 140 * GiB),), cpu_count=16)
+    env = worker_env(dict(os.environ), Topology(1, 0, 1, "h", 1, "x"), gpus,
+                     job_file="j", status_dir="s")  # fmt: skip
+    assert env["TORCH_CUDA_ARCH_LIST"] == "9.0"
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", env["TORCH_CUDA_ARCH_LIST"])
+    builder.compute_capability_args()  # parses now
+    assert deepspeed_arch_list("8.0;9.0a 10.0f+PTX;9.0") == "8.0;9.0;10.0+PTX"
+    cpu = Hardware("cpu", (), cpu_count=2)
+    assert "TORCH_CUDA_ARCH_LIST" not in worker_env({}, Topology(1, 0, 1, "h", 1, "x"), cpu,
+                                                    job_file="j", status_dir="s")  # fmt: skip
+
+
+def test_nvml_memory_leaves_out_the_drivers_reserve(monkeypatch):
+    import pynvml
+
+    from zerotuner.monitor.metrics import nvml_memory
+
+    class Info:  # the H200's numbers: 140.4 GiB by NVML, 139.8 by CUDA, 1.6 GiB in use
+        total, reserved, used = int(140.4 * GiB), int(0.6 * GiB), int(1.6 * GiB)
+
+    def v2(handle, version=None):
+        if version is None:
+            return type("V1", (), {"total": Info.total, "used": Info.used + Info.reserved})
+        assert version == pynvml.nvmlMemory_v2
+        return Info
+
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetMemoryInfo", v2)
+    assert nvml_memory("handle") == (Info.total - Info.reserved, Info.used)
+
+    def v1_only(handle, version=None):
+        if version is not None:
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_FUNCTION_NOT_FOUND)
+        return v2(handle)
+
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetMemoryInfo", v1_only)
+    assert nvml_memory("handle") == (Info.total, Info.used + Info.reserved)

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+import torch
 import torch.distributed as dist
 from trainkit import ENTRYPOINT, entrypoint_env, steps_done
 
@@ -95,8 +96,11 @@ def test_the_group_gets_the_collective_timeout(monkeypatch):
     monkeypatch.setattr(deepspeed, "init_distributed", lambda **kw: seen.update(kw))
     monkeypatch.setattr(dist, "get_rank", lambda: 0)
     monkeypatch.setattr(dist, "get_world_size", lambda: 2)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    # each rank on its own GPU before NCCL binds its communicator (no GPU here: recorded)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda index: seen.update(device=index))
     distributed.init_distributed(device="cuda", master_addr="h", master_port=1, timeout_seconds=90)
-    assert seen == {"dist_backend": "nccl", "timeout": timedelta(seconds=90)}
+    assert seen == {"device": 1, "dist_backend": "nccl", "timeout": timedelta(seconds=90)}
 
 
 def test_timeouts_in_the_order_that_names_a_lost_node(monkeypatch):

@@ -99,25 +99,43 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
             result.outcome = "passed"
     elif report.when == "teardown" and report.failed:  # the check fixture's verdict
         result.outcome = "failed"
-        result.set_error(report.longreprtext)
+        if not result.error:  # keep what the test recorded (a run's log tail says why)
+            result.set_error(report.longreprtext)
+
+
+def pytest_runtest_logfinish(nodeid: str, location: tuple) -> None:
+    """Rewrite the report after each check: a suite cut short by the lease's time limit still
+    leaves every check that finished on disk."""
+    if nodeid in RESULTS and STATE.get("config") is not None and not STATE.get("skip_reason"):
+        _write(STATE["config"], final=False)
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
-    folder = _report_dir(session.config)
+    _write(session.config, final=True)
+
+
+def _write(config: pytest.Config, final: bool) -> None:
+    folder = _report_dir(config)
     if folder is None or not RESULTS:
         return
     skip = STATE.get("skip_reason")
     note = f"Not run on a GPU: {skip}." if skip else ""
     if os.environ.get("GPU_SUITE_NOTE"):
         note = f"{os.environ['GPU_SUITE_NOTE']} {note}".strip()
-    env = environment() if not skip else {"skipped": skip}
+    if "environment" not in STATE:
+        STATE["environment"] = environment() if not skip else {"skipped": skip}
+    env = dict(STATE["environment"])
     env["suite seconds"] = round(time.time() - STATE.get("started", time.time()), 1)
+    if not final:
+        env["unfinished"] = "the suite was still running when this was written"
     json_path, md_path = write_report(list(RESULTS.values()), folder, env, note=note)
-    print(f"\nGPU report: {json_path} and {md_path}")
+    if final:
+        print(f"\nGPU report: {json_path} and {md_path}")
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
     STATE["started"] = time.time()
+    STATE["config"] = session.config
 
 
 def environment() -> dict[str, object]:

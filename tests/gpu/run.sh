@@ -16,7 +16,10 @@ REPORT=${GPU_REPORT:-$REPO/bench/results/gpu/$(date +%Y-%m-%d)}
 WHEELS=${GPU_WHEELS:-$REPO/.whl}
 # Only the image's big, API-stable packages may stay at the machine's version; every other pin
 # of requirements.txt is installed exactly (the report lists the versions that ran).
-KEEP_MACHINE_VERSION="torch numpy pillow matplotlib"
+KEEP_MACHINE_VERSION="torch numpy pillow matplotlib pyarrow"
+# Imported lazily and only by video clips, which the suite does not train: left out, so the
+# carried wheels fit the device tool's 64 MiB.
+NOT_FOR_THE_SUITE="av"
 export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$REPO/.cache/torch_extensions}
 export DS_ACCELERATOR=cuda PYTHONUNBUFFERED=1
 
@@ -35,11 +38,17 @@ else
     cuda_python "$base" || base=$(command -v python3.12 || command -v python3.11 || echo python3)
     echo "test-gpu: a venv on $($base -c 'import sys; print(sys.executable)') (system packages kept)" >&2
     "$base" -m venv --system-site-packages "$VENV"
+    # When $base is itself a venv's python (the lent machine's /opt/torch/.venv), the new venv's
+    # "system" packages are the base interpreter's, without that venv's torch: a .pth puts
+    # $base's own site-packages on the path, after the new venv's (the pins below win).
+    "$base" -c 'import site; print("\n".join(site.getsitepackages()))' \
+      >"$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_path("purelib"))')/zz-machine.pth"
     reqs=$(mktemp)
     for name in $KEEP_MACHINE_VERSION; do
       "$VENV/bin/python" -c "import importlib.util, sys; sys.exit(0 if importlib.util.find_spec('$name'.replace('pillow', 'PIL')) else 1)" \
         && echo "^$name==" || true
     done >"$reqs.keep"
+    for name in $NOT_FOR_THE_SUITE; do echo "^$name=="; done >>"$reqs.keep"
     grep -v -i -f "$reqs.keep" requirements.txt | grep -v '^#' >"$reqs" || true
     echo "pytest$(grep -i '^pytest==' requirements-dev.txt | sed 's/^pytest//')" >>"$reqs"
     pip_from=()

@@ -42,6 +42,10 @@ def init_distributed(
         os.environ.setdefault(name, default)
     os.environ.setdefault("MASTER_ADDR", master_addr)
     os.environ.setdefault("MASTER_PORT", str(master_port))
+    if device == "cuda":
+        # Each rank on its own GPU before anything touches CUDA: NCCL binds a communicator to
+        # the current device, and collectives before deepspeed.initialize (caching) use it.
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     if not dist.is_initialized():
         # On the CPU every rank prints "DeepSpeed ...shm_comm_op built successfully": a debug
         # line, unless joining fails and what was printed may say why.
@@ -198,11 +202,19 @@ class PatientBarrier:
                 )
 
 
+def collective_device() -> torch.device:
+    """Where a tensor for the world group's collectives must live: NCCL reduces GPU tensors
+    only ("No backend type associated with device type cpu", seen on an H200), gloo CPU ones."""
+    if dist.is_available() and dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def all_sum(values: list[int]) -> list[int]:
     """Each value summed over the ranks."""
     if not (dist.is_available() and dist.is_initialized()):
         return list(values)
-    tensor = torch.tensor(values, dtype=torch.long)
+    tensor = torch.tensor(values, dtype=torch.long, device=collective_device())
     dist.all_reduce(tensor)
     return [int(v) for v in tensor.tolist()]
 

@@ -38,6 +38,7 @@ from zerotuner.errors import (
 from zerotuner.launch.job import JOB_FILE_ENV, LAUNCHER_PID_ENV
 from zerotuner.launch.records import STATUS_DIR_ENV, read_rank_statuses
 from zerotuner.machine.hardware import Hardware
+from zerotuner.machine.ops import deepspeed_arch_list
 
 log = logging.getLogger(__name__)
 
@@ -207,6 +208,8 @@ def worker_env(
         env["DS_ACCELERATOR"] = "cpu"
     elif hardware.accelerator == "cuda":
         env.setdefault("DS_ACCELERATOR", "cuda")
+        if env.get("TORCH_CUDA_ARCH_LIST"):  # a rank JIT-builds the ops the image lacks
+            env["TORCH_CUDA_ARCH_LIST"] = deepspeed_arch_list(env["TORCH_CUDA_ARCH_LIST"])
     env.setdefault("PYTHONUNBUFFERED", "1")
     env[JOB_FILE_ENV] = str(job_file)
     env[STATUS_DIR_ENV] = str(status_dir)

@@ -24,8 +24,27 @@ CPU_OPS = (
 )
 
 
+def deepspeed_arch_list(value: str) -> str:
+    """TORCH_CUDA_ARCH_LIST as DeepSpeed's JIT builder can read it.
+
+    torch accepts arch-specific targets ("9.0a" for Hopper's wgmma, "10.0f"), and CUDA images set
+    them; DeepSpeed 0.19 parses each entry as numbers and fails every CUDA op on the letter
+    ("invalid literal for int() with base 10: '0a'", seen on an H200). Its ops use no
+    arch-specific instructions, so the plain target builds them the same: "9.0a" -> "9.0".
+    """
+    entries = []
+    for entry in value.replace(" ", ";").split(";"):
+        number, plus, suffix = entry.strip().partition("+")
+        number = number.rstrip("abcdefghijklmnopqrstuvwxyz")
+        if number and (plain := number + plus + suffix) not in entries:
+            entries.append(plain)
+    return ";".join(entries)
+
+
 def build(names: tuple[str, ...] = CPU_OPS) -> int:
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    if os.environ.get("TORCH_CUDA_ARCH_LIST"):
+        os.environ["TORCH_CUDA_ARCH_LIST"] = deepspeed_arch_list(os.environ["TORCH_CUDA_ARCH_LIST"])
     from deepspeed.accelerator import get_accelerator
 
     failed = 0

@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from zerotuner.errors import Diverged
+from zerotuner.launch.distributed import collective_device
 from zerotuner.launch.records import StepRecord
 from zerotuner.settings.schema import env_name
 
@@ -109,8 +110,7 @@ def weights_finite(module: Any) -> bool:
     flags = flags or [torch.tensor(True, device=device)]
     finite = torch.stack(flags).all().to(torch.int32)
     if dist.is_available() and dist.is_initialized():
-        if dist.get_backend() == "nccl" and finite.device.type == "cpu":
-            finite = finite.cuda()
+        finite = finite.to(collective_device())
         dist.all_reduce(finite, op=dist.ReduceOp.MIN)
     return bool(finite.item())
 
