@@ -312,7 +312,7 @@ def test_published_sizes_recount_and_the_text_encoder_is_counted_for_caching(fam
         from diffusers import AutoencoderKLFlux2
         from transformers import Mistral3Config, Mistral3ForConditionalGeneration
 
-        from zerotuner.families import MISTRAL_SMALL_3_LAYER
+        from zerotuner.families.registry import MISTRAL_SMALL_3_LAYER
 
         text = {
             "model_type": "mistral",

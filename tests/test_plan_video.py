@@ -12,7 +12,7 @@ import pytest
 import trainkit as tk
 
 from zerotuner import families
-from zerotuner.families import REGISTRY, model_shape
+from zerotuner.families import REGISTRY, model_shape, shapes
 from zerotuner.machine.hardware import GPU, GiB, Hardware
 from zerotuner.preflight.plan import PlanRequest, make_plan
 
@@ -119,20 +119,20 @@ def _saved_bytes(heads: int, ffn: int, tokens: int, text: int) -> int:
 
 @pytest.mark.parametrize(("heads", "ffn"), WIDTHS)
 def test_the_per_token_model_is_what_autograd_saves_in_a_wan_block(heads, ffn):
-    """families.WAN_* are the saved tensors of diffusers' WanTransformerBlock recounted on the
+    """shapes.WAN_* are the saved tensors of diffusers' WanTransformerBlock recounted on the
     meta device: per video token 76 x width + 4 x ffn_dim + 36 bytes, per text token
     16 x width + 4; linear in both (no tokens x tokens term through fused SDPA)."""
     dim = heads * 128
     a, b = _saved_bytes(heads, ffn, 256, 64), _saved_bytes(heads, ffn, 512, 64)
     c = _saved_bytes(heads, ffn, 256, 128)
-    per_token = (families.WAN_TOKEN_WIDTH_BYTES * dim + families.WAN_TOKEN_FFN_BYTES * ffn
-                 + families.WAN_TOKEN_BYTES)  # fmt: skip
+    per_token = (shapes.WAN_TOKEN_WIDTH_BYTES * dim + shapes.WAN_TOKEN_FFN_BYTES * ffn
+                 + shapes.WAN_TOKEN_BYTES)  # fmt: skip
     assert b - a == 256 * per_token
-    per_text = families.WAN_TEXT_WIDTH_BYTES * dim + families.WAN_TEXT_BYTES
+    per_text = shapes.WAN_TEXT_WIDTH_BYTES * dim + shapes.WAN_TEXT_BYTES
     assert c - a == 64 * per_text
     config = {**REGISTRY["wan"].builtin_config, "num_attention_heads": heads, "ffn_dim": ffn}
     video = families.video_shape("wan", config, None)
-    assert video.token_bytes == per_token + families.LSE_BYTES * heads  # + SDPA's logsumexp
+    assert video.token_bytes == per_token + shapes.LSE_BYTES * heads  # + SDPA's logsumexp
     assert video.text_bytes == per_text * 512  # the cached caption's UMT5 tokens
 
 

@@ -15,7 +15,6 @@ import re
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Literal
 
 from zerotuner.demo.parts import (
     EXTRA_WORDS,
@@ -24,14 +23,8 @@ from zerotuner.demo.parts import (
     text_config,
     write_tokenizer,
 )
+from zerotuner.families.registry import REGISTRY, Family
 
-FlowFamily = Literal["sd3", "flux", "chroma", "zimage", "qwenimage", "flux2", "flux2klein", "wan"]
-# the demo module of each newer family, and its function that writes the model
-MODULES = {
-    "chroma": ("chroma", "write_model"), "zimage": ("z_image", "write_model"),
-    "qwenimage": ("qwen_image", "write_model"), "flux2": ("flux2", "write_model"),
-    "flux2klein": ("flux2", "write_klein_model"), "wan": ("wan", "write_model"),
-}  # fmt: skip
 LATENT_CHANNELS = 16  # SD3's and Flux's VAEs
 T5_WIDTH = 64  # T5's d_model: SD3 pads the CLIP states (32 + 32) to it
 T5_MAX_TOKENS = 32
@@ -102,16 +95,16 @@ def save_pipeline(model_dir: Path, work: Path, pipeline: type, **parts) -> Path:
 
 
 def write_flow_model(
-    model_dir: Path, *, family: FlowFamily, seed: int, corpus: list[str],
+    model_dir: Path, *, family: Family, seed: int, corpus: list[str],
     data_dir: Path | None = None,
 ) -> Path:  # fmt: skip
     """Build the tiny `family` pipeline and `save_pretrained` it into `model_dir`
     (`data_dir`: the demo images its VAE's scaling factor is measured on). The families of
-    their own demo module (MODULES) are written there."""
+    their own demo module (their Spec's `demo`) are written there."""
     import importlib
 
-    if family in MODULES:
-        module, function = MODULES[family]
+    if REGISTRY[family].demo:
+        module, function = REGISTRY[family].demo.split(":")
         write = getattr(importlib.import_module(f"zerotuner.demo.{module}"), function)
         return write(model_dir, seed=seed, corpus=corpus, data_dir=data_dir)
     import torch

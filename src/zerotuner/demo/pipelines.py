@@ -13,7 +13,6 @@ import logging
 import random
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
 
 import numpy as np
 from PIL import Image, ImageDraw
@@ -26,17 +25,15 @@ from zerotuner.demo.parts import (
     text_config,
     write_tokenizer,
 )
-from zerotuner.families import FLOW_FAMILIES
+from zerotuner.families import FLOW_FAMILIES, REGISTRY, Family
 from zerotuner.settings.folders import readable_by_all
 
 log = logging.getLogger(__name__)
 
-DemoFamily = Literal[
-    "sdxl", "sd1", "sd2", "sd3", "flux", "chroma", "zimage", "qwenimage", "flux2", "flux2klein",
-    "wan",
-]  # fmt: skip
+DemoFamily = Family  # a key of families.REGISTRY
 
-VIDEO_FAMILIES = ("wan",)  # their demo data holds clips too (demo/clips.py)
+# their demo data holds clips too (demo/clips.py)
+VIDEO_FAMILIES = tuple(f for f, spec in REGISTRY.items() if spec.video)
 SHAPES = ("circle", "square", "triangle")
 COLOURS = {"red": (220, 30, 30), "green": (30, 170, 60), "blue": (40, 70, 220),
            "yellow": (240, 210, 30)}  # fmt: skip

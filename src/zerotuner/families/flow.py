@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 
-from zerotuner.families import REGISTRY
 from zerotuner.families.base import ModelFamily
+from zerotuner.families.registry import REGISTRY
 
 if TYPE_CHECKING:
     from pathlib import Path

@@ -15,8 +15,9 @@ pipelines/flux2/):
   layers (10, 20, 30) ([dev]) or (9, 18, 27) ([klein]) side by side; no text mask (the
   transformer attends to the padding, as the pipelines do);
 - latents: the VAE's mode, cut in 2x2 patches (`_patchify_latents`) and normalised by
-  `vae.bn`'s running mean and std (`encode_images` in train/model.py caches them back in the
-  VAE's grid: noise and the squared error do not see the permutation);
+  `vae.bn`'s running mean and std (`flux2_latents` below, which train/model.py's
+  `encode_images` calls), cached back in the VAE's grid: noise and the squared error do not see
+  the permutation;
 - sigmas from the density the settings name, unshifted (the scheduler shifts dynamically), the
   noised patches packed into a sequence (`_pack_latents`) with (t, h, w, l) ids
   (`_prepare_latent_ids`) and text ids (`_prepare_text_ids`), the timestep as sigma
@@ -127,3 +128,16 @@ class Flux2Klein(Flux2):
     """FLUX.2 [klein]: Qwen3's states of layers 9, 18 and 27, no guidance embedding."""
 
     prompt_encoder: tuple[str, str] = ("Flux2KleinPipeline", "_get_qwen3_prompt_embeds")
+
+
+def flux2_latents(vae: Any, latents: torch.Tensor) -> torch.Tensor:
+    """FLUX.2's training latents (train_dreambooth_lora_flux2.py): 2x2 patches normalised by
+    the VAE's batch-norm running mean and std, put back in the VAE's grid (the objective
+    patches them again: flow matching's noise and loss do not see the permutation)."""
+    from diffusers import Flux2Pipeline
+
+    patches = Flux2Pipeline._patchify_latents(latents.float())
+    view = (1, -1, 1, 1)
+    mean = vae.bn.running_mean.view(view).float()
+    std = torch.sqrt(vae.bn.running_var.view(view).float() + vae.config.batch_norm_eps)
+    return Flux2Pipeline._unpatchify_latents((patches - mean) / std).cpu()

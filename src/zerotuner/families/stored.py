@@ -65,3 +65,14 @@ def stored_config(folder: Path, keys: tuple[str, ...]) -> dict | None:
         return None
     config = model_json(path)
     return config if all(k in config for k in keys) else None
+
+
+def unet_config_path(model_dir: Path, denoiser: str | None = None) -> Path | None:
+    """The trained model's config: the UNet's, or a transformer family's transformer's (or
+    the `denoiser` folder's: Wan 2.2 A14B's chosen expert, `transformer_2`)."""
+    parts = (denoiser,) if denoiser else ("unet", "transformer")
+    candidates = [model_dir / part / "config.json" for part in parts]
+    for candidate in (*candidates, model_dir / "config.json"):
+        if candidate.is_file():
+            return candidate
+    return None

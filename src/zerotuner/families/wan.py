@@ -75,7 +75,7 @@ class WanObjective(FlowObjective):
     def describe(self) -> str:
         if not self.expert:
             return super().describe()
-        from zerotuner.families import EXPERTS
+        from zerotuner.families.wan_variants import EXPERTS
 
         low, high = self.expert_range
         return (f"{self.expert}-noise expert ({EXPERTS[self.expert]}), sigmas in "
@@ -99,7 +99,8 @@ class Wan(FlowFamily):
         family = super().configured(settings, source)
         if not settings.expert:
             return family
-        from zerotuner.families import EXPERTS, boundary_ratio
+        from zerotuner.families.shapes import boundary_ratio
+        from zerotuner.families.wan_variants import EXPERTS
 
         boundary = boundary_ratio(Path(source)) if source is not None else None
         return replace(family, denoiser=EXPERTS[settings.expert], expert=settings.expert,
@@ -135,7 +136,7 @@ class Wan(FlowFamily):
         if shift is not None and scheduler.config.get("use_flow_sigmas"):
             config = replace(config, shift=float(shift))
         if self.expert:  # A14B: the expert's sigmas (or ZT_TIMESTEP_RANGE's inside them)
-            from zerotuner.families import expert_sigmas
+            from zerotuner.families.wan_variants import expert_sigmas
 
             config = replace(config, timestep_range=expert_sigmas(settings, self.boundary))
         return config
@@ -144,7 +145,7 @@ class Wan(FlowFamily):
         config = self.flow_config(settings, scheduler)
         if not self.expert:
             return WanObjective(config)
-        from zerotuner.families import expert_range
+        from zerotuner.families.wan_variants import expert_range
 
         assert self.boundary is not None  # flow_config refused a model without one
         return WanObjective(config, expert=self.expert,
@@ -153,7 +154,7 @@ class Wan(FlowFamily):
     def frame_step(self, source: Any) -> int:
         """Clips of step * k + 1 frames: the VAE's temporal compression (Wan 2.1's and 2.2's
         4x; the first frame is encoded alone)."""
-        from zerotuner.families import video_scales
+        from zerotuner.families.shapes import video_scales
 
         return video_scales(Path(source))[0]
 

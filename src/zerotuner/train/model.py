@@ -204,8 +204,10 @@ def encode_images(vae: Any, pixels: torch.Tensor) -> torch.Tensor:
     """Pixels in [-1, 1] -> scaled latents (the distribution's mean: deterministic, cacheable).
     A VAE with per-channel `latents_mean` / `latents_std` (Qwen-Image's, Wan's: video VAEs)
     encodes a clip (an image as one frame) and is normalised by those, as the pipelines
-    decode; FLUX.2's (`flux2_latents`) by its batch norm's statistics."""
+    decode; FLUX.2's by its batch norm's statistics (`families.flux2.flux2_latents`)."""
     if getattr(vae, "bn", None) is not None:  # FLUX.2's AutoencoderKLFlux2
+        from zerotuner.families.flux2 import flux2_latents
+
         return flux2_latents(vae, vae.encode(pixels.to(vae.device, vae.dtype)).latent_dist.mode())
     mean = getattr(vae.config, "latents_mean", None)
     if mean is not None:
@@ -220,16 +222,3 @@ def encode_images(vae: Any, pixels: torch.Tensor) -> torch.Tensor:
     latents = vae.encode(pixels.to(vae.device, vae.dtype)).latent_dist.mean
     shift = getattr(vae.config, "shift_factor", None) or 0.0
     return ((latents - shift) * vae.config.scaling_factor).float().cpu()
-
-
-def flux2_latents(vae: Any, latents: torch.Tensor) -> torch.Tensor:
-    """FLUX.2's training latents (train_dreambooth_lora_flux2.py): 2x2 patches normalised by
-    the VAE's batch-norm running mean and std, put back in the VAE's grid (the objective
-    patches them again: flow matching's noise and loss do not see the permutation)."""
-    from diffusers import Flux2Pipeline
-
-    patches = Flux2Pipeline._patchify_latents(latents.float())
-    view = (1, -1, 1, 1)
-    mean = vae.bn.running_mean.view(view).float()
-    std = torch.sqrt(vae.bn.running_var.view(view).float() + vae.config.batch_norm_eps)
-    return Flux2Pipeline._unpatchify_latents((patches - mean) / std).cpu()

@@ -187,14 +187,10 @@ class Run:
                 log.info("dataset recipes: %s", "; ".join(notes))
 
     def _bucket_multiple(self) -> int:
-        """Bucket sides must survive the VAE's downsampling and the denoiser's (the UNet's
-        levels, a transformer's patches)."""
-        cells = self.conditioning.latent_multiple(self.components.denoiser.config)
-        step = families.vae_scale(Path(self.source)) * cells
-        # 64 px steps from 512 px up, the buckets SDXL and its peers train; a video family
-        # keeps its own (Wan's 832x480 is a multiple of 16, not of 64)
-        video = self.video is not None
-        return max(step, 64) if self.job.resolution >= 512 and not video else step
+        return families.bucket_step(
+            self.job.family, Path(self.source), resolution=self.job.resolution,
+            denoiser=self.part,
+        )  # fmt: skip
 
     # --- caching ------------------------------------------------------------------------
     def cache(self) -> None:

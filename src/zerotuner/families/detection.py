@@ -1,0 +1,130 @@
+"""Which family a model is: read from a pipeline's files (model_index.json, the denoiser's
+config), from ZT_MODEL_FAMILY, or guessed from a hub id's name; and the models zerotuner does
+not train, refused in one line (image-edit models here, Wan's conditioned variants in
+wan_variants).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from zerotuner.errors import ConfigError
+from zerotuner.families.registry import FAMILIES, PIPELINES, REGISTRY, TRANSFORMERS, Family
+from zerotuner.families.stored import model_json, unet_config_path
+from zerotuner.families.wan_variants import refuse_wan_variant
+
+# A hub model's files the planner reads (a few KB): the pipeline index and each part's config.
+HUB_CONFIG_FILES = ("model_index.json", "*/config.json")
+
+
+def hub_cache_dir(cache_dir: Path) -> Path:
+    """Where hub downloads go: HF_HOME's hub folder, else ZT_CACHE_DIR/huggingface/hub."""
+    return Path(os.environ.get("HF_HOME") or cache_dir / "huggingface") / "hub"
+
+
+def detect_family(model_dir: Path, expert: str | None = None) -> Family:
+    """SDXL has a second text encoder and `text_time` conditioning; SD2 attends with 1024 dims.
+    `expert`: ZT_EXPERT (Wan 2.2 A14B is refused without it)."""
+    index = model_dir / "model_index.json"
+    if index.is_file():
+        components = model_json(index)
+        pipeline = str(components.get("_class_name", ""))
+        refuse_edit_model(model_dir, pipeline)
+        refuse_wan_variant(model_dir, pipeline, components, expert)
+        if pipeline in PIPELINES:
+            return PIPELINES[pipeline]  # type: ignore[return-value]
+        foreign = pipeline and not pipeline.startswith("StableDiffusion")
+        if foreign or "transformer" in components or "unet" not in components and pipeline:
+            raise ConfigError(
+                f"ZT_MODEL={model_dir}: a {pipeline or 'transformer'} pipeline; zerotuner "
+                f"trains {', '.join(FAMILIES)} pipelines ({', '.join(PIPELINES)} and the "
+                "Stable Diffusion 1.x/2.x/XL ones)"
+            )
+        if "text_encoder_2" in components or "XL" in pipeline:
+            return "sdxl"
+    config = unet_config_path(model_dir)
+    if config is None:
+        raise ConfigError(
+            f"ZT_MODEL={model_dir}: no model_index.json or unet/config.json; "
+            f"set ZT_MODEL_FAMILY to one of {', '.join(FAMILIES)}"
+        )
+    unet = model_json(config)
+    name = unet.get("_class_name", "")
+    refuse_wan_variant(model_dir, name, unet)
+    if name in TRANSFORMERS:  # a transformer without its pipeline's model_index.json
+        return transformer_family(name, unet)
+    if "Transformer" in name:
+        raise ConfigError(
+            f"ZT_MODEL={model_dir}: a {name} model; zerotuner trains the "
+            f"{', '.join(TRANSFORMERS)} transformers and the UNets of "
+            f"{', '.join(f for f, spec in REGISTRY.items() if not spec.flow)}"
+        )
+    if unet.get("addition_embed_type") == "text_time":
+        return "sdxl"
+    return "sd2" if unet.get("cross_attention_dim") == 1024 else "sd1"
+
+
+def transformer_family(name: str, config: dict[str, Any]) -> Family:
+    """The family of a transformer config of class `name`: FLUX.2 [klein] shares [dev]'s
+    class and has no guidance embedding."""
+    if name == "Flux2Transformer2DModel" and not config.get("guidance_embeds", True):
+        return "flux2klein"
+    return TRANSFORMERS[name]
+
+
+def resolve_family(model: str, family_setting: str = "auto", expert: str | None = None) -> Family:
+    """ZT_MODEL_FAMILY, else read from a local folder, else guessed from a hub id's name.
+    `expert`: ZT_EXPERT (Wan 2.2 A14B is refused without it)."""
+    if family_setting != "auto":
+        if family_setting not in FAMILIES:
+            raise ConfigError(
+                f"ZT_MODEL_FAMILY={family_setting}: expected auto, {', '.join(FAMILIES)}"
+            )
+        return family_setting  # type: ignore[return-value]
+    path = Path(model)
+    if path.is_dir():
+        return detect_family(path, expert)
+    family = guess_family(model, expert)
+    if family is None:
+        raise ConfigError(
+            f"ZT_MODEL={model}: cannot tell the model family from the name; set ZT_MODEL_FAMILY "
+            f"to one of {', '.join(FAMILIES)}"
+        )
+    return family
+
+
+# Pipelines (and hub names) of image-edit models: they train on (source, target) image pairs.
+EDIT_MARKERS = ("edit", "kontext")
+
+
+def refuse_edit_model(model: Any, name: str) -> None:
+    """An image-edit model (Qwen-Image-Edit, FLUX.1 Kontext: a pipeline or hub name that says
+    so; FLUX.2 with reference images) is one line, exit 2, naming what zerotuner trains."""
+    import re
+
+    flux2 = any(m in name.lower() for m in REGISTRY["flux2"].hub_markers)
+    flux2 = " (FLUX.2 trains here on text and image alone, without reference images)" * flux2
+    supported = (f"zerotuner trains text-to-image models from captioned images: "
+                 f"{', '.join(FAMILIES)}")  # fmt: skip
+    # words of a class or hub name: QwenImageEditPipeline, Qwen-Image-Edit-2509 (not "credit")
+    words = {w.lower() for w in re.findall(r"[A-Z]?[a-z]+|[A-Z]+(?![a-z])|\d+", name)}
+    if words & set(EDIT_MARKERS):
+        raise ConfigError(
+            f"ZT_MODEL={model}: {name} is an image-edit model, trained on paired (source, "
+            f"edited) images, which zerotuner does not take{flux2}; {supported}"
+        )
+
+
+def guess_family(hub_id: str, expert: str | None = None) -> Family | None:
+    """The family a hub id's name says (when its configs cannot be read), or None; an
+    image-edit model's name is refused (refuse_edit_model), as a Wan variant's
+    (refuse_wan_variant; `expert`: ZT_EXPERT)."""
+    refuse_edit_model(hub_id, hub_id.rsplit("/", 1)[-1])
+    refuse_wan_variant(hub_id, hub_id, expert=expert)
+    name = hub_id.lower()
+    for family, spec in sorted(REGISTRY.items(), key=lambda item: item[1].guess_order):
+        if any(marker in name for marker in spec.hub_markers):
+            return family
+    return None

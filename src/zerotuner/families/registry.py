@@ -1,0 +1,242 @@
+"""The family registry: each family's torch-free facts (`Spec`), the published models' sizes they
+are counted from, and the tables derived from them. The registry's keys are the family names
+(`settings.family_names.FAMILIES`, which the settings layer below reads, must equal them: checked
+at import); `get(name)` imports the family's trainer module on first use, so planning needs no
+torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from zerotuner.errors import ConfigError
+from zerotuner.settings.family_names import FAMILIES
+
+
+@dataclass(frozen=True)
+class Spec:
+    """A family's facts that need no torch: where its trainer lives, how a pipeline's files and
+    a hub id name it, its published model's config and sizes, and what a cached caption holds.
+    A new family is its module (one `base.ModelFamily` subclass) and one entry in REGISTRY."""
+
+    module: str  # zerotuner/families/<module>.py
+    cls: str  # the ModelFamily subclass there
+    # The published model's config (fields that differ from its class's defaults) and its
+    # (parameters, largest tensor), counted once on the meta device (tests/test_plan.py
+    # recounts them): building SDXL on the meta device costs seconds.
+    builtin_config: dict[str, Any]
+    builtin_counts: tuple[int, int]
+    text_params: int  # its text encoders' parameters (frozen: the planner counts them apart)
+    vae_params: int
+    flow: bool = False  # a transformer trained by flow matching
+    pipeline: str = ""  # the model_index.json `_class_name` that names it
+    transformer: str = ""  # its transformer's `_class_name` (a folder without model_index.json)
+    hub_markers: tuple[str, ...] = ()  # parts of a hub id's name that say it
+    guess_order: int = 0  # lower is tried first: markers that others' names contain go last
+    clip_tokens: int = 77  # CLIP tokens in a cached caption's states
+    # T5 tokens in them (Z-Image: its Qwen3 encoder's), the pipeline's max_sequence_length
+    t5_tokens: int = 0
+    # the encoder those tokens are states of, as the plan names it (lower-cased: as the cached
+    # captions' key does)
+    long_encoder: str = "T5"
+    # Text encoder parameters on the device while caching where the encoder streams from host
+    # memory layer by layer (FLUX.2 [dev]'s 24B Mistral: its largest layer); 0: it loads whole.
+    text_stream_params: int = 0
+    layer_keys: tuple[str, ...] = ()  # a transformer's config fields that count its blocks
+    # a transformer's config fields whose product is its width, and the one naming the width of
+    # the text states it takes
+    width_keys: tuple[str, ...] = ("num_attention_heads", "attention_head_dim")
+    text_width_key: str = "joint_attention_dim"
+    # A video family (Wan) trains clips of ZT_VIDEO_FRAMES frames: the planner counts frames x
+    # tokens (`VideoShape`) and the frame rule (`frames = temporal * k + 1`) is checked.
+    video: bool = False
+    # The side of the square whose area it plans for (ZT_RESOLUTION's default, the area side
+    # buckets are cut at): 1024 px; Wan's 480p, 832 x 480 (399,360 px), fits in 632^2.
+    native_resolution: int = 1024
+    # Its tiny demo pipeline's writer, "module:function" in zerotuner/demo (`zerotuner demo`,
+    # the tests' models); "": the UNet families' and SD3's and Flux's, in demo/pipelines.py and
+    # demo/flow.py
+    demo: str = ""
+
+    @property
+    def frozen_params(self) -> int:
+        return self.text_params + self.vae_params
+
+
+CLIP_L, CLIP_G, CLIP_G_SD3 = 123_060_480, 694_659_840, 123_650_304 + 694_659_840
+T5_XXL_PARAMS = 4_762_310_656  # the encoder of google/t5-v1_1-xxl
+QWEN3_4B_PARAMS = 4_022_468_096  # Qwen3Model of Qwen/Qwen3-4B's config (Z-Image's text encoder)
+QWEN25_VL_7B_PARAMS = 8_292_166_656  # Qwen2_5_VLForConditionalGeneration, Qwen2.5-VL-7B's config
+QWEN_VAE_PARAMS = 126_892_531  # AutoencoderKLQwenImage (Qwen-Image's video VAE)
+# Mistral3ForConditionalGeneration of mistralai/Mistral-Small-3.1-24B-Instruct-2503's config.json
+# (FLUX.2 [dev]'s text encoder is 3.2-24B-Instruct-2506, the same shapes; diffusers'
+# scripts/convert_flux2_to_diffusers.py); vision fields the page leaves out at PixtralVisionConfig's
+# defaults. Its largest layer: the token embedding (and lm_head), 131072 x 5120.
+MISTRAL_SMALL_3_PARAMS, MISTRAL_SMALL_3_LAYER = 24_011_361_280, 671_088_640
+FLUX2_VAE_PARAMS = 84_046_115  # AutoencoderKLFlux2's defaults
+# UMT5EncoderModel of google/umt5-xxl's config (Wan's text encoder: d_model 4096, 24 layers,
+# vocabulary 256384), its token embedding counted once (`encoder.embed_tokens` is `shared`)
+UMT5_XXL_PARAMS = 5_680_910_336
+WAN_VAE_PARAMS = 126_892_531  # AutoencoderKLWan's defaults, Wan 2.1's VAE (Qwen-Image's network)
+VAE_PARAMS = 83_653_863  # the SD 1.x/2.x/XL VAE
+VAE16_PARAMS = 83_819_683  # SD3's and Flux's 16-channel VAE
+VAE_SCALE = 8  # pixels per latent cell in every family's VAE
+
+# The published models: stabilityai/stable-diffusion-xl-base-1.0, runwayml/stable-diffusion-v1-5,
+# stabilityai/stable-diffusion-2-1, stabilityai/stable-diffusion-3.5-large, black-forest-labs/
+# FLUX.1-dev, lodestones/Chroma1-HD (its transformer/config.json is ChromaTransformer2DModel's
+# defaults: 8.90B, the card's "8.9B"; T5-XXL and FLUX.1's VAE), Tongyi-MAI/Z-Image-Turbo
+# (transformer/config.json: 6.15B, the card's "6B"; Qwen3-4B as its text encoder, FLUX.1's VAE),
+# Qwen/Qwen-Image (transformer/config.json: 20.43B, the card's "20B"; Qwen2.5-VL-7B's 8.29B),
+# black-forest-labs/FLUX.2-dev and FLUX.2-klein-4B (their transformer configs as diffusers'
+# scripts/convert_flux2_to_diffusers.py writes them, dev's Flux2Transformer2DModel's defaults:
+# 32.22B and 3.88B, the cards' "32B" and "4B"; Mistral Small 3.x 24B and Qwen3-4B),
+# Wan-AI/Wan2.1-T2V-1.3B-Diffusers (the transformer config diffusers'
+# scripts/convert_wan_to_diffusers.py writes for Wan-T2V-1.3B: 1.42B, the card's "1.3B"; UMT5-XXL).
+REGISTRY: dict[str, Spec] = {
+    "sdxl": Spec(
+        "unet", "SDXL",
+        {
+            "sample_size": 128,
+            "block_out_channels": [320, 640, 1280],
+            "down_block_types": ["DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"],
+            "up_block_types": ["CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"],
+            "transformer_layers_per_block": [1, 2, 10],
+            "attention_head_dim": [5, 10, 20],
+            "cross_attention_dim": 2048,
+            "use_linear_projection": True,
+            "addition_embed_type": "text_time",
+            "addition_time_embed_dim": 256,
+            "projection_class_embeddings_input_dim": 2816,
+        },
+        (2_567_463_684, 29_491_200), CLIP_L + CLIP_G, VAE_PARAMS,
+        hub_markers=("xl",), guess_order=2,
+    ),
+    "sd1": Spec(
+        "unet", "StableDiffusion",
+        {"sample_size": 64, "cross_attention_dim": 768, "attention_head_dim": 8},
+        (859_520_964, 29_491_200), CLIP_L, VAE_PARAMS,
+        hub_markers=("stable-diffusion-v1", "sd1", "v1"), guess_order=4,
+    ),
+    "sd2": Spec(
+        "unet", "StableDiffusion",
+        {"sample_size": 96, "cross_attention_dim": 1024, "attention_head_dim": [5, 10, 20, 20],
+         "use_linear_projection": True},
+        (865_910_724, 29_491_200), 340_387_840, VAE_PARAMS,  # OpenCLIP ViT-H
+        hub_markers=("stable-diffusion-2", "sd2", "-2", "v2"), guess_order=3,
+    ),
+    "sd3": Spec(
+        "flow", "SD3",
+        {"sample_size": 128, "patch_size": 2, "in_channels": 16, "num_layers": 38,
+         "attention_head_dim": 64, "num_attention_heads": 38, "joint_attention_dim": 4096,
+         "caption_projection_dim": 2432, "pooled_projection_dim": 2048, "out_channels": 16,
+         "pos_embed_max_size": 192, "qk_norm": "rms_norm"},
+        (8_056_627_520, 35_487_744), CLIP_G_SD3 + T5_XXL_PARAMS, VAE16_PARAMS,
+        flow=True, pipeline="StableDiffusion3Pipeline", transformer="SD3Transformer2DModel",
+        hub_markers=("stable-diffusion-3", "sd3"), guess_order=1, t5_tokens=256,
+        layer_keys=("num_layers",),
+    ),
+    "flux": Spec(
+        "flow", "Flux",
+        {"patch_size": 1, "in_channels": 64, "num_layers": 19, "num_single_layers": 38,
+         "attention_head_dim": 128, "num_attention_heads": 24, "joint_attention_dim": 4096,
+         "pooled_projection_dim": 768, "guidance_embeds": True, "axes_dims_rope": [16, 56, 56]},
+        (11_901_408_320, 56_623_104), CLIP_L + T5_XXL_PARAMS, VAE16_PARAMS,
+        flow=True, pipeline="FluxPipeline", transformer="FluxTransformer2DModel",
+        hub_markers=("flux",), guess_order=0, clip_tokens=0, t5_tokens=512,
+        layer_keys=("num_layers", "num_single_layers"),
+    ),
+    "chroma": Spec(
+        "chroma", "Chroma",
+        {"patch_size": 1, "in_channels": 64, "num_layers": 19, "num_single_layers": 38,
+         "attention_head_dim": 128, "num_attention_heads": 24, "joint_attention_dim": 4096,
+         "axes_dims_rope": [16, 56, 56], "approximator_num_channels": 64,
+         "approximator_hidden_dim": 5120, "approximator_layers": 5},
+        (8_899_983_424, 47_185_920), T5_XXL_PARAMS, VAE16_PARAMS,
+        flow=True, pipeline="ChromaPipeline", transformer="ChromaTransformer2DModel",
+        hub_markers=("chroma",), guess_order=-1, clip_tokens=0, t5_tokens=512,
+        layer_keys=("num_layers", "num_single_layers"),
+        demo="chroma:write_model",
+    ),
+    "zimage": Spec(
+        "z_image", "ZImage",
+        {"all_patch_size": [2], "all_f_patch_size": [1], "in_channels": 16, "dim": 3840,
+         "n_layers": 30, "n_refiner_layers": 2, "n_heads": 30, "n_kv_heads": 30,
+         "norm_eps": 1e-05, "qk_norm": True, "cap_feat_dim": 2560, "rope_theta": 256.0,
+         "t_scale": 1000.0, "axes_dims": [32, 48, 48], "axes_lens": [1536, 512, 512]},
+        (6_154_908_736, 39_321_600), QWEN3_4B_PARAMS, VAE16_PARAMS,
+        flow=True, pipeline="ZImagePipeline", transformer="ZImageTransformer2DModel",
+        hub_markers=("z-image", "z_image", "zimage"), guess_order=-1, clip_tokens=0,
+        t5_tokens=512, long_encoder="Qwen3", layer_keys=("n_layers", "n_refiner_layers"),
+        width_keys=("dim",), text_width_key="cap_feat_dim",
+        demo="z_image:write_model",
+    ),
+    "qwenimage": Spec(
+        "qwen_image", "QwenImage",
+        {"patch_size": 2, "in_channels": 64, "out_channels": 16, "num_layers": 60,
+         "attention_head_dim": 128, "num_attention_heads": 24, "joint_attention_dim": 3584,
+         "guidance_embeds": False, "axes_dims_rope": [16, 56, 56]},
+        (20_430_401_088, 56_623_104), QWEN25_VL_7B_PARAMS, QWEN_VAE_PARAMS,
+        flow=True, pipeline="QwenImagePipeline", transformer="QwenImageTransformer2DModel",
+        hub_markers=("qwen-image", "qwen_image", "qwenimage"), guess_order=-1, clip_tokens=0,
+        t5_tokens=512, long_encoder="Qwen2.5-VL", layer_keys=("num_layers",),
+        demo="qwen_image:write_model",
+    ),
+    "flux2": Spec(
+        "flux2", "Flux2",
+        {"patch_size": 1, "in_channels": 128, "num_layers": 8, "num_single_layers": 48,
+         "attention_head_dim": 128, "num_attention_heads": 48, "joint_attention_dim": 15360},
+        (32_223_281_152, 339_738_624), MISTRAL_SMALL_3_PARAMS, FLUX2_VAE_PARAMS,
+        flow=True, pipeline="Flux2Pipeline", transformer="Flux2Transformer2DModel",
+        hub_markers=("flux.2", "flux2", "flux-2"), guess_order=-2, clip_tokens=0,
+        t5_tokens=512, long_encoder="Mistral", text_stream_params=MISTRAL_SMALL_3_LAYER,
+        layer_keys=("num_layers", "num_single_layers"),
+        demo="flux2:write_model",
+    ),
+    "flux2klein": Spec(
+        "flux2", "Flux2Klein",
+        {"patch_size": 1, "in_channels": 128, "num_layers": 5, "num_single_layers": 20,
+         "attention_head_dim": 128, "num_attention_heads": 24, "joint_attention_dim": 7680,
+         "guidance_embeds": False},
+        (3_875_544_576, 84_934_656), QWEN3_4B_PARAMS, FLUX2_VAE_PARAMS,
+        flow=True, pipeline="Flux2KleinPipeline", transformer="Flux2Transformer2DModel",
+        hub_markers=("flux.2-klein", "flux2-klein", "flux-2-klein", "flux2klein"),
+        guess_order=-3, clip_tokens=0, t5_tokens=512, long_encoder="Qwen3",
+        layer_keys=("num_layers", "num_single_layers"),
+        demo="flux2:write_klein_model",
+    ),
+    "wan": Spec(
+        "wan", "Wan",
+        {"patch_size": [1, 2, 2], "num_attention_heads": 12, "attention_head_dim": 128,
+         "in_channels": 16, "out_channels": 16, "text_dim": 4096, "freq_dim": 256,
+         "ffn_dim": 8960, "num_layers": 30, "cross_attn_norm": True,
+         "qk_norm": "rms_norm_across_heads", "eps": 1e-06},
+        (1_418_996_800, 14_155_776), UMT5_XXL_PARAMS, WAN_VAE_PARAMS,
+        flow=True, pipeline="WanPipeline", transformer="WanTransformer3DModel",
+        hub_markers=("wan-ai/", "wan2", "wan-2", "wan_2"), guess_order=-1, clip_tokens=0,
+        t5_tokens=512, long_encoder="UMT5", layer_keys=("num_layers",), text_width_key="text_dim",
+        video=True, native_resolution=632,
+        demo="wan:write_model",
+    ),
+}  # fmt: skip
+Family = str  # a key of REGISTRY
+if tuple(REGISTRY) != FAMILIES:  # settings.py takes the names from family_names, below this
+    raise ImportError(f"family_names.FAMILIES {FAMILIES} is not REGISTRY's keys {tuple(REGISTRY)}")
+FLOW_FAMILIES = tuple(f for f, spec in REGISTRY.items() if spec.flow)
+PIPELINES = {spec.pipeline: f for f, spec in REGISTRY.items() if spec.pipeline}
+TRANSFORMERS: dict[str, str] = {}  # a class's first family; FLUX.2's two: transformer_family
+for _family, _spec in REGISTRY.items():
+    if _spec.transformer:
+        TRANSFORMERS.setdefault(_spec.transformer, _family)
+
+
+def get(name: str) -> Any:
+    """The family's `base.ModelFamily` (its module imported on first use: planning needs no
+    torch)."""
+    import importlib
+
+    if name not in REGISTRY:
+        raise ConfigError(f"ZT_MODEL_FAMILY={name}: expected one of {', '.join(FAMILIES)}")
+    spec = REGISTRY[name]
+    return getattr(importlib.import_module(f"zerotuner.families.{spec.module}"), spec.cls)(name)

@@ -1,0 +1,379 @@
+"""A model's shape before any weights exist: parameter counts (from safetensors headers, or
+on the meta device), the VAE's scale and channels, a transformer's activations and a video
+family's clip geometry: what memory planning and bucket sizing read (`ModelShape`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from zerotuner.families.registry import REGISTRY, VAE_SCALE, Family, get
+from zerotuner.families.stored import model_json, stored_config, stored_counts, unet_config_path
+from zerotuner.families.wan_variants import has_experts
+
+# Wan's transformer block (diffusers 0.42 WanTransformerBlock) in 16-bit: the bytes autograd
+# saves for backward, counted on the meta device with torch.autograd.graph.saved_tensors_hooks
+# (tests/test_plan_video.py recounts them at 1.3B's, 5B's and 14B's widths), SDPA saving what
+# a fused kernel saves (query, key, value and output; flash and memory-efficient attention keep
+# no tokens x tokens matrix, so memory is linear in tokens, plus each head's fp32 logsumexp,
+# counted here for self- and cross-attention). Per video token and layer: 76 x width (the block
+# normalises and modulates in fp32: each norm's fp32 input and modulated output; q and k
+# before and after their RMS norms and RoPE; the self- and cross-attention projections' inputs
+# and outputs) + 4 x ffn_dim (the GELU's input and output) + 36 (the norms' statistics). Per
+# text token and layer: 16 x width + 4 (cross-attention's keys, before and after their norm,
+# the norm's statistic, and values). Korthikanti et al.'s 34 x tokens x width
+# (`transformer_activations`) counts a standard GPT block with no fp32 norms, no cross-attention
+# and a 4x MLP: 2-3x less here.
+WAN_TOKEN_WIDTH_BYTES, WAN_TOKEN_FFN_BYTES, WAN_TOKEN_BYTES = 76, 4, 36
+WAN_TEXT_WIDTH_BYTES, WAN_TEXT_BYTES = 16, 4
+LSE_BYTES = 2 * 4  # fp32 logsumexp per head per token: self- and cross-attention
+
+
+@dataclass(frozen=True)
+class VideoShape:
+    """A video family's clip in the transformer: how frames and pixels become tokens (the
+    VAE's compression, the transformer's patch) and what each token's activations cost.
+
+    Latent frames: (frames - 1) / temporal + 1 (the causal VAE keeps the first frame alone);
+    tokens: latent frames / patch_t x (pixels / spatial^2 / (patch_h x patch_w)), the pixels of
+    ZT_RESOLUTION^2 (the area buckets are cut at: 832 x 480 fits in 632^2)."""
+
+    temporal: int  # frames per latent frame (Wan's VAE: 4)
+    spatial: int  # pixels per latent cell side (Wan 2.1's VAE 8, Wan 2.2 TI2V-5B's 16)
+    patch: tuple[int, int, int]  # the transformer's (frames, height, width) patch
+    layers: int
+    token_bytes: int  # per video token and layer, 16-bit, without checkpointing
+    input_bytes: int  # per video token and layer with checkpointing: the block's input
+    text_bytes: int  # per layer: the text's keys and values (the cached caption's tokens)
+    rope_bytes: int  # per video token, once: RoPE's fp32 cos and sin, shared by every layer
+    latent_channels: int = 16
+
+    def latent_frames(self, frames: int) -> int:
+        return (frames - 1) // self.temporal + 1
+
+    def tokens(self, frames: int, resolution: int) -> int:
+        cell = self.spatial * self.spatial * self.patch[1] * self.patch[2]
+        return -(-self.latent_frames(frames) // self.patch[0]) * (resolution * resolution // cell)
+
+    def activations(self, tokens: int, checkpointing: bool) -> int:
+        """16-bit bytes for `tokens`: every layer's saved tensors, or with checkpointing each
+        block's input (its hidden states: 2 x width per token) plus one block recomputed."""
+        layer = self.token_bytes * tokens + self.text_bytes
+        kept = (
+            self.layers * self.input_bytes * tokens + layer
+            if checkpointing
+            else self.layers * layer
+        )
+        return kept + self.rope_bytes * tokens
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What memory planning and bucket sizing need to know about the trained model (a UNet,
+    or a flow family's transformer: `denoiser_params` counts it all the same)."""
+
+    family: Family
+    denoiser_params: int
+    largest_param: int  # elements of the biggest tensor (offload buffer_size must hold it)
+    frozen_params: int
+    native_resolution: int
+    source: str  # "built-in sdxl config" or the config file it was counted from
+    base_channels: int = 320  # block_out_channels[0]: activation memory scales with it
+    vae_channels: int = 128  # the VAE's block_out_channels[0]: so does encoding's memory
+    # A transformer's activations per image at 1024 px in 16-bit (without, with gradient
+    # checkpointing); None: a UNet's, scaled from DESIGN.md's SDXL figure by base_channels.
+    activations_1024: tuple[int, int] | None = None
+    text_width: int = 2048  # width of the text states it attends to (a cached caption's)
+    # Frozen parameters on the device while caching: frozen_params, less what streams from host
+    # memory (Spec.text_stream_params; None: none does)
+    caching_params: int | None = None
+    # A video family's clip geometry and activations per token (None: an image family)
+    video: VideoShape | None = None
+    # Wan 2.2 A14B: its two expert transformers' boundary_ratio (model_index.json; nan: the
+    # index names a transformer_2 without one); None: a model with one denoiser
+    boundary_ratio: float | None = None
+
+
+def caption_cache_bytes(shape: ModelShape, max_sequence_length: int | None = None) -> int:
+    """Disk bytes of one caption's cached text states: CLIP's 77 tokens in fp32 for the UNet
+    families; a flow family's CLIP and T5 tokens in bf16 (T5-XXL is 4096 wide)."""
+    spec = REGISTRY[shape.family]
+    if not spec.flow:
+        return spec.clip_tokens * shape.text_width * 4
+    return (spec.clip_tokens + (max_sequence_length or spec.t5_tokens)) * shape.text_width * 2
+
+
+def frozen_params(
+    model_dir: Path,
+    parts: tuple[str, ...] = ("text_encoder", "text_encoder_2", "text_encoder_3", "vae"),
+) -> int:
+    """Parameters of the text encoders and VAE (or `parts`) of a local pipeline, from their
+    safetensors headers, else counted on the meta device."""
+    from accelerate import init_empty_weights
+
+    total = 0
+    for sub in parts:
+        folder = model_dir / sub
+        if not (folder / "config.json").is_file():
+            continue
+        if stored := stored_counts(folder):
+            total += stored[0]
+            continue
+        with init_empty_weights():
+            if sub == "vae":
+                import diffusers
+
+                index = model_dir / "model_index.json"  # Qwen-Image's is another class
+                named = model_json(index).get("vae") if index.is_file() else None
+                cls = getattr(diffusers, named[1] if named else "AutoencoderKL")
+                module = cls.from_config(cls.load_config(str(folder)))
+            else:
+                import transformers
+
+                config = transformers.AutoConfig.from_pretrained(str(folder))
+                arch = (config.architectures or ["CLIPTextModel"])[0]
+                module = getattr(transformers, arch)(config)
+        if hasattr(module, "tie_weights"):  # T5's and UMT5's encoder embedding is `shared`,
+            module.tie_weights()  # tied by from_pretrained, not on the meta device
+        total += sum(p.numel() for p in module.parameters())
+    return total
+
+
+def model_shape(
+    family: Family,
+    model_dir: Path | None = None,
+    *,
+    recount: bool = False,
+    denoiser: str | None = None,
+) -> ModelShape:
+    """Count the UNet's parameters on the meta device: no memory, no download.
+
+    A built-in family uses its stored counts unless `recount`. `denoiser`: the trained part's
+    folder when it is not the family's first (Wan 2.2 A14B's `transformer_2`: EXPERTS).
+    """
+    config_path = unet_config_path(model_dir, denoiser) if model_dir else None
+    spec = REGISTRY[family]
+    if spec.flow:
+        return _transformer_shape(family, model_dir, config_path, recount=recount)
+    if config_path is None and not recount:
+        params, largest = spec.builtin_counts
+        native = int(spec.builtin_config["sample_size"]) * VAE_SCALE
+        return ModelShape(
+            family, params, largest, spec.frozen_params, native, f"built-in {family} config",
+            text_width=int(spec.builtin_config["cross_attention_dim"]),
+        )  # fmt: skip
+
+    if config_path is not None and model_dir is not None:
+        folder = config_path.parent
+        stored, config = stored_counts(folder), stored_config(folder, UNET_KEYS)
+        if stored and config:
+            return _unet_shape(family, model_dir, config, *stored, str(config_path), frozen=True)
+
+    from accelerate import init_empty_weights
+    from diffusers import UNet2DConditionModel
+
+    if config_path is not None:
+        config = UNet2DConditionModel.load_config(str(config_path.parent))
+        source = str(config_path)
+    else:
+        config = spec.builtin_config
+        source = f"built-in {family} config"
+    with init_empty_weights():
+        unet = UNet2DConditionModel.from_config(config)
+    sizes = [p.numel() for p in unet.parameters()]
+    frozen = config_path is not None and model_dir is not None
+    return _unet_shape(family, model_dir, unet.config, sum(sizes), max(sizes), source,
+                       frozen=frozen)  # fmt: skip
+
+
+UNET_KEYS = ("sample_size", "block_out_channels", "cross_attention_dim")
+
+
+def _unet_shape(
+    family: Family,
+    model_dir: Path | None,
+    config: Any,
+    params: int,
+    largest: int,
+    source: str,
+    *,
+    frozen: bool,
+) -> ModelShape:
+    """A UNet's ModelShape from its config and counts; `frozen`: count model_dir's frozen
+    parts, else the family's published ones."""
+    return ModelShape(
+        family=family,
+        denoiser_params=params,
+        largest_param=largest,
+        frozen_params=frozen_params(model_dir)
+        if frozen and model_dir
+        else REGISTRY[family].frozen_params,
+        native_resolution=int(config["sample_size"]) * vae_scale(model_dir),
+        source=source,
+        base_channels=int(config["block_out_channels"][0]),
+        vae_channels=_vae_channels(model_dir) if model_dir else 128,
+        text_width=int(config["cross_attention_dim"]),
+    )
+
+
+def meta_model(family: str, model_dir: Path | None = None, denoiser: str | None = None) -> Any:
+    """The trained model (UNet or transformer; `denoiser`: that folder's) on the meta device,
+    from the model's own config when `model_dir` has one, else its family's built-in config:
+    shapes, no weights."""
+    from accelerate import init_empty_weights
+
+    cls = get(family).denoiser_class()
+    path = unet_config_path(model_dir, denoiser) if model_dir else None
+    config = cls.load_config(str(path.parent)) if path else REGISTRY[family].builtin_config
+    with init_empty_weights():
+        return cls.from_config(config)
+
+
+def vae_scale(model_dir: Path | None) -> int:
+    """Pixels per latent cell: 8 for the published VAEs, 2 for the tiny demo VAE."""
+    config = model_dir / "vae" / "config.json" if model_dir else None
+    if config is not None and config.is_file():
+        vae = model_json(config)
+        if "temperal_downsample" in vae:  # Qwen-Image's and Wan's video VAEs: one halving
+            # per entry, after the 2x2 pixel patches of Wan 2.2's (`patch_size`: 16 in all)
+            return 2 ** len(vae["temperal_downsample"]) * int(vae.get("patch_size") or 1)
+        return 2 ** (len(vae["block_out_channels"]) - 1)
+    return VAE_SCALE
+
+
+def _vae_channels(model_dir: Path) -> int:
+    config = model_dir / "vae" / "config.json"
+    if not config.is_file():
+        return 128
+    return int(model_json(config).get("block_out_channels", [128])[0])
+
+
+def _transformer_shape(
+    family: Family, model_dir: Path | None, config_path: Path | None, *, recount: bool
+) -> ModelShape:
+    """model_shape of a flow-matching transformer (SD3's or Flux's), counted like a UNet,
+    with its activations from its layers and width (`transformer_activations`)."""
+    spec = REGISTRY[family]
+    native = spec.native_resolution  # SD3.5 and Flux.1 are trained at 1024 px, Wan at 480p
+    frozen = frozen_params(model_dir) if model_dir and config_path else spec.frozen_params
+    if config_path is None and not recount:
+        params, largest = spec.builtin_counts
+        source = f"built-in {family} config"
+    else:
+        from accelerate import init_empty_weights
+
+        cls = get(family).denoiser_class()
+        if config_path is not None:
+            config, source = cls.load_config(str(config_path.parent)), str(config_path)
+        else:
+            config, source = spec.builtin_config, f"built-in {family} config"
+        with init_empty_weights():
+            model = cls.from_config(config)
+        sizes = [p.numel() for p in model.parameters()]
+        params, largest = sum(sizes), max(sizes)
+    config = (
+        get(family).denoiser_class().load_config(str(config_path.parent))
+        if config_path is not None
+        else spec.builtin_config
+    )
+    streamed = spec.vae_params + spec.text_stream_params if spec.text_stream_params else None
+    video = video_shape(family, config, model_dir) if spec.video else None
+    return ModelShape(
+        family, params, largest, frozen, native, source,
+        activations_1024=transformer_activations(family, config),
+        text_width=int(config[spec.text_width_key]), caching_params=streamed, video=video,
+        boundary_ratio=boundary_ratio(model_dir) if model_dir else None,
+    )  # fmt: skip
+
+
+def boundary_ratio(model_dir: Path) -> float | None:
+    """Wan 2.2 A14B's model_index.json `boundary_ratio` where it names a `transformer_2`
+    (nan: it names none); None: a model with one denoiser."""
+    index = model_dir / "model_index.json"
+    components = model_json(index) if index.is_file() else {}
+    if not has_experts(components):
+        return None
+    value = components.get("boundary_ratio")
+    return float(value) if isinstance(value, int | float) else math.nan
+
+
+def vae_latent_channels(model_dir: Path) -> int:
+    """Channels of a latent cell: `latent_channels` (AutoencoderKL, FLUX.2's), or a video VAE's
+    `z_dim` (Qwen-Image's, Wan's); 4 (SD's) without a config."""
+    config = model_dir / "vae" / "config.json"
+    vae = model_json(config) if config.is_file() else {}
+    return int(vae.get("latent_channels") or vae.get("z_dim") or 4)
+
+
+def video_scales(model_dir: Path | None) -> tuple[int, int]:
+    """(frames, pixels) per latent cell of a video VAE: AutoencoderKLWan's
+    `scale_factor_temporal` and `scale_factor_spatial` (what WanPipeline sizes latents by),
+    else from its layers (`vae_scale`; a halving in time per true `temperal_downsample`), else
+    Wan 2.1's defaults (4, 8)."""
+    config = model_dir / "vae" / "config.json" if model_dir else None
+    vae = model_json(config) if config is not None and config.is_file() else {}
+    downsample = vae.get("temperal_downsample")
+    temporal = vae.get("scale_factor_temporal") or (2 ** sum(map(bool, downsample))
+                                                    if downsample else 4)  # fmt: skip
+    spatial = vae.get("scale_factor_spatial") or (vae_scale(model_dir) if downsample else VAE_SCALE)
+    return int(temporal), int(spatial)
+
+
+def video_shape(family: str, config: dict[str, Any], model_dir: Path | None) -> VideoShape:
+    """A video transformer's VideoShape from its config (Wan: WanTransformer3DModel's
+    `patch_size`, `num_layers`, width and `ffn_dim`) and its VAE's (`video_scales`)."""
+    spec = REGISTRY[family]
+    temporal, spatial = video_scales(model_dir)
+    heads = int(config["num_attention_heads"])
+    width = math.prod(int(config[key]) for key in spec.width_keys)
+    head_dim = width // heads
+    per_token = (WAN_TOKEN_WIDTH_BYTES * width + WAN_TOKEN_FFN_BYTES * int(config["ffn_dim"])
+                 + WAN_TOKEN_BYTES + LSE_BYTES * heads)  # fmt: skip
+    return VideoShape(
+        temporal=temporal, spatial=spatial, patch=tuple(int(p) for p in config["patch_size"]),
+        layers=sum(int(config[key]) for key in spec.layer_keys), token_bytes=per_token,
+        input_bytes=2 * width,
+        text_bytes=(WAN_TEXT_WIDTH_BYTES * width + WAN_TEXT_BYTES) * spec.t5_tokens,
+        rope_bytes=2 * 4 * head_dim, latent_channels=int(config.get("in_channels", 16)),
+    )  # fmt: skip
+
+
+def transformer_activations(family: str, config: dict[str, Any]) -> tuple[int, int]:
+    """(without, with checkpointing) bytes of a transformer's activations for one 1024 px
+    image in 16-bit: per layer 34 x tokens x width without checkpointing (Korthikanti et al.,
+    arXiv 2205.05198, with fused attention: no tokens^2 term), and with it the layer inputs
+    (2 x tokens x width each) plus one layer recomputed. Tokens: the image's patches (2x2
+    latent cells) and the text's (SD3: CLIP 77 + T5 256; Flux, Chroma: T5 512; Z-Image: Qwen3
+    512). Layers: the family's `layer_keys` (Z-Image: its 30 main layers and the noise refiner's
+    2, which see the image; the context refiner's, on the text alone, are left out)."""
+    spec = REGISTRY[family]
+    tokens = (1024 // VAE_SCALE // 2) ** 2 + spec.clip_tokens + spec.t5_tokens
+    width = math.prod(int(config[key]) for key in spec.width_keys)
+    layers = sum(int(config[key]) for key in spec.layer_keys)
+    per_layer = 34 * tokens * width
+    return layers * per_layer, layers * 2 * tokens * width + per_layer
+
+
+def bucket_step(
+    family: Family, model_dir: Path | None, *, resolution: int, denoiser: str | None = None
+) -> int:
+    """Pixels a bucket side is a multiple of: the one rule `check` and the ranks both call. A
+    side must survive the VAE's downsampling and the denoiser's (the UNet's levels, a
+    transformer's patches: the family's `latent_multiple`, read off the model's own config, else
+    its built-in one); from 512 px up an image family's buckets step by 64 px at least (the
+    buckets SDXL and its peers train), a video family keeps its own (Wan's 832x480 is a multiple
+    of 16, not of 64)."""
+    import inspect
+    from types import SimpleNamespace
+
+    trainer = get(family)
+    path = unet_config_path(model_dir, denoiser) if model_dir else None
+    config = model_json(path) if path else REGISTRY[family].builtin_config
+    # a config holds the fields that differ from the class's defaults (as diffusers reads it)
+    init = inspect.signature(trainer.denoiser_class().__init__).parameters.values()
+    defaults = {p.name: p.default for p in init if p.default is not inspect.Parameter.empty}
+    step = vae_scale(model_dir) * trainer.latent_multiple(SimpleNamespace(**{**defaults, **config}))
+    return max(step, 64) if resolution >= 512 and not REGISTRY[family].video else step

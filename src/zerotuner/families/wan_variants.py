@@ -1,0 +1,95 @@
+"""Wan's variants, torch-free: the image- or video-conditioned models zerotuner refuses, and
+Wan 2.2 A14B's two experts (ZT_EXPERT: which transformer a run trains, on which part of the
+noise schedule), read by detection, the planner and the settings checks
+(`family_settings.expert_problems`) before any weights.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from zerotuner.errors import ConfigError
+from zerotuner.families.registry import REGISTRY
+
+# Wan's image- or video-conditioned variants, as their hub names say them (Wan2.1-I2V-14B-480P,
+# Wan2.1-FLF2V-14B-720P, Wan2.1-VACE-1.3B, Wan2.2-Animate-14B, Wan2.2-S2V-14B)
+WAN_CONDITIONED = ("i2v", "flf2v", "vace", "animate", "s2v", "v2v")
+WAN_SUPPORTED = ("zerotuner trains Wan's text-to-video models (WanPipeline: Wan 2.1 T2V 1.3B "
+                 "and 14B, Wan 2.2 TI2V-5B, and Wan 2.2 T2V A14B one expert per run with "
+                 "ZT_EXPERT) on captioned clips and images")  # fmt: skip
+# ZT_EXPERT: the pipeline folder (and WanPipeline attribute) of each of A14B's experts. WanPipeline
+# (diffusers 0.42, pipelines/wan/pipeline_wan.py) runs `transformer` at the timesteps t >=
+# boundary_ratio * num_train_timesteps (the noisy ones), `transformer_2` below.
+EXPERTS = {"high": "transformer", "low": "transformer_2"}
+
+
+def expert_range(expert: str, boundary: float) -> tuple[float, float]:
+    """The part of the noise schedule (sigmas, 0 clean to 1 noise) an expert denoises."""
+    return (boundary, 1.0) if expert == "high" else (0.0, boundary)
+
+
+def expert_sigmas(settings: Any, boundary: float | None) -> tuple[float, float]:
+    """The sigmas a run of ZT_EXPERT trains: the expert's part of the schedule, or the
+    ZT_TIMESTEP_RANGE inside it; one line, exit 2, for a boundary WanPipeline never uses or a
+    range outside the expert's."""
+    from zerotuner.settings.schema import env_name, timestep_bounds
+
+    expert = settings.expert
+    if boundary is None or math.isnan(boundary) or not 0 < boundary < 1:
+        raise ConfigError(
+            f"{env_name('expert')}={expert}: the model's model_index.json names a "
+            f"transformer_2 but no boundary_ratio between 0 and 1 ({boundary}), so WanPipeline "
+            f"never runs one of the experts; give it the boundary_ratio it was trained with"
+        )
+    low, high = expert_range(expert, boundary)
+    if settings.timestep_range is None:
+        return low, high
+    want = timestep_bounds(settings.timestep_range)
+    if not low <= want[0] < want[1] <= high:
+        raise ConfigError(
+            f"{env_name('timestep_range')}={settings.timestep_range}: outside the {expert}-noise "
+            f"expert's part of the schedule ({EXPERTS[expert]}: {low:g}-{high:g}, the model's "
+            f"boundary_ratio {boundary:g}); give a range inside it, or unset it to train all of it"
+        )
+    return want
+
+
+def has_experts(config: dict[str, Any]) -> bool:
+    """A model_index.json naming a `transformer_2` (Wan 2.2 A14B; TI2V-5B's is null)."""
+    expert = config.get("transformer_2") or [None]
+    return isinstance(expert, list) and bool(expert) and bool(expert[0])
+
+
+def refuse_wan_variant(
+    model: Any, name: str, config: dict[str, Any] | None = None, expert: str | None = None
+) -> None:
+    """A Wan model other than a text-to-video transformer is one line, exit 2: Wan 2.2 A14B's
+    two experts (a `transformer_2` in model_index.json, `A14B` in a hub name) without
+    ZT_EXPERT (`expert`), and the image- or video-conditioned ones (WanImageToVideoPipeline,
+    WanVACEPipeline...; `I2V`, `VACE`... in a hub name; a WanTransformer3DModel whose input has
+    more channels than its output)."""
+    import re
+
+    config = config or {}
+    lowered = name.lower()
+    if not name.startswith("Wan") and not any(m in lowered for m in REGISTRY["wan"].hub_markers):
+        return
+    words = set(re.split(r"[^a-z0-9]+", lowered))
+    pipeline = name.endswith("Pipeline") and name != REGISTRY["wan"].pipeline
+    inputs = config.get("in_channels")  # I2V's transformer takes the image's latents too
+    channels = inputs is not None and inputs != config.get("out_channels", inputs)
+    if pipeline or words & set(WAN_CONDITIONED) or channels:
+        raise ConfigError(
+            f"ZT_MODEL={model}: {name} is an image- or video-conditioned Wan model (image-to-"
+            f"video, first-last-frame, VACE, animate), trained on conditioning frames, which "
+            f"zerotuner does not take; {WAN_SUPPORTED}"
+        )
+    if ("a14b" in words or has_experts(config)) and not expert:
+        raise ConfigError(
+            f"ZT_MODEL={model}: {name} is Wan 2.2 A14B, two expert transformers (transformer "
+            f"for the noisy steps, transformer_2 for the clean ones, split at its "
+            f"boundary_ratio): set ZT_EXPERT=high or ZT_EXPERT=low to train one of them (one "
+            f"expert per run: two runs train both; the export is a WanPipeline folder with the "
+            f"other expert unchanged)"
+        )
