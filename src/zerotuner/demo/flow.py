@@ -4,7 +4,7 @@ The same parts as the published models at a few hundred thousand parameters: SD3
 transformer with CLIP-L + CLIP-G (projected) + T5 encoders, Flux's double/single-stream
 transformer with CLIP-L (pooled) + T5 and a guidance embedding, a 16-channel VAE with a shift
 factor, and the flow-matching Euler scheduler (SD3: shift 3.0; Flux: dynamic shifting). The
-CLIP tokenizer is demo_parts.py's byte-level BPE; the T5 tokenizer a unigram vocabulary of the
+CLIP tokenizer is demo/parts.py's byte-level BPE; the T5 tokenizer a unigram vocabulary of the
 corpus's words, built with `tokenizers` (the published one is a SentencePiece download).
 Saved with `save_pretrained`, they load through the same code path a hub model takes.
 """
@@ -68,7 +68,7 @@ def _t5(vocab_size: int, seed: int):
 
 
 def _vae(seed: int, data_dir: Path | None):
-    """demo_parts.py's exact VAE (average-pooling encoder, nearest-upsampling decoder) with 16
+    """demo/parts.py's exact VAE (average-pooling encoder, nearest-upsampling decoder) with 16
     latent channels, scaled to unit variance on the demo images, and a shift factor as SD3's
     and Flux's VAEs have (so the shift path is exercised)."""
     vae = exact_vae(seed, latent_channels=LATENT_CHANNELS)

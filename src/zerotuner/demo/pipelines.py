@@ -4,7 +4,7 @@
 (so the same loading, caching, training and export code paths run), but small enough that a
 2-rank CPU DeepSpeed step takes well under a second. Every component is a real diffusers /
 transformers class with a tiny config, and the CLIP tokenizer's byte-level BPE vocabulary is
-trained on the demo's own words (demo_parts.py). Everything is deterministic given the seed.
+trained on the demo's own words (demo/parts.py). Everything is deterministic given the seed.
 """
 
 from __future__ import annotations

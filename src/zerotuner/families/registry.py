@@ -221,7 +221,7 @@ REGISTRY: dict[str, Spec] = {
     ),
 }  # fmt: skip
 Family = str  # a key of REGISTRY
-if tuple(REGISTRY) != FAMILIES:  # settings.py takes the names from family_names, below this
+if tuple(REGISTRY) != FAMILIES:  # settings/schema.py takes the names from family_names, below this
     raise ImportError(f"family_names.FAMILIES {FAMILIES} is not REGISTRY's keys {tuple(REGISTRY)}")
 FLOW_FAMILIES = tuple(f for f, spec in REGISTRY.items() if spec.flow)
 PIPELINES = {spec.pipeline: f for f, spec in REGISTRY.items() if spec.pipeline}

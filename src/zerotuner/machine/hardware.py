@@ -1,6 +1,6 @@
 """What the machine offers: the description every decision is made from.
 
-Probing (torch.cuda, NVML, /proc, /sys, rlimits: hardware_probe.py) is thin I/O that fills
+Probing (torch.cuda, NVML, /proc, /sys, rlimits: probe.py) is thin I/O that fills
 `Facts`; `describe`
 turns facts into `Hardware` and `diagnose` turns them into warnings with the fix. Both are pure,
 so every decision is tested by feeding described machines (a CUDA GPU cannot exist here).

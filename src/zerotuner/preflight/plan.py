@@ -8,7 +8,7 @@ then no recomputation (gradient checkpointing costs ~30% compute), then the lowe
 when no lower stage fits: stages 1-2 shard only the adapter's gradients and optimizer state,
 so the base's weights decide, and ZeRO-3 gathers all of them twice a step. All numbers are
 estimates from formulas, not measurements: see `Estimate.parts` for the terms and
-`plan_memory` for their sources.
+`memory.py` for their sources.
 """
 
 from __future__ import annotations
