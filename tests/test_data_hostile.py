@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import shutil
 import threading
 from pathlib import Path
 
@@ -284,3 +285,98 @@ def test_patient_barrier_waits_without_deadline_and_fails_on_a_silent_rank(monke
     alone = barrier(server, 0, silent=1, prefix="silent")  # no rank 1, no beat
     with alone, pytest.raises(ZeroTunerError, match="rank 1 gave no sign of life for 1 s"):
         alone.wait()
+
+
+# --- round 2 (issue 40): masks the walk leaves out, folders that vanish, repeats in total -------
+
+
+def test_a_mask_that_is_no_file_leaves_its_picture_out(demo_job_env, tmp_path, capsys) -> None:
+    """A mask that is a FIFO, a link out of the folder, a dangling link or a folder cannot say
+    which part must not train: its picture is left out too, as a corrupt mask's is."""
+    from zerotuner.cli import main
+
+    root = tmp_path / "data"
+    for name in ("fifo", "out", "dangling", "folder", "kept"):
+        _png(root / f"{name}.png", size=(64, 64))
+    os.mkfifo(root / "fifo.mask.png")
+    (root / "out.mask.png").symlink_to(_png(tmp_path / "outside" / "mask.png"))
+    (root / "dangling.mask.png").symlink_to(tmp_path / "nowhere.png")
+    _png(root / "folder.mask.png" / "inside.png")  # a folder named as a mask: not read
+    Image.new("L", (64, 64), 255).save(root / "kept.mask.png")
+    demo_job_env.setenv("ZT_DATA_DIR", str(root))
+    demo_job_env.setenv("ZT_RESOLUTION", "64")
+    assert main(["check"]) == 0
+    out = capsys.readouterr().out
+    assert f"OK   dataset          1 image in {root}" in out
+    assert "1 image with a loss mask" in out
+    (line,) = [x for x in out.splitlines() if "its mask is unusable" in x]
+    assert line.startswith("WARN dataset          skipped 4 files, its mask is unusable: ")
+    for name, why in (("dangling.png", "unreadable (No such file or directory)"),
+                      ("folder.png", "not a regular file (a folder)"),
+                      ("fifo.png", "not a regular file (a FIFO, socket or device)")):  # fmt: skip
+        assert f"{name} ({why})" in line, line
+    dataset = _scan_within(root, log_skipped=False)
+    assert _reasons(dataset)["out.png"] == f"its mask is unusable ({data.LINK_OUT})"
+    assert [item.name for item in dataset.items] == ["kept.png"]
+
+
+def test_a_folder_that_vanishes_during_the_scan_is_skipped(demo_job_env, tmp_path, capsys):
+    """A subfolder listed and then gone (moved away by another process) is an unreadable
+    folder in the summary, as a vanished file is, not an unexpected error."""
+    from zerotuner.cli import main
+
+    root = tmp_path / "data"
+    _png(root / "a.png", size=(64, 64))
+    _png(root / "gone" / "b.png", size=(64, 64))
+    walk = os.walk
+
+    def vanishing(top, *args, **kwargs):  # the folder goes right after its parent's listing
+        for folder, dirs, files in walk(top, *args, **kwargs):
+            if Path(folder) == root and (root / "gone").exists():
+                shutil.rmtree(root / "gone")
+            yield folder, dirs, files
+
+    demo_job_env.setattr(os, "walk", vanishing)
+    demo_job_env.setenv("ZT_DATA_DIR", str(root))
+    demo_job_env.setenv("ZT_RESOLUTION", "64")
+    assert main(["check"]) == 0
+    out = capsys.readouterr().out
+    assert f"OK   dataset          1 image in {root}" in out
+    assert "skipped 1 file, unreadable folder (No such file or directory): gone" in out
+
+
+def test_repeats_are_capped_in_total_and_an_epoch_is_counted(demo_job_env, tmp_path, capsys):
+    """Every entry's repeats list its images in each epoch's order: 20 entries of 10,000 held
+    2.1 GB a rank. Their sum is capped (one line, exit 2, in the settings path every command and
+    `train` take before the ranks); `check` and `plan` say how many samples an epoch holds."""
+    from zerotuner.cli import main
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    for i in range(3):
+        _png(a / f"a{i}.png", size=(64, 64))
+    _png(b / "b.png", size=(64, 64))
+    (b / "b.mask.png").symlink_to("b.png")  # a mask is not a sample
+    datasets = tmp_path / "datasets.yaml"
+    datasets.write_text(
+        "datasets:\n" + "".join(f"  - {{path: {a}, repeats: 5000}}\n" for _ in range(3))
+    )
+    demo_job_env.setenv("ZT_DATASETS_FILE", str(datasets))
+    demo_job_env.setenv("ZT_RESOLUTION", "64")
+    for command in ("check", "plan"):
+        assert main([command]) == 2
+        out, err = capsys.readouterr()
+        lines = [x for x in (out + err).splitlines() if "repeats add up" in x]
+        assert "Traceback" not in out + err
+        assert len(lines) == 1 or lines[0].startswith("FAIL folders"), out + err  # check: first
+        assert (
+            f"ZT_DATASETS_FILE={datasets}: the entries' repeats add up to 15000; at most 10000 "
+            "in all" in lines[0]
+        )
+
+    datasets.write_text(f"datasets:\n  - {{path: {a}, repeats: 4}}\n  - {b}\n")
+    assert main(["check"]) == 0
+    out = capsys.readouterr().out
+    assert "4 images in 2 datasets: 3 images in" in out and "; 13 samples an epoch" in out
+    assert main(["plan"]) == 0
+    out = capsys.readouterr().out
+    assert "epoch: 13 samples (the files found, each once per repeat" in out

@@ -197,3 +197,88 @@ def test_wans_own_480p_is_a_bucket_at_its_step() -> None:
     patch's 2): 832x480 and 480x832 are buckets; 64 px steps would miss them."""
     assert {(832, 480), (480, 832)} <= set(data.bucket_sizes(632, multiple=16))
     assert (832, 480) not in data.bucket_sizes(632, multiple=64)
+
+
+# --- round 2 (issue 40): a clip bounded as a whole, kept at its bucket's size; one frame ------
+
+MEMORY_PROBE = """
+import sys
+from pathlib import Path
+import av  # its libraries load before the baseline
+from zerotuner.train import data
+
+def peak():  # this process's own peak (ru_maxrss keeps the forking parent's across exec)
+    status = Path("/proc/self/status").read_text()
+    return int(status.split("VmHWM:")[1].split()[0]) * 1024
+
+before = peak()
+dataset = data.scan(Path(sys.argv[1]), log_skipped=False, video=data.Video(16.0, 33, 4))
+(item,) = dataset.items
+example = data.load_example(item, (64, 64, item.frames))
+print(item.frames, *example.pixels.shape, peak() - before)
+"""
+
+
+def test_a_clip_is_bounded_as_a_whole_and_kept_at_its_buckets_size(tmp_path, monkeypatch):
+    """Each sampled frame was kept at the clip's size while scanning and caching (17 frames of
+    8192x8192 took 4.47 GB in `check`): the whole clip's pixels are bounded, and one decoded
+    frame is held at a time; training keeps each frame at its bucket's size."""
+    import subprocess
+    import sys
+
+    (tmp_path / "big").mkdir()
+    clip = _write(tmp_path / "big" / "big.mp4", 33, 16, codec="mpeg4", size=(1024, 1024))
+    run = subprocess.run([sys.executable, "-c", MEMORY_PROBE, str(clip.parent)],
+                         capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    *shape, grown = map(int, run.stdout.split())
+    assert shape == [33, 3, 33, 64, 64]  # frames trained; (C, F, H, W)
+    kept = 33 * 1024 * 1024 * 3  # every frame at the clip's size, as RGB: 104 MB
+    # (it grew by 263 MB when each frame was kept as decoded and resized; 37 MB now)
+    assert grown < kept, f"peak memory grew by {grown / 2**20:.0f} MiB"
+
+    small = _write(tmp_path / "small.mp4", 9, 16)  # 64x48
+    monkeypatch.setattr(clips, "MAX_CLIP_PIXELS", 64 * 48 * 5 - 1)
+    found = clips.probe(small, fps=16, frames=9, step=STEP)
+    assert found.size is None
+    assert found.reason.startswith("too large (5 frames of 64x48 pixels: over "), found.reason
+    assert "lower ZT_VIDEO_FRAMES or downscale it" in found.reason
+    assert clips.probe(small, fps=16, frames=4, step=STEP).frames == 1  # 4 frames fit
+
+
+def test_a_clip_of_one_frame_caches_with_the_images(family_demo_dir, tmp_path) -> None:
+    """Wan on images and clips shorter than one window (1 frame; 2 round down to 1 by the
+    step * k + 1 rule): they share the images' bucket, so they must be shaped as images;
+    caching stacked (C, H, W) with (C, 1, H, W) and failed."""
+    from zerotuner import families
+    from zerotuner.settings.schema import Settings
+    from zerotuner.train import caching, model
+
+    demo = family_demo_dir("wan")
+    folder = tmp_path / "data"
+    folder.mkdir()
+    for image in sorted((demo / "data").glob("*.png"))[:2]:
+        shutil.copy(image, folder / image.name)
+    size = data.scan(folder, log_skipped=False).items[0].size
+    _write(folder / "still.mp4", 1, 16, size=size)
+    _write(folder / "two.mp4", 2, 16, size=size)
+    s = Settings(model=str(demo / "model"), data_dir=folder, resolution=64,
+                 cache_dir=tmp_path / "cache")  # fmt: skip
+    conditioning = families.get("wan").configured(s, demo / "model")
+    video = data.video_sampling(s, conditioning, demo / "model")
+    dataset = data.scan(folder, log_skipped=False, video=video)
+    assert sorted(item.frames for item in dataset.items) == [1, 1, 1, 1]
+    buckets = data.dataset_buckets(dataset, 64, multiple=16)
+    assert len(buckets) == 1  # the clips and the images batch together
+    components = model.load_components(
+        demo / "model", "wan", gradient_checkpointing=False, with_frozen=False
+    )
+    features, items, stats = caching.fill(
+        s, demo / "model", components, conditioning, dataset, buckets, rank=0, world=1,
+        device=torch.device("cpu"), dtype=torch.float32,
+    )  # fmt: skip
+    assert stats.latents_encoded == 4
+    from safetensors.torch import load_file
+
+    shapes = {load_file(features.latent_path(item))["latents"].shape for item in items}
+    assert len(shapes) == 1 and len(shapes.pop()) == 3  # (C, h, w) for every one

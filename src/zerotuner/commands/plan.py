@@ -103,6 +103,20 @@ def phase_lines(plan: Plan) -> list[str]:
     return lines
 
 
+def epoch_text(*, video: bool) -> str:
+    """How many samples an epoch holds, as the data's file names tell (`check` decodes them):
+    each dataset's pictures times its repeats (ZT_DATASETS_FILE)."""
+    from zerotuner.settings.datasets import sources
+    from zerotuner.settings.schema import load_settings
+    from zerotuner.train.data import listed_samples
+
+    settings = load_settings()
+    count = listed_samples(sources(settings), settings.cache_dir, video=video)
+    if count is None:
+        return "epoch: not counted (a dataset is not there or not fetched yet; `check` says)"
+    return f"epoch: {count} samples (the files found, each once per repeat; `check` decodes them)"
+
+
 def run(args: argparse.Namespace) -> int:
     plan, hardware = plan_what_if(
         what_if.from_args(args), model_family=args.model_family,
@@ -112,4 +126,5 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(plan_json(plan, hardware), indent=2))
     else:
         print(render(plan, hardware))
+        print(epoch_text(video=plan.inputs.frames is not None))
     return 0

@@ -10,8 +10,9 @@ rest.
 
 Every clip is decoded once when the data is scanned (`probe`), as far as training reads it, so
 a broken or hostile file is found there and listed with the skipped files, not mid-training.
-Decoding is bounded: the file's size, each frame's pixels, and the frames decoded to reach the
-last sampled one.
+Decoding is bounded: the file's size, each frame's pixels, the frames decoded to reach the
+last sampled one, and the sampled frames' pixels in all (MAX_CLIP_PIXELS). One decoded frame is
+held at a time: the probe keeps none, training keeps each at its bucket's size (`load_clip`).
 """
 
 from __future__ import annotations
@@ -19,9 +20,11 @@ from __future__ import annotations
 import hashlib
 import os
 import stat
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from PIL import Image
@@ -29,6 +32,9 @@ from PIL import Image
 CLIP_SUFFIXES = (".mp4", ".webm", ".mov", ".gif", ".mkv")
 CLIP_BYTES = 2 * 2**30
 MAX_FRAME_PIXELS = Image.MAX_IMAGE_PIXELS or 89_478_485  # PIL's own bomb limit, per frame
+# Sampled frames x pixels per frame, each decoded at the source's size: 81 frames of 4K (0.63 Gi
+# pixels) pass, 17 of 8192x8192 (1.06 Gi, 3.4 GB of RGB) do not.
+MAX_CLIP_PIXELS = 2**30
 DECODED_PER_SAMPLED = 64  # frames decoded per frame sampled at most (a 1000 fps trap)
 HASH_CHUNK = 2**20
 
@@ -55,7 +61,8 @@ def trained_frames(available: int, wanted: int, step: int) -> int:
 
 
 def probe(path: Path, *, fps: float, frames: int, step: int) -> ClipProbe:
-    """Decode the frames training will read and hash the file; never raises for a bad file."""
+    """Decode the frames training will read and hash the file; never raises for a bad file.
+    One frame is held at a time, whatever the clip's length."""
     try:
         info = os.stat(path)
     except OSError as exc:
@@ -67,18 +74,25 @@ def probe(path: Path, *, fps: float, frames: int, step: int) -> ClipProbe:
         return ClipProbe(*stamp, None, reason=f"too large (over {CLIP_BYTES // 2**30} GiB)")
     if info.st_size == 0:
         return ClipProbe(*stamp, None, reason="empty (0 bytes)")
+    import av
+
     try:
-        sampled = sample_frames(path, fps=fps, frames=frames)
+        sampled, size = 0, (0, 0)
+        for frame, new in _sampled(path, fps=fps, frames=frames):
+            if new:  # converted as training converts it, then dropped
+                size = frame.to_ndarray(format="rgb24").shape[1::-1]
+            sampled += 1
     except ClipError as exc:
         return ClipProbe(*stamp, None, reason=str(exc))
-    count = trained_frames(len(sampled), frames, step)
-    height, width = sampled[0].shape[:2]
+    except av.FFmpegError as exc:  # a frame that does not convert to RGB
+        return ClipProbe(*stamp, None, reason=f"not a video (unreadable: {_short(exc)})")
+    count = trained_frames(sampled, frames, step)
     digest = hashlib.blake2b(digest_size=16)
     with path.open("rb") as reader:
         while chunk := reader.read(HASH_CHUNK):
             digest.update(chunk)
     seconds = (count - 1) / fps if count > 1 else 0.0
-    return ClipProbe(*stamp, (width, height), count, seconds, digest.hexdigest())
+    return ClipProbe(*stamp, size, count, seconds, digest.hexdigest())
 
 
 class ClipError(Exception):
@@ -86,8 +100,30 @@ class ClipError(Exception):
 
 
 def sample_frames(path: Path, *, fps: float, frames: int) -> list[np.ndarray]:
-    """Up to `frames` RGB frames (H, W, 3 uint8) at `fps` from the clip's start; fewer when
-    it ends first. ClipError for anything PyAV or the limits refuse."""
+    """Up to `frames` RGB frames (H, W, 3 uint8) at `fps` from the clip's start, at the
+    clip's size; fewer when it ends first. ClipError for anything PyAV or the limits refuse."""
+    arrays: list[np.ndarray] = []
+    for frame, new in _sampled(path, fps=fps, frames=frames):
+        arrays.append(frame.to_ndarray(format="rgb24") if new else arrays[-1])
+    return arrays
+
+
+def load_clip(
+    path: Path, *, fps: float, frames: int, fit: Callable[[Image.Image], Image.Image]
+) -> list[Image.Image]:
+    """The clip's first `frames` sampled frames (what `probe` counted), each passed through
+    `fit` (to the bucket's size) as it is decoded: only fitted frames are kept."""
+    fitted: list[Image.Image] = []
+    for frame, new in _sampled(path, fps=fps, frames=frames):
+        fitted.append(fit(frame.to_image()) if new else fitted[-1])
+    return fitted
+
+
+def _sampled(path: Path, *, fps: float, frames: int) -> Iterator[tuple[Any, bool]]:
+    """(PyAV frame, whether it is new) for each of up to `frames` sampled times: the frame on
+    screen then, so a frame shown across several times comes again (not new). The limits
+    hold here: the frame's pixels, the frames decoded per frame sampled, the whole clip's
+    pixels (MAX_CLIP_PIXELS)."""
     import av
 
     try:
@@ -103,21 +139,31 @@ def sample_frames(path: Path, *, fps: float, frames: int) -> list[np.ndarray]:
         if width * height > MAX_FRAME_PIXELS:
             raise ClipError(f"too large (frames of {width}x{height} pixels)")
         step = 1 / Fraction(fps).limit_denominator(1000)
-        targets = [k * step for k in range(frames)]  # seconds from the first frame
-        sampled: list[np.ndarray] = []
-        shown: tuple[Fraction, object] | None = None  # the frame on screen and since when
+        count = 0  # sampled times given a frame
+        shown: tuple[Fraction, Any] | None = None  # the frame on screen and since when
         first: Fraction | None = None
         decoded = 0
 
-        def keep_shown_until(time: Fraction, *, inclusive: bool) -> None:
-            """The frame on screen stands for every target before `time`."""
-            array = None
-            while shown is not None and len(sampled) < frames:
-                target = targets[len(sampled)]
-                if target > time or (target == time and not inclusive):
-                    break
-                array = shown[1].to_ndarray(format="rgb24") if array is None else array
-                sampled.append(array)
+        def due(time: Fraction, *, inclusive: bool) -> int:
+            """How many more sampled times the frame on screen stands for, before `time`."""
+            n = 0
+            while count + n < frames and (
+                (count + n) * step < time or (inclusive and (count + n) * step == time)
+            ):
+                n += 1
+            return n
+
+        def give(frame: Any, times: int) -> Iterator[tuple[Any, bool]]:
+            nonlocal count
+            for repeat in range(times):
+                count += 1
+                if count * frame.width * frame.height > MAX_CLIP_PIXELS:
+                    raise ClipError(
+                        f"too large ({count} frames of {frame.width}x{frame.height} pixels: over "
+                        f"{MAX_CLIP_PIXELS / 2**30:g} Gi pixels a clip; lower ZT_VIDEO_FRAMES or "
+                        "downscale it)"
+                    )
+                yield frame, repeat == 0
 
         try:
             for frame in container.decode(stream):
@@ -131,19 +177,19 @@ def sample_frames(path: Path, *, fps: float, frames: int) -> list[np.ndarray]:
                     raise ClipError(f"too large (frames of {frame.width}x{frame.height} pixels)")
                 at = _time(frame, stream)
                 first = at if first is None else first
-                keep_shown_until(at - first, inclusive=False)
-                if len(sampled) >= frames:
+                if shown is not None:
+                    yield from give(shown[1], due(at - first, inclusive=False))
+                if count >= frames:
                     break
                 shown = (at - first, frame)
         except av.FFmpegError as exc:
             if shown is None:
                 raise ClipError(f"not a video (unreadable: {_short(exc)})") from None
             # a cut or damaged tail: the frames before it still train
-        if shown is not None:
-            keep_shown_until(shown[0], inclusive=True)  # the last frame, to its own time
-    if not sampled:
+        if shown is not None and count < frames:
+            yield from give(shown[1], due(shown[0], inclusive=True))  # the last, to its time
+    if count == 0:
         raise ClipError("not a video (no frame decoded)")
-    return sampled
 
 
 def _time(frame, stream) -> Fraction:  # noqa: ANN001 - PyAV's types
@@ -158,9 +204,3 @@ def _short(exc: BaseException) -> str:
     """The error without the file's name (the summary names the file)."""
     text = " ".join(str(getattr(exc, "strerror", None) or exc).split())
     return text[:120] or type(exc).__name__
-
-
-def load_clip(path: Path, *, fps: float, frames: int) -> list[Image.Image]:
-    """The clip's first `frames` sampled frames as RGB images (what `probe` counted)."""
-    sampled = sample_frames(path, fps=fps, frames=frames)[:frames]
-    return [Image.fromarray(frame, "RGB") for frame in sampled]

@@ -133,6 +133,14 @@ class Dataset:
     def __len__(self) -> int:
         return len(self.items)
 
+    @property
+    def epoch_samples(self) -> int:
+        """Samples an epoch trains: each item once per repeat of its dataset (before the last
+        batch of each bucket is topped up)."""
+        if not self.parts:
+            return len(self.items)
+        return sum(len(p.dataset) * p.repeats for p in self.parts)
+
     def warnings(self) -> list[str]:
         """What a user should know about this folder, in a few lines however many files:
         one line per kind of skipped file, one for captions cut short (per dataset)."""
@@ -224,8 +232,8 @@ def scan(
     masks: dict[Path, Path] = {}  # image stem path -> its mask
     for path in files:
         suffix = path.suffix.lower()
-        if suffix in IMAGE_SUFFIXES and path.stem.endswith(MASK_SUFFIX):
-            masks[path.with_name(path.stem.removesuffix(MASK_SUFFIX))] = path
+        if (picture := _masked(path)) is not None:
+            masks[picture] = path
         elif suffix in IMAGE_SUFFIXES or (video and suffix in clips.CLIP_SUFFIXES):
             candidates.append(path)
         elif suffix in clips.CLIP_SUFFIXES:
@@ -259,6 +267,9 @@ def scan(
         else None
         for path in candidates
     }  # fmt: skip
+    # A mask the walk left out (a FIFO, a link out, a dangling link, a folder) still says
+    # which part of its picture must not train: the picture is left out with it.
+    unusable = {picture: why for path, why in skipped if (picture := _masked(path)) is not None}
     skipped += [(mask, "masks without an image of the same name") for mask in masks.values()]
     mask_files = [m for m in paired.values() if m is not None]
     workers = workers or min(8, os.cpu_count() or 1)
@@ -286,6 +297,10 @@ def scan(
         mask = paired[path]
         if mask is not None and mask_probes[mask].size is None:
             skipped.append((path, f"its mask is unusable ({mask_probes[mask].reason})"))
+            continue
+        why = unusable.get(path.with_suffix("")) if path.suffix.lower() in IMAGE_SUFFIXES else None
+        if mask is None and why:
+            skipped.append((path, f"its mask is unusable ({why})"))
             continue
         caption, cut_at = _caption(path, data_dir, sidecars, metadata, skipped, caption_extension)
         if cut_at:
@@ -375,6 +390,24 @@ def scan_sources(
 FETCHED = ".zerotuner-fetched"  # in a remote dataset's copy once every file is in place
 
 
+def listed_samples(
+    sources: Sequence[DatasetSource], cache_dir: Path, *, video: bool = False
+) -> int | None:
+    """Samples an epoch as the file names tell, nothing decoded (`plan`; `check` scans): each
+    dataset's pictures (and clips for a video family) times its repeats. None while a dataset
+    is not there, or not fetched yet."""
+    suffixes = IMAGE_SUFFIXES + (clips.CLIP_SUFFIXES if video else ())
+    total = 0
+    for source in sources:
+        folder = local_folder(source, cache_dir)
+        if not folder.is_dir() or (source.location.remote and not (folder / FETCHED).is_file()):
+            return None
+        files, _ = _walk(folder)
+        pictures = [p for p in files if p.suffix.lower() in suffixes and _masked(p) is None]
+        total += len(pictures) * source.repeats
+    return total
+
+
 def _index_path(cache_dir: Path, folder: Path) -> Path:
     """Where a folder's scan results are kept between starts (outside the data)."""
     key = hashlib.sha256(str(folder.resolve()).encode()).hexdigest()[:16]
@@ -386,25 +419,37 @@ def _walk(root: Path) -> tuple[list[Path], list[tuple[Path, str]]]:
 
     Hidden files and folders are not data. Links are followed while they stay inside the data
     folder (LINK_OUT); each real folder is read once, so a link loop ends. Only regular files
-    are kept: a FIFO or a device (a link to /dev/zero) would block or never end.
+    are kept: a FIFO or a device (a link to /dev/zero) would block or never end. A folder that
+    vanishes while it is walked is left out as unreadable, as a vanished file is.
     """
     real_root = root.resolve()
     skipped: list[tuple[Path, str]] = []
-    seen = {_inode(real_root)}
 
     def unreadable(error: OSError) -> None:
-        skipped.append((Path(error.filename), f"unreadable folder ({error.strerror})"))
+        skipped.append((Path(error.filename or root), f"unreadable folder ({error.strerror})"))
 
+    try:
+        seen = {_inode(real_root)}
+    except OSError as error:
+        unreadable(error)
+        return [], skipped
     found = []
     for folder, dirs, files in os.walk(root, onerror=unreadable, followlinks=True):
         kept = []
         for name in sorted(d for d in dirs if not d.startswith(".")):
             path = Path(folder) / name
             real = path.resolve()
+            try:
+                inode = _inode(real)
+            except OSError as error:  # gone since its folder was listed
+                skipped.append((path, f"unreadable folder ({error.strerror})"))
+                continue
             if not real.is_relative_to(real_root):
                 skipped.append((path, LINK_OUT))
-            elif _inode(real) not in seen:  # else read already, through another link
-                seen.add(_inode(real))
+            elif _masked(path) is not None:  # `foo.mask.png/`: its picture is left out
+                skipped.append((path, "not a regular file (a folder)"))
+            elif inode not in seen:  # else read already, through another link
+                seen.add(inode)
                 kept.append(name)
         dirs[:] = kept
         for name in sorted(f for f in files if not f.startswith(".")):
@@ -421,6 +466,14 @@ def _walk(root: Path) -> tuple[list[Path], list[tuple[Path, str]]]:
             else:
                 found.append(path)
     return found, skipped
+
+
+def _masked(path: Path) -> Path | None:
+    """The picture a mask's name stands for (`a/foo` for `a/foo.mask.png`); None for any
+    other name."""
+    if path.suffix.lower() in IMAGE_SUFFIXES and path.stem.endswith(MASK_SUFFIX):
+        return path.with_name(path.stem.removesuffix(MASK_SUFFIX))
+    return None
 
 
 def _inode(path: Path) -> tuple[int, int]:
@@ -541,7 +594,11 @@ def _read_index(index: Path, root: Path, video: Video | None = None) -> dict[str
 
 
 def _sampling(video: Video | None) -> list | None:
-    return None if video is None else [video.fps, video.frames, video.step]
+    """What a clip's probe depends on besides the file: a scan index of other sampling, or
+    of another bound on a whole clip, is not reused."""
+    if video is None:
+        return None
+    return [video.fps, video.frames, video.step, clips.MAX_CLIP_PIXELS]
 
 
 def _write_index(
@@ -836,39 +893,44 @@ def recipe_notes(
 
 def load_example(item: Item, bucket_size: Bucket, *, flip: bool = False) -> Example:
     """RGB pixels resized to cover the bucket, center-cropped, optionally mirrored: (C, H, W),
-    or a clip's frames each so: (C, F, H, W)."""
+    or a clip bucket's frames each so: (C, F, H, W). A one-frame clip is in an image's bucket
+    and is shaped as an image, so the two batch together."""
     bw, bh = bucket_size[:2]
-    if item.clip:
-        frames = clips.load_clip(item.path, fps=item.fps, frames=item.frames)
-        image = frames[0]
-    else:
-        with Image.open(item.path) as raw:
-            image = _to_rgb(ImageOps.exif_transpose(raw))
-        frames = [image]
-    w, h = image.size
+    w, h = item.size
     scale = max(bw / w, bh / h)
     nw, nh = max(bw, round(w * scale)), max(bh, round(h * scale))
     left, top = (nw - bw) // 2, (nh - bh) // 2
 
-    def fit(picture: Image.Image, resample: Image.Resampling) -> Image.Image:
+    def fit(
+        picture: Image.Image, resample: Image.Resampling = Image.Resampling.LANCZOS
+    ) -> Image.Image:
+        """The part of `picture` (any size: stretched over the item) that covers the bucket,
+        resized straight to the bucket: no picture at the covering size is ever made."""
+        pw, ph = picture.size
+        box = (left * pw / nw, top * ph / nh, (left + bw) * pw / nw, (top + bh) * ph / nh)
         gap = 3.0 if resample == Image.Resampling.LANCZOS else None
-        picture = picture.resize((nw, nh), resample, reducing_gap=gap)
-        picture = picture.crop((left, top, left + bw, top + bh))
+        picture = picture.resize((bw, bh), resample, box=box, reducing_gap=gap)
         return picture.transpose(Image.Transpose.FLIP_LEFT_RIGHT) if flip else picture
 
-    fitted = [np.asarray(fit(f, Image.Resampling.LANCZOS), dtype=np.float32) for f in frames]
-    # (C, H, W); a clip's (F, H, W, C) -> (C, F, H, W)
-    pixels = np.stack(fitted).transpose(3, 0, 1, 2) if item.clip else fitted[0].transpose(2, 0, 1)
+    if item.clip:  # each frame fitted as it is decoded
+        fitted = clips.load_clip(item.path, fps=item.fps, frames=item.frames, fit=fit)
+    else:
+        with Image.open(item.path) as raw:
+            fitted = [fit(_to_rgb(ImageOps.exif_transpose(raw)))]
+    arrays = [np.asarray(frame, dtype=np.float32) for frame in fitted]
+    # (C, H, W); a clip bucket's (F, H, W, C) -> (C, F, H, W)
+    clip = len(bucket_size) == 3
+    pixels = np.stack(arrays).transpose(3, 0, 1, 2) if clip else arrays[0].transpose(2, 0, 1)
     pixels = pixels / 127.5 - 1.0
     mask = None
-    if item.mask is not None:  # any size: stretched over the image, then cut as it is
+    if item.mask is not None:
         with Image.open(item.mask) as raw:
-            grey = ImageOps.exif_transpose(raw).convert("L").resize((w, h), Image.Resampling.BOX)
+            grey = ImageOps.exif_transpose(raw).convert("L")
         mask = np.asarray(fit(grey, Image.Resampling.BOX), dtype=np.float32)[None] / 255.0
     return Example(
         pixels=np.ascontiguousarray(pixels),
         caption=item.caption,
-        original_size=(item.size[1], item.size[0]),
+        original_size=(h, w),
         crop_top_left=(top, nw - left - bw if flip else left),  # in the mirrored image
         target_size=(bh, bw),
         mask=mask,
