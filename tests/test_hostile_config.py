@@ -457,3 +457,136 @@ def test_a_broken_model_folder_json_is_one_line(env, capsys, tmp_path, demo_dir,
     target.write_text(damage)
     env.setenv("ZT_MODEL", str(model))
     refused(*config(capsys), f"ZT_MODEL={target}", expected)
+
+
+# --- settings that passed validation and then failed (issue 40) --------------------------------
+
+
+def _datasets_file(tmp_path: Path, entries: list) -> Path:
+    path = tmp_path / "datasets.json"
+    path.write_text(json.dumps({"datasets": entries}))
+    return path
+
+
+def test_the_plan_sizes_the_largest_resolution_a_dataset_trains_at(monkeypatch, capsys, tmp_path):
+    """An entry's own 4096 px with ZT_RESOLUTION=512 was planned at 512 px (7.9 GiB: fits 24
+    GiB); at 4096 px it needs 50.7 GiB."""
+    big = {"path": str(tmp_path / "big"), "resolution": 4096}
+    monkeypatch.setenv("ZT_DATASETS_FILE", str(_datasets_file(tmp_path, [big, str(tmp_path)])))
+    monkeypatch.setenv("ZT_RESOLUTION", "512")
+    for name in ("ZT_DEVICE", "ZT_MODEL", "ZT_DATA_DIR"):
+        monkeypatch.delenv(name, raising=False)
+    base = ["plan", "--model-family", "sdxl", "--gpus", "1", "--host-memory", "128GiB"]
+    assert cli.main([*base, "--gpu-memory", "80GiB", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["inputs"]["resolution"] == 4096
+    assert cli.main([*base, "--gpu-memory", "24GiB"]) == 3
+    err = capsys.readouterr().err
+    assert "nothing fits" in err and "the `resolution` of a ZT_DATASETS_FILE entry" in err, err
+
+
+def test_a_datasets_entry_resolution_is_bounded_as_zt_resolution(env, capsys, tmp_path):
+    entry = {"path": str(tmp_path / "data"), "resolution": 8192}
+    env.setenv("ZT_DATASETS_FILE", str(_datasets_file(tmp_path, [entry])))
+    refused(*config(capsys), "datasets[0].resolution", "less than or equal to 4096")
+
+
+def test_check_names_the_size_each_dataset_is_upscaled_to(env, capsys, tmp_path, demo_dir):
+    """The upscale line named ZT_RESOLUTION's 64 px for a dataset trained at its own 1024."""
+    entry = {"path": str(demo_dir / "data"), "resolution": 1024}
+    env.setenv("ZT_DATASETS_FILE", str(_datasets_file(tmp_path, [entry])))
+    env.setenv("ZT_RESOLUTION", "64")
+    env.setenv("ZT_OUTPUT_DIR", str(tmp_path / "output"))
+    env.setenv("ZT_METRICS_PORT", "0")
+    assert cli.main(["check"]) == 0
+    out = capsys.readouterr().out
+    upscaled = [line for line in out.splitlines() if "will be upscaled" in line]
+    assert len(upscaled) == 1, out
+    assert f"{demo_dir / 'data'}: 64 of 64 images are smaller than 1024 px" in upscaled[0]
+
+
+@pytest.mark.parametrize("value", ["0.9999-1", "0.9995-1"])
+def test_a_timestep_range_that_holds_no_timestep_is_refused(env, capsys, value):
+    """The DDPM loss drew timestep 1000 of 0-999: an IndexError at step 1."""
+    env.setenv("ZT_TIMESTEP_RANGE", value)
+    refused(*config(capsys), f"ZT_TIMESTEP_RANGE='{value}'", "low below 0.9995", "1000 timesteps")
+
+
+def test_the_highest_timestep_range_that_holds_one_passes_and_trains(env, capsys):
+    """0.9994-1 holds timestep 999 (of 0-999): accepted, and the DDPM loss draws it."""
+    import torch
+    from diffusers import DDPMScheduler
+
+    from zerotuner.families.ddpm import LossConfig, diffusion_loss
+    from zerotuner.settings.schema import load_settings, timestep_bounds
+
+    env.setenv("ZT_TIMESTEP_RANGE", "0.9994-1")
+    assert config(capsys)[0] == 0
+    bounds = timestep_bounds(load_settings().timestep_range)
+
+    def denoiser(noisy, timesteps):
+        assert timesteps.tolist() == [999, 999]
+        return type("Output", (), {"sample": noisy})
+
+    loss = diffusion_loss(
+        denoiser, DDPMScheduler(num_train_timesteps=1000), torch.zeros(2, 4, 8, 8), {},
+        config=LossConfig("epsilon", None, 0.0, bounds), generator=torch.Generator(),
+        dtype=torch.float32,
+    )  # fmt: skip
+    assert torch.isfinite(loss)
+
+
+DURATIONS = ("ZT_STOP_GRACE_SECONDS", "ZT_HANG_TIMEOUT_SECONDS", "ZT_COLLECTIVE_TIMEOUT_SECONDS",
+             "ZT_PEER_TIMEOUT_SECONDS")  # fmt: skip
+
+
+@pytest.mark.parametrize("setting", DURATIONS)
+def test_a_duration_past_what_its_users_accept_is_refused(env, capsys, setting):
+    """1e300 s passed and killed the rank with OverflowError (timedelta, Thread.join)."""
+    env.setenv(setting, "1e300")
+    refused(*config(capsys), f"{setting}='1e300'", "less than or equal to 31536000")
+
+
+def test_the_duration_ceiling_is_accepted_by_every_user():
+    import datetime
+    import threading
+
+    from zerotuner.settings.schema import MAX_SECONDS
+
+    datetime.timedelta(seconds=MAX_SECONDS)  # the process group's and the store's timeouts
+    assert MAX_SECONDS < threading.TIMEOUT_MAX  # Thread.join, Event.wait
+    assert MAX_SECONDS * 10**9 < 2**63 - 10**18  # C++ steady_clock in ns, from a ~30 y uptime
+
+
+LONG_PART = "a" * 256
+
+
+@pytest.mark.parametrize(
+    ("setting", "value"),
+    [
+        ("ZT_MODEL", f"/tmp/{LONG_PART}/model"),
+        ("ZT_OUTPUT_DIR", f"/tmp/{LONG_PART}"),
+        ("ZT_DATA_DIR", f"/tmp/{LONG_PART}"),
+        ("ZT_CACHE_DIR", f"/tmp/{LONG_PART}"),
+        ("ZT_OFFLOAD_DIR", f"/tmp/{LONG_PART}"),
+        ("ZT_DATA_DIR", "/tmp/" + "/".join(["b" * 200] * 21)),  # parts fit, the path does not
+    ],
+)
+def test_a_path_the_file_systems_cannot_name_is_one_line(env, capsys, tmp_path, setting, value):
+    """A part over 255 bytes was an ENAMETOOLONG traceback from `config` and `train`."""
+    env.setenv(setting, value)
+    refused(*config(capsys), f"{setting}=", "each part (folder or file name) at most 255 bytes")
+
+
+def test_check_and_the_builder_refuse_a_path_part_too_long(env, capsys):
+    """`check` said "unexpected OSError" (exit 1); the builder answered 500."""
+    from zerotuner.builder.evaluate import evaluate
+
+    env.setenv("ZT_OUTPUT_DIR", f"/tmp/{LONG_PART}")
+    assert cli.main(["check"]) == 2
+    out, err = capsys.readouterr()
+    assert "Traceback" not in out + err and "unexpected" not in out + err
+    assert "ZT_OUTPUT_DIR=" in out and "at most 255 bytes" in out, out
+    result = evaluate({"settings": {"ZT_OUTPUT_DIR": f"/tmp/{LONG_PART}"}})
+    assert result["exit_code"] == 2
+    assert any("at most 255 bytes" in e["line"] for e in result["errors"]), result["errors"]

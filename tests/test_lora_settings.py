@@ -91,3 +91,26 @@ def test_targets_default_to_diffusers_sdxl_example_and_alpha_to_the_rank():
     config = lora.lora_config(settings)
     assert (config.r, config.lora_alpha) == (8, 8)
     assert lora.parse_targets("to_q,to_q, conv1") == ("to_q", "conv1")
+
+
+def test_a_target_that_also_names_a_layer_lora_cannot_wrap_is_one_line(
+    monkeypatch, capsys, tmp_path, family_demo_dir
+):
+    """Z-Image's `adaLN_modulation.0` is a Linear in its blocks and a SiLU in its final layer:
+    peft refused the SiLU after caching (exit 1). A whole path to one Linear passes."""
+    model = str(family_demo_dir("zimage") / "model")
+    code, out, err = tk.config_explain(
+        monkeypatch, capsys, tmp_path, ZT_TRAINING_TYPE="lora", ZT_MODEL=model,
+        ZT_LORA_TARGETS="to_q,adaLN_modulation.0",
+    )  # fmt: skip
+    assert code == 2 and out == ""
+    (line,) = errors(err)
+    assert line.startswith(
+        "zerotuner: error: ZT_LORA_TARGETS: adaLN_modulation.0 also names "
+        "all_final_layer.2-1.adaLN_modulation.0, a SiLU, and LoRA wraps only Linear and Conv2d "
+        "layers"
+    ), line
+    code, out, err = tk.config_explain(
+        monkeypatch, capsys, tmp_path, ZT_LORA_TARGETS="layers.0.adaLN_modulation.0"
+    )
+    assert code == 0, err

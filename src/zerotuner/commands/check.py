@@ -23,7 +23,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from zerotuner.errors import (
     EXIT_CONFIG,
@@ -34,6 +34,9 @@ from zerotuner.errors import (
     EnvironmentUnfit,
     ZeroTunerError,
 )
+
+if TYPE_CHECKING:
+    from zerotuner.train.data import Dataset
 
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
@@ -151,8 +154,9 @@ def _finish(c: Checks) -> int:
 def _dataset(c: Checks) -> tuple[str, list[str]]:
     from zerotuner import families
     from zerotuner.preflight.fetch import fetch_all
+    from zerotuner.preflight.steps import job_resolution
     from zerotuner.settings.datasets import sources
-    from zerotuner.train.data import recipe_notes, scan_sources, upscale_warning, video_sampling
+    from zerotuner.train.data import recipe_notes, scan_sources, video_sampling
 
     s = c.facts["settings"]
     found = sources(s)
@@ -170,10 +174,10 @@ def _dataset(c: Checks) -> tuple[str, list[str]]:
         min_image_size=s.min_image_size, video=video, datasets_file=s.datasets_file,
     )  # fmt: skip
     warnings = dataset.warnings()  # the lines train logs
-    shape = c.facts.get("shape")  # as train: ZT_RESOLUTION, else the family's own
-    resolution = s.resolution or (shape.native_resolution if shape else None)
-    if resolution and (upscaled := upscale_warning(dataset, resolution, upscale=s.upscale)):
-        warnings.append(upscaled)
+    shape = c.facts.get("model_shape")  # as train: ZT_RESOLUTION, else the family's own
+    resolution = job_resolution(s, shape) if shape else s.resolution
+    if resolution:
+        warnings += _upscaled(dataset, resolution, upscale=s.upscale)
     c.facts["dataset"] = dataset
     notes = recipe_notes(
         dataset, resolution, caption_template=s.caption_template,
@@ -183,6 +187,21 @@ def _dataset(c: Checks) -> tuple[str, list[str]]:
     fetched = f"; {remote.describe()}" if remote.sources else ""
     line = dataset.summary() + fetched + "".join(f"; {n}" for n in notes)
     return line, warnings
+
+
+def _upscaled(dataset: Dataset, resolution: int, *, upscale: bool) -> list[str]:
+    """The upscale line of each dataset at the side it trains at: its own `resolution`, else
+    the job's (one line for all when there is one dataset)."""
+    from zerotuner.train.data import upscale_warning
+
+    if not dataset.parts:
+        line = upscale_warning(dataset, resolution, upscale=upscale)
+        return [line] if line else []
+    lines = [
+        (part.label, upscale_warning(part.dataset, part.resolution or resolution, upscale=upscale))
+        for part in dataset.parts
+    ]
+    return [f"{label}: {line}" for label, line in lines if line]
 
 
 def _text_cache(c: Checks) -> str:
@@ -208,12 +227,13 @@ def _text_cache(c: Checks) -> str:
 def _latent_cache(c: Checks) -> str:
     """The images' and clips' cached latents at the buckets train will use (fp32)."""
     from zerotuner import families
+    from zerotuner.preflight.steps import job_resolution
     from zerotuner.train.data import dataset_buckets
     from zerotuner.train.feature_cache import latent_cache_bytes
 
     s, dataset, model = c.facts["settings"], c.facts["dataset"], c.facts["model"]
     video = c.facts.get("video")  # as `_dataset` sampled the clips
-    resolution = s.resolution or c.facts["model_shape"].native_resolution  # as train's
+    resolution = job_resolution(s, c.facts["model_shape"])  # as train's
     scale = families.vae_scale(model.local_dir)
     buckets = dataset_buckets(dataset, resolution, multiple=scale, upscale=s.upscale)
     need = latent_cache_bytes(

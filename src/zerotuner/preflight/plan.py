@@ -110,6 +110,7 @@ class PlanRequest:
     frames: int = 1  # a video family's clip length (ZT_VIDEO_FRAMES); 1 for the image families
     # where the pins came from (a raw DeepSpeed key instead of the ZT_* name), for messages
     pin_names: dict[str, str] = field(default_factory=dict)
+    resolution_name: str = "ZT_RESOLUTION"  # what sets `resolution`, for messages
 
 
 @dataclass(frozen=True)
@@ -389,7 +390,7 @@ def make_plan(
         message = (
             f"nothing fits{pins}: closest is {closest.label()}, which needs "
             f"{'; '.join(closest.short)}{hint}; use more or larger GPUs, more host memory, a "
-            "smaller ZT_TRAIN_BATCH_SIZE or ZT_RESOLUTION, or offload to NVMe"
+            f"smaller ZT_TRAIN_BATCH_SIZE or {request.resolution_name}, or offload to NVMe"
         )
         if require_fit:
             raise EnvironmentUnfit(message)

@@ -33,6 +33,7 @@ from zerotuner.preflight import trainable
 from zerotuner.preflight.deepspeed_config import Decisions, Normalized, normalize
 from zerotuner.preflight.pins import pins
 from zerotuner.preflight.plan import Plan, PlanRequest, gib, make_plan
+from zerotuner.settings.datasets import sources
 from zerotuner.settings.effective import Effective
 from zerotuner.settings.folders import unreadable_file
 from zerotuner.settings.inputs import UserInputs
@@ -67,7 +68,7 @@ class Preflight:
     hardware: Hardware
     model: ModelSource
     shape: ModelShape
-    resolution: int
+    resolution: int  # the job's (job_resolution); the plan sizes the largest dataset's
     topology: Topology
     decisions: Decisions
     plan: Plan
@@ -327,7 +328,7 @@ class PreflightRun:
             *self.inputs.notes.notes,
             *self.normalized.notes,
         )
-        resolution = settings.resolution or shape.native_resolution
+        resolution = job_resolution(settings, shape)
         return Preflight(
             settings, self.inputs, hardware, model, shape, resolution, self.topology,
             self.decisions, plan, self.normalized, notes,
@@ -364,6 +365,19 @@ def check_resume(settings: Settings, family: str, shape: ModelShape) -> None:
     lora.check_resume(manifest, settings, path)
 
 
+def job_resolution(settings: Settings, shape: ModelShape) -> int:
+    """The side a dataset without a `resolution` of its own trains at: ZT_RESOLUTION, else
+    the family's native one."""
+    return settings.resolution or shape.native_resolution
+
+
+def plan_resolution(settings: Settings, shape: ModelShape) -> int:
+    """The side the plan sizes memory for: the largest any dataset trains at, since a
+    datasets-file entry's own `resolution` may exceed the job's."""
+    own = [source.resolution for source in sources(settings) if source.resolution]
+    return max([job_resolution(settings, shape), *own])
+
+
 def plan_for(
     settings: Settings,
     shape: ModelShape,
@@ -380,8 +394,9 @@ def plan_for(
     `model_dir`: the model's folder, whose UNet config sizes a LoRA adapter (else the family's
     built-in config)."""
     user = pins(settings, base)
+    resolution = plan_resolution(settings, shape)
     request = PlanRequest(
-        resolution=settings.resolution or shape.native_resolution,
+        resolution=resolution,
         micro_batch=settings.train_batch_size,
         world_size=world_size,
         ranks_per_node=ranks_per_node,
@@ -394,6 +409,11 @@ def plan_for(
         max_sequence_length=settings.max_sequence_length,
         frames=settings.video_frames if shape.video is not None else 1,
         pin_names=user.names,
+        resolution_name=(
+            env_name("resolution")
+            if resolution == job_resolution(settings, shape)
+            else f"the `resolution` of a {env_name('datasets_file')} entry"
+        ),
     )
     return make_plan(
         shape=shape,

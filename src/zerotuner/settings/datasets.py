@@ -30,7 +30,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from zerotuner.errors import ConfigError
 from zerotuner.settings.files import load_mapping, short_repr
-from zerotuner.settings.schema import Settings, env_name
+from zerotuner.settings.schema import MAX_RESOLUTION, MIN_RESOLUTION, Settings, env_name
 
 FILE_SETTING = env_name("datasets_file")
 DIR_SETTING = env_name("data_dir")
@@ -88,7 +88,7 @@ class DatasetSource(BaseModel):
     path: str = Field(min_length=1)
     repeats: int = Field(1, ge=1, le=10_000)
     caption_template: str | None = None
-    resolution: int | None = Field(None, ge=64, le=8192)
+    resolution: int | None = Field(None, ge=MIN_RESOLUTION, le=MAX_RESOLUTION)  # as ZT_RESOLUTION
     caption_extension: str = ".txt"
     image_column: str | None = None  # parquet shards: defaults to the first image column
     caption_column: str | None = None  # parquet shards: `text`, `caption` or `prompt`

@@ -41,6 +41,16 @@ DEFAULT_SECRETS_DIR = Path("/run/secrets")
 _ENVIRON: ContextVar[Mapping[str, str] | None] = ContextVar("zerotuner_environ", default=None)
 
 Auto = Literal["auto"]
+MIN_RESOLUTION, MAX_RESOLUTION = 64, 4096  # ZT_RESOLUTION and a datasets-file entry's own
+# Every duration setting's ceiling: a year sits far inside what each consumer accepts
+# (timedelta, threading's TIMEOUT_MAX and the C++ clocks behind gloo, NCCL and the TCPStore,
+# ~292 years in nanoseconds); past those, a rank dies with OverflowError.
+MAX_SECONDS = 365 * 24 * 3600
+# Linux file systems' limits on one path part (NAME_MAX) and on a whole path (PATH_MAX - 1):
+# past them every stat fails with ENAMETOOLONG.
+NAME_MAX, PATH_MAX = 255, 4095
+# The DDPM schedulers' num_train_timesteps (SD 1.x, 2.x, XL): ZT_TIMESTEP_RANGE must hold one.
+DDPM_TIMESTEPS = 1000
 OffloadTarget = Literal["auto", "none", "cpu", "nvme"]
 
 
@@ -98,7 +108,10 @@ class Settings(BaseSettings):
 
     # --- training -----------------------------------------------------------------------
     resolution: int | None = Field(
-        None, ge=64, le=4096, description="Target side in pixels; empty = the family's native."
+        None,
+        ge=MIN_RESOLUTION,
+        le=MAX_RESOLUTION,
+        description="Target side in pixels; empty = the family's native.",
     )
     train_batch_size: int = Field(1, ge=1, description="Micro-batch per device.")
     gradient_accumulation_steps: int = Field(1, ge=1, description="Micro-batches per step.")
@@ -292,6 +305,7 @@ class Settings(BaseSettings):
     stop_grace_seconds: float = Field(
         300,
         gt=0,
+        le=MAX_SECONDS,
         description="After SIGTERM, seconds ranks get to save and commit before they are killed "
         "(Kubernetes' terminationGracePeriodSeconds must be larger).",
     )
@@ -316,11 +330,15 @@ class Settings(BaseSettings):
         9464, ge=0, le=65535, description="/metrics, /healthz, /readyz; 0 disables."
     )
     hang_timeout_seconds: float = Field(
-        1800, gt=0, description="/healthz fails when no step finished for this long."
+        1800,
+        gt=0,
+        le=MAX_SECONDS,
+        description="/healthz fails when no step finished for this long.",
     )
     collective_timeout_seconds: float = Field(
         600,
         gt=0,
+        le=MAX_SECONDS,
         description="How long a rank waits in a collective (barrier, all-reduce) of the process "
         "group before failing (gloo raises; NCCL's watchdog aborts the communicator and the "
         "process: TORCH_NCCL_ASYNC_ERROR_HANDLING=1). Keep it below ZT_HANG_TIMEOUT_SECONDS, so "
@@ -331,6 +349,7 @@ class Settings(BaseSettings):
     peer_timeout_seconds: float = Field(
         60,
         gt=0,
+        le=MAX_SECONDS,
         description="Multi-node: a node whose ranks give no sign of life (a heartbeat each "
         "second in torchrun's store) for this long is lost; the other nodes stop with exit 200 "
         "(retryable) and one line naming it. A node that is killed is noticed at its first "
@@ -418,15 +437,37 @@ class Settings(BaseSettings):
     def _fraction_range(cls, value: str | None) -> str | None:
         if value is None or not value.strip():
             return None
-        match = FRACTIONS.match(value)
-        low, high = (float(g) for g in match.groups()) if match else (1.0, 0.0)
-        if not 0 <= low < high <= 1:
+        low, high = _fractions(value) or (1.0, 0.0)
+        # as the DDPM loss maps it (families/ddpm.py): a low that rounds to timestep 1000 of
+        # 0-999 holds none, and step 1 would fail with an IndexError
+        if not 0 <= low < high <= 1 or round(low * DDPM_TIMESTEPS) >= DDPM_TIMESTEPS:
             raise PydanticCustomError(
                 "timestep_range",
-                "two fractions of the noise schedule, `low-high` with 0 <= low < high <= 1 "
+                "two fractions of the noise schedule, `low-high` with 0 <= low < high <= 1 and "
+                "low below {top}, so that it holds one of the schedule's {steps} timesteps "
                 "(e.g. `0.0-0.5`: the less noisy half)",
+                {"top": 1 - 0.5 / DDPM_TIMESTEPS, "steps": DDPM_TIMESTEPS},
             )
         return f"{low:g}-{high:g}"
+
+    @field_validator("model", "data_dir", "output_dir", "cache_dir", "offload_dir")
+    @classmethod
+    def _path_fits(cls, value: Any) -> Any:
+        """A folder the file systems cannot name is one line here, not an ENAMETOOLONG
+        traceback at its first use (an s3:// or hf:// URL's parts name no local file; the
+        files read, as ZT_CONFIG_FILE, say so when they are opened)."""
+        text = "" if value is None else os.fspath(value)
+        if "://" in text:
+            return value
+        longest = max((_byte_length(part) for part in text.split("/")), default=0)
+        if longest > NAME_MAX or _byte_length(text) > PATH_MAX:
+            raise PydanticCustomError(
+                "path_too_long",
+                "a path of at most {whole} bytes, each part (folder or file name) at most "
+                "{part} bytes, as file systems allow (its longest part has {longest})",
+                {"whole": PATH_MAX, "part": NAME_MAX, "longest": longest},
+            )
+        return value
 
     @field_validator("caption_template")
     @classmethod
@@ -466,10 +507,23 @@ def env_name(field: str) -> str:
 FRACTIONS = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*-\s*(\d+(?:\.\d*)?|\.\d+)\s*$")
 
 
+def _fractions(value: str) -> tuple[float, float] | None:
+    """`low-high` as two numbers, else None: ZT_TIMESTEP_RANGE's one parser."""
+    match = FRACTIONS.match(value)
+    return (float(match[1]), float(match[2])) if match else None
+
+
 def timestep_bounds(value: str | None) -> tuple[float, float]:
     """ZT_TIMESTEP_RANGE as (low, high) fractions of the noise schedule; (0, 1) when unset."""
-    match = FRACTIONS.match(value) if value else None
-    return (float(match[1]), float(match[2])) if match else (0.0, 1.0)
+    return (_fractions(value) if value else None) or (0.0, 1.0)
+
+
+def _byte_length(text: str) -> int:
+    """Bytes as the OS sees the name (undecodable bytes kept as one each)."""
+    try:
+        return len(os.fsencode(text))
+    except UnicodeEncodeError:  # a lone surrogate from a config file: no name the OS takes
+        return len(text.encode("utf-8", "surrogatepass"))
 
 
 def precision_name(value: str) -> str:

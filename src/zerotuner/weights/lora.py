@@ -182,6 +182,18 @@ def check_targets(
             f"{', '.join(missing)}; valid names: {', '.join(short_names(denoiser))} "
             f"(or a preset: {', '.join(PRESETS)})"
         )
+    # peft wraps every module a target matches and raises on any it cannot (a SiLU that
+    # shares Z-Image's `adaLN_modulation.0`), which would fail the run after caching
+    other = next(((t, n, m) for n, m in denoiser.named_modules() for t in targets
+                  if n and not isinstance(m, LORA_LAYERS) and _matches(n, t)), None)  # fmt: skip
+    if other is not None:
+        target, name, module = other
+        layer = next(n for n in layers if _matches(n, target))
+        raise ConfigError(
+            f"{env_name('lora_targets')}: {target} also names {name}, a "
+            f"{type(module).__name__}, and LoRA wraps only Linear and Conv2d layers; leave it "
+            f"out, or give each layer's whole path (e.g. {layer})"
+        )
     convs = sorted({t for n, m in denoiser.named_modules() for t in targets
                     if isinstance(m, torch.nn.Conv2d) and _matches(n, t)})  # fmt: skip
     if init != "gaussian" and convs:
