@@ -185,7 +185,8 @@ def _dataset(c: Checks) -> tuple[str, list[str]]:
         timestep_range=s.timestep_range,
     )  # fmt: skip
     fetched = f"; {remote.describe()}" if remote.sources else ""
-    line = dataset.summary() + fetched + "".join(f"; {n}" for n in notes)
+    epoch = f"; {dataset.epoch_samples} samples an epoch" if dataset.parts else ""
+    line = dataset.summary() + epoch + fetched + "".join(f"; {n}" for n in notes)
     return line, warnings
 
 
