@@ -38,12 +38,13 @@ def clean_env(**extra: str) -> dict[str, str]:
 
 
 @contextlib.contextmanager
-def builder(templates: Path, log: Path, **env: str) -> Iterator[str]:
-    """`zerotuner builder --port 0` in a subprocess; yields its URL (as it prints it)."""
+def builder(templates: Path, log: Path, files: Path, **env: str) -> Iterator[str]:
+    """`zerotuner builder --port 0` in a subprocess, forms naming files under `files`; yields
+    its URL (as it prints it)."""
     with log.open("w") as out:
         proc = subprocess.Popen(
             [sys.executable, "-m", "zerotuner", "builder", "--port", "0", "--templates",
-             str(templates)],
+             str(templates), "--files", str(files)],
             stdout=out, stderr=subprocess.STDOUT, env=clean_env(**env), start_new_session=True,
         )  # fmt: skip
     try:

@@ -66,6 +66,7 @@ class Builder:
 
     def __init__(self, proc: subprocess.Popen, log: Path, url: str, templates: Path) -> None:
         self.proc, self.log, self.url, self.templates = proc, log, url, templates
+        self.files = templates.parent / "files"  # --files: the only folder a form may name
         self.host, port = url.removeprefix("http://").rsplit(":", 1)
         self.port = int(port)
         self.address = f"{self.host}:{self.port}"
@@ -134,10 +135,11 @@ def server_env(tmp: Path, **extra: str) -> dict[str, str]:
 def builder_process(tmp: Path, **env: str) -> Iterator[Builder]:
     log = tmp / "builder.log"
     templates = tmp / "templates"
+    (tmp / "files").mkdir()
     with log.open("w") as out:
         proc = subprocess.Popen(
             [sys.executable, "-m", "zerotuner", "builder", "--port", "0", "--templates",
-             str(templates)],
+             str(templates), "--files", str(tmp / "files")],
             stdout=out, stderr=subprocess.STDOUT, env=server_env(tmp, **env),
             start_new_session=True,
         )  # fmt: skip
@@ -522,17 +524,17 @@ def _unblock(fifo: Path) -> None:
         os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
 
 
-def test_a_fifo_or_device_named_by_a_form_cannot_wedge_it(server, tmp_path):
-    fifo = tmp_path / "deepspeed.json"
+def test_a_fifo_or_device_named_by_a_form_cannot_wedge_it(server):
+    fifo = server.files / "deepspeed.json"
     os.mkfifo(fifo)
-    model = tmp_path / "model"
+    model = server.files / "model"
     model.mkdir()
     os.mkfifo(model / "model_index.json")
-    big = tmp_path / "big.json"
+    big = server.files / "big.json"
     with big.open("wb") as f:
         f.truncate(1 << 30)  # a sparse GiB: reading it would take the memory
     try:
-        for value, word in ((str(fifo), "FIFO"), ("/dev/zero", "device"), (str(big), "larger")):
+        for value, word in ((str(fifo), "FIFO"), ("/dev/zero", "--files="), (str(big), "larger")):
             form = {"settings": {"ZT_DEEPSPEED_CONFIG": value}, "hardware": GPU24}
             answer = server.post("/api/evaluate", form, timeout=5)  # today: never answered
             assert answer.status in (200, 400), answer.body
@@ -552,6 +554,47 @@ def test_a_fifo_or_device_named_by_a_form_cannot_wedge_it(server, tmp_path):
     finally:
         _unblock(fifo)
         _unblock(model / "model_index.json")
+
+
+def test_a_form_reads_no_file_outside_the_operators_folder(server, tmp_path):
+    """Issue 40: a form naming any JSON file got its whole contents back (`config`), and a
+    datasets file's first line came back in an error. Only files under --files are read; a
+    path elsewhere (or leading out through `..` or a link) is refused in one line, unread."""
+    secret = tmp_path / "secret.json"
+    secret.write_text('{"api_key": "sk-builder-secret-0123"}\n')
+    shadow = tmp_path / "shadow"
+    shadow.write_text("root:$y$j9T$builderShadowHash:19000:0:99999:7:::\n")
+    checkpoint = tmp_path / "step-5"
+    checkpoint.mkdir()
+    (checkpoint / "zerotuner.json").write_text('{"family": "sk-builder-secret-0123"}')
+    (server.files / "out.json").symlink_to(secret)
+    cases = {
+        "ZT_DEEPSPEED_CONFIG": [str(secret), str(server.files / ".." / "secret.json"),
+                                str(server.files / "out.json")],
+        "ZT_DATASETS_FILE": [str(shadow)],
+        "ZT_MODEL": [str(tmp_path)],
+        "ZT_RESUME": [str(checkpoint)],
+    }  # fmt: skip
+    for name, values in cases.items():
+        for value in values:
+            form = {"settings": {name: value}, "hardware": GPU24}
+            answer = server.post("/api/evaluate", form, timeout=30)
+            assert answer.status == 200 and answer.data["exit_code"] == 2, answer.body
+            assert answer.data["config"] is None and answer.data["plan"] is None, answer.body
+            (error,) = answer.data["errors"]
+            assert error["fields"] == [name] and "--files=" in error["line"], error
+            for export in EXPORTS:
+                assert server.post(f"/api/export/{export}", form).status == 400
+                assert b"sk-builder" not in server.post(f"/api/export/{export}", form).body
+            assert b"sk-builder" not in answer.body and b"builderShadow" not in answer.body
+    inside = server.files / "stage1.json"
+    inside.write_text('{"zero_optimization": {"stage": 1}}')
+    form = {"settings": {"ZT_DEEPSPEED_CONFIG": str(inside)}, "hardware": GPU24}
+    answer = server.post("/api/evaluate", form, timeout=30)
+    assert answer.data["exit_code"] == 0, answer.body
+    assert answer.data["config"]["zero_optimization"]["stage"] == 1
+    hub = {"settings": {"ZT_MODEL": "stabilityai/stable-diffusion-xl-base-1.0"}, "hardware": GPU24}
+    assert server.post("/api/evaluate", hub, timeout=30).data["exit_code"] == 0
 
 
 # --- neighbours: every other way in ------------------------------------------------------------
@@ -590,10 +633,10 @@ def test_odd_paths_methods_and_request_lines_get_a_json_answer(server):
     assert answer.status == 431
 
 
-def test_a_failure_inside_an_evaluation_is_one_line_not_a_traceback(server, tmp_path):
+def test_a_failure_inside_an_evaluation_is_one_line_not_a_traceback(server):
     """Whatever an evaluation raises that is no ZeroTunerError (here a model folder whose
     model_index.json is no JSON) is answered in the page's shape, and the log gets one line."""
-    model = tmp_path / "model"
+    model = server.files / "broken-model"
     model.mkdir()
     (model / "model_index.json").write_text("{broken")
     form = {"settings": {"ZT_MODEL": str(model)}, "hardware": GPU24}

@@ -42,7 +42,7 @@ print("OK", type(engine.optimizer).__name__, engine.zero_optimization_stage())
 def page(tmp_path_factory, demo_dir):
     root = tmp_path_factory.mktemp("builder")
     cache = str(root / "cache")
-    server = builder(root / "templates", root / "builder.log", ZT_CACHE_DIR=cache)
+    server = builder(root / "templates", root / "builder.log", demo_dir, ZT_CACHE_DIR=cache)
     with server as url, chromium() as browser:
         context = browser.new_context(accept_downloads=True)
         page = context.new_page()

@@ -180,3 +180,55 @@ def test_malformed_requests_get_a_clean_status(server_output):
         got = {name: status_of(ask(server.port, raw)[0]) for name, (raw, _) in MALFORMED.items()}
     assert got == {name: code for name, (_, code) in MALFORMED.items()}
     assert "Traceback" not in server_output() and "exc_info=True" not in server_output()
+
+
+def test_the_run_page_answers_a_clients_mistake_in_one_line(tmp_path, server_output):
+    """Issue 40: a 5000-digit Range value or `step-` path, and every reader that stopped reading
+    a clip, wrote a traceback into the training log; each request read the whole file. Now: a
+    status and one line, ranges streamed from disk, nothing in the log above debug."""
+    import tracemalloc
+
+    folder = tmp_path / "samples" / "step-10"
+    folder.mkdir(parents=True)
+    clip = folder / "00-a-clip.mp4"
+    with clip.open("wb") as f:
+        f.truncate(1 << 30)  # sparse: a server that reads it whole takes a GiB
+    (folder / "00-a-clip.png").write_bytes(b"\x89PNG")
+    path = "/run/samples/step-10/00-a-clip.mp4"
+    with metrics_server(output_dir=tmp_path, idle_timeout=0.5) as server:
+
+        def get(target: str, *headers: str) -> tuple[int | None, bytes]:
+            lines = [f"GET {target} HTTP/1.1", "Host: 127.0.0.1", "Connection: close", *headers]
+            reply, closed = ask(server.port, ("\r\n".join(lines) + "\r\n\r\n").encode(), 10)
+            assert closed, reply[:200]
+            return status_of(reply), reply.partition(b"\r\n\r\n")[2]
+
+        tracemalloc.start()
+        try:
+            assert get(path, "Range: bytes=5-5") == (206, b"\0")
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert peak < 16 << 20, peak  # streamed from disk, not read whole
+        status, body = get(path, "Range: bytes=" + "9" * 5000 + "-")
+        assert status == 416 and body == b"range not satisfiable: the file has 1073741824 bytes\n"
+        png = "/run/samples/step-10/00-a-clip.png"
+        assert get(png, "Range: bytes=1-" + "9" * 5000) == (206, b"PNG")
+        assert get(png, "Range: bytes=0-" + "9" * 5000 + ",") == (200, b"\x89PNG")  # ignored
+        status, body = get("/run/samples/step-" + "1" * 5000 + "/00-a-clip.png")
+        assert status == 404 and body.count(b"\n") == 1, body
+        assert get("/run/samples/step-10/00-gone.mp4")[0] == 404
+
+        for _ in range(3):  # readers that stop reading, and ones that hang up mid-clip
+            with connections(server.port, 1) as (sock,):
+                sock.sendall(f"GET {path} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+                sock.recv(1024)
+                time.sleep(1.5)  # past idle_timeout: the server's write times out
+            with connections(server.port, 1) as (sock,):
+                sock.sendall(f"GET {path} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+                sock.recv(1024)
+        time.sleep(1)
+        assert get(png)[0] == 200
+    output = server_output()
+    assert "Traceback" not in output and "exc_info=True" not in output, output[-3000:]
+    assert not re.search(r"^(ERROR|WARNING)", output, re.MULTILINE), output[-3000:]

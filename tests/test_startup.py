@@ -6,6 +6,7 @@ and py-cpuinfo asked once per process."""
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -250,3 +251,87 @@ def test_a_lone_zero0_rank_skips_the_all_reduce_and_clips_with_foreach_kernels(t
     loose_ds, loose_fe = result["0-True-False-100.0"], result["0-True-True-100.0"]
     assert loose_fe["foreach"] and all(e < 100.0 for e, _ in loose_fe["norms"])
     assert loose_fe["params"] == loose_ds["params"]  # a factor of 1 skipped: bit for bit
+
+
+def _extensions_copy(tmp: Path) -> Path:
+    """This machine's built DeepSpeed ops in a folder of the test's own (binaries hard-linked:
+    nothing rebuilds an op that is up to date, and nothing here writes them)."""
+    root = Path(os.environ["TORCH_EXTENSIONS_DIR"])
+    copy = tmp / "torch_extensions"
+
+    def link(src: str, dst: str) -> None:
+        if src.endswith((".o", ".so")):
+            os.link(src, dst)
+        else:
+            shutil.copy2(src, dst)
+
+    shutil.copytree(root, copy, copy_function=link)
+    return copy
+
+
+@pytest.mark.slow
+def test_a_stale_op_build_lock_is_removed_not_waited_on(demo_dir, tmp_path):
+    """Issue 40: a start killed while DeepSpeed JIT-built an op left `lock` in its build folder;
+    every later start waited on it forever, silently. The entrypoint removes a lock no live
+    build holds, in one line, and the run goes on."""
+    extensions = _extensions_copy(tmp_path)
+    hour_ago = time.time() - 3600
+    for op in ("deepspeed_shm_comm", "fused_adam"):
+        (extensions / op / "lock").touch()
+        for path in (extensions / op).iterdir():
+            os.utime(path, (hour_ago, hour_ago))
+    env = entrypoint_env(demo_dir, tmp_path, ZT_MAX_STEPS="1", ZT_CHECKPOINT_EVERY_STEPS="0",
+                         TORCH_EXTENSIONS_DIR=str(extensions))  # fmt: skip
+    proc = subprocess.run([ENTRYPOINT, "train"], env=env, capture_output=True, text=True,
+                          timeout=400)  # fmt: skip
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-3000:]
+    assert out.count("removed a stale lock of an interrupted DeepSpeed op build") == 2, out
+    assert not list(extensions.glob("*/lock"))
+
+
+def test_a_lock_a_build_holds_is_waited_on_with_a_line_and_a_bound(tmp_path, caplog):
+    from zerotuner.machine.ops import clear_stale_locks
+
+    caplog.set_level("INFO")
+    (tmp_path / "cpu_adam").mkdir()
+    lock = tmp_path / "cpu_adam" / "lock"
+    lock.touch()  # just now: a build may be writing there
+    started = time.monotonic()
+    assert clear_stale_locks(tmp_path, quiet_seconds=1, wait_seconds=30, poll=0.1) == [lock]
+    assert 0.5 < time.monotonic() - started < 10
+    assert "waiting for the DeepSpeed op build" in caplog.text
+    busy = subprocess.Popen(["sleep", "30"], cwd=lock.parent)  # ninja's place: the build folder
+    try:
+        lock.touch()
+        assert clear_stale_locks(tmp_path, quiet_seconds=0, wait_seconds=1, poll=0.1) == []
+        assert lock.exists() and "still held by a build after 1 s" in caplog.text
+    finally:
+        busy.kill()
+        busy.wait()
+
+
+@pytest.mark.slow
+def test_a_sigterm_as_the_ranks_start_is_a_stop_not_a_crash(demo_dir, tmp_path):
+    """Issue 40: SIGTERM just after the ranks were released, before a rank installed its
+    handler (it was still importing), ended with exit 1 ("the rank exited -15"): a crash to an
+    orchestrator. It is a stop with nothing to resume from: 143, said in one line."""
+    env = entrypoint_env(demo_dir, tmp_path, ZT_MAX_STEPS="2")
+    log_path = tmp_path / "log.txt"
+    with log_path.open("w") as log:
+        proc = subprocess.Popen([ENTRYPOINT, "train"], env=env, stdout=log,
+                                stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 300
+        while "launching 2 rank(s)" not in log_path.read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, log_path.read_text()
+            time.sleep(0.02)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=120) == 143, log_path.read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    out = log_path.read_text()
+    assert "stopped before training, nothing to resume from: exit 143" in out, out[-3000:]
+    assert "Traceback" not in out, out[-3000:]

@@ -98,22 +98,23 @@ def test_validation_clips_follow_zt_video_frames_within_a_bound():
 
 
 def test_byte_ranges_are_answered_as_a_video_element_asks():
-    body = bytes(range(10))
-    assert ranged(body, None) == ("200 OK", [("Accept-Ranges", "bytes")], body)
-    status, headers, part = ranged(body, "bytes=0-")
-    assert (status, dict(headers)["Content-Range"], part) == ("206 Partial Content",
-                                                              "bytes 0-9/10", body)  # fmt: skip
-    assert ranged(body, "bytes=2-5")[2] == body[2:6]
-    assert ranged(body, "bytes=8-99")[1][1] == ("Content-Range", "bytes 8-9/10")
-    assert ranged(body, "bytes=-3")[2] == body[7:]
-    assert ranged(body, "bytes=-30")[2] == body
-    for unsatisfiable in ("bytes=10-", "bytes=-0"):
-        status, headers, part = ranged(body, unsatisfiable)
-        assert (status, headers, part) == ("416 Range Not Satisfiable",
-                                           [("Content-Range", "bytes */10")], b"")  # fmt: skip
+    whole = ("200 OK", [("Accept-Ranges", "bytes")], (0, 10))
+    assert ranged(10, None) == whole
+    status, headers, span = ranged(10, "bytes=0-")
+    assert (status, dict(headers)["Content-Range"], span) == ("206 Partial Content",
+                                                              "bytes 0-9/10", (0, 10))  # fmt: skip
+    assert ranged(10, "bytes=2-5")[2] == (2, 6)
+    assert ranged(10, "bytes=8-99")[1][1] == ("Content-Range", "bytes 8-9/10")
+    assert ranged(10, "bytes=-3")[2] == (7, 10)
+    assert ranged(10, "bytes=-30")[2] == (0, 10)
+    assert ranged(10, "bytes=0-" + "9" * 5000)[2] == (0, 10)  # past int()'s digit limit
+    assert ranged(10, "bytes=-" + "9" * 5000)[2] == (0, 10)
+    for unsatisfiable in ("bytes=10-", "bytes=-0", "bytes=" + "9" * 5000 + "-"):
+        status, headers, span = ranged(10, unsatisfiable)
+        assert (status, headers) == ("416 Range Not Satisfiable", [("Content-Range", "bytes */10")])
     for ignored in ("bytes=0-1,4-5", "bytes=5-2", "items=0-1", "bytes=x-", "bytes=-"):
-        assert ranged(body, ignored)[0] == "200 OK", ignored
-    assert ranged(body, "bytes=2-5", if_range='"v1"')[0] == "200 OK"
+        assert ranged(10, ignored)[0] == "200 OK", ignored
+    assert ranged(10, "bytes=2-5", if_range='"v1"')[0] == "200 OK"
 
 
 # --- the tiny Wan demo ------------------------------------------------------------------------
@@ -172,8 +173,9 @@ def test_the_run_page_serves_only_sample_clips_with_byte_ranges(rendered, tmp_pa
     assert image == {"prompt": PROMPT, "url": f"/run/samples/step-2/{SLUG}.png",
                      "video": f"/run/samples/step-2/{SLUG}.mp4"}  # fmt: skip
     mp4 = (rendered / "samples" / "step-2" / f"{SLUG}.mp4").read_bytes()
-    assert view.sample_file(f"step-2/{SLUG}.mp4") == (mp4, "video/mp4")
-    assert view.sample_file(f"base/{SLUG}.mp4") is not None
+    path, media = view.sample_path(f"step-2/{SLUG}.mp4")
+    assert (path.read_bytes(), media) == (mp4, "video/mp4")
+    assert view.sample_path(f"base/{SLUG}.mp4") is not None
     (rendered / "secret.mp4").write_bytes(b"not a sample")
     link = rendered / "samples" / "step-2" / "link.mp4"
     link.symlink_to(rendered / "samples" / "step-2" / "prompts.txt")
@@ -181,7 +183,7 @@ def test_the_run_page_serves_only_sample_clips_with_byte_ranges(rendered, tmp_pa
         escapes = ("../secret.mp4", "step-2/../../secret.mp4", "step-2/link.mp4", "x.mp4",
                    f"base-vs-trained/{SLUG}.mp4", f"step-2/{SLUG}.mp4.part")  # fmt: skip
         for escape in escapes:
-            assert view.sample_file(escape) is None, escape
+            assert view.sample_path(escape) is None, escape
     finally:
         link.unlink()
 

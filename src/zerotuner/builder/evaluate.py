@@ -8,7 +8,10 @@ the process's environment is never touched.
 
 A form never reaches the network nor the process's credentials: it is evaluated offline
 (HF_HUB_OFFLINE, which no form can undo: a form sets ZT_* names only), with no token and no
-secrets folder, so a hub id is judged from the local cache or by its name.
+secrets folder, so a hub id is judged from the local cache or by its name. Nor does it read a
+file of the machine's: the server passes the one folder its operator chose (`files_under`),
+and a path a form names outside it is refused before anything opens it (an answer carries the
+DeepSpeed JSON read, and error lines may quote a file's keys).
 """
 
 from __future__ import annotations
@@ -18,8 +21,8 @@ import re
 from pathlib import Path
 from typing import Any
 
-from zerotuner.builder.form import DEEPSPEED, compose
-from zerotuner.errors import ConfigError, ZeroTunerError
+from zerotuner.builder.form import DEEPSPEED, compose, shown
+from zerotuner.errors import EXIT_CONFIG, ConfigError, ZeroTunerError
 from zerotuner.preflight.what_if import WhatIf, explain_config, plan_json, plan_what_if
 
 # Where this machine keeps the hub cache: the server's own, unless the form says.
@@ -62,8 +65,45 @@ def what_if(hardware: dict[str, str]) -> WhatIf:
     )
 
 
-def evaluate(form: dict[str, Any]) -> dict[str, Any]:
-    """What `zerotuner config --explain` and `zerotuner plan --json` answer for this form."""
+def named_paths(env: dict[str, str]) -> list[tuple[str, str]]:
+    """(setting, path) for each file or folder the form's settings make the evaluation read: a
+    DeepSpeed JSON that is not inline, the datasets file, a local model, a checkpoint."""
+    from zerotuner.preflight.steps import model_looks_local
+
+    paths = []
+    for name, value in env.items():
+        text = value.strip()
+        if name == DEEPSPEED:
+            read = not text.startswith("{")  # else inline JSON
+        elif name == "ZT_MODEL":  # else a hub id, read from the machine's hub cache only
+            read = model_looks_local(text) or Path(text).expanduser().exists()
+        elif name == "ZT_RESUME":
+            read = text not in ("auto", "never")
+        else:
+            read = name == "ZT_DATASETS_FILE"
+        if read and text:
+            paths.append((name, text))
+    return paths
+
+
+def outside(env: dict[str, str], folder: Path) -> list[str]:
+    """One line per path the form names outside `folder` (links and `..` resolved first)."""
+    root = Path(os.path.realpath(folder))
+    lines = []
+    for name, value in named_paths(env):
+        if not Path(os.path.realpath(Path(value).expanduser())).is_relative_to(root):
+            lines.append(
+                f"{name}={shown(value, 200)}: the builder reads only files under --files={root} "
+                f"(the folder its operator chose); put the file there"
+                + (", or paste the JSON" if name == DEEPSPEED else "")
+            )
+    return lines
+
+
+def evaluate(form: dict[str, Any], *, files_under: Path | None = None) -> dict[str, Any]:
+    """What `zerotuner config --explain` and `zerotuner plan --json` answer for this form.
+    `files_under`: the only folder whose files the form may name (the server's --files); None
+    for a caller whose forms are its own (tests comparing the page with the CLI)."""
     out: dict[str, Any] = {"settings": {}, "notes": [], "errors": [], "plan": None}
     try:
         composed = compose(form)
@@ -73,6 +113,10 @@ def evaluate(form: dict[str, Any]) -> dict[str, Any]:
     out["settings"] = composed.env
     out["hardware"] = composed.hardware
     out["notes"] = [{"level": "info", "message": n} for n in composed.notes]
+    refused = _located(outside(composed.env, files_under)) if files_under is not None else []
+    if refused:  # nothing was opened: no line can quote the file
+        return out | {"config": None, "exit_code": EXIT_CONFIG, "errors": refused,
+                      "plan_exit_code": EXIT_CONFIG, "plan_errors": refused}  # fmt: skip
     environ = form_environ(composed.env)
     try:
         result, described = explain_config(what, environ)

@@ -18,9 +18,11 @@ page may drive it: every request must name a Host that is an address of this ser
 loopback name (a DNS name could be another site's, re-pointed at 127.0.0.1: DNS rebinding),
 an Origin, when sent, must be that same http://HOST, and a POST or PUT must be
 `application/json` (a web page cannot send that to another origin without asking first).
-A form names only the settings the page shows (builder_form.accepted) and is evaluated
-offline. Bodies are at most MAX_BODY with a Content-Length; a client gets IDLE_TIMEOUT per
-read and REQUEST_TIMEOUT in all; a refusal is a 4xx JSON answer, a hang-up is dropped.
+A form names only the settings the page shows (builder_form.accepted), is evaluated
+offline, and may name files only under the folder the operator chose (`--files`, default
+/config: evaluate.outside). Bodies are at most MAX_BODY with a Content-Length; a client gets
+IDLE_TIMEOUT per read and REQUEST_TIMEOUT in all; a refusal is a 4xx JSON answer, a hang-up is
+dropped.
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ from zerotuner.monitor.http_limits import ConnectionLimits, StrictRequests
 log = logging.getLogger(__name__)
 
 DEFAULT_TEMPLATES = Path("/config/templates")
+DEFAULT_FILES = Path("/config")  # the folder docs/deploy.md mounts for the builder
 MAX_BODY = 1 << 20  # a form is a few KB
 TEMPLATE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 IDLE_TIMEOUT = 10.0  # seconds any read or write may wait (a body announced and not sent)
@@ -203,7 +206,7 @@ class _Handler(StrictRequests, BaseHTTPRequestHandler):
     def _post(self, path: str) -> None:
         if path == "/api/evaluate":
             form = self._form()
-            return self._answer(lambda: evaluate(accepted(form)))
+            return self._answer(lambda: evaluate(accepted(form), files_under=self.server.files))
         if path.startswith("/api/export/"):
             form = self._form()
             return self._answer(lambda: self._export(path.removeprefix("/api/export/"), form))
@@ -221,7 +224,7 @@ class _Handler(StrictRequests, BaseHTTPRequestHandler):
         accepted(form)
         if fmt not in FORMATS:
             raise ConfigError(f"export format {shown(fmt)}: expected one of {', '.join(FORMATS)}")
-        result = evaluate(form)
+        result = evaluate(form, files_under=self.server.files)
         if result["exit_code"] != 0:  # `train` would refuse it: no file to apply it with
             raise ConfigError("invalid", problems=[e["line"] for e in result["errors"]])
         name, media, text = export(fmt, compose(form), result["config"])
@@ -379,6 +382,7 @@ class BuilderServer(ConnectionLimits, ThreadingHTTPServer):
         port: int,
         *,
         templates: Path,
+        files: Path = DEFAULT_FILES,
         idle_timeout: float = IDLE_TIMEOUT,
         request_timeout: float = REQUEST_TIMEOUT,
         max_connections: int = MAX_CONNECTIONS,
@@ -391,6 +395,7 @@ class BuilderServer(ConnectionLimits, ThreadingHTTPServer):
             max_connections=max_connections,
         )
         self.templates = Templates(templates)
+        self.files = Path(files)  # the only folder whose files a form may name
         self.bound_name = host.lower()
 
     @property

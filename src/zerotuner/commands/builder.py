@@ -3,7 +3,9 @@
 The page runs every change through the same code as `config` and `plan`
 (zerotuner.builder.evaluate); it exports env files, a compose override, a Kubernetes Job, the
 DeepSpeed JSON and the YAML config file, and keeps templates in a folder (`--templates`,
-default /config/templates).
+default /config/templates). A form may name files (a DeepSpeed JSON, a datasets file, a model
+folder) only under `--files` (default /config): anyone who reaches the page could otherwise
+read any file of this machine.
 """
 
 from __future__ import annotations
@@ -24,13 +26,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--templates", type=Path, default=None, help="template folder (default /config/templates)"
     )
+    parser.add_argument(
+        "--files", type=Path, default=None,
+        help="the only folder whose files a form may name (default /config)",
+    )  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> int:
-    from zerotuner.builder.server import DEFAULT_TEMPLATES, BuilderServer
+    from zerotuner.builder.server import DEFAULT_FILES, DEFAULT_TEMPLATES, BuilderServer
 
     try:
-        server = BuilderServer(args.host, args.port, templates=args.templates or DEFAULT_TEMPLATES)
+        server = BuilderServer(
+            args.host, args.port, templates=args.templates or DEFAULT_TEMPLATES,
+            files=args.files or DEFAULT_FILES,
+        )  # fmt: skip
     except OSError as exc:
         raise EnvironmentUnfit(
             f"--port={args.port}: cannot listen on {args.host}:{args.port} ({exc.strerror}); "

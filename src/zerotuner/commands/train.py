@@ -18,6 +18,7 @@ from pathlib import Path
 from zerotuner.errors import EXIT_OK, ZeroTunerError
 from zerotuner.launch.ranks import resolve_topology, start_ranks
 from zerotuner.machine.hardware import describe
+from zerotuner.machine.ops import clear_stale_locks
 from zerotuner.machine.probe import probe_facts, with_ops
 from zerotuner.monitor.logs import rank_level, setup_logging
 from zerotuner.settings.effective import Effective, effective_settings
@@ -89,6 +90,7 @@ def _train(effective: Effective, server, stack: ExitStack) -> int:  # noqa: ANN0
         grace_seconds=settings.stop_grace_seconds,
     )  # fmt: skip
     try:
+        clear_stale_locks()  # a start killed mid-build left one: every op build would wait on it
         hardware = describe(with_ops(facts, os.environ), settings.device)
         for warning in hardware.warnings:
             log.warning("%s", warning)

@@ -36,7 +36,7 @@ from zerotuner.errors import (
     StoppedBeforeStart,
 )
 from zerotuner.launch.job import JOB_FILE_ENV, LAUNCHER_PID_ENV
-from zerotuner.launch.records import STATUS_DIR_ENV, read_rank_statuses
+from zerotuner.launch.records import STATUS_DIR_ENV, read_armed_ranks, read_rank_statuses
 from zerotuner.machine.hardware import Hardware
 from zerotuner.machine.ops import deepspeed_arch_list
 
@@ -284,12 +284,13 @@ class Ranks:
     ) -> None:
         self.status_dir = Path(status_dir)
         self.status_dir.mkdir(parents=True, exist_ok=True)
-        for stale in self.status_dir.glob("rank-*.json"):
+        for stale in self.status_dir.glob("rank-*"):
             stale.unlink()  # an earlier run's statuses must not decide this run's exit code
         self.grace_seconds, self.expected_ranks = grace_seconds, expected_ranks
         self.released = released
         self.launcher = "torchrun" if "zerotuner.launch.torchrun" in argv else "the rank"
         self.signals, self.deadline, self.known = 0, None, set()
+        self.signal_name = "signal"  # the first one's name
         self.proc: subprocess.Popen | None = None
         pending = None
 
@@ -300,6 +301,7 @@ class Ranks:
                 raise StoppedBeforeStart(f"stopped by {name} before training: exit 143")
             self.signals += 1
             if self.signals == 1:
+                self.signal_name = name
                 log.warning("%s: asking the ranks to checkpoint and stop (%.0f s; again to kill "
                             "now)", name, grace_seconds)  # fmt: skip
                 self.deadline = time.monotonic() + grace_seconds
@@ -374,7 +376,16 @@ class Ranks:
         if expected is not None and len(statuses) < expected and code == 0:
             log.warning("%d of %d ranks reported a status", len(statuses), expected)
         result = exit_code(code, statuses, signalled=self.signals > 0)
-        if expected is not None and result == EXIT_SIGNAL and len(statuses) < expected:
+        # Ranks that neither reported nor armed their SIGTERM handler were ended by the signal
+        # itself (its default action) while they started: no step ran, so it is a stop.
+        heard = {s.rank for s in statuses} | read_armed_ranks(self.status_dir)
+        unarmed = (expected or 0) - len(heard)
+        if self.signals and unarmed > 0 and result not in (EXIT_CONFIG, EXIT_ENVIRONMENT):
+            log.warning("%s came before %d of %d rank(s) could handle it: stopped before "
+                        "training, nothing to resume from: exit %d", self.signal_name, unarmed,
+                        expected, EXIT_SIGNAL)  # fmt: skip
+            result = EXIT_SIGNAL
+        elif expected is not None and result == EXIT_SIGNAL and len(statuses) < expected:
             result = EXIT_FAILURE  # a rank died without confirming its checkpoint
         log.info("%s exited %s; ranks reported %s -> exit %d", self.launcher, code,
                  {s.rank: s.exit_code for s in statuses}, result)  # fmt: skip

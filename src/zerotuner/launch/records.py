@@ -60,6 +60,18 @@ def write_rank_status(rank: int, exit_code: int, message: str = "") -> None:
     os.replace(tmp, path)
 
 
+def write_rank_armed(rank: int) -> None:
+    """Mark that this rank handles SIGTERM from now on (train.stop.StopRequest): stopped, it
+    writes a status. A rank the signal ends before this had not trained: nothing to save."""
+    folder = os.environ.get(STATUS_DIR_ENV)
+    if folder:
+        (Path(folder) / f"rank-{rank}.armed").touch()
+
+
+def read_armed_ranks(folder: Path) -> set[int]:
+    return {int(p.stem[5:]) for p in folder.glob("rank-*.armed") if p.stem[5:].isdigit()}
+
+
 def read_rank_statuses(folder: Path) -> list[RankStatus]:
     statuses = []
     for path in sorted(folder.glob("rank-*.json")):

@@ -26,7 +26,8 @@ MEMORY = "zerotuner_device_memory_allocated_bytes"
 MAX_STEPS = "zerotuner_max_steps"
 MAX_POINTS = 1000  # per series in an answer, and per rank in the history
 ETA_WINDOW = 20  # steps the ETA averages over (validation and checkpoints included)
-SAMPLE_FILE = re.compile(r"(step-\d+|base)/[A-Za-z0-9][A-Za-z0-9._-]*\.(png|mp4)")
+# What the page links to; bounded, so no name reaches the file system too long for it.
+SAMPLE_FILE = re.compile(r"(step-\d{1,18}|base)/[A-Za-z0-9][A-Za-z0-9._-]{0,200}\.(png|mp4)")
 SAMPLE_TYPES = {".png": "image/png", ".mp4": "video/mp4"}
 
 
@@ -134,7 +135,7 @@ def _rank_order(rank: str) -> tuple[int, str]:
 
 
 class RunView:
-    """The run page's data: `state()` answers /api/run, `sample_image()` the sample files."""
+    """The run page's data: `state()` answers /api/run, `sample_path()` the sample files."""
 
     def __init__(self, output_dir: Path | None, *, history_limit: int = MAX_POINTS) -> None:
         self.output_dir = Path(output_dir) if output_dir is not None else None
@@ -201,18 +202,22 @@ class RunView:
 
     def sample_image(self, relative: str) -> bytes | None:
         """A PNG or MP4 under OUTPUT/samples (step-N/ or base/), else None."""
-        found = self.sample_file(relative)
-        return found[0] if found is not None else None
+        found = self.sample_path(relative)
+        return found[0].read_bytes() if found is not None else None
 
-    def sample_file(self, relative: str) -> tuple[bytes, str] | None:
-        """A sample's bytes and media type (SAMPLE_TYPES), else None."""
+    def sample_path(self, relative: str) -> tuple[Path, str] | None:
+        """A sample file's path and media type (SAMPLE_TYPES), else None: a name the page never
+        links to (a 5000-digit step, `..`, a link leaving the folder) is not looked up."""
         if self.output_dir is None or not SAMPLE_FILE.fullmatch(relative):
             return None
         root = (self.output_dir / "samples").resolve()
-        path = (root / relative).resolve()
-        if path.parent.parent != root or path.suffix not in SAMPLE_TYPES or not path.is_file():
+        try:
+            path = (root / relative).resolve()
+            if path.parent.parent != root or path.suffix not in SAMPLE_TYPES or not path.is_file():
+                return None
+        except OSError:
             return None
-        return path.read_bytes(), SAMPLE_TYPES[path.suffix]
+        return path, SAMPLE_TYPES[path.suffix]
 
 
 def _max_steps(families: list[Any]) -> int | None:

@@ -19,18 +19,20 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import re
 import shutil
 import socket
+import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
+from typing import Any, BinaryIO
+from wsgiref.simple_server import ServerHandler, WSGIRequestHandler, WSGIServer
 
 from prometheus_client import CollectorRegistry, make_wsgi_app
 from prometheus_client.core import GaugeMetricFamily, Metric
@@ -41,6 +43,8 @@ from zerotuner.errors import EnvironmentUnfit
 from zerotuner.monitor.http_limits import ConnectionLimits, StrictRequests
 from zerotuner.monitor.metrics import MULTIPROC_DIR_ENV, PHASE_ENTERED, PHASES
 from zerotuner.monitor.run_page import RunView
+
+log = logging.getLogger(__name__)
 
 STEP_LOOP_PHASES = ("training", "checkpointing", "validating")
 INFO_LABELS = (
@@ -237,39 +241,55 @@ class NodeCollector:
 
 PROBES = ("/healthz", "/readyz")
 RANGE = re.compile(r"bytes=(\d*)-(\d*)")
+BEYOND = 1 << 63  # a position past any file: a 5000-digit one is not parsed (int() refuses it)
+CHUNK = 1 << 16  # bytes a sample file is streamed in
+
+
+def _position(digits: str) -> int:
+    return int(digits) if len(digits) <= 18 else BEYOND
 
 
 def ranged(
-    body: bytes, header: str | None, if_range: str | None = None
-) -> tuple[str, list[tuple[str, str]], bytes]:
+    size: int, header: str | None, if_range: str | None = None
+) -> tuple[str, list[tuple[str, str]], tuple[int, int]]:
     """A sample file's answer to a request with `Range: bytes=...` (RFC 9110 14): (status,
-    headers, body). Chromium's media player asks for `bytes=0-`; answered 200 it still plays a
-    small clip through and loops it, but it cannot seek (`seekable` stays empty and a seek lands
-    on 0: the controls' scrubber does nothing); answered 206 it seeks
-    (tests/test_video_samples.py). One range is served (first-last, first-, -suffix); several
-    ranges, another unit, a malformed header or an If-Range (this server gives no validators)
-    get the whole file, 200, as the RFC allows; a range past the end gets 416."""
-    size = len(body)
-    whole = ("200 OK", [("Accept-Ranges", "bytes")], body)
+    headers, the [start, stop) bytes to send). Chromium's media player asks for `bytes=0-`;
+    answered 200 it still plays a small clip through and loops it, but it cannot seek
+    (`seekable` stays empty and a seek lands on 0: the controls' scrubber does nothing);
+    answered 206 it seeks (tests/test_video_samples.py). One range is served (first-last,
+    first-, -suffix); several ranges, another unit, a malformed header or an If-Range (this
+    server gives no validators) get the whole file, 200, as the RFC allows; a range past the
+    end gets 416."""
+    whole = ("200 OK", [("Accept-Ranges", "bytes")], (0, size))
     match = RANGE.fullmatch((header or "").strip())
     if match is None or if_range or match.groups() == ("", ""):
         return whole
     first, last = match.groups()
     if first:
-        start, end = int(first), min(int(last), size - 1) if last else size - 1
-        if last and int(last) < start:
+        start, end = _position(first), min(_position(last), size - 1) if last else size - 1
+        if last and _position(last) < start:
             return whole  # invalid: ignored
     else:  # the last `last` bytes
-        start, end = max(0, size - int(last)), size - 1
-        if int(last) == 0:
+        start, end = max(0, size - _position(last)), size - 1
+        if _position(last) == 0:
             start = size  # unsatisfiable
     if start >= size:
-        return "416 Range Not Satisfiable", [("Content-Range", f"bytes */{size}")], b""
+        return "416 Range Not Satisfiable", [("Content-Range", f"bytes */{size}")], (0, 0)
     return (
         "206 Partial Content",
         [("Accept-Ranges", "bytes"), ("Content-Range", f"bytes {start}-{end}/{size}")],
-        body[start : end + 1],
+        (start, end + 1),
     )
+
+
+def _stream(file: BinaryIO, start: int, stop: int) -> Iterator[bytes]:
+    """[start, stop) of an open file, CHUNK bytes at a time; closed when the answer ends (wsgiref
+    closes the iterator whether the client read it all or went away)."""
+    with file:
+        file.seek(start)
+        while start < stop and (chunk := file.read(min(CHUNK, stop - start))):
+            start += len(chunk)
+            yield chunk
 
 
 class _Server(ConnectionLimits, WSGIServer):
@@ -277,9 +297,46 @@ class _Server(ConnectionLimits, WSGIServer):
     connections."""
 
 
+class _Answer(ServerHandler):
+    """wsgiref's handler, minus its tracebacks on stderr (the training log): a client that
+    stops reading or hangs up mid-answer (a timeout, a reset) is its own doing, one debug line;
+    anything else is a bug of the page, one error line, its traceback at debug level."""
+
+    def handle_error(self) -> None:
+        error = sys.exc_info()[1]
+        if isinstance(error, OSError):
+            log.debug("run page: a client went away: %r", error)
+            return
+        log.error("run page: %s failed: %s: %s", self.environ.get("PATH_INFO", "")[:200],
+                  type(error).__name__, error)  # fmt: skip
+        log.debug("run page: the failure's traceback", exc_info=True)
+        if not self.headers_sent:
+            self.result = self.error_output(self.environ, self.start_response)
+            self.finish_response()
+
+
 class _QuietHandler(StrictRequests, WSGIRequestHandler):
     def log_message(self, format: str, *args: Any) -> None:
         pass  # one line per scrape would drown the training log
+
+    def handle(self) -> None:
+        """wsgiref's `handle`, with `_Answer` in place of its ServerHandler."""
+        self.raw_requestline = self.rfile.readline(65537)
+        if len(self.raw_requestline) > 65536:
+            self.requestline = self.request_version = self.command = ""
+            self.send_error(414)
+            return
+        if not self.parse_request():  # an error status was sent
+            return
+        handler = _Answer(self.rfile, self.wfile, self.get_stderr(), self.get_environ(),
+                          multithread=False)  # fmt: skip
+        handler.request_handler = self  # type: ignore[attr-defined] - for its log line
+        handler.run(self.server.get_app())
+
+
+def _not_found(start_response: Callable[..., Any]) -> list[bytes]:
+    start_response("404 Not Found", [("Content-Type", "text/plain; charset=utf-8")])
+    return [b"not found: try /, /metrics, /healthz or /readyz\n"]
 
 
 class MetricsServer:
@@ -365,7 +422,7 @@ class MetricsServer:
         return readyz(self.status())
 
     # -- HTTP ----------------------------------------------------------------------------------
-    def _app(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> list[bytes]:
+    def _app(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
         path = environ.get("PATH_INFO", "/")
         if environ.get("REQUEST_METHOD", "GET") not in ("GET", "HEAD"):
             start_response("405 Method Not Allowed", [("Allow", "GET, HEAD")])
@@ -377,20 +434,43 @@ class MetricsServer:
             return [text.encode() + b"\n"]
         if path == "/metrics":
             return self._metrics_app(environ, start_response)
+        if path.startswith("/run/samples/"):
+            return self._sample(path.removeprefix("/run/samples/"), environ, start_response)
         found = self._run_page(path)
         if found is not None:
             body, media = found
-            headers = [("Content-Type", media), ("Cache-Control", "no-store")]
-            status = "200 OK"
-            if path.startswith("/run/samples/"):  # a <video> asks for ranges (see `ranged`)
-                status, extra, body = ranged(
-                    body, environ.get("HTTP_RANGE"), environ.get("HTTP_IF_RANGE")
-                )
-                headers += [("X-Content-Type-Options", "nosniff"), *extra]
-            start_response(status, headers)
+            start_response("200 OK", [("Content-Type", media), ("Cache-Control", "no-store")])
             return [body]
-        start_response("404 Not Found", [("Content-Type", "text/plain; charset=utf-8")])
-        return [b"not found: try /, /metrics, /healthz or /readyz\n"]
+        return _not_found(start_response)
+
+    def _sample(
+        self, relative: str, environ: dict[str, Any], start_response: Callable[..., Any]
+    ) -> Iterable[bytes]:
+        """A sample PNG or MP4, the bytes a <video> asks for (see `ranged`) streamed from disk."""
+        found = self.run_view.sample_path(relative)
+        try:
+            file = found[0].open("rb") if found is not None else None
+        except OSError:  # removed since (a checkpoint's retention), or unreadable
+            file = None
+        if found is None or file is None:
+            return _not_found(start_response)
+        size = os.fstat(file.fileno()).st_size
+        status, extra, (start, stop) = ranged(
+            size, environ.get("HTTP_RANGE"), environ.get("HTTP_IF_RANGE")
+        )
+        headers = [("Content-Type", found[1]), ("Cache-Control", "no-store"),
+                   ("X-Content-Type-Options", "nosniff"), *extra]  # fmt: skip
+        if status.startswith("416"):
+            file.close()
+            body = f"range not satisfiable: the file has {size} bytes\n".encode()
+            start_response(status, [*extra, ("Content-Type", "text/plain; charset=utf-8"),
+                                    ("Content-Length", str(len(body)))])  # fmt: skip
+            return [body]
+        start_response(status, [*headers, ("Content-Length", str(stop - start))])
+        if environ.get("REQUEST_METHOD") == "HEAD":
+            file.close()
+            return []
+        return _stream(file, start, stop)
 
     def _run_page(self, path: str) -> tuple[bytes, str] | None:
         """The run page's files and data (read-only: GET and HEAD only reach here)."""
@@ -402,8 +482,6 @@ class MetricsServer:
             families, status = self.collector.snapshot()
             state = self.run_view.state(families, status.phase)
             return json.dumps(state).encode(), "application/json"
-        if path.startswith("/run/samples/"):  # PNGs, and MP4s of a video family
-            return self.run_view.sample_file(path.removeprefix("/run/samples/"))
         return None
 
     def _sample_history(self) -> None:

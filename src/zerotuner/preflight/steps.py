@@ -76,6 +76,12 @@ class Preflight:
     notes: tuple[Note, ...] = field(default=())
 
 
+def model_looks_local(model: str) -> bool:
+    """Whether ZT_MODEL reads as a path (absolute, relative, under ~, deeper than owner/name)
+    rather than a hub id; a folder that exists is local whatever its name."""
+    return model.startswith(("/", ".", "~")) or model.count("/") > 1
+
+
 def resolve_model(
     settings: Settings, *, offline: bool = False, will_train: bool = False
 ) -> ModelSource:
@@ -86,7 +92,7 @@ def resolve_model(
     could not download it; `config` and `plan` judge it by its name."""
     name = f"{env_name('model')}={settings.model}"
     local = Path(settings.model).expanduser()
-    looks_local = settings.model.startswith(("/", ".", "~")) or settings.model.count("/") > 1
+    looks_local = model_looks_local(settings.model)
     if not local.exists() and not looks_local and not HUB_ID.match(settings.model):
         raise ConfigError(
             f"{name}: neither a local folder nor a hub id like "

@@ -42,7 +42,7 @@ from zerotuner.errors import (
 )
 from zerotuner.launch import distributed, peers
 from zerotuner.launch.job import Job, load_job, wait_for_job
-from zerotuner.launch.records import Sink, StepRecord, write_rank_status
+from zerotuner.launch.records import Sink, StepRecord, write_rank_armed, write_rank_status
 from zerotuner.settings import datasets
 from zerotuner.settings.effective import effective_settings
 from zerotuner.settings.schema import Settings
@@ -101,6 +101,7 @@ class Run:
         self.text_metadata: dict[str, Any] | None = None  # LoRA on the text encoders too
         self.initial_adapter: dict[str, torch.Tensor] | None = None  # PiSSA / OLoRA's start
         self.stop = StopRequest(settings.collective_timeout_seconds)
+        write_rank_armed(rank)  # a SIGTERM before this line killed a rank with nothing to save
         self.guard: nonfinite.PlainStepGuard | None = None
         self.due: set[str] = set()  # "save", "validate": due at a skipped step, done at the next
 
