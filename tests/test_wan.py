@@ -231,6 +231,18 @@ def full_run(demo, tmp_path_factory):
 
 
 @pytest.mark.slow
+def test_check_lists_the_buckets_the_run_built(demo, full_run, tmp_path, capsys) -> None:
+    """One bucket rule: `check` at the run's settings names exactly its buckets (clips too)."""
+    output, _ = full_run
+    trained = set(json.loads((output / "run" / "dataset.json").read_text())["buckets"])
+    assert "64x64x9" in trained
+    listed = tk.checked_buckets(capsys, model=demo / "model", data=demo / "data",
+                                output=tmp_path / "out", cache=tmp_path / "cache",
+                                offload_dir=tmp_path / "offload", resolution=64)  # fmt: skip
+    assert listed == trained
+
+
+@pytest.mark.slow
 def test_full_fine_tuning_at_zero_3_trains_and_exports_a_wan_pipeline(demo, full_run) -> None:
     """ZeRO-3 (zero.Init, optimizer and parameters on the CPU, EMA) on 2 ranks: every step
     logged with the shifted objective, the held-out loss falls, final/ is a WanPipeline that

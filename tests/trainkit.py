@@ -331,3 +331,25 @@ def lone_rank_result(tmp: Path, source: str, *, timeout: int = 600) -> dict[str,
     assert done.returncode == 0, f"exit {done.returncode}\n" + "\n".join(errors)[-3000:]
     line = next(x for x in done.stdout.splitlines() if x.startswith("RESULT "))
     return json.loads(line[len("RESULT ") :])
+
+
+def checked_buckets(capsys, **settings: Any) -> set[str]:
+    """The buckets `zerotuner check` says train will build (its latent-cache line), for
+    `settings` as ZT_* variables (settings_env's names)."""
+    import re
+
+    import pytest
+
+    from zerotuner.cli import main
+
+    with pytest.MonkeyPatch.context() as patch:
+        for key, value in settings_env(**settings).items():
+            patch.setenv(key, value)
+        patch.setenv("ZT_DEVICE", "cpu")
+        capsys.readouterr()
+        assert main(["check"]) == 0, capsys.readouterr().out
+    out = capsys.readouterr().out
+    (line,) = [x for x in out.splitlines() if x.startswith("OK   latent cache")]
+    listed = re.search(r"buckets \(([^)]*)\)", line)
+    assert listed and "..." not in listed.group(1), line
+    return set(listed.group(1).split(", "))

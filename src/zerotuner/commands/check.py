@@ -176,11 +176,12 @@ def _dataset(c: Checks) -> tuple[str, list[str]]:
     warnings = dataset.warnings()  # the lines train logs
     shape = c.facts.get("model_shape")  # as train: ZT_RESOLUTION, else the family's own
     resolution = job_resolution(s, shape) if shape else s.resolution
+    step = _bucket_step(c, resolution) if resolution else 64
     if resolution:
-        warnings += _upscaled(dataset, resolution, upscale=s.upscale)
+        warnings += _upscaled(dataset, resolution, upscale=s.upscale, step=step)
     c.facts["dataset"] = dataset
     notes = recipe_notes(
-        dataset, resolution, caption_template=s.caption_template,
+        dataset, resolution, multiple=step, caption_template=s.caption_template,
         caption_dropout=s.caption_dropout, min_image_size=s.min_image_size, upscale=s.upscale,
         timestep_range=s.timestep_range,
     )  # fmt: skip
@@ -190,19 +191,21 @@ def _dataset(c: Checks) -> tuple[str, list[str]]:
     return line, warnings
 
 
-def _upscaled(dataset: Dataset, resolution: int, *, upscale: bool) -> list[str]:
+def _upscaled(dataset: Dataset, resolution: int, *, upscale: bool, step: int) -> list[str]:
     """The upscale line of each dataset at the side it trains at: its own `resolution`, else
-    the job's (one line for all when there is one dataset)."""
+    the job's (one line for all when there is one dataset); `step`: the bucket step."""
     from zerotuner.train.data import upscale_warning
 
+    def line(data: Dataset, side: int) -> str | None:
+        return upscale_warning(data, side, multiple=step, upscale=upscale)
+
     if not dataset.parts:
-        line = upscale_warning(dataset, resolution, upscale=upscale)
-        return [line] if line else []
+        found = line(dataset, resolution)
+        return [found] if found else []
     lines = [
-        (part.label, upscale_warning(part.dataset, part.resolution or resolution, upscale=upscale))
-        for part in dataset.parts
+        (part.label, line(part.dataset, part.resolution or resolution)) for part in dataset.parts
     ]
-    return [f"{label}: {line}" for label, line in lines if line]
+    return [f"{label}: {text}" for label, text in lines if text]
 
 
 def _text_cache(c: Checks) -> str:
@@ -229,23 +232,43 @@ def _latent_cache(c: Checks) -> str:
     """The images' and clips' cached latents at the buckets train will use (fp32)."""
     from zerotuner import families
     from zerotuner.preflight.steps import job_resolution
-    from zerotuner.train.data import dataset_buckets
+    from zerotuner.train.data import bucket_name, dataset_buckets
     from zerotuner.train.feature_cache import latent_cache_bytes
 
     s, dataset, model = c.facts["settings"], c.facts["dataset"], c.facts["model"]
     video = c.facts.get("video")  # as `_dataset` sampled the clips
     resolution = job_resolution(s, c.facts["model_shape"])  # as train's
-    scale = families.vae_scale(model.local_dir)
-    buckets = dataset_buckets(dataset, resolution, multiple=scale, upscale=s.upscale)
+    step = _bucket_step(c, resolution)
+    buckets = dataset_buckets(dataset, resolution, multiple=step, upscale=s.upscale)
     need = latent_cache_bytes(
-        buckets, channels=families.vae_latent_channels(model.local_dir), scale=scale,
-        frame_step=video.step if video else None, flip=s.random_flip,
+        buckets, channels=families.vae_latent_channels(model.local_dir),
+        scale=families.vae_scale(model.local_dir), frame_step=video.step if video else None,
+        flip=s.random_flip,
     )  # fmt: skip
     clip_buckets = sorted({b[2] for b in buckets if len(b) == 3})
     frames = f"; clips of {', '.join(map(str, clip_buckets))} frames" if clip_buckets else ""
+    names = sorted(bucket_name(b) for b in buckets)
+    shown = ", ".join(names[:SHOWN_BUCKETS]) + (", ..." if len(names) > SHOWN_BUCKETS else "")
     return (
-        f"{len(buckets)} buckets{frames}: about {need / 2**20:.1f} MiB of latents "
+        f"{len(buckets)} buckets ({shown}){frames}: about {need / 2**20:.1f} MiB of latents "
         f"(ZT_CACHE_DIR={s.cache_dir})"
+    )
+
+
+SHOWN_BUCKETS = 12  # the latent-cache line names the first buckets, sorted
+
+
+def _bucket_step(c: Checks, resolution: int) -> int:
+    """The bucket step train's ranks will use (families.bucket_step, the one rule), for the
+    model `check` resolved; the image families' 64 px without one."""
+    from zerotuner import families
+
+    model, s = c.facts.get("model"), c.facts["settings"]
+    if model is None:
+        return 64
+    denoiser = families.EXPERTS[s.expert] if s.expert else None
+    return families.bucket_step(
+        model.family, model.local_dir, resolution=resolution, denoiser=denoiser
     )
 
 

@@ -49,7 +49,8 @@ log = logging.getLogger(__name__)
 
 MULTIPROC_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
-# The public contract (docs/operations.md's metrics table): renaming any of these breaks users' dashboards and alerts.
+# The public contract (docs/operations.md's metrics table): renaming any of these breaks
+# users' dashboards and alerts.
 DESIGN_METRICS = (
     "zerotuner_step_duration_seconds",
     "zerotuner_steps_total",
