@@ -99,8 +99,11 @@ def test_the_group_gets_the_collective_timeout(monkeypatch):
     monkeypatch.setenv("LOCAL_RANK", "1")
     # each rank on its own GPU before NCCL binds its communicator (no GPU here: recorded)
     monkeypatch.setattr(torch.cuda, "set_device", lambda index: seen.update(device=index))
-    distributed.init_distributed(device="cuda", master_addr="h", master_port=1, timeout_seconds=90)
+    world = distributed.init_distributed(
+        device="cuda", master_addr="h", master_port=1, timeout_seconds=90
+    )
     assert seen == {"device": 1, "dist_backend": "nccl", "timeout": timedelta(seconds=90)}
+    assert world == distributed.World(rank=0, local_rank=1, size=2, device="cuda:1")
 
 
 def test_timeouts_in_the_order_that_names_a_lost_node(monkeypatch):

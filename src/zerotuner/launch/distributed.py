@@ -10,12 +10,14 @@ instead: no deadline while every rank is alive.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 import itertools
 import logging
 import os
 import threading
 import time
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -31,21 +33,48 @@ BEAT_SECONDS = 5.0  # how often each rank in a PatientBarrier says it is alive
 SILENT_SECONDS = 60.0  # a rank silent this long is gone
 
 
+@dataclass(frozen=True)
+class World:
+    """This rank's place in the job, read once from torchrun's variables (RANK, LOCAL_RANK,
+    WORLD_SIZE; one rank started directly has none) and handed to whoever needs it."""
+
+    rank: int = 0
+    local_rank: int = 0
+    size: int = 1
+    device: str = "cpu"  # "cpu", or "cuda:<local rank>": the GPU this rank trains on
+
+    @classmethod
+    def from_environ(cls, device: str = "cpu") -> World:
+        """`device`: the job's ("cpu" or "cuda")."""
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        return cls(
+            rank=int(os.environ.get("RANK", "0")), local_rank=local,
+            size=int(os.environ.get("WORLD_SIZE", "1")),
+            device="cpu" if device == "cpu" else f"cuda:{local}",
+        )  # fmt: skip
+
+    @property
+    def node_leader(self) -> bool:
+        """The node's first rank: the one that downloads, writes indexes and prints once."""
+        return self.local_rank == 0
+
+
 def init_distributed(
     *, device: str, master_addr: str, master_port: int, timeout_seconds: float = 600
-) -> tuple[int, int]:
-    """Join the process group torchrun described (gloo on CPU); returns (rank, world size).
+) -> World:
+    """Join the process group torchrun described (gloo on CPU); returns this rank's World.
     `timeout_seconds`: how long a collective may wait for the other ranks."""
     import deepspeed
 
     for name, default in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
         os.environ.setdefault(name, default)
+    world = World.from_environ(device)
     os.environ.setdefault("MASTER_ADDR", master_addr)
     os.environ.setdefault("MASTER_PORT", str(master_port))
     if device == "cuda":
         # Each rank on its own GPU before anything touches CUDA: NCCL binds a communicator to
         # the current device, and collectives before deepspeed.initialize (caching) use it.
-        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        torch.cuda.set_device(world.local_rank)
     if not dist.is_initialized():
         # On the CPU every rank prints "DeepSpeed ...shm_comm_op built successfully": a debug
         # line, unless joining fails and what was printed may say why.
@@ -61,7 +90,7 @@ def init_distributed(
         finally:
             if text := printed.getvalue().strip():
                 log.log(logging.WARNING if failed else logging.DEBUG, "%s", text)
-    return dist.get_rank(), dist.get_world_size()
+    return dataclasses.replace(world, rank=dist.get_rank(), size=dist.get_world_size())
 
 
 def timeout_warnings(settings: Any, *, device: str) -> list[str]:

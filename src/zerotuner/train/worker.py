@@ -54,13 +54,15 @@ from zerotuner.weights.ema import EMA, full_state_dict
 log = logging.getLogger("zerotuner.train.worker")
 
 
-def build_sinks(settings: Settings, job: Job, *, rank: int, resume: Path | None) -> list[Sink]:
+def build_sinks(
+    settings: Settings, job: Job, *, world: distributed.World, resume: Path | None
+) -> list[Sink]:
     """Every consumer of step records on this rank: the one place sinks plug in. `resume`:
     the checkpoint this run continues from (its step starts the progress count)."""
     from zerotuner.monitor.logs import ProgressSink
     from zerotuner.monitor.metrics import PrometheusSink
 
-    device = "cpu" if job.device == "cpu" else f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
+    rank, device = world.rank, world.device
     start = int((checkpoint.read_manifest(resume) or {}).get("step", 0)) if resume else 0
     sinks: list[Sink] = [
         PrometheusSink(
@@ -88,12 +90,13 @@ class Run:
     """The state of one rank's job, built phase by phase."""
 
     def __init__(
-        self, settings: Settings, job: Job, *, sinks: Sequence[Sink], rank: int, world: int
+        self, settings: Settings, job: Job, *, sinks: Sequence[Sink], world: distributed.World
     ):
         self.settings, self.job, self.sinks = settings, job, list(sinks)
-        self.rank, self.world = rank, world
+        self.place = world  # rank, local rank, world size, device: read once
+        self.rank, self.world = world.rank, world.size
         self.run_dir = settings.output_dir / "run"
-        self.device = "cpu" if job.device == "cpu" else f"cuda:{int(os.environ['LOCAL_RANK'])}"
+        self.device = world.device
         self.dtype = model.train_dtype(job.mixed_precision)
         self.position = data.Position()
         self.ema: EMA | None = None
@@ -101,7 +104,7 @@ class Run:
         self.text_metadata: dict[str, Any] | None = None  # LoRA on the text encoders too
         self.initial_adapter: dict[str, torch.Tensor] | None = None  # PiSSA / OLoRA's start
         self.stop = StopRequest(settings.collective_timeout_seconds)
-        write_rank_armed(rank)  # a SIGTERM before this line killed a rank with nothing to save
+        write_rank_armed(self.rank)  # a SIGTERM before this line killed a rank with nothing to save
         self.guard: nonfinite.PlainStepGuard | None = None
         self.due: set[str] = set()  # "save", "validate": due at a skipped step, done at the next
 
@@ -121,11 +124,11 @@ class Run:
                 job.model, cache_dir=s.cache_dir, token=token, revision=job.revision
             )
 
-        if int(os.environ["LOCAL_RANK"]) == 0:  # one download per node
+        if self.place.node_leader:  # one download per node
             self.source = resolve()
         distributed.barrier()
         self.phase("loading")
-        if int(os.environ["LOCAL_RANK"]) != 0:
+        if not self.place.node_leader:
             self.source = resolve()
         self.conditioning = families.get(job.family).configured(s, self.source)
         # Wan 2.2 A14B's expert (ZT_EXPERT): the folder trained, exported and sampled
@@ -146,7 +149,7 @@ class Run:
         self.video = data.video_sampling(s, self.conditioning, self.source)  # None: images
         self.dataset = data.scan_sources(
             datasets.sources(s), s.cache_dir, log_skipped=self.rank == 0,
-            write_index=int(os.environ["LOCAL_RANK"]) == 0, min_image_size=s.min_image_size,
+            write_index=self.place.node_leader, min_image_size=s.min_image_size,
             video=self.video,
             datasets_file=s.datasets_file,
         )  # fmt: skip
@@ -513,7 +516,7 @@ def lost_line(lost: peers.LostPeers, where: Whereabouts, settings: Settings) -> 
 
 def _say_lost(error: PeerLost) -> None:
     """The line, once per node (every rank of a surviving node knows the same)."""
-    if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+    if distributed.World.from_environ().node_leader:
         print(f"zerotuner: error: {error}", file=sys.stderr, flush=True)
 
 
@@ -544,15 +547,16 @@ def _lost(watch: peers.PeerWatch | None, where: Whereabouts, settings: Settings)
 
 def train(settings: Settings, job: Job, *, sinks: Sequence[Sink] | None = None) -> int:
     """The whole job of one rank; returns its exit code (and writes it as its rank status)."""
-    rank, code, message = int(os.environ.get("RANK", "0")), EXIT_FAILURE, ""
+    rank, code, message = distributed.World.from_environ().rank, EXIT_FAILURE, ""
     where, watch = Whereabouts(), None
     try:
-        rank, world = distributed.init_distributed(
+        world = distributed.init_distributed(
             device=job.device, master_addr=job.master_addr, master_port=job.master_port,
             timeout_seconds=settings.collective_timeout_seconds,
         )  # fmt: skip
+        rank = world.rank
         watch = peers.start_watch(
-            rank=rank, world=world, master_addr=job.master_addr, master_port=job.master_port,
+            rank=rank, world=world.size, master_addr=job.master_addr, master_port=job.master_port,
             silent_seconds=settings.peer_timeout_seconds,
             on_lost=functools.partial(_end_lost, rank=rank, where=where, settings=settings),
         )  # fmt: skip
@@ -573,9 +577,9 @@ def train(settings: Settings, job: Job, *, sinks: Sequence[Sink] | None = None) 
             )  # fmt: skip
             lora.check_resume(manifest, settings, resume)
         if sinks is None:
-            sinks = build_sinks(settings, job, rank=rank, resume=resume)
+            sinks = build_sinks(settings, job, world=world, resume=resume)
         sinks = [*sinks, where]
-        run = Run(settings, job, sinks=sinks, rank=rank, world=world)
+        run = Run(settings, job, sinks=sinks, world=world)
         run.load()
         if settings.training_type == "lora":  # an adapter resumes only onto its own base
             run.base_digest = lora.base_for_resume(run.source, settings, resume, rank=rank)
@@ -650,7 +654,8 @@ def main() -> None:
     from zerotuner.monitor.logs import demote_known_noise, rank_level, setup_logging
 
     peers.die_with_parent()  # no rank trains on alone after its agent was killed
-    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    world = distributed.World.from_environ()
+    rank = world.rank
     if os.environ.get("DS_ACCELERATOR") == "cpu":  # JIT-built ops: deepspeed.initialize asks
         speed.warm_cpu_info()  # for it; the answer comes while the rank imports
     demote_known_noise()  # before DeepSpeed's import, which may print some
@@ -672,7 +677,11 @@ def main() -> None:
         sys.exit(error.exit_code)
     token = settings.hf_token.get_secret_value() if settings.hf_token else None
     setup_logging(
-        rank=rank, world_size=world, log_format=settings.log_format, level=level, secrets=[token]
+        rank=rank,
+        world_size=world.size,
+        log_format=settings.log_format,
+        level=level,
+        secrets=[token],
     )
     code = train(settings, job)
     # Done and recorded (status written, files closed, group left): interpreter teardown
