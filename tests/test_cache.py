@@ -163,10 +163,10 @@ def test_step_noise_is_reproducible_per_step_and_rank() -> None:
 
 def test_model_errors_name_the_setting(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="ZT_MODEL=/no/such/model: no such folder"):
-        model.resolve_model("/no/such/model", cache_dir=tmp_path)
+        model.fetch_model("/no/such/model", cache_dir=tmp_path)
     # the tests run with HF_HUB_OFFLINE=1 (conftest): an uncached hub id cannot be fetched
     with pytest.raises(ConfigError, match="ZT_MODEL=someone/not-cached"):
-        model.resolve_model("someone/not-cached", cache_dir=tmp_path)
+        model.fetch_model("someone/not-cached", cache_dir=tmp_path)
 
 
 def test_frozen_parts_load_on_a_nodes_first_rank_and_leave_before_the_engine(

@@ -40,7 +40,7 @@ def train_dtype(mixed_precision: str) -> torch.dtype:
     return DTYPES[mixed_precision]
 
 
-def resolve_model(
+def fetch_model(
     model: str, *, cache_dir: Path, token: str | None = None, revision: str | None = None
 ) -> Path:
     """A local folder as is; a hub id downloaded once into the HF cache (HF_HOME or cache_dir).

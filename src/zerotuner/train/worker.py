@@ -120,7 +120,7 @@ class Run:
             self.phase("downloading")  # a hub id: fetched, or found in the cache, per node
 
         def resolve() -> Path:
-            return model.resolve_model(
+            return model.fetch_model(
                 job.model, cache_dir=s.cache_dir, token=token, revision=job.revision
             )
 
