@@ -31,6 +31,7 @@ from tqdm import tqdm
 
 from zerotuner.launch.records import StepRecord
 from zerotuner.monitor.metrics import MemoryProbe, memory_probe
+from zerotuner.settings.datasets import hide_credentials
 
 # Environment variables whose values are secrets wherever they appear.
 SECRET_ENV_NAMES = (
@@ -86,7 +87,7 @@ def secret_values(
 def mask(text: str, secrets: Iterable[str]) -> str:
     for secret in secrets:
         text = text.replace(secret, MASK)
-    return text
+    return hide_credentials(text)  # and any URL's user:password@, whatever variable held it
 
 
 class _Demote(logging.Filter):

@@ -17,6 +17,10 @@ nodes that share a cache volume take turns; the second finds the work done.
   own layout: an image column of {bytes, path} and a caption column) are written out as
   image files with a metadata.jsonl per shard, shard by shard, each marked when done; a
   dataset of plain files (images + captions) is linked or copied as it is.
+Every remote name (S3 key, hub file path) becomes a path inside the dataset's folder or is not
+written: `_writable` skips, and `describe` lists, a name that is absolute, has an empty, `.`
+or `..` part, or is a file where another name needs a folder; a parquet row's `path` only hints
+at a suffix. A parquet shard's columns are checked, every shard's, before anything is written.
 `check` lists instead (`listing_only`): counts and sizes, what the cache holds already.
 """
 
@@ -29,7 +33,7 @@ import logging
 import os
 import shutil
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
@@ -38,7 +42,8 @@ from typing import Any
 from zerotuner.errors import ConfigError, EnvironmentUnfit
 from zerotuner.families import hub_cache_dir
 from zerotuner.publish.remote import RemoteError, open_store
-from zerotuner.settings.datasets import DatasetSource, Location, local_folder
+from zerotuner.settings.datasets import FILE_SETTING, DatasetSource, Location, local_folder
+from zerotuner.settings.files import short_repr
 from zerotuner.settings.schema import Settings
 from zerotuner.train.data import FETCHED, IMAGE_SUFFIXES
 
@@ -51,6 +56,8 @@ CAPTION_COLUMNS = ("text", "caption", "prompt", "captions")
 ROWS_PER_READ = 64  # parquet rows decoded at a time: bounded memory for any shard size
 # File signatures of the image formats a shard's bytes may hold (its `path` may be absent).
 SIGNATURES = ((b"\x89PNG", ".png"), (b"\xff\xd8\xff", ".jpg"), (b"RIFF", ".webp"))
+MAX_NAME_BYTES = 255 - len("..part")  # a name part, with room for its `.NAME.part` download
+SKIPPED_SHOWN = 5  # names a line lists before "and N more" (a bucket may hold thousands)
 
 
 @dataclass
@@ -63,10 +70,12 @@ class Fetched:
     bytes: int = 0
     complete: bool = False
     fetched_files: int = 0  # downloaded (or written out) by this call
+    skipped: list[tuple[str, str]] = field(default_factory=list)  # remote names not written
 
     def describe(self) -> str:
         state = "fetched" if self.complete else "not fetched yet (train fetches it)"
-        return f"{self.source.path}: {self.files} files, {_size(self.bytes)}, {state}"
+        line = f"{self.source.path}: {self.files} files, {_size(self.bytes)}, {state}"
+        return f"{line}, {_not_written(self.skipped)}" if self.skipped else line
 
 
 @dataclass
@@ -110,18 +119,23 @@ def _fetch_s3(
 ) -> Fetched:
     token = settings.hf_token.get_secret_value() if settings.hf_token else None
     store = open_store(location.url, hf_token=token, secrets_dir=settings.secrets_dir)
-    objects = {k: v for k, v in store.objects("").items() if _kept(k)}
+    listed = store.objects("")
+    names, skipped = _writable(listed)
+    objects = {k: listed[k] for k in names}
     total = sum(size for size, _ in objects.values())
-    state = Fetched(source, folder, len(objects), total)
+    state = Fetched(source, folder, len(objects), total, skipped=skipped)
     if not objects:
-        raise ConfigError(f"{source.path}: no objects under this prefix; check the URL")
+        written = f" to write ({_not_written(skipped)})" if skipped else ""
+        raise ConfigError(f"{source.path}: no objects under this prefix{written}; check the URL")
     if listing:
         state.complete = _manifest(folder) == _expected(objects) and (folder / FETCHED).is_file()
         return state
+    _log_skipped(state)
     folder.mkdir(parents=True, exist_ok=True)
     with _locked(folder):
-        manifest = _manifest(folder)
+        manifest = {k: v for k, v in _manifest(folder).items() if k in objects}
         (folder / FETCHED).unlink(missing_ok=True)
+        _prune(folder, set(objects))  # first: a key may now need a file's name as a folder
         todo = [k for k in sorted(objects) if not _have(folder, k, objects[k], manifest)]
         progress = _Progress(f"fetching {source.path}", len(todo))
         for key in todo:
@@ -136,7 +150,6 @@ def _fetch_s3(
             _write_json(folder / MANIFEST, manifest)  # an interruption keeps what is done
             state.fetched_files += 1
             progress.advance(size)
-        _prune(folder, set(objects))
         _write_json(folder / MANIFEST, _expected(objects))
         _write_json(folder / FETCHED, {"url": location.url, "files": len(objects)})
     state.complete = True
@@ -144,14 +157,52 @@ def _fetch_s3(
     return state
 
 
-def _kept(key: str) -> bool:
-    """A key that is a file of the dataset: no folder marker, no `..`, no hidden part."""
-    parts = PurePosixPath(key).parts
-    return (
-        bool(parts)
-        and not key.endswith("/")
-        and not any(p in ("..", ".") or p.startswith(".") for p in parts)
-    )
+def _writable(names: Iterable[str]) -> tuple[list[str], list[tuple[str, str]]]:
+    """The remote names the copy may hold, sorted, and the others with why each is not written.
+    A name is written as `folder / name`, so it must be relative with plain parts: S3 allows
+    `/tmp/x` and `data//tmp/x` (absolute after the prefix), which would be written anywhere.
+    Folder markers (`a/`) and hidden names (`.gitattributes`) are no files of the dataset and
+    are left out without a word."""
+    kept, skipped = [], []
+    for name in sorted(names):
+        if name.endswith("/"):
+            continue
+        parts = name.split("/")
+        if name.startswith("/"):
+            skipped.append((name, "an absolute name"))
+        elif "" in parts:
+            skipped.append((name, "an empty part (//)"))
+        elif any(p in (".", "..") for p in parts):
+            skipped.append((name, "a . or .. part"))
+        elif any(len(os.fsencode(p)) > MAX_NAME_BYTES for p in parts):
+            skipped.append((name, f"a part over {MAX_NAME_BYTES} bytes"))
+        elif any(c < " " or c == "\x7f" for c in name):
+            skipped.append((name, "a control character"))
+        elif not any(p.startswith(".") for p in parts):
+            kept.append(name)
+    # `x.png` and `x.png/y.png`: one path cannot be a file and a folder; the folder's files stay.
+    folders = {parent for name in kept for parent in _parents(name)}
+    skipped += [
+        (name, "a file where other names need a folder") for name in kept if name in folders
+    ]
+    return [name for name in kept if name not in folders], skipped
+
+
+def _parents(name: str) -> Iterator[str]:
+    parts = name.split("/")
+    for end in range(1, len(parts)):
+        yield "/".join(parts[:end])
+
+
+def _not_written(skipped: list[tuple[str, str]]) -> str:
+    shown = ", ".join(f"{short_repr(n)} ({why})" for n, why in skipped[:SKIPPED_SHOWN])
+    more = len(skipped) - SKIPPED_SHOWN
+    return f"{len(skipped)} not written: {shown}" + (f" and {more} more" if more > 0 else "")
+
+
+def _log_skipped(state: Fetched) -> None:
+    if state.skipped:
+        log.warning("%s: %s", state.source.path, _not_written(state.skipped))
 
 
 def _expected(objects: dict[str, tuple[int, str]]) -> dict[str, list]:
@@ -179,11 +230,14 @@ def _verify(path: Path, key: str, size: int, etag: str) -> None:
 
 
 def _prune(folder: Path, keys: set[str]) -> None:
-    """Remove files of the copy the remote no longer holds (ours, not the user's)."""
-    for path in sorted(folder.rglob("*")):
+    """Remove files of the copy the remote no longer holds (ours, not the user's), then the
+    folders that leaves empty (a key may be a file where a folder was)."""
+    for path in sorted(folder.rglob("*"), reverse=True):  # a folder's files before the folder
         name = path.relative_to(folder).as_posix()
         if path.is_file() and not path.name.startswith(".zerotuner") and name not in keys:
             path.unlink()
+        elif path.is_dir() and not path.is_symlink() and not any(path.iterdir()):
+            path.rmdir()
 
 
 # --- Hugging Face datasets ------------------------------------------------------------------
@@ -224,26 +278,34 @@ def _fetch_hub(
             f"{source.path}: not in the hub cache and the hub is unreachable or HF_HUB_OFFLINE "
             "is set"
         ) from None
-    files = [p for p in sorted(snapshot.rglob("*")) if p.is_file() and _kept(p.name)]
-    state = Fetched(source, folder, len(files), sum(p.stat().st_size for p in files))
-    marker = {"url": location.url, "commit": snapshot.name}
+    found = {p.relative_to(snapshot).as_posix(): p for p in snapshot.rglob("*") if p.is_file()}
+    names, skipped = _writable(found)
+    files = [found[name] for name in names]
+    size = sum(p.stat().st_size for p in files)
+    state = Fetched(source, folder, len(files), size, skipped=skipped)
+    # The columns are part of what the copy is: a changed `caption_column` writes it again.
+    marker = {"url": location.url, "commit": snapshot.name,
+              "columns": [source.image_column, source.caption_column]}  # fmt: skip
     if _read_json(folder / FETCHED) == marker:
         state.complete = True
         return state
+    shards = {
+        p: _shard_columns(p, snapshot, source, settings) for p in files if p.suffix == ".parquet"
+    }
     if listing:
         return state
+    _log_skipped(state)
     folder.mkdir(parents=True, exist_ok=True)
     with _locked(folder):
         (folder / FETCHED).unlink(missing_ok=True)
-        shards = [p for p in files if p.suffix == ".parquet"]
         progress = _Progress(f"writing out {source.path}", len(shards) or len(files))
         if shards:
-            for shard in shards:
-                state.fetched_files += _write_shard(shard, snapshot, folder, source, marker)
+            for shard, columns in shards.items():
+                state.fetched_files += _write_shard(shard, snapshot, folder, columns, marker)
                 progress.advance(shard.stat().st_size)
         else:
-            for path in files:
-                _link_or_copy(path, folder / path.relative_to(snapshot))
+            for name, path in zip(names, files, strict=True):
+                _link_or_copy(path, folder / name)
                 state.fetched_files += 1
                 progress.advance(path.stat().st_size)
         _write_json(folder / FETCHED, marker)
@@ -265,12 +327,34 @@ def _list_hub(source: DatasetSource, location: Location, folder: Path, token: st
             f"{source.path}: cannot list it ({type(error).__name__}); it is not in the hub "
             "cache either"
         ) from None
-    files = [s for s in info.siblings or [] if _kept(PurePosixPath(s.rfilename).name)]
-    return Fetched(source, folder, len(files), sum(s.size or 0 for s in files))
+    siblings = {s.rfilename: s for s in info.siblings or []}
+    names, skipped = _writable(siblings)
+    size = sum(siblings[name].size or 0 for name in names)
+    return Fetched(source, folder, len(names), size, skipped=skipped)
+
+
+def _shard_columns(
+    shard: Path, snapshot: Path, source: DatasetSource, settings: Settings
+) -> list[str]:
+    """A shard's image and caption columns, from its schema (the file's footer), or one line
+    naming the entry, the shard and the column."""
+    import pyarrow.parquet as pq
+
+    name = shard.relative_to(snapshot).as_posix()
+    try:
+        schema = pq.read_schema(shard)
+    except Exception as error:  # pyarrow raises its own kinds for a damaged file
+        raise ConfigError(
+            f"{source.path}: {name} is not a readable parquet file ({error})"
+        ) from None
+    entry = source.path
+    if settings.datasets_file is not None:
+        entry = f"{FILE_SETTING}={settings.datasets_file}: {entry}"
+    return list(_columns(schema, source, f"{entry}: {name}"))
 
 
 def _write_shard(
-    shard: Path, snapshot: Path, folder: Path, source: DatasetSource, marker: dict
+    shard: Path, snapshot: Path, folder: Path, columns: list[str], marker: dict
 ) -> int:
     """One parquet shard as image files and a metadata.jsonl in a folder of its own; skipped
     when a previous fetch of the same commit finished it. Returns the images written."""
@@ -283,16 +367,9 @@ def _write_shard(
     if out.exists():
         shutil.rmtree(out)
     out.mkdir(parents=True)
-    try:
-        reader = pq.ParquetFile(shard)
-    except Exception as error:  # pyarrow raises its own kinds for a damaged file
-        raise ConfigError(
-            f"{source.path}: {shard.name} is not a readable parquet file ({error})"
-        ) from None
-    image_column, caption_column = _columns(reader.schema_arrow, source, shard.name)
+    reader = pq.ParquetFile(shard)
     written, number = 0, 0
     with (out / "metadata.jsonl").open("w") as metadata:
-        columns = [image_column, caption_column]
         for batch in reader.iter_batches(batch_size=ROWS_PER_READ, columns=columns):
             for image, caption in zip(*(batch.column(c).to_pylist() for c in columns), strict=True):
                 number += 1
@@ -309,36 +386,53 @@ def _write_shard(
     return written
 
 
-def _columns(schema: Any, source: DatasetSource, shard: str) -> tuple[str, str]:
-    """The image column (the hub's Image feature: a struct with `bytes`; or raw binary) and the
-    caption column, as the entry names them or as found."""
+def _columns(schema: Any, source: DatasetSource, where: str) -> tuple[str, str]:
+    """The image column (the hub's Image feature: a struct with binary `bytes`; or binary) and
+    the caption column (text), as the entry names them or as found; `where` begins an error
+    line (the entry and the shard)."""
     import pyarrow as pa
 
+    def binary(kind: Any) -> bool:
+        return pa.types.is_binary(kind) or pa.types.is_large_binary(kind)
+
+    def is_image(kind: Any) -> bool:
+        if pa.types.is_struct(kind) and kind.get_field_index("bytes") >= 0:
+            return binary(kind.field("bytes").type)
+        return binary(kind)
+
+    def is_text(kind: Any) -> bool:  # null: a column of empty captions
+        return pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_null(kind)
+
     names = schema.names
-
-    def is_image(name: str) -> bool:
-        kind = schema.field(name).type
-        return (pa.types.is_struct(kind) and kind.get_field_index("bytes") >= 0) or (
-            pa.types.is_binary(kind) or pa.types.is_large_binary(kind)
-        )
-
-    image = source.image_column or next((n for n in names if is_image(n)), None)
-    caption = source.caption_column or next((n for n in CAPTION_COLUMNS if n in names), None)
-    for what, name, setting in (("image", image, "image_column"),
-                                ("caption", caption, "caption_column")):  # fmt: skip
+    kinds = {name: schema.field(name).type for name in names}
+    image = source.image_column or next((n for n in names if is_image(kinds[n])), None)
+    named = [n for n in CAPTION_COLUMNS if n in names]  # a text one first, else say its type
+    caption = source.caption_column or next((n for n in named if is_text(kinds[n])), None)
+    caption = caption or next(iter(named), None)
+    for what, name, setting, fits in (("image", image, "image_column", is_image),
+                                      ("caption", caption, "caption_column", is_text)):  # fmt: skip
         if name is None or name not in names:
             raise ConfigError(
-                f"{source.path}: {shard} has no {what} column"
+                f"{where} has no {what} column"
                 + (f" {name!r}" if name else "")
                 + f" (its columns: {', '.join(names)}); name it with `{setting}` in the "
                 "datasets file"
+            )
+        if not fits(kinds[name]):
+            fitting = [n for n in names if fits(kinds[n])]
+            raise ConfigError(
+                f"{where}: {setting}={name!r} is a column of {kinds[name]}, not of "
+                + ("images (the hub's Image feature or bytes)" if what == "image" else "text")
+                + f"; its {what} columns: {', '.join(fitting) or 'none'}"
             )
     return image, caption
 
 
 def _image_bytes(cell: Any) -> tuple[bytes | None, str]:
+    """A cell's bytes and its `path`, which only hints at a suffix (it names no file here)."""
     if isinstance(cell, dict):
-        return cell.get("bytes"), cell.get("path") or ""
+        path = cell.get("path")
+        return cell.get("bytes"), path if isinstance(path, str) else ""
     return cell, ""
 
 
