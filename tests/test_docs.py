@@ -21,7 +21,7 @@ def test_settings_docs_and_example_env_are_up_to_date() -> None:
 
 
 def test_a_settings_change_without_regenerating_is_caught(tmp_path: Path) -> None:
-    for name in (docs.SETTINGS_PAGE, docs.README, docs.EXAMPLE_ENV):
+    for name in (docs.SETTINGS_PAGE, docs.README, docs.EXAMPLE_ENV, docs.METRICS_PAGE):
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(REPO / name, tmp_path / name)
     assert docs.main(["--root", str(tmp_path), "--check"]) == 0

@@ -482,3 +482,26 @@ def test_a_metrics_dir_set_too_late_is_reported(tmp_path, monkeypatch, caplog):
 
 if __name__ == "__main__":
     produce(int(sys.argv[1]), int(sys.argv[2]), Path(sys.argv[3]))
+
+
+def test_the_dashboard_and_alert_rules_query_only_catalogued_series():
+    """config/monitoring's Grafana dashboard and Prometheus rules read series the catalog
+    declares (a histogram's _bucket/_sum/_count included), and the dashboard shows the
+    contract's step time, loss and memory."""
+    import re
+
+    from zerotuner.monitor.metrics import CATALOG, METRICS
+
+    root = Path(__file__).resolve().parents[1] / "config" / "monitoring"
+    texts = [p.read_text() for p in [*root.rglob("*.json"), *root.rglob("*.yml")]]
+    used = set(re.findall(r"zerotuner_[a-z0-9_]+", "\n".join(texts)))
+    suffixes = ("_bucket", "_sum", "_count")
+    unknown = {
+        name for name in used
+        if name not in METRICS
+        and not (name.endswith(suffixes) and METRICS.get(name.rsplit("_", 1)[0], CATALOG[0]).kind
+                 == "histogram" and name.rsplit("_", 1)[0] in METRICS)
+    }  # fmt: skip
+    assert not unknown, f"queried but not in the catalog: {sorted(unknown)}"
+    assert {"zerotuner_step_duration_seconds_bucket", "zerotuner_loss",
+            "zerotuner_device_memory_allocated_bytes"} <= used  # fmt: skip

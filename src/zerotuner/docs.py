@@ -1,10 +1,12 @@
-"""Settings documentation generated from the settings model, so it cannot drift from the code.
+"""Documentation generated from the code, so it cannot drift from it: the settings (from the
+settings model) and the metrics (from the metric catalog).
 
 `settings_table_markdown()` is the reference table of docs/configuration.md (between the
 settings markers below), `settings_table_markdown(KEY_SETTINGS)` the README's short table of the
 settings most runs need (between the key-settings markers), and `example_env()` is
 `config/example.env`: every setting, in declaration order, commented out with its description
-and default. `python -m zerotuner.docs --write` regenerates all three; `--check` exits 1 when
+and default; `metrics_table_markdown()` is docs/operations.md's metrics table (between the
+metrics markers). `python -m zerotuner.docs --write` regenerates them all; `--check` exits 1 when
 any is stale (the test suite runs the same comparison).
 """
 
@@ -21,6 +23,7 @@ import annotated_types
 from pydantic import AliasChoices, SecretStr
 from pydantic.fields import FieldInfo
 
+from zerotuner.monitor.metrics import CATALOG
 from zerotuner.settings.schema import Settings, env_name
 
 TABLE_START = "<!-- settings:start -->"
@@ -35,6 +38,9 @@ KEY_SETTINGS = (
     "max_steps", "learning_rate", "zero_stage", "push_to", "hf_token",
 )  # fmt: skip
 EXAMPLE_ENV = Path("config/example.env")
+METRICS_START = "<!-- metrics:start -->"
+METRICS_END = "<!-- metrics:end -->"
+METRICS_PAGE = Path("docs/operations.md")
 
 _SIMPLE_TYPES = {
     str: "text",
@@ -162,6 +168,19 @@ def example_env() -> str:
     return "\n".join(out) + "\n"
 
 
+def metrics_table_markdown() -> str:
+    """One row per series of the metric catalog: name, type, labels, who makes it, what."""
+    where = {"rank": "each rank", "node": "the node", "push": "the pusher (ZT_PUSH_TO)"}
+    rows = ["| metric | type | labels | made by | what |", "|---|---|---|---|---|"]
+    for spec in CATALOG:
+        labels = ("rank", "gpu_uuid (CUDA)") if spec.device else spec.labels
+        kind = spec.kind + (" (CUDA only)" if spec.cuda_only else "")
+        name = f"`{spec.name}`" + (" *" if spec.contract else "")
+        cells = [name, kind, ", ".join(labels) or "-", where[spec.where], _cell(spec.help)]
+        rows.append("| " + " | ".join(cells) + " |")
+    return "\n".join(rows) + "\n"
+
+
 def replace_between_markers(
     text: str, body: str, markers: tuple[str, str] = (TABLE_START, TABLE_END), where: str = "text"
 ) -> str:
@@ -179,6 +198,7 @@ def generated_files(root: Path) -> dict[Path, str]:
     """Each generated file under `root` with the content it should have."""
     page = (root / SETTINGS_PAGE).read_text(encoding="utf-8")
     readme = (root / README).read_text(encoding="utf-8")
+    operations = (root / METRICS_PAGE).read_text(encoding="utf-8")
     return {
         root / SETTINGS_PAGE: replace_between_markers(
             page, settings_table_markdown(), where=str(SETTINGS_PAGE)
@@ -187,6 +207,9 @@ def generated_files(root: Path) -> dict[Path, str]:
             readme, settings_table_markdown(KEY_SETTINGS), (KEY_START, KEY_END), str(README)
         ),
         root / EXAMPLE_ENV: example_env(),
+        root / METRICS_PAGE: replace_between_markers(
+            operations, metrics_table_markdown(), (METRICS_START, METRICS_END), str(METRICS_PAGE)
+        ),
     }
 
 

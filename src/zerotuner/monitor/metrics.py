@@ -48,41 +48,113 @@ from zerotuner.launch.records import StepRecord
 log = logging.getLogger(__name__)
 
 MULTIPROC_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
+STEP_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 15, 30, 60, 120, 300, 600, float("inf"))
+CHECKPOINT_BUCKETS = (0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800, 3600, float("inf"))
 
-# The public contract (docs/operations.md's metrics table): renaming any of these breaks
-# users' dashboards and alerts.
-DESIGN_METRICS = (
-    "zerotuner_step_duration_seconds",
-    "zerotuner_steps_total",
-    "zerotuner_samples_total",
-    "zerotuner_loss",
-    "zerotuner_learning_rate",
-    "zerotuner_device_memory_allocated_bytes",
-    "zerotuner_device_memory_reserved_bytes",
-    "zerotuner_device_memory_peak_bytes",
-    "zerotuner_device_memory_total_bytes",
-    "zerotuner_host_memory_rss_bytes",
-    "zerotuner_offload_dir_used_bytes",
-    "zerotuner_offload_dir_free_bytes",
-    "zerotuner_checkpoint_duration_seconds",
-    "zerotuner_last_checkpoint_step",
-    "zerotuner_last_step_timestamp_seconds",
-    "zerotuner_dataset_skipped_files_total",
-    "zerotuner_info",
-)
-# Added on top of the contract (also pinned by tests).
-EXTRA_METRICS = (
-    "zerotuner_gradient_norm",
-    "zerotuner_throughput_samples_per_second",
-    "zerotuner_global_step",
-    "zerotuner_max_steps",
-    "zerotuner_last_checkpoint_timestamp_seconds",
-    "zerotuner_device_memory_used_bytes",  # CUDA only (NVML)
-    "zerotuner_offload_dir_size_bytes",
-    "zerotuner_phase",
-    "zerotuner_healthy",
-    "zerotuner_nonfinite_steps_total",
-)
+
+@dataclass(frozen=True)
+class MetricSpec:
+    """One series of /metrics: the catalog below is the one list the collectors build from,
+    the pin test reads, docs/operations.md's table is generated from and the Grafana dashboard
+    and alert rules are checked against."""
+
+    name: str
+    kind: str  # counter | gauge | histogram
+    help: str
+    # rank: each rank writes it (multiprocess files); node: the entrypoint's server makes it
+    # (phase, health, offload volume); push: the pusher's (with ZT_PUSH_TO only)
+    where: str = "rank"
+    labels: tuple[str, ...] = ("rank",)  # `gpu_uuid` joins `rank` on CUDA: `device`
+    device: bool = False  # a device-memory series: labelled by rank and, on CUDA, gpu_uuid
+    cuda_only: bool = False
+    contract: bool = False  # the public contract: renaming it breaks dashboards and alerts
+    buckets: tuple[float, ...] = ()  # a histogram's
+    attr: str = ""  # the rank-side object's attribute in _RankMetrics
+
+
+def _rank(name: str, kind: str, help: str, attr: str, **more: Any) -> MetricSpec:
+    return MetricSpec(name, kind, help, attr=attr, **more)
+
+
+def _node(name: str, kind: str, help: str, labels: tuple[str, ...] = (), **more: Any) -> MetricSpec:
+    return MetricSpec(name, kind, help, where="node", labels=labels, **more)
+
+
+CATALOG: tuple[MetricSpec, ...] = (
+    _rank("zerotuner_step_duration_seconds", "histogram",
+          "Wall time of one optimizer step (all its micro-batches).", "step_seconds",
+          contract=True, buckets=STEP_BUCKETS),
+    _rank("zerotuner_steps_total", "counter", "Optimizer steps finished in this run.", "steps",
+          contract=True),
+    _rank("zerotuner_samples_total", "counter",
+          "Training samples this rank processed in this run.", "samples", contract=True),
+    _rank("zerotuner_loss", "gauge", "Training loss of the last step on this rank.", "loss",
+          contract=True),
+    _rank("zerotuner_learning_rate", "gauge", "Learning rate of the last step.", "lr",
+          contract=True),
+    _rank("zerotuner_device_memory_allocated_bytes", "gauge",
+          "Device memory held by tensors (CUDA allocator; CPU: process RSS).", "mem_allocated",
+          device=True, contract=True),
+    _rank("zerotuner_device_memory_reserved_bytes", "gauge",
+          "Device memory reserved by the caching allocator (CPU: process RSS).", "mem_reserved",
+          device=True, contract=True),
+    _rank("zerotuner_device_memory_peak_bytes", "gauge",
+          "Peak device memory allocated (CPU: peak process RSS).", "mem_peak", device=True,
+          contract=True),
+    _rank("zerotuner_device_memory_total_bytes", "gauge",
+          "Device memory capacity (NVML; CPU: container memory limit or host RAM).", "mem_total",
+          device=True, contract=True),
+    _rank("zerotuner_host_memory_rss_bytes", "gauge", "Resident host memory of the rank.", "rss",
+          contract=True),
+    _node("zerotuner_offload_dir_used_bytes", "gauge",
+          "Bytes allocated under the offload directory.", contract=True),
+    _node("zerotuner_offload_dir_free_bytes", "gauge",
+          "Bytes free on the offload directory's volume.", contract=True),
+    _rank("zerotuner_checkpoint_duration_seconds", "histogram",
+          "Wall time to save and commit a checkpoint.", "checkpoint_seconds", contract=True,
+          buckets=CHECKPOINT_BUCKETS),
+    _rank("zerotuner_last_checkpoint_step", "gauge",
+          "Step of the last committed checkpoint (0: none).", "last_checkpoint_step",
+          contract=True),
+    _rank("zerotuner_last_step_timestamp_seconds", "gauge", "Unix time the last step finished.",
+          "last_step", contract=True),
+    _rank("zerotuner_dataset_skipped_files_total", "counter",
+          "Dataset files skipped (unreadable, no caption, too small).", "skipped", contract=True),
+    _node("zerotuner_info", "gauge", "The run's configuration (value 1).",
+          labels=("version", "zero_stage", "offload_optimizer", "offload_param", "world_size",
+                  "model_family", "precision"), contract=True),
+    _rank("zerotuner_gradient_norm", "gauge", "Gradient norm before clipping.", "grad_norm"),
+    _rank("zerotuner_throughput_samples_per_second", "gauge",
+          "This rank's samples per second over the last step; sum over ranks for the job.",
+          "throughput"),
+    _rank("zerotuner_global_step", "gauge", "Optimizer steps done, resumes included.",
+          "global_step"),
+    _rank("zerotuner_max_steps", "gauge", "Optimizer steps the run trains to.", "max_steps"),
+    _rank("zerotuner_last_checkpoint_timestamp_seconds", "gauge",
+          "Unix time the last checkpoint was committed.", "last_checkpoint_time"),
+    _rank("zerotuner_device_memory_used_bytes", "gauge",
+          "Whole-GPU memory in use per NVML (all processes, CUDA context included).", "mem_used",
+          device=True, cuda_only=True),
+    _node("zerotuner_offload_dir_size_bytes", "gauge", "Size of the offload directory's volume."),
+    _node("zerotuner_phase", "gauge", "1 for the phase the node is in, 0 for the others.",
+          labels=("phase",)),
+    _node("zerotuner_healthy", "gauge", "1 while /healthz answers 200."),
+    _rank("zerotuner_nonfinite_steps_total", "counter",
+          "Optimizer steps skipped because the loss or gradient norm was non-finite "
+          "(the weights did not change).", "nonfinite"),
+    MetricSpec("zerotuner_push_bytes", "counter", "Bytes uploaded to ZT_PUSH_TO.", "push", ()),
+    MetricSpec("zerotuner_push_seconds", "counter", "Seconds spent uploading.", "push", ()),
+    MetricSpec("zerotuner_push_failures", "counter", "Failed uploads (each retried).", "push", ()),
+    MetricSpec("zerotuner_push_last_step", "gauge",
+               "Step of the remote's latest checkpoint (-1: none yet).", "push", ()),
+)  # fmt: skip
+METRICS = {spec.name: spec for spec in CATALOG}
+# The public contract (docs/operations.md's metrics table).
+DESIGN_METRICS = tuple(m.name for m in CATALOG if m.contract)
+# Served on top of the contract by every run (the pusher's only with ZT_PUSH_TO).
+EXTRA_METRICS = tuple(m.name for m in CATALOG if not m.contract and m.where != "push")
+
+
 # Node phases, in the order a run goes through them; `zerotuner_phase{phase}` is 1 for one.
 PHASES = (
     "starting",
@@ -99,9 +171,6 @@ PHASES = (
 )
 # Written by every process that changes phase, merged by the server, never exposed.
 PHASE_ENTERED = "zerotuner_internal_phase_entered_timestamp_seconds"
-
-STEP_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 15, 30, 60, 120, 300, 600, float("inf"))
-CHECKPOINT_BUCKETS = (0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800, 3600, float("inf"))
 
 
 @dataclass(frozen=True)
@@ -328,103 +397,24 @@ class PrometheusSink:
 
 
 class _RankMetrics:
-    """Every rank-side metric object. `registry=None` keeps them out of the global registry."""
+    """Every rank-side metric object, built from CATALOG (an attribute per spec's `attr`).
+    `registry=None` keeps them out of the global registry."""
 
     def __init__(self, registry: CollectorRegistry | None, *, cuda: bool) -> None:
-        rank = ("rank",)
-        dev = ("rank", "gpu_uuid") if cuda else rank
-
-        def gauge(name: str, doc: str, labels: tuple[str, ...] = rank) -> Gauge:
-            return Gauge(name, doc, labels, registry=registry, multiprocess_mode="mostrecent")
-
-        self.step_seconds = Histogram(
-            "zerotuner_step_duration_seconds",
-            "Wall time of one optimizer step (all its micro-batches).",
-            rank,
-            buckets=STEP_BUCKETS,
-            registry=registry,
-        )
-        self.steps = Counter(
-            "zerotuner_steps_total",
-            "Optimizer steps finished in this run.",
-            rank,
-            registry=registry,
-        )
-        self.samples = Counter(
-            "zerotuner_samples_total",
-            "Training samples this rank processed in this run.",
-            rank,
-            registry=registry,
-        )
-        self.skipped = Counter(
-            "zerotuner_dataset_skipped_files_total",
-            "Dataset files skipped (unreadable, no caption, too small).",
-            rank,
-            registry=registry,
-        )
-        self.nonfinite = Counter(
-            "zerotuner_nonfinite_steps_total",
-            "Optimizer steps skipped because the loss or gradient norm was non-finite "
-            "(the weights did not change).",
-            rank,
-            registry=registry,
-        )
-        self.checkpoint_seconds = Histogram(
-            "zerotuner_checkpoint_duration_seconds",
-            "Wall time to save and commit a checkpoint.",
-            rank,
-            buckets=CHECKPOINT_BUCKETS,
-            registry=registry,
-        )
-        self.loss = gauge("zerotuner_loss", "Training loss of the last step on this rank.")
-        self.lr = gauge("zerotuner_learning_rate", "Learning rate of the last step.")
-        self.grad_norm = gauge("zerotuner_gradient_norm", "Gradient norm before clipping.")
-        self.throughput = gauge(
-            "zerotuner_throughput_samples_per_second",
-            "This rank's samples per second over the last step; sum over ranks for the job.",
-        )
-        self.global_step = gauge("zerotuner_global_step", "Optimizer steps done, resumes included.")
-        self.max_steps = gauge("zerotuner_max_steps", "Optimizer steps the run trains to.")
-        self.last_step = gauge(
-            "zerotuner_last_step_timestamp_seconds", "Unix time the last step finished."
-        )
-        self.last_checkpoint_step = gauge(
-            "zerotuner_last_checkpoint_step", "Step of the last committed checkpoint (0: none)."
-        )
-        self.last_checkpoint_time = gauge(
-            "zerotuner_last_checkpoint_timestamp_seconds",
-            "Unix time the last checkpoint was committed.",
-        )
-        self.mem_allocated = gauge(
-            "zerotuner_device_memory_allocated_bytes",
-            "Device memory held by tensors (CUDA allocator; CPU: process RSS).",
-            dev,
-        )
-        self.mem_reserved = gauge(
-            "zerotuner_device_memory_reserved_bytes",
-            "Device memory reserved by the caching allocator (CPU: process RSS).",
-            dev,
-        )
-        self.mem_peak = gauge(
-            "zerotuner_device_memory_peak_bytes",
-            "Peak device memory allocated (CPU: peak process RSS).",
-            dev,
-        )
-        self.mem_total = gauge(
-            "zerotuner_device_memory_total_bytes",
-            "Device memory capacity (NVML; CPU: container memory limit or host RAM).",
-            dev,
-        )
-        self.mem_used = (
-            gauge(
-                "zerotuner_device_memory_used_bytes",
-                "Whole-GPU memory in use per NVML (all processes, CUDA context included).",
-                dev,
-            )
-            if cuda
-            else None
-        )
-        self.rss = gauge("zerotuner_host_memory_rss_bytes", "Resident host memory of the rank.")
+        self.mem_used: Gauge | None = None
+        for spec in CATALOG:
+            if spec.where != "rank" or (spec.cuda_only and not cuda):
+                continue
+            labels = ("rank", "gpu_uuid") if spec.device and cuda else spec.labels
+            if spec.kind == "histogram":
+                made: Any = Histogram(spec.name, spec.help, labels, buckets=spec.buckets,
+                                      registry=registry)  # fmt: skip
+            elif spec.kind == "counter":
+                made = Counter(spec.name, spec.help, labels, registry=registry)
+            else:
+                made = Gauge(spec.name, spec.help, labels, registry=registry,
+                             multiprocess_mode="mostrecent")  # fmt: skip
+            setattr(self, spec.attr, made)
         self.phase_entered = Gauge(
             PHASE_ENTERED,
             "Internal: when a rank last entered each phase.",

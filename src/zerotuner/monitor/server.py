@@ -41,21 +41,13 @@ from prometheus_client.multiprocess import MultiProcessCollector
 from zerotuner import __version__, web
 from zerotuner.errors import EnvironmentUnfit
 from zerotuner.monitor.http_limits import ConnectionLimits, StrictRequests
-from zerotuner.monitor.metrics import MULTIPROC_DIR_ENV, PHASE_ENTERED, PHASES
+from zerotuner.monitor.metrics import METRICS, MULTIPROC_DIR_ENV, PHASE_ENTERED, PHASES
 from zerotuner.monitor.run_page import RunView
 
 log = logging.getLogger(__name__)
 
 STEP_LOOP_PHASES = ("training", "checkpointing", "validating")
-INFO_LABELS = (
-    "version",
-    "zero_stage",
-    "offload_optimizer",
-    "offload_param",
-    "world_size",
-    "model_family",
-    "precision",
-)
+INFO_LABELS = METRICS["zerotuner_info"].labels
 
 
 def prepare_metrics_dir(path: str | os.PathLike[str] | None = None) -> Path:
@@ -207,36 +199,34 @@ class NodeCollector:
     def collect(self) -> Iterable[Metric]:
         families, status = self.snapshot()
         yield from families
-        phase = GaugeMetricFamily(
-            "zerotuner_phase", "1 for the phase the node is in, 0 for the others.", labels=["phase"]
-        )
+        phase = _family("zerotuner_phase")
         for name in (*PHASES, *sorted({status.phase} - set(PHASES))):
             phase.add_metric([name], 1.0 if name == status.phase else 0.0)
         yield phase
         with self._lock:
             info_labels = dict(self._info)
-        info = GaugeMetricFamily(
-            "zerotuner_info", "The run's configuration (value 1).", labels=list(INFO_LABELS)
-        )
+        info = _family("zerotuner_info")
         info.add_metric([info_labels[k] for k in INFO_LABELS], 1.0)
         yield info
-        yield GaugeMetricFamily(
-            "zerotuner_healthy", "1 while /healthz answers 200.", value=float(self._health(status))
-        )
+        yield _family("zerotuner_healthy", value=float(self._health(status)))
         yield from self._offload_families()
 
     def _offload_families(self) -> Iterable[Metric]:
         usage = self._offload.read() if self._offload else None
-        docs = {
-            "zerotuner_offload_dir_used_bytes": "Bytes allocated under the offload directory.",
-            "zerotuner_offload_dir_free_bytes": "Bytes free on the offload directory's volume.",
-            "zerotuner_offload_dir_size_bytes": "Size of the offload directory's volume.",
-        }
-        for (name, doc), value in zip(docs.items(), usage or (None, None, None), strict=True):
-            family = GaugeMetricFamily(name, doc, labels=[])
+        names = ("used", "free", "size")
+        for name, value in zip(names, usage or (None, None, None), strict=True):
+            family = _family(f"zerotuner_offload_dir_{name}_bytes")
             if value is not None:
                 family.add_metric([], float(value))
             yield family
+
+
+def _family(name: str, value: float | None = None) -> GaugeMetricFamily:
+    """A node-made series as CATALOG declares it."""
+    spec = METRICS[name]
+    if value is not None:
+        return GaugeMetricFamily(name, spec.help, value=value)
+    return GaugeMetricFamily(name, spec.help, labels=list(spec.labels))
 
 
 PROBES = ("/healthz", "/readyz")

@@ -242,18 +242,19 @@ class PushCollector:
     def collect(self):  # noqa: ANN201 - prometheus_client's collector protocol
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+        from zerotuner.monitor.metrics import METRICS
+
         with self.stats.lock:
-            bytes_, seconds = self.stats.bytes, self.stats.seconds
-            failures, last = self.stats.failures, self.stats.last_step
-        yield CounterMetricFamily("zerotuner_push_bytes", "Bytes uploaded to ZT_PUSH_TO.",
-                                  value=bytes_)  # fmt: skip
-        yield CounterMetricFamily("zerotuner_push_seconds", "Seconds spent uploading.",
-                                  value=seconds)  # fmt: skip
-        yield CounterMetricFamily("zerotuner_push_failures", "Failed uploads (each retried).",
-                                  value=failures)  # fmt: skip
-        yield GaugeMetricFamily("zerotuner_push_last_step",
-                                "Step of the remote's latest checkpoint (-1: none yet).",
-                                value=last)  # fmt: skip
+            values = {
+                "zerotuner_push_bytes": self.stats.bytes,
+                "zerotuner_push_seconds": self.stats.seconds,
+                "zerotuner_push_failures": self.stats.failures,
+                "zerotuner_push_last_step": self.stats.last_step,
+            }
+        for name, value in values.items():
+            spec = METRICS[name]
+            kind = CounterMetricFamily if spec.kind == "counter" else GaugeMetricFamily
+            yield kind(name, spec.help, value=value)
 
 
 # --- resuming from the remote -----------------------------------------------------------------
