@@ -288,3 +288,20 @@ def test_a_copy_fetched_with_other_columns_is_written_again(demo_dir, tmp_path, 
             captions += [item.caption for item in dataset.items]
     assert captions == ["t", "p"]
     shutil.rmtree(tmp_path / "cache")
+
+
+def test_the_builder_s_initial_form_and_zt_push_to_mask_credentials(monkeypatch, capsys) -> None:
+    """The page's /api/initial (the form from `docker run -e`) and a ZT_PUSH_TO with
+    credentials: masked, and the push URL refused in one line."""
+    from zerotuner.builder.server import initial_form
+    from zerotuner.cli import main
+
+    form = initial_form({"ZT_DATA_DIR": LEAKY, "ZT_PUSH_TO": LEAKY})
+    shown = json.dumps(form)
+    assert "s3://***@bucket/images" in shown
+    assert not any(secret in shown for secret in CREDENTIALS), shown
+    monkeypatch.setenv("ZT_PUSH_TO", LEAKY)
+    assert main(["config"]) == 2
+    out = "".join(capsys.readouterr())
+    assert "ZT_PUSH_TO='s3://***@bucket/images': credentials do not go in the URL" in out, out
+    assert not any(secret in out for secret in CREDENTIALS) and "Traceback" not in out

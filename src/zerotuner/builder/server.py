@@ -48,6 +48,7 @@ from zerotuner.builder.exports import FORMATS, export
 from zerotuner.builder.form import accepted, compose, form_fields, shown
 from zerotuner.errors import EXIT_CONFIG, EXIT_FAILURE, ConfigError, ZeroTunerError
 from zerotuner.monitor.http_limits import ConnectionLimits, StrictRequests
+from zerotuner.settings.urls import hide_credentials
 
 log = logging.getLogger(__name__)
 
@@ -150,9 +151,10 @@ def _form_only(form: Any) -> dict[str, Any]:
 
 
 def initial_form(environ: os._Environ[str] | dict[str, str] = os.environ) -> dict[str, Any]:
-    """The form as this process's environment fills it (e.g. `docker run -e ZT_...`)."""
+    """The form as this process's environment fills it (e.g. `docker run -e ZT_...`), a URL's
+    credentials masked (the page is no place for them)."""
     names = {f["name"] for s in form_fields() for f in s["fields"]}
-    settings = {k: v for k, v in environ.items() if k in names}
+    settings = {k: hide_credentials(v) for k, v in environ.items() if k in names}
     return {"settings": settings, "deepspeed": {}, "hardware": {}}
 
 

@@ -31,7 +31,7 @@ from tqdm import tqdm
 
 from zerotuner.launch.records import StepRecord
 from zerotuner.monitor.metrics import MemoryProbe, memory_probe
-from zerotuner.settings.datasets import hide_credentials
+from zerotuner.settings.urls import hide_credentials
 
 # Environment variables whose values are secrets wherever they appear.
 SECRET_ENV_NAMES = (

@@ -31,6 +31,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from zerotuner.errors import ConfigError
 from zerotuner.settings.files import load_mapping, short_repr
 from zerotuner.settings.schema import MAX_RESOLUTION, MIN_RESOLUTION, Settings, env_name
+from zerotuner.settings.urls import hide_credentials, refuse_credentials
 
 FILE_SETTING = env_name("datasets_file")
 DIR_SETTING = env_name("data_dir")
@@ -43,15 +44,6 @@ IMAGE_LIKE = {".png", ".jpg", ".jpeg", ".webp", ".parquet"}
 # Each epoch's order lists every image once per repeat, on every rank: an entry's repeats and
 # all entries' together stay under this (20 entries x 10,000 took 2.1 GB and 106 s a step).
 MAX_REPEATS = 10_000
-# A URL's `user:password@` (or `token@`): a secret wherever the URL is shown. A password may
-# hold `/` (AWS secret keys do), so after a `:` it runs to the last `@` before a space or quote.
-_USERINFO = re.compile(r"(?<=://)[^\s/@:'\"]*(?::[^\s'\"]*)?@")
-
-
-def hide_credentials(text: str) -> str:
-    """`text` with the credentials of every URL in it masked (`s3://***@bucket/x`): for error
-    lines here and, through monitor.logs.mask, every log line."""
-    return _USERINFO.sub("***@", text)
 
 
 @dataclass(frozen=True)
@@ -80,12 +72,7 @@ class Location:
 def parse_location(text: str, *, setting: str = DIR_SETTING) -> Location:
     """A dataset path as written; one line naming `setting` when it is a URL of no known kind
     or one carrying credentials (they go where secrets go, and the line masks them)."""
-    if _USERINFO.search(text):
-        raise ConfigError(
-            f"{setting}={hide_credentials(text)!r}: credentials do not go in the URL; give S3 "
-            "keys as AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or the secret files "
-            "aws_access_key_id and aws_secret_access_key) and a hub token as HF_TOKEN"
-        )
+    refuse_credentials(text, setting)
     if match := _S3.match(text):
         prefix = (match["prefix"] or "").strip("/")
         return Location("s3", match["bucket"], f"{prefix}/" if prefix else "")
