@@ -16,6 +16,21 @@ from zerotuner.launch.ranks import free_port
 KEY_ID, SECRET = "AKIAZEROTUNERTEST", "zerotuner-secret-access-key-for-tests"
 
 
+def served(*buckets: str):
+    """A module's `s3` fixture: one moto server for the module, with these buckets."""
+    import pytest
+
+    @pytest.fixture(scope="module")
+    def s3():
+        server = S3Server().start()
+        for bucket in buckets:
+            server.create_bucket(bucket)
+        yield server
+        server.stop()
+
+    return s3
+
+
 class S3Server:
     def __init__(self) -> None:
         self.port = free_port()

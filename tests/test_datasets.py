@@ -18,7 +18,7 @@ import trainkit as tk
 import yaml
 from fakehub import FakeHub
 from PIL import Image
-from s3server import KEY_ID, SECRET, S3Server
+from s3server import KEY_ID, SECRET, S3Server, served
 
 from zerotuner.families.ddpm import masked_mse
 from zerotuner.preflight.fetch import MANIFEST, fetch_all
@@ -30,12 +30,7 @@ from zerotuner.train.feature_cache import FeatureCache
 BUCKET = "datasets"
 
 
-@pytest.fixture(scope="module")
-def s3():
-    server = S3Server().start()
-    server.create_bucket(BUCKET)
-    yield server
-    server.stop()
+s3 = served(BUCKET)
 
 
 def _client(s3: S3Server):

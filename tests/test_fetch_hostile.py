@@ -12,7 +12,7 @@ import shutil
 import pytest
 import yaml
 from fakehub import FakeHub
-from s3server import KEY_ID, SECRET, S3Server
+from s3server import KEY_ID, SECRET, S3Server, served
 
 from zerotuner.errors import ConfigError
 from zerotuner.preflight.fetch import fetch_all
@@ -23,12 +23,7 @@ from zerotuner.train import data
 BUCKET = "hostile"
 
 
-@pytest.fixture(scope="module")
-def s3():
-    server = S3Server().start()
-    server.create_bucket(BUCKET)
-    yield server
-    server.stop()
+s3 = served(BUCKET)
 
 
 def _put(s3: S3Server, objects: dict[str, bytes]) -> None:

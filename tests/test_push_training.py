@@ -11,7 +11,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from s3server import SECRET, S3Server
+from s3server import SECRET, S3Server, served
 from trainkit import ENTRYPOINT, entrypoint_env, sigterm_after_steps, steps_done
 
 from zerotuner.publish import push, remote
@@ -20,11 +20,7 @@ pytestmark = pytest.mark.slow
 PROMPT = "a red circle on a white background"
 
 
-@pytest.fixture(scope="module")
-def s3():
-    server = S3Server().start()
-    yield server
-    server.stop()
+s3 = served()
 
 
 def job_env(s3: S3Server, demo_dir: Path, tmp: Path, bucket: str, **overrides: str) -> dict:
