@@ -48,11 +48,32 @@ class Objective(Protocol):
 
 
 @dataclass(frozen=True)
+class ComfyLora:
+    """The LoRA key names ComfyUI's loader maps onto a family's model, as
+    `weights/lora_layouts.comfy` writes them. Read in comfyanonymous/ComfyUI: comfy/lora.py at
+    41444b5236c6 (`model_lora_keys_unet`: `lora_unet_<diffusers UNet module>` through
+    `unet_to_diffusers`, `transformer.<diffusers module>` for SD3 and the Flux classes, which
+    Chroma and Flux2 subclass, Qwen-Image and Lumina2/Z-Image, and `diffusion_model.<original
+    module>` for every model; `model_lora_keys_clip`: `lora_te1_text_model_...`) and
+    comfy/lora_convert.py at ee9834b8ca0d."""
+
+    # kohya's names (`lora_unet_<module, dots as underscores>.lora_down.weight`, `.lora_up`,
+    # `.alpha`; `lora_te1_text_model_...` for CLIP): the UNet families
+    kohya: bool = False
+    prefix: str = "transformer."  # else: peft's names (`lora_A` / `lora_B`) after this prefix
+    # diffusers' module names to the original checkpoint's, whole dotted parts, in order: for a
+    # model whose diffusers names ComfyUI does not map (Wan)
+    renames: tuple[tuple[str, str], ...] = ()
+
+
+@dataclass(frozen=True)
 class ModelFamily:
     name: str
     denoiser: str = "unet"  # the trained part: its folder in the pipeline and its attribute
     text_subfolders: tuple[tuple[str, str], ...] = (("text_encoder", "tokenizer"),)
     cache_dtype: torch.dtype = torch.float32  # of the cached text embeddings
+    # the layout of pytorch_lora_weights_comfyui.safetensors: kohya's for the UNet families
+    comfy_lora: ComfyLora = ComfyLora(kohya=True)
 
     def configured(self, settings: Settings, source: Path | None = None) -> ModelFamily:
         """The family as this run's settings configure it (flow families: the T5 length; Wan

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 
-from zerotuner.families.base import ModelFamily
+from zerotuner.families.base import ComfyLora, ModelFamily
 from zerotuner.families.registry import REGISTRY
 
 if TYPE_CHECKING:
@@ -31,6 +31,8 @@ class FlowFamily(ModelFamily):
 
     denoiser: str = "transformer"
     cache_dtype: torch.dtype = torch.bfloat16
+    # ComfyUI maps the diffusers names of SD3's, the Flux classes', Qwen-Image's and Z-Image's
+    comfy_lora: ComfyLora = ComfyLora()
     max_sequence_length: int = 0  # tokens per caption of its long encoder (T5, Qwen...)
     packed: bool = False  # latents enter as 2x2 patches with position ids (Flux)
 

@@ -45,6 +45,7 @@ from typing import Any
 
 import torch
 
+from zerotuner.families.base import ComfyLora
 from zerotuner.families.flow import FlowFamily
 from zerotuner.families.flow_matching import FlowObjective
 
@@ -88,10 +89,35 @@ class WanObjective(FlowObjective):
         return out.squeeze(2) if image else out
 
 
+# Wan's diffusers module names to the original checkpoint's, which ComfyUI's model has (it maps
+# no diffusers names for Wan): the inverse of diffusers' TRANSFORMER_KEYS_RENAME_DICT
+# (diffusers 0.42 loaders/single_file_utils.py `convert_wan_transformer_to_diffusers`, as
+# scripts/convert_wan_to_diffusers.py), for the layers LoRA wraps
+WAN_ORIGINAL_NAMES = (
+    ("attn1.to_q", "self_attn.q"), ("attn1.to_k", "self_attn.k"), ("attn1.to_v", "self_attn.v"),
+    ("attn1.to_out.0", "self_attn.o"),
+    ("attn2.to_q", "cross_attn.q"), ("attn2.to_k", "cross_attn.k"), ("attn2.to_v", "cross_attn.v"),
+    ("attn2.to_out.0", "cross_attn.o"), ("attn2.add_k_proj", "cross_attn.k_img"),
+    ("attn2.add_v_proj", "cross_attn.v_img"),
+    ("ffn.net.0.proj", "ffn.0"), ("ffn.net.2", "ffn.2"),
+    ("condition_embedder.time_embedder.linear_1", "time_embedding.0"),
+    ("condition_embedder.time_embedder.linear_2", "time_embedding.2"),
+    ("condition_embedder.text_embedder.linear_1", "text_embedding.0"),
+    ("condition_embedder.text_embedder.linear_2", "text_embedding.2"),
+    ("condition_embedder.time_proj", "time_projection.1"),
+    ("condition_embedder.image_embedder.ff.net.0.proj", "img_emb.proj.1"),
+    ("condition_embedder.image_embedder.ff.net.2", "img_emb.proj.3"),
+    ("proj_out", "head.head"),
+)  # fmt: skip
+
+
 @dataclass(frozen=True)
 class Wan(FlowFamily):
     expert: str = ""  # ZT_EXPERT: A14B's expert trained (`denoiser` is its folder)
     boundary: float | None = None  # A14B's boundary_ratio (model_index.json)
+    # ComfyUI's Wan model has the original checkpoint's names (both A14B experts alike: each
+    # loads as a model of its own there)
+    comfy_lora: ComfyLora = ComfyLora(prefix="diffusion_model.", renames=WAN_ORIGINAL_NAMES)
 
     def configured(self, settings: Any, source: Path | None = None) -> Wan:
         """With ZT_EXPERT: the expert's folder as the denoiser, and the boundary between the

@@ -430,7 +430,7 @@ class Run:
                         self.job.family, self.ema.state_dict(), self.adapter_shapes,
                         self.adapter_metadata, s.output_dir / "final-ema",
                         text_metadata=self.text_metadata, initial=self.initial_adapter,
-                        denoiser=self.part,
+                        denoiser=self.part, base=self.source,
                     )  # fmt: skip
                 self._loss_curve()
                 log.info(
@@ -464,7 +464,7 @@ class Run:
             self.engine_.module, rank=self.rank, family=self.job.family,
             expected=self.adapter_shapes, adapter_metadata=self.adapter_metadata, out=out,
             text_metadata=self.text_metadata, merge_base=self.source if merge else None,
-            initial=self.initial_adapter, denoiser=self.part,
+            initial=self.initial_adapter, denoiser=self.part, base=self.source,
         )  # fmt: skip
 
     def _loss_curve(self) -> None:

@@ -20,6 +20,7 @@ from safetensors.torch import save_file
 
 from zerotuner import families
 from zerotuner.settings.folders import readable_by_all
+from zerotuner.weights import lora_layouts
 from zerotuner.weights.lora import ADAPTER
 from zerotuner.weights.pipeline_folder import load_part, write_pipeline
 
@@ -28,6 +29,7 @@ log = logging.getLogger(__name__)
 ADAPTER_FILE = "pytorch_lora_weights.safetensors"
 # Not ending in ADAPTER_FILE: diffusers' `load_lora_weights(folder)` still picks the one above.
 KOHYA_FILE = "pytorch_lora_weights_kohya.safetensors"
+COMFY_FILE = "pytorch_lora_weights_comfyui.safetensors"  # the layout ComfyUI loads (lora_layouts)
 MERGED = "merged"  # final/merged/: the base pipeline with the adapter fused into its UNet
 TEXT_PARTS = ("text_encoder", "text_encoder_2")
 PARTS = ("unet", *TEXT_PARTS)  # diffusers' names, the prefixes of its adapter files' keys
@@ -68,10 +70,11 @@ def write_gathered(
     merge_base: Path | None = None,
     initial: dict[str, torch.Tensor] | None = None,
     denoiser: str | None = None,
+    base: Path | None = None,
 ) -> bool:
     """The engine's adapter gathered from every rank and written by rank 0 into `out` (a
-    collective; a refusal fails every rank, not only rank 0). True on rank 0. `denoiser`: see
-    write_adapter."""
+    collective; a refusal fails every rank, not only rank 0). True on rank 0. `denoiser`,
+    `base`: see write_adapter."""
     from zerotuner.weights.checkpoint import on_rank0
     from zerotuner.weights.ema import trainable_state_dict
 
@@ -81,7 +84,7 @@ def write_gathered(
         assert state is not None
         write_adapter(
             family, state, expected, adapter_metadata, out, text_metadata=text_metadata,
-            merge_base=merge_base, initial=initial, denoiser=denoiser,
+            merge_base=merge_base, initial=initial, denoiser=denoiser, base=base,
         )  # fmt: skip
 
     on_rank0(rank, write)
@@ -110,28 +113,6 @@ def by_part(
     return parts
 
 
-def kohya(
-    parts: dict[str, dict[str, torch.Tensor]], adapter: dict[str, Any]
-) -> dict[str, torch.Tensor]:
-    """The adapter in the kohya key format that ComfyUI, A1111 and diffusers read
-    (`lora_unet_<module>.lora_down.weight`, `.lora_up.weight`, `.alpha`; `lora_te1_` /
-    `lora_te2_` for the text encoders), from peft keys per part and the adapter's LoraConfig
-    (`adapter`, as `metadata` gives it; the text encoders' share its rank and alpha). kohya's
-    scale is always alpha / rank: diffusers' converter writes every `.alpha` as the rank, so the
-    true alpha is put back (rsLoRA's scale alpha / sqrt(rank) as the alpha alpha * sqrt(rank))."""
-    from diffusers.utils import convert_state_dict_to_kohya
-
-    converted = convert_state_dict_to_kohya(
-        {f"{part}.{k}": v for part, layers in parts.items() for k, v in layers.items()}
-    )
-    rank = adapter["r"]
-    alpha = adapter["lora_alpha"] * (math.sqrt(rank) if adapter.get("use_rslora") else 1.0)
-    for key in converted:
-        if key.endswith(".alpha"):
-            converted[key] = torch.tensor(float(alpha))
-    return {k: v.contiguous() for k, v in converted.items()}
-
-
 def write_adapter(
     family: str,
     state: dict[str, torch.Tensor],
@@ -143,13 +124,16 @@ def write_adapter(
     merge_base: Path | None = None,
     initial: dict[str, torch.Tensor] | None = None,
     denoiser: str | None = None,
+    base: Path | None = None,
 ) -> Path:
-    """`out/pytorch_lora_weights.safetensors` (diffusers layout, metadata included) and its
-    kohya copy, built in a folder beside `out` and renamed into place; refused when the adapter
-    is not whole. `text_metadata`: the text encoders' LoraConfig when they trained. With
-    `merge_base`, also `out/merged/`: that pipeline with the adapter fused. `initial`: a PiSSA /
-    OLoRA adapter's starting weights (see plain_lora). `denoiser`: the pipeline part the
-    adapter is on when not the family's own (Wan 2.2 A14B's `transformer_2`): the file keeps
+    """`out/pytorch_lora_weights.safetensors` (diffusers layout, metadata included), its kohya
+    copy and its ComfyUI file (write_layouts), built in a folder beside `out` and renamed into
+    place; refused when the adapter is not whole. `base`: the pipeline folder it was trained on
+    (a DoRA adapter's ComfyUI file reads its weights; `merge_base` serves too).
+    `text_metadata`: the text encoders' LoraConfig when they trained. With `merge_base`,
+    also `out/merged/`: that pipeline with the adapter fused. `initial`: a PiSSA / OLoRA
+    adapter's starting weights (see plain_lora). `denoiser`: the pipeline part the adapter is
+    on when not the family's own (Wan 2.2 A14B's `transformer_2`): the file keeps
     the family's names (`transformer.`: WanPipeline.load_lora_weights(..., load_into_transformer_2=
     True) puts it on that expert), the merged pipeline fuses it into that part."""
     check_adapter(state, expected)
@@ -172,11 +156,7 @@ def write_adapter(
            for part, layers in parts.items()},
         **{f"{part}_lora_adapter_metadata": meta[part] for part in parts},
     )  # fmt: skip
-    # DoRA has no kohya file: its readers disagree on `dora_scale` (diffusers drops it,
-    # ComfyUI divides by the base weight's norm, not the adapted one's): a wrong image is worse.
-    # Neither has a transformer's: diffusers' converter knows the UNet's kohya names only.
-    if adapter_metadata and not adapter_metadata.get("use_dora") and kind.denoiser == "unet":
-        save_file(kohya(parts, adapter_metadata), str(tmp / KOHYA_FILE))
+    write_layouts(tmp, kind, parts, adapter_metadata, base=base or merge_base, denoiser=denoiser)
     if merge_base is not None:
         target = denoiser or kind.denoiser  # the part the adapter is on
         merged = {
@@ -192,6 +172,40 @@ def write_adapter(
         shutil.rmtree(out)
     tmp.rename(out)
     return out
+
+
+def write_layouts(
+    folder: Path,
+    kind: Any,
+    parts: dict[str, dict[str, torch.Tensor]],
+    adapter: dict[str, Any],
+    *,
+    base: Path | None = None,
+    denoiser: str | None = None,
+) -> None:
+    """Beside the diffusers file in `folder`: the kohya file (UNet families) and the ComfyUI
+    file (every family, `kind.comfy_lora`'s layout), from peft keys per part. DoRA has no kohya
+    file: its readers disagree on `dora_scale` (diffusers drops it), and a wrong image is worse;
+    its ComfyUI file needs the `base` pipeline (Wan 2.2 A14B: the `denoiser` expert's folder)."""
+    dora = any(k.endswith(lora_layouts.MAGNITUDE) for ls in parts.values() for k in ls)
+    if kind.comfy_lora.kohya and not dora:
+        save_file(lora_layouts.kohya(parts, adapter), str(folder / KOHYA_FILE))
+    weights = None
+    if dora:
+        if base is None:
+            log.warning("no %s for this DoRA adapter: its base pipeline is not known", COMFY_FILE)
+            return
+        folders = {kind.denoiser: denoiser or kind.denoiser}  # the text encoders' are their names
+        weights = {
+            part: lora_layouts.base_weights(
+                base, folders.get(part, part),
+                [k.replace(lora_layouts.MAGNITUDE, ".weight") for k in layers
+                 if k.endswith(lora_layouts.MAGNITUDE)],
+            )
+            for part, layers in parts.items()
+        }  # fmt: skip
+    comfy = lora_layouts.comfy(kind.comfy_lora, parts, adapter, weights)
+    save_file(comfy, str(folder / COMFY_FILE))
 
 
 def plain_lora(

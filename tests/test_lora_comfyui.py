@@ -1,0 +1,166 @@
+"""pytorch_lora_weights_comfyui.safetensors for every family (issue 41): the adapter in the key
+layout ComfyUI's loader maps for the model, at diffusers' strength (alpha != rank here).
+
+ComfyUI itself is not installed: each family's file goes through diffusers' own reader for it
+(`load_lora_weights`: its kohya converter for the UNet families, its Wan converter for Wan's
+original names, its own format for the transformer families whose diffusers names ComfyUI
+maps) and must give the diffusers file's weights, every tensor used. Wan's names are checked
+against diffusers' conversion of the original checkpoint too, and DoRA's `dora_scale` against
+ComfyUI's DoRA formula.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from zerotuner import families
+from zerotuner.families import REGISTRY
+from zerotuner.settings.schema import Settings
+from zerotuner.weights import lora, lora_files, lora_layouts
+from zerotuner.weights.pipeline_folder import load_part
+
+RANK, ALPHA = 4, 2  # alpha != rank: a file without diffusers' scale is off by 2x
+UNET_TARGETS = "attention+ff,proj_in,proj_out,conv1,conv2,conv_in,conv_out,time_emb_proj"
+TARGETS = {
+    "sdxl": UNET_TARGETS, "sd1": UNET_TARGETS, "sd2": UNET_TARGETS,
+    "sd3": "attention+ff", "flux": "attention+ff", "chroma": "attention,proj_mlp,proj_out",
+    "zimage": "attention", "qwenimage": "attention,img_mlp.net.2",
+    "flux2": "attention,to_qkv_mlp_proj,single_transformer_blocks.0.attn.to_out",
+    "flux2klein": "attention,to_qkv_mlp_proj",
+    # every kind of layer Wan's original names rename
+    "wan": "attention,ffn.net.0.proj,ffn.net.2,proj_out,time_proj,linear_1,linear_2",
+}  # fmt: skip
+TOLERANCE = {"rtol": 1e-5, "atol": 1e-6}  # fp32; folding the scale into lora_B rounds once
+
+
+def adapted(demo: Path, family: str, **variant):
+    """The family's demo denoiser with an adapter whose every weight matters (B moved off 0)."""
+    kind = families.get(family)
+    denoiser = load_part(demo / "model", kind.denoiser)
+    settings = Settings(
+        training_type="lora", lora_rank=RANK, lora_alpha=ALPHA, lora_targets=TARGETS[family],
+        **variant,
+    )  # fmt: skip
+    lora.add_adapter(denoiser, settings)
+    gen = torch.Generator().manual_seed(1)
+    for name, param in denoiser.named_parameters():
+        if "lora_B" in name:
+            param.data.copy_(torch.randn(param.shape, generator=gen) * 0.05)
+        if "lora_magnitude_vector" in name:
+            param.data.mul_(1 + 0.2 * torch.randn(param.shape, generator=gen))
+    return denoiser, settings
+
+
+def write(module, settings, family: str, out: Path, **kwargs) -> Path:
+    state = {n: p.detach().clone() for n, p in module.named_parameters() if p.requires_grad}
+    config = lora.metadata(lora.lora_config(settings))
+    return lora_files.write_adapter(family, state, lora.shapes(module), config, out, **kwargs)
+
+
+def fused(demo: Path, family: str, folder: Path, weight_name: str) -> tuple[dict, int]:
+    """The pipeline's denoiser weights with the file fused in, and how many layers it adapted."""
+    from diffusers import DiffusionPipeline
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    pipe = DiffusionPipeline.from_pretrained(demo / "model")
+    pipe.load_lora_weights(folder, weight_name=weight_name)
+    denoiser = getattr(pipe, families.get(family).denoiser)
+    layers = sum(isinstance(m, BaseTunerLayer) for m in denoiser.modules())
+    pipe.fuse_lora()
+    pipe.unload_lora_weights()
+    return {k: v.clone() for k, v in denoiser.state_dict().items()}, layers
+
+
+@pytest.mark.parametrize("family", list(REGISTRY))
+def test_comfyui_file_loads_as_the_diffusers_adapter(family, family_demo_dir, tmp_path) -> None:
+    """Read by diffusers' loader for that layout, the ComfyUI file gives the diffusers
+    adapter's weights (TOLERANCE), with every tensor of the file used: one adapted layer per
+    lora_A / lora_B pair (and kohya's `.alpha`), none left unmatched."""
+    demo = family_demo_dir(family)
+    denoiser, settings = adapted(demo, family)
+    out = write(denoiser, settings, family, tmp_path / "final")
+    modules = {n.split(".lora_")[0] for n, p in denoiser.named_parameters() if p.requires_grad}
+    comfy = load_file(out / lora_files.COMFY_FILE)
+    layout = families.get(family).comfy_lora
+    per_layer = 3 if layout.kohya else 2  # kohya's `.alpha`; the others fold the scale in
+    assert len(comfy) == per_layer * len(modules)
+    if layout.kohya:
+        assert {float(t) for k, t in comfy.items() if k.endswith(".alpha")} == {float(ALPHA)}
+    else:
+        assert all(k.startswith(layout.prefix) for k in comfy)
+    expected, _ = fused(demo, family, out, lora_files.ADAPTER_FILE)
+    loaded, layers = fused(demo, family, out, lora_files.COMFY_FILE)
+    assert layers == len(modules)
+    base = load_part(demo / "model", families.get(family).denoiser).state_dict()
+    assert sum(not torch.equal(expected[k], base[k]) for k in base) >= len(modules)
+    assert expected.keys() == loaded.keys()
+    for key in expected:
+        torch.testing.assert_close(loaded[key], expected[key], **TOLERANCE, msg=key)
+
+
+def test_wan_comfyui_names_are_the_original_checkpoints(family_demo_dir, tmp_path) -> None:
+    """Wan's file names modules as the original checkpoint does (ComfyUI's model): diffusers'
+    conversion of an original Wan checkpoint (`convert_wan_transformer_to_diffusers`, as
+    scripts/convert_wan_to_diffusers.py) turns each back into the diffusers module trained; the
+    low-noise expert's (A14B `transformer_2`) file is named alike."""
+    from diffusers.loaders.single_file_utils import convert_wan_transformer_to_diffusers
+
+    demo = family_demo_dir("wan")
+    denoiser, settings = adapted(demo, "wan")
+    high = load_file(write(denoiser, settings, "wan", tmp_path / "a") / lora_files.COMFY_FILE)
+    low = write(denoiser, settings, "wan", tmp_path / "b", denoiser="transformer_2")
+    assert load_file(low / lora_files.COMFY_FILE).keys() == high.keys()
+    theirs = {k.removeprefix("diffusion_model.").split(".lora_")[0] for k in high}
+    ours = {n.split(".lora_")[0] for n, p in denoiser.named_parameters() if p.requires_grad}
+    assert "head.head" in theirs and "blocks.0.self_attn.q" in theirs
+    converted = convert_wan_transformer_to_diffusers({f"{m}.weight": 0 for m in theirs})
+    assert {k.removesuffix(".weight") for k in converted} == ours
+
+
+def comfyui_dora(dora_scale, weight, lora_diff):
+    """ComfyUI's DoRA at strength 1 with no `.alpha` (comfy/weight_adapter/base.py
+    `weight_decompose`, v0.3.77): an output-axis scale divides by the base weight's row norm."""
+    weight_calc = weight + lora_diff
+    if dora_scale.shape[0] == weight_calc.shape[0]:
+        norm = weight.reshape(weight.shape[0], -1).norm(dim=1, keepdim=True)
+        norm = norm.reshape(weight.shape[0], *[1] * (weight.dim() - 1))
+    else:
+        norm = weight_calc.transpose(0, 1).reshape(weight_calc.shape[1], -1).norm(dim=1)
+        norm = norm.reshape(weight_calc.shape[1], *[1] * (weight_calc.dim() - 1)).transpose(0, 1)
+    return weight_calc * (dora_scale / (norm + torch.finfo(weight.dtype).eps))
+
+
+@pytest.mark.parametrize("family", ["sdxl", "flux", "wan"])
+def test_dora_comfyui_file_gives_peft_weights_in_comfyuis_formula(
+    family, family_demo_dir, tmp_path
+) -> None:
+    """DoRA + rsLoRA: every layer's `dora_scale`, applied by ComfyUI's formula to the base
+    weight, gives peft's merged weight (that of the merged pipeline)."""
+    demo = family_demo_dir(family)
+    denoiser, settings = adapted(demo, family, lora_dora=True, lora_rslora=True)
+    out = write(denoiser, settings, family, tmp_path / "final", base=demo / "model")
+    comfy = load_file(out / lora_files.COMFY_FILE)
+    layout = families.get(family).comfy_lora
+    base = load_part(demo / "model", families.get(family).denoiser).state_dict()
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    modules = [(n, m) for n, m in denoiser.named_modules() if isinstance(m, BaseTunerLayer)]
+    assert len(comfy) == 3 * len(modules) + (len(modules) if layout.kohya else 0)
+    for name, module in modules:
+        key = lora_layouts.comfy_name(layout, families.get(family).denoiser, name)
+        up, down = (
+            comfy[f"{key}.lora_up.weight" if layout.kohya else f"{key}.lora_B.weight"],
+            (comfy[f"{key}.lora_down.weight" if layout.kohya else f"{key}.lora_A.weight"]),
+        )
+        weight = base[f"{name}.weight"]
+        diff = (up.flatten(1) @ down.flatten(1)).reshape(weight.shape)
+        if layout.kohya:  # `.alpha` / rank
+            diff = diff * float(comfy[f"{key}.alpha"]) / down.shape[0]
+        theirs = comfyui_dora(comfy[f"{key}.dora_scale"], weight, diff)
+        module.merge(adapter_names=[lora.ADAPTER])
+        torch.testing.assert_close(theirs, module.get_base_layer().weight, rtol=1e-5, atol=1e-6)
+        module.unmerge()
