@@ -164,3 +164,33 @@ def test_dora_comfyui_file_gives_peft_weights_in_comfyuis_formula(
         module.merge(adapter_names=[lora.ADAPTER])
         torch.testing.assert_close(theirs, module.get_base_layer().weight, rtol=1e-5, atol=1e-6)
         module.unmerge()
+
+
+@pytest.mark.parametrize("family", ["sdxl", "wan"])
+def test_export_converts_an_adapter_file(family, family_demo_dir, tmp_path, capsys) -> None:
+    """`zerotuner export FINAL OUT --family F` writes the files a run's final/ holds from its
+    diffusers file alone; an adapter without --family, or not an adapter, is one line, exit 2."""
+    from zerotuner.cli import main
+
+    demo = family_demo_dir(family)
+    denoiser, settings = adapted(demo, family)
+    final = write(denoiser, settings, family, tmp_path / "final")
+    assert main(["export", str(final), str(tmp_path / "out"), "--family", family]) == 0
+    written = sorted(p.name for p in final.iterdir())
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == written
+    for name in written:
+        ours, theirs = load_file(final / name), load_file(tmp_path / "out" / name)
+        assert ours.keys() == theirs.keys()
+        assert all(torch.equal(ours[k], theirs[k]) for k in ours), name
+    capsys.readouterr()
+    adapter = str(final / lora_files.ADAPTER_FILE)
+    (tmp_path / "junk.safetensors").write_text("not one")
+    for argv, said in (
+        ([adapter, str(tmp_path / "o")], "pass --family"),
+        ([str(tmp_path / "junk.safetensors"), str(tmp_path / "o"), "--family", family],
+         "not a readable safetensors file"),
+        ([adapter, str(tmp_path / "o"), "--family", "sd3"], "pass the --family"),
+    ):  # fmt: skip
+        assert main(["export", *argv]) == 2
+        err = capsys.readouterr().err.strip()
+        assert said in err and "Traceback" not in err and len(err.splitlines()) == 1, err

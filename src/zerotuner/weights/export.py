@@ -122,5 +122,49 @@ def _export_lora(
     return write_adapter(
         family, {name: t for name, t in state.items() if ".lora_" in name}, shapes(module),
         metadata(config), out, text_metadata=text_metadata, merge_base=base if merged else None,
-        initial=initial, denoiser=part,
+        initial=initial, denoiser=part, base=base,
     )  # fmt: skip
+
+
+def export_adapter_file(
+    adapter: Path, out: Path, *, family: str | None, base: Path | None = None
+) -> Path:
+    """`zerotuner export ADAPTER OUT --family F`: a diffusers adapter file (a LoRA run's
+    final/, or its pytorch_lora_weights.safetensors) into `out` with its kohya and ComfyUI
+    files beside it (a DoRA adapter's ComfyUI file needs `base`, the pipeline it trained on)."""
+    import shutil
+
+    from zerotuner import families
+    from zerotuner.settings.family_names import FAMILIES
+    from zerotuner.weights import lora_files, lora_layouts
+
+    adapter = Path(adapter)
+    if adapter.is_dir():
+        adapter = adapter / lora_files.ADAPTER_FILE
+    if family not in FAMILIES:
+        raise ConfigError(
+            f"ADAPTER={adapter}: an adapter file does not say its model family; pass --family "
+            f"({', '.join(FAMILIES)})"
+        )
+    parts, configs = lora_layouts.read_diffusers(adapter)
+    kind = families.get(family)
+    # its layers must be the family's (names decide the ComfyUI layout): the model is built
+    # on the meta device, of `base`'s config or the published one
+    layers = {n for n, _ in families.meta_model(family, base).named_modules()}
+    alien = sorted({k.split(".lora_")[0] for k in parts.get(kind.denoiser, {})} - layers)
+    if kind.denoiser not in parts or alien:
+        shown = alien[0] if alien else f"its parts {', '.join(sorted(parts))}"
+        raise ConfigError(
+            f"ADAPTER={adapter}: {shown} is not a layer of a {family} model's {kind.denoiser}; "
+            "pass the --family it was trained for"
+        )
+    out = Path(out)
+    tmp = out.with_name(f".{out.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    shutil.copyfile(adapter, tmp / lora_files.ADAPTER_FILE)
+    lora_files.write_layouts(tmp, kind, parts, configs[kind.denoiser], base=base)
+    if out.exists():
+        shutil.rmtree(out)
+    tmp.rename(out)
+    return out
