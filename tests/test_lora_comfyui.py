@@ -194,3 +194,16 @@ def test_export_converts_an_adapter_file(family, family_demo_dir, tmp_path, caps
         assert main(["export", *argv]) == 2
         err = capsys.readouterr().err.strip()
         assert said in err and "Traceback" not in err and len(err.splitlines()) == 1, err
+
+
+def test_model_card_says_which_file_each_tool_loads(tmp_path) -> None:
+    from zerotuner.publish.model_card import model_card
+
+    final = tmp_path / "final"
+    final.mkdir()
+    for name in (lora_files.ADAPTER_FILE, lora_files.COMFY_FILE):
+        (final / name).write_bytes(b"")
+    card = model_card(Settings(training_type="lora", model="some/model"), tmp_path)
+    assert f"ComfyUI (LoraLoader): `final/{lora_files.COMFY_FILE}`" in card
+    assert f"diffusers: `final/{lora_files.ADAPTER_FILE}`" in card
+    assert lora_files.KOHYA_FILE not in card  # not written (a transformer family, or DoRA)

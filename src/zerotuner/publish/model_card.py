@@ -32,6 +32,15 @@ def _latest_samples(output_dir: Path) -> list[str]:
     return [p.relative_to(output_dir).as_posix() for p in sorted(folders[-1].glob("*.png"))]
 
 
+def _lora_files(final: Path) -> list[str]:
+    """Which file of final/ each tool loads (docs/models.md), of those the run wrote."""
+    from zerotuner.weights.lora_files import ADAPTER_FILE, COMFY_FILE, KOHYA_FILE
+
+    tools = (("diffusers", ADAPTER_FILE), ("ComfyUI (LoraLoader)", COMFY_FILE),
+             ("kohya's scripts, A1111 / Forge", KOHYA_FILE))  # fmt: skip
+    return [f"- {tool}: `final/{name}`" for tool, name in tools if (final / name).is_file()]
+
+
 def model_card(settings: Settings, output_dir: Path) -> str:
     values = masked_dump(settings)
     chosen = {k: values[k] for k in CARD_SETTINGS if values.get(k) is not None}
@@ -52,6 +61,7 @@ def model_card(settings: Settings, output_dir: Path) -> str:
         lines += ["", "```python",
                   f"pipe.load_lora_weights(\"<this repo>\", subfolder=\"final\"{into})",
                   "```"]  # fmt: skip
+        lines += ["", *_lora_files(output_dir / "final")]
     if settings.expert:
         lines += ["", f"Wan 2.2 A14B's {settings.expert}-noise expert "
                   f"(`{'transformer' if settings.expert == 'high' else 'transformer_2'}`) only; "
