@@ -207,3 +207,56 @@ def test_model_card_says_which_file_each_tool_loads(tmp_path) -> None:
     assert f"ComfyUI (LoraLoader): `final/{lora_files.COMFY_FILE}`" in card
     assert f"diffusers: `final/{lora_files.ADAPTER_FILE}`" in card
     assert lora_files.KOHYA_FILE not in card  # not written (a transformer family, or DoRA)
+
+
+@pytest.mark.parametrize("family", ["sdxl", "sd1"])
+def test_text_encoder_adapters_keep_kohyas_text_model_names(family, family_demo_dir, tmp_path):
+    """With ZT_LORA_TEXT_ENCODER the kohya and ComfyUI files name CLIP's layers
+    `lora_te1_text_model_encoder_layers_...` (transformers 5's CLIP has no `text_model` level):
+    diffusers' kohya converter loads every one to the diffusers file's text encoders."""
+    from diffusers import DiffusionPipeline
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    from zerotuner.weights import lora_text
+
+    demo = family_demo_dir(family)
+    unet, settings = adapted(demo, family)
+    pipe = DiffusionPipeline.from_pretrained(demo / "model")
+    names = [f for f, _ in families.get(family).text_subfolders]
+    encoders = [getattr(pipe, n) for n in names]
+    lora_text.add_text_adapters(encoders, lora.adapter_settings(settings), seed=0)
+    state = {f"unet.{n}": p.detach() for n, p in unet.named_parameters() if p.requires_grad}
+    for name, encoder in zip(names, encoders, strict=True):
+        for n, p in encoder.named_parameters():
+            if "lora_B" in n:
+                p.data.normal_(0, 0.05)
+            if p.requires_grad:
+                state[f"{name}.{n}"] = p.detach()
+    config = lora.metadata(lora.lora_config(settings))
+    text = lora.metadata(lora_text.text_config(lora.adapter_settings(settings)))
+    shapes = {k: tuple(v.shape) for k, v in state.items()}
+    out = lora_files.write_adapter(
+        family, state, shapes, config, tmp_path / "f", text_metadata=text
+    )
+    comfy = load_file(out / lora_files.COMFY_FILE)
+    te = [k for k in comfy if k.startswith("lora_te")]
+    layers = sum(isinstance(m, BaseTunerLayer) for e in encoders for m in e.modules())
+    assert len(te) == 3 * layers and all("_text_model_encoder_layers_" in k for k in te)
+    assert load_file(out / lora_files.KOHYA_FILE).keys() == comfy.keys()
+
+    def text_weights(weight_name):
+        p = DiffusionPipeline.from_pretrained(demo / "model")
+        p.load_lora_weights(out, weight_name=weight_name)
+        loaded = sum(isinstance(m, BaseTunerLayer) for n in names for m in getattr(p, n).modules())
+        p.fuse_lora()
+        p.unload_lora_weights()
+        return {n: getattr(p, n).state_dict() for n in names}, loaded
+
+    (expected, _), (got, loaded) = (
+        text_weights(lora_files.ADAPTER_FILE),
+        text_weights(lora_files.COMFY_FILE),
+    )
+    assert loaded == layers
+    for name in names:
+        for key in expected[name]:
+            torch.testing.assert_close(got[name][key], expected[name][key], **TOLERANCE)
