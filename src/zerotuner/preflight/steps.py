@@ -40,7 +40,7 @@ from zerotuner.settings.inputs import UserInputs
 from zerotuner.settings.notes import Note
 from zerotuner.settings.schema import Settings, env_name, precision_name
 from zerotuner.train import speed
-from zerotuner.weights import checkpoint, lora
+from zerotuner.weights import checkpoint, lora, lora_from
 
 log = logging.getLogger(__name__)
 
@@ -251,6 +251,9 @@ class PreflightRun:
         expert = EXPERTS.get(settings.expert or "")  # A14B: the expert this run trains
         shape = model_shape(model.family, model.local_dir, denoiser=expert)  # type: ignore[arg-type]
         check_family_settings(settings, model.family, shape)  # the model's VAE: its frame rule
+        # an adapter file's rank, alpha and targets are the run's: the plan and resume see them
+        settings, _ = lora_from.apply(settings, model.family, model_dir=model.local_dir)
+        self.settings = settings
         check_resume(settings, model.family, shape)
         if settings.training_type == "lora":
             lora.check_model_targets(settings, model.family, model.local_dir)

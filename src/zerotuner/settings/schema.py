@@ -255,6 +255,12 @@ class Settings(BaseSettings):
         "or from the base weights' principal components (`pissa`: SVD) or an orthonormal "
         "basis (`olora`: QR), which move them into the adapter; ZeRO 0-2, linear targets.",
     )
+    lora_from: str | None = Field(
+        None,
+        description="Train on from an existing adapter file (a local `.safetensors` in the "
+        "diffusers, kohya or ComfyUI layout, for this model): its rank, alpha and targets are "
+        "the run's, its weights the adapter's start; a resume starts from its checkpoint instead.",
+    )
     lora_merge: bool = Field(
         False,
         description="Also write `final/merged/`: a whole diffusers pipeline with the adapter "
@@ -426,6 +432,14 @@ class Settings(BaseSettings):
             return None
         parse(value.strip())  # one line naming the setting and both forms when malformed
         return value.strip()
+
+    @field_validator("lora_from", mode="before")
+    @classmethod
+    def _adapter_file(cls, value: Any) -> Any:
+        """A path kept as text (a Path would fold an `hf://` URL's `//`, which the refusal
+        names); empty is unset."""
+        text = os.fspath(value).strip() if isinstance(value, (str, os.PathLike)) else value
+        return text or None
 
     @field_validator("resume")
     @classmethod

@@ -48,7 +48,7 @@ from zerotuner.settings.effective import effective_settings
 from zerotuner.settings.schema import Settings
 from zerotuner.train import caching, data, loop, model, nonfinite, samples, speed
 from zerotuner.train.stop import Stopped, StopRequest
-from zerotuner.weights import checkpoint, lora, lora_files, lora_text, pipeline_folder
+from zerotuner.weights import checkpoint, lora, lora_files, lora_from, lora_text, pipeline_folder
 from zerotuner.weights.ema import EMA, full_state_dict
 
 log = logging.getLogger("zerotuner.train.worker")
@@ -103,6 +103,7 @@ class Run:
         self.base_digest: str | None = None  # LoRA: sha256 of the base weights it sits on
         self.text_metadata: dict[str, Any] | None = None  # LoRA on the text encoders too
         self.initial_adapter: dict[str, torch.Tensor] | None = None  # PiSSA / OLoRA's start
+        self.adapter_file: lora_from.AdapterFile | None = None  # ZT_LORA_FROM's, read
         self.stop = StopRequest(settings.collective_timeout_seconds)
         write_rank_armed(self.rank)  # a SIGTERM before this line killed a rank with nothing to save
         self.guard: nonfinite.PlainStepGuard | None = None
@@ -222,6 +223,10 @@ class Run:
         trained = self.components.denoiser
         if s.training_type == "lora":  # before ZeRO-3 partitions the UNet
             lora.add_adapter(trained, s)
+            if self.adapter_file is not None and resume:
+                log.info("%s: not loaded, the checkpoint resumed continues it", lora_from.NAME)
+            elif self.adapter_file is not None:
+                lora_from.load_into(trained, self.adapter_file)
             self.initial_adapter = lora.initial_adapter(trained, s.lora_init)  # PiSSA, OLoRA
             self.adapter_metadata = lora.metadata(lora.lora_config(s))
             if s.lora_text_encoder:
@@ -565,6 +570,8 @@ def train(settings: Settings, job: Job, *, sinks: Sequence[Sink] | None = None) 
                 log.warning("%s", warning)
         lora.check_settings(settings)  # preflight did too; a launcher of its own may not
         families.check_family_settings(settings, job.family)
+        # ZT_LORA_FROM's rank, alpha and targets (preflight checked the file against the model)
+        settings, adapter_file = lora_from.apply(settings, job.family, check=False)
         if rank == 0:  # before anything looks for a checkpoint to resume
             checkpoint.restore_set_aside(settings.output_dir)
         distributed.barrier()
@@ -580,6 +587,7 @@ def train(settings: Settings, job: Job, *, sinks: Sequence[Sink] | None = None) 
             sinks = build_sinks(settings, job, world=world, resume=resume)
         sinks = [*sinks, where]
         run = Run(settings, job, sinks=sinks, world=world)
+        run.adapter_file = adapter_file
         run.load()
         if settings.training_type == "lora":  # an adapter resumes only onto its own base
             run.base_digest = lora.base_for_resume(run.source, settings, resume, rank=rank)

@@ -36,7 +36,7 @@ PRESETS: dict[str, tuple[str, ...]] = {
 }
 LORA_FIELDS = (
     "lora_rank", "lora_alpha", "lora_dropout", "lora_targets", "lora_dora", "lora_rslora",
-    "lora_init", "lora_merge", "lora_text_encoder",
+    "lora_init", "lora_merge", "lora_text_encoder", "lora_from",
 )  # fmt: skip
 LORA_LAYERS = (torch.nn.Linear, torch.nn.Conv2d)
 # peft's initialisers that read the base weights (Linear layers only), by ZT_LORA_INIT
@@ -75,7 +75,7 @@ def notes(settings: Settings) -> list[Note]:
     """What `config --explain` and `train` say about a LoRA run before it starts."""
     if settings.training_type != "lora":
         return []
-    targets = ",".join(parse_targets(settings.lora_targets))
+    targets = _targets_shown(parse_targets(settings.lora_targets), settings.lora_from)
     variants = [name for name, on in (("DoRA", settings.lora_dora),
                                       ("rsLoRA", settings.lora_rslora),
                                       (INITS.get(settings.lora_init, ""),
@@ -109,6 +109,12 @@ def notes(settings: Settings) -> list[Note]:
             )
         )
     return said
+
+
+def _targets_shown(targets: Iterable[str], source: str | None = None) -> str:
+    """Targets in a log line: an adapter file's (ZT_LORA_FROM) are its layers' whole names."""
+    targets = list(targets)
+    return f"{len(targets)} layers of {source}" if source else ",".join(targets)
 
 
 def parse_targets(value: str) -> tuple[str, ...]:
@@ -283,10 +289,10 @@ def add_adapter(denoiser: Any, settings: Settings) -> list[torch.nn.Parameter]:
     if not named or any(".lora_" not in n for n, _ in named):
         raise RuntimeError("peft left base parameters trainable or added no adapter")
     total = sum(p.numel() for p in denoiser.parameters())
+    targets = _targets_shown(sorted(config.target_modules), settings.lora_from)
     log.info(
         "LoRA rank %d, alpha %g on %s: %d trainable of %d parameters",
-        config.r, config.lora_alpha, ",".join(sorted(config.target_modules)),
-        sum(p.numel() for _, p in named), total,
+        config.r, config.lora_alpha, targets, sum(p.numel() for _, p in named), total,
     )  # fmt: skip
     return [p for _, p in named]
 
