@@ -73,6 +73,44 @@ def test_each_layout_starts_at_the_source_adapters_output(layout, source, demo_d
     torch.testing.assert_close(unet_output(unet), expected, **TOLERANCE)
 
 
+@pytest.mark.parametrize("family", ["flux", "wan"])
+def test_transformer_families_comfyui_files_give_the_adapter(
+    family, family_demo_dir, tmp_path
+) -> None:
+    """The ComfyUI layouts of the transformer families (Flux: peft names, the scale folded into
+    lora_B; Wan: the original checkpoint's names) give the source adapter's weight change,
+    s B A, on every layer (alpha becomes the rank: the scale is in the weights)."""
+    from test_lora_comfyui import adapted, write
+
+    from zerotuner import families
+
+    demo = family_demo_dir(family)
+    denoiser, settings = adapted(demo, family)
+    folder = write(denoiser, settings, family, tmp_path / "final")
+    source = Settings(training_type="lora", lora_from=str(folder / lora_files.COMFY_FILE))
+    run, adapter = lora_from.apply(source, family, model_dir=demo / "model")
+    assert adapter is not None and run.lora_rank == run.lora_alpha == settings.lora_rank
+    module = load_part(demo / "model", families.get(family).denoiser)
+    lora.add_adapter(module, run)
+    lora_from.load_into(module, adapter)
+    expected, loaded = _deltas(denoiser, settings), _deltas(module, run)
+    assert loaded.keys() == expected.keys()
+    for name, change in loaded.items():
+        torch.testing.assert_close(change, expected[name], **TOLERANCE, msg=name)
+
+
+def _deltas(module: torch.nn.Module, settings: Settings) -> dict[str, torch.Tensor]:
+    """Each adapted layer's weight change, alpha / rank * B A."""
+    params = dict(module.named_parameters())
+    scale = lora.alpha(settings) / settings.lora_rank
+    changes = {}
+    for name, a in params.items():
+        if ".lora_A." in name:
+            b = params[name.replace(".lora_A.", ".lora_B.")]
+            changes[name.split(".lora_A.")[0]] = scale * b.flatten(1) @ a.flatten(1)
+    return changes
+
+
 def _run(tmp: Path, demo: Path, cache: Path, *, adapter: Path, stage: int, steps: int = 3):
     """`steps` steps on 1 CPU rank from `adapter`, samples at every step."""
     config = tk.ds_config(stage, world=1, steps=steps, lr=1e-2)
