@@ -177,7 +177,7 @@ WORKER = textwrap.dedent(
     import atexit, os, signal, sys, time
     from pathlib import Path
     import torch.distributed as dist
-    from zerotuner.launch.records import write_rank_status
+    from zerotuner.launch.records import write_rank_armed, write_rank_status
 
     mode, rank = os.environ["TEST_MODE"], int(os.environ["RANK"])
     out = Path(os.environ["TEST_OUT"])
@@ -195,6 +195,7 @@ WORKER = textwrap.dedent(
         sys.exit(143)
 
     signal.signal(signal.SIGTERM, stop)
+    write_rank_armed(rank)  # as the worker's StopRequest: a SIGTERM now is handled
     if mode == "ok":
         write_rank_status(rank, 0)
         sys.exit(0)
@@ -315,9 +316,10 @@ def test_a_signal_just_before_torchrun_starts_reaches_torchrun(tmp_path, monkeyp
     monkeypatch.setattr(subprocess, "Popen", popen_after_a_signal)
     code, out = _launch(tmp_path, "sigterm")
     (torchrun,) = started
-    # torchrun got it while starting up (before its own handlers): it ended, no rank began
+    # torchrun got it while starting up (before its own handlers): it ended, no rank began,
+    # so it is a stop with nothing to resume from (143), not a crash
     assert torchrun.returncode == -signal.SIGTERM
-    assert code == 1 and not list(out.glob("ready-*"))
+    assert code == 143 and not list(out.glob("ready-*"))
 
 
 # --- zerotuner check: the dry run of everything train validates -------------------------------
