@@ -505,3 +505,12 @@ def test_the_dashboard_and_alert_rules_query_only_catalogued_series():
     assert not unknown, f"queried but not in the catalog: {sorted(unknown)}"
     assert {"zerotuner_step_duration_seconds_bucket", "zerotuner_loss",
             "zerotuner_device_memory_allocated_bytes"} <= used  # fmt: skip
+
+
+def test_every_rank_side_series_is_a_declared_attribute_of_the_rank_metrics():
+    from zerotuner.monitor.metrics import CATALOG, _RankMetrics
+
+    rank_side = {spec.attr for spec in CATALOG if spec.where == "rank"}
+    assert rank_side == set(_RankMetrics.__annotations__)
+    made = _RankMetrics(CollectorRegistry(), cuda=True)
+    assert all(getattr(made, name) is not None for name in rank_side)

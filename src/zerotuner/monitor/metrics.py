@@ -397,11 +397,33 @@ class PrometheusSink:
 
 
 class _RankMetrics:
-    """Every rank-side metric object, built from CATALOG (an attribute per spec's `attr`).
-    `registry=None` keeps them out of the global registry."""
+    """Every rank-side metric object, built from CATALOG (an attribute per spec's `attr`, each
+    declared here). `registry=None` keeps them out of the global registry."""
+
+    step_seconds: Histogram
+    checkpoint_seconds: Histogram
+    steps: Counter
+    samples: Counter
+    skipped: Counter
+    nonfinite: Counter
+    loss: Gauge
+    lr: Gauge
+    grad_norm: Gauge
+    throughput: Gauge
+    global_step: Gauge
+    max_steps: Gauge
+    last_step: Gauge
+    last_checkpoint_step: Gauge
+    last_checkpoint_time: Gauge
+    mem_allocated: Gauge
+    mem_reserved: Gauge
+    mem_peak: Gauge
+    mem_total: Gauge
+    mem_used: Gauge | None  # CUDA only
+    rss: Gauge
 
     def __init__(self, registry: CollectorRegistry | None, *, cuda: bool) -> None:
-        self.mem_used: Gauge | None = None
+        self.mem_used = None
         for spec in CATALOG:
             if spec.where != "rank" or (spec.cuda_only and not cuda):
                 continue
