@@ -440,8 +440,8 @@ def test_two_nodes_on_localhost_form_one_job(tmp_path):
         node1.kill()
     assert (code0, code1) == (0, 0)
     assert sorted(p.read_text() for p in out.glob("sum-*")) == ["2 2", "2 2"]
-    assert [p.name for p in status0.glob("rank-*")] == ["rank-0.json"]
-    assert [p.name for p in status1.glob("rank-*")] == ["rank-1.json"]
+    assert [p.name for p in status0.glob("rank-*.json")] == ["rank-0.json"]
+    assert [p.name for p in status1.glob("rank-*.json")] == ["rank-1.json"]
 
 
 def test_check_sizes_the_text_cache_against_the_free_space(
