@@ -187,3 +187,14 @@ def assert_only_the_adapter_trained(output: Path, demo_dir: Path, step: int) -> 
     unused = "text_encoder.encoder.layers.1."  # the demo's CLIP-L has 2 layers
     assert ups and all(k.startswith(unused) for k in still), f"not trained: {still[:3]}"
     return final
+
+
+def perturb_adapter(module: torch.nn.Module, scale: float) -> None:
+    """Give a fresh adapter something to say (peft starts lora_B at zero): lora_B drawn at
+    `scale`, DoRA's magnitudes moved by up to ~20 %, from a fixed seed."""
+    gen = torch.Generator().manual_seed(1)
+    for name, param in module.named_parameters():
+        if "lora_B" in name:
+            param.data.copy_(torch.randn(param.shape, generator=gen) * scale)
+        if "lora_magnitude_vector" in name:
+            param.data.mul_(1 + 0.2 * torch.randn(param.shape, generator=gen))

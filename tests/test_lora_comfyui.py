@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from lorakit import perturb_adapter
 from safetensors.torch import load_file
 
 from zerotuner import families
@@ -46,12 +47,7 @@ def adapted(demo: Path, family: str, **variant):
         **variant,
     )  # fmt: skip
     lora.add_adapter(denoiser, settings)
-    gen = torch.Generator().manual_seed(1)
-    for name, param in denoiser.named_parameters():
-        if "lora_B" in name:
-            param.data.copy_(torch.randn(param.shape, generator=gen) * 0.05)
-        if "lora_magnitude_vector" in name:
-            param.data.mul_(1 + 0.2 * torch.randn(param.shape, generator=gen))
+    perturb_adapter(denoiser, 0.05)
     return denoiser, settings
 
 

@@ -20,6 +20,7 @@ from lorakit import (
     TEXT,
     file_names,
     lora_settings,
+    perturb_adapter,
     plain_pipeline,
     train,
     unet_output,
@@ -40,12 +41,7 @@ def trained_unet(demo_dir: Path, **variant):
     unet = UNet2DConditionModel.from_pretrained(demo_dir / "model", subfolder="unet")
     settings = lora_settings(**variant)
     lora.add_adapter(unet, settings)
-    gen = torch.Generator().manual_seed(1)
-    for name, param in unet.named_parameters():
-        if "lora_B" in name:
-            param.data.copy_(torch.randn(param.shape, generator=gen) * 0.3)
-        if "lora_magnitude_vector" in name:
-            param.data.mul_(1 + 0.2 * torch.randn(param.shape, generator=gen))
+    perturb_adapter(unet, 0.3)
     return unet, settings
 
 
