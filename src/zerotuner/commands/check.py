@@ -176,7 +176,7 @@ def _dataset(c: Checks) -> tuple[str, list[str]]:
     warnings = dataset.warnings()  # the lines train logs
     shape = c.facts.get("model_shape")  # as train: ZT_RESOLUTION, else the family's own
     resolution = job_resolution(s, shape) if shape else s.resolution
-    step = _bucket_step(c, resolution) if resolution else 64
+    step = c.facts["bucket_step"] = _bucket_step(c, resolution) if resolution else 64
     if resolution:
         warnings += _upscaled(dataset, resolution, upscale=s.upscale, step=step)
     c.facts["dataset"] = dataset
@@ -238,7 +238,7 @@ def _latent_cache(c: Checks) -> str:
     s, dataset, model = c.facts["settings"], c.facts["dataset"], c.facts["model"]
     video = c.facts.get("video")  # as `_dataset` sampled the clips
     resolution = job_resolution(s, c.facts["model_shape"])  # as train's
-    step = _bucket_step(c, resolution)
+    step = c.facts.get("bucket_step") or _bucket_step(c, resolution)  # `_dataset`'s
     buckets = dataset_buckets(dataset, resolution, multiple=step, upscale=s.upscale)
     need = latent_cache_bytes(
         buckets, channels=families.vae_latent_channels(model.local_dir),

@@ -154,8 +154,12 @@ class Run:
             video=self.video,
             datasets_file=s.datasets_file,
         )  # fmt: skip
+        # one bucket rule, the one `check` reports (families.bucket_step)
+        multiple = families.bucket_step(
+            job.family, Path(self.source), resolution=job.resolution, denoiser=self.part
+        )
         self.buckets = data.dataset_buckets(
-            self.dataset, job.resolution, multiple=self._bucket_multiple(), upscale=s.upscale
+            self.dataset, job.resolution, multiple=multiple, upscale=s.upscale
         )
         if self.rank == 0:  # every rank scanned the same files: count them once
             for sink in self.sinks:
@@ -178,7 +182,6 @@ class Run:
                 self.dataset.summary(), len(self.dataset.skipped), len(self.buckets),
                 self.objective.describe(),
             )  # fmt: skip
-            multiple = self._bucket_multiple()
             if upscaled := data.upscale_warning(
                 self.dataset, job.resolution, multiple=multiple, upscale=s.upscale
             ):
@@ -190,12 +193,6 @@ class Run:
                 timestep_range=s.timestep_range,
             ):  # fmt: skip
                 log.info("dataset recipes: %s", "; ".join(notes))
-
-    def _bucket_multiple(self) -> int:
-        return families.bucket_step(
-            self.job.family, Path(self.source), resolution=self.job.resolution,
-            denoiser=self.part,
-        )  # fmt: skip
 
     # --- caching ------------------------------------------------------------------------
     def cache(self) -> None:
