@@ -365,7 +365,8 @@ def bucket_step(
     transformer's patches: the family's `latent_multiple`, read off the model's own config, else
     its built-in one); from 512 px up an image family's buckets step by 64 px at least (the
     buckets SDXL and its peers train), a video family keeps its own (Wan's 832x480 is a multiple
-    of 16, not of 64)."""
+    of 16, not of 64). The one function here that imports the family's trainer (torch): its
+    `latent_multiple` says the denoiser's rule, and both callers have torch loaded already."""
     import inspect
     from types import SimpleNamespace
 
