@@ -23,6 +23,7 @@ import annotated_types
 from pydantic import AliasChoices, SecretStr
 from pydantic.fields import FieldInfo
 
+from zerotuner.families import FAMILIES
 from zerotuner.monitor.metrics import CATALOG
 from zerotuner.settings.schema import Settings, env_name
 
@@ -115,10 +116,18 @@ def _value_text(value: Any) -> str:
     return str(value)
 
 
+def setting_type(name: str) -> Any:
+    """A setting's type as the docs and the builder show it: ZT_MODEL_FAMILY's choices are the
+    family registry's names, which the settings layer (below the families) cannot list."""
+    if name == "model_family":
+        return Literal[("auto", *FAMILIES)]  # type: ignore[valid-type]
+    return Settings.model_fields[name].annotation
+
+
 def _rows() -> list[tuple[list[str], str, str, str]]:
     rows = []
     for name, field in Settings.model_fields.items():
-        kind = type_text(field.annotation)
+        kind = type_text(setting_type(name))
         bounds = bounds_text(field)
         if bounds:
             kind = f"{kind} ({bounds})"

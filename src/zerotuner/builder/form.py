@@ -15,7 +15,7 @@ import types
 from dataclasses import dataclass, field
 from typing import Any, Literal, Union, get_args, get_origin
 
-from zerotuner.docs import bounds_text, default_value, type_text
+from zerotuner.docs import bounds_text, default_value, setting_type, type_text
 from zerotuner.errors import ConfigError
 from zerotuner.preflight.deepspeed_config import OPTIMIZER_DEFAULTS, SCHEDULER_TYPES
 from zerotuner.preflight.optimizers import (
@@ -193,9 +193,9 @@ def _describe(name: str) -> dict[str, Any] | None:
     if name not in Settings.model_fields:
         return None  # a setting another slice has not landed yet
     info = Settings.model_fields[name]
-    kind_text = type_text(info.annotation)
+    kind_text = type_text(setting_type(name))
     bounds = bounds_text(info)
-    choices = _choices(info.annotation)
+    choices = _choices(setting_type(name))
     kind = "select" if choices else "text"
     if name in ("validation_prompts", "deepspeed_config"):
         kind = "textarea"

@@ -23,7 +23,15 @@ from zerotuner.families.detection import (
     resolve_family,
 )
 from zerotuner.families.family_settings import check_family_settings
-from zerotuner.families.registry import FAMILIES, FLOW_FAMILIES, REGISTRY, Family, Spec, get
+from zerotuner.families.registry import (
+    FAMILIES,
+    FLOW_FAMILIES,
+    REGISTRY,
+    Family,
+    Spec,
+    get,
+    known_family,
+)
 from zerotuner.families.shapes import (
     ModelShape,
     VideoShape,
@@ -43,6 +51,6 @@ __all__ = [
     "EXPERTS", "FAMILIES", "FLOW_FAMILIES", "HUB_CONFIG_FILES", "REGISTRY", "Family",
     "ModelShape", "Spec", "VideoShape", "bucket_step", "caption_cache_bytes",
     "check_family_settings", "detect_family", "frozen_params", "get", "guess_family",
-    "hub_cache_dir", "meta_model", "model_shape", "resolve_family", "unet_config_path",
-    "vae_latent_channels", "vae_scale", "video_shape",
+    "hub_cache_dir", "known_family", "meta_model", "model_shape", "resolve_family",
+    "unet_config_path", "vae_latent_channels", "vae_scale", "video_shape",
 ]  # fmt: skip

@@ -11,7 +11,14 @@ from pathlib import Path
 from typing import Any
 
 from zerotuner.errors import ConfigError
-from zerotuner.families.registry import FAMILIES, PIPELINES, REGISTRY, TRANSFORMERS, Family
+from zerotuner.families.registry import (
+    FAMILIES,
+    PIPELINES,
+    REGISTRY,
+    TRANSFORMERS,
+    Family,
+    known_family,
+)
 from zerotuner.families.stored import model_json, unet_config_path
 from zerotuner.families.wan_variants import refuse_wan_variant
 
@@ -77,12 +84,8 @@ def transformer_family(name: str, config: dict[str, Any]) -> Family:
 def resolve_family(model: str, family_setting: str = "auto", expert: str | None = None) -> Family:
     """ZT_MODEL_FAMILY, else read from a local folder, else guessed from a hub id's name.
     `expert`: ZT_EXPERT (Wan 2.2 A14B is refused without it)."""
-    if family_setting != "auto":
-        if family_setting not in FAMILIES:
-            raise ConfigError(
-                f"ZT_MODEL_FAMILY={family_setting}: expected auto, {', '.join(FAMILIES)}"
-            )
-        return family_setting  # type: ignore[return-value]
+    if known_family(family_setting, auto=True) != "auto":
+        return family_setting
     path = Path(model)
     if path.is_dir():
         return detect_family(path, expert)

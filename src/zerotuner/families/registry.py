@@ -1,7 +1,7 @@
 """The family registry: each family's torch-free facts (`Spec`), the published models' sizes they
 are counted from, and the tables derived from them. The registry's keys are the family names
-(`settings.family_names.FAMILIES`, which the settings layer below reads, must equal them: checked
-at import); `get(name)` imports the family's trainer module on first use, so planning needs no
+(ZT_MODEL_FAMILY's choices: `known_family`; the docs and the builder list them from here);
+`get(name)` imports the family's trainer module on first use, so planning needs no
 torch.
 """
 
@@ -11,7 +11,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from zerotuner.errors import ConfigError
-from zerotuner.settings.family_names import FAMILIES
 
 
 @dataclass(frozen=True)
@@ -221,8 +220,7 @@ REGISTRY: dict[str, Spec] = {
     ),
 }  # fmt: skip
 Family = str  # a key of REGISTRY
-if tuple(REGISTRY) != FAMILIES:  # settings/schema.py takes the names from family_names, below this
-    raise ImportError(f"family_names.FAMILIES {FAMILIES} is not REGISTRY's keys {tuple(REGISTRY)}")
+FAMILIES = tuple(REGISTRY)
 FLOW_FAMILIES = tuple(f for f, spec in REGISTRY.items() if spec.flow)
 PIPELINES = {spec.pipeline: f for f, spec in REGISTRY.items() if spec.pipeline}
 TRANSFORMERS: dict[str, str] = {}  # a class's first family; FLUX.2's two: transformer_family
@@ -236,7 +234,14 @@ def get(name: str) -> Any:
     torch)."""
     import importlib
 
-    if name not in REGISTRY:
-        raise ConfigError(f"ZT_MODEL_FAMILY={name}: expected one of {', '.join(FAMILIES)}")
-    spec = REGISTRY[name]
+    spec = REGISTRY[known_family(name)]
     return getattr(importlib.import_module(f"zerotuner.families.{spec.module}"), spec.cls)(name)
+
+
+def known_family(setting: str, *, auto: bool = False) -> Family:
+    """ZT_MODEL_FAMILY's value, refused in one line unless it is a family (or, with `auto`,
+    `auto`: read from the model)."""
+    if setting in REGISTRY or (auto and setting == "auto"):
+        return setting
+    choices = ("auto", *FAMILIES) if auto else FAMILIES
+    raise ConfigError(f"ZT_MODEL_FAMILY={setting}: expected one of {', '.join(choices)}")

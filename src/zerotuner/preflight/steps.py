@@ -23,6 +23,7 @@ from zerotuner.families import (
     detect_family,
     guess_family,
     hub_cache_dir,
+    known_family,
     model_shape,
     unet_config_path,
 )
@@ -90,6 +91,7 @@ def resolve_model(
     `offline`: no request to the hub (as HF_HUB_OFFLINE, which it adds to). `will_train`:
     `train` (and `check`) refuse a hub model that is not cached while offline, since the ranks
     could not download it; `config` and `plan` judge it by its name."""
+    known_family(settings.model_family, auto=True)
     name = f"{env_name('model')}={settings.model}"
     local = Path(settings.model).expanduser()
     looks_local = model_looks_local(settings.model)

@@ -135,16 +135,15 @@ def export_adapter_file(
     import shutil
 
     from zerotuner import families
-    from zerotuner.settings.family_names import FAMILIES
     from zerotuner.weights import lora_files, lora_layouts
 
     adapter = Path(adapter)
     if adapter.is_dir():
         adapter = adapter / lora_files.ADAPTER_FILE
-    if family not in FAMILIES:
+    if family not in families.FAMILIES:
         raise ConfigError(
             f"ADAPTER={adapter}: an adapter file does not say its model family; pass --family "
-            f"({', '.join(FAMILIES)})"
+            f"({', '.join(families.FAMILIES)})"
         )
     parts, configs = lora_layouts.read_diffusers(adapter)
     kind = families.get(family)
