@@ -23,7 +23,7 @@ from zerotuner.demo.parts import (
     text_config,
     write_tokenizer,
 )
-from zerotuner.families.registry import REGISTRY, Family
+from zerotuner.families.registry import Family
 
 LATENT_CHANNELS = 16  # SD3's and Flux's VAEs
 T5_WIDTH = 64  # T5's d_model: SD3 pads the CLIP states (32 + 32) to it
@@ -99,14 +99,8 @@ def write_flow_model(
     data_dir: Path | None = None,
 ) -> Path:  # fmt: skip
     """Build the tiny `family` pipeline and `save_pretrained` it into `model_dir`
-    (`data_dir`: the demo images its VAE's scaling factor is measured on). The families of
-    their own demo module (their Spec's `demo`) are written there."""
-    import importlib
-
-    if REGISTRY[family].demo:
-        module, function = REGISTRY[family].demo.split(":")
-        write = getattr(importlib.import_module(f"zerotuner.demo.{module}"), function)
-        return write(model_dir, seed=seed, corpus=corpus, data_dir=data_dir)
+    (`data_dir`: the demo images its VAE's scaling factor is measured on): SD3 and Flux.1, the
+    flow families without a demo module of their own."""
     import torch
     from diffusers import (
         FlowMatchEulerDiscreteScheduler,

@@ -9,8 +9,10 @@ trained on the demo's own words (demo/parts.py). Everything is deterministic giv
 
 from __future__ import annotations
 
+import functools
 import logging
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,6 +28,7 @@ from zerotuner.demo.parts import (
     write_tokenizer,
 )
 from zerotuner.families import FLOW_FAMILIES, REGISTRY, Family
+from zerotuner.families.registry import import_path
 from zerotuner.settings.folders import readable_by_all
 
 log = logging.getLogger(__name__)
@@ -58,16 +61,25 @@ def write_demo(
     if family in VIDEO_FAMILIES:  # clips beside the images (each image a one-frame clip)
         write_clips(data)
     captions = [p.read_text() for p in sorted(data.glob("*.txt"))]
+    model = _writer(family)(dir / "model", seed=seed, corpus=captions, data_dir=data)
+    readable_by_all(model)  # a container's uid 1000 reads what root wrote here
+    return DemoPaths(root=dir, model=model, data=data, family=family, images=images)
+
+
+def _writer(family: DemoFamily) -> Callable[..., Path]:
+    """What writes the family's tiny pipeline, called (model_dir, seed=, corpus=, data_dir=):
+    its demo module's writer (its Spec's `demo`), else demo/flow.py's (SD3, Flux.1) or this
+    module's (the UNet families)."""
+    import importlib
+
+    if REGISTRY[family].demo:
+        module, function = REGISTRY[family].demo.split(":")
+        return getattr(importlib.import_module(import_path(module, "zerotuner.demo")), function)
     if family in FLOW_FAMILIES:
         from zerotuner.demo.flow import write_flow_model
 
-        model = write_flow_model(
-            dir / "model", family=family, seed=seed, corpus=captions, data_dir=data
-        )
-    else:
-        model = write_model(dir / "model", family=family, seed=seed, corpus=captions, data_dir=data)
-    readable_by_all(model)  # a container's uid 1000 reads what root wrote here
-    return DemoPaths(root=dir, model=model, data=data, family=family, images=images)
+        return functools.partial(write_flow_model, family=family)
+    return functools.partial(write_model, family=family)
 
 
 # --- dataset ------------------------------------------------------------------------------

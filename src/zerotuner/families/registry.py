@@ -17,9 +17,10 @@ from zerotuner.errors import ConfigError
 class Spec:
     """A family's facts that need no torch: where its trainer lives, how a pipeline's files and
     a hub id name it, its published model's config and sizes, and what a cached caption holds.
-    A new family is its module (one `base.ModelFamily` subclass) and one entry in REGISTRY."""
+    A new family is its module (one `base.ModelFamily` subclass) and one entry in REGISTRY, or
+    a package's entry point (`installed_families`)."""
 
-    module: str  # zerotuner/families/<module>.py
+    module: str  # zerotuner/families/<module>.py, or a dotted import path (an installed family)
     cls: str  # the ModelFamily subclass there
     # The published model's config (fields that differ from its class's defaults) and its
     # (parameters, largest tensor), counted once on the meta device (tests/test_plan.py
@@ -53,9 +54,9 @@ class Spec:
     # The side of the square whose area it plans for (ZT_RESOLUTION's default, the area side
     # buckets are cut at): 1024 px; Wan's 480p, 832 x 480 (399,360 px), fits in 632^2.
     native_resolution: int = 1024
-    # Its tiny demo pipeline's writer, "module:function" in zerotuner/demo (`zerotuner demo`,
-    # the tests' models); "": the UNet families' and SD3's and Flux's, in demo/pipelines.py and
-    # demo/flow.py
+    # Its tiny demo pipeline's writer, "module:function" in zerotuner/demo or a dotted import
+    # path (`zerotuner demo`, the tests' models); "": the UNet families' and SD3's and Flux's,
+    # in demo/pipelines.py and demo/flow.py
     demo: str = ""
 
     @property
@@ -93,7 +94,27 @@ VAE_SCALE = 8  # pixels per latent cell in every family's VAE
 # 32.22B and 3.88B, the cards' "32B" and "4B"; Mistral Small 3.x 24B and Qwen3-4B),
 # Wan-AI/Wan2.1-T2V-1.3B-Diffusers (the transformer config diffusers'
 # scripts/convert_wan_to_diffusers.py writes for Wan-T2V-1.3B: 1.42B, the card's "1.3B"; UMT5-XXL).
-REGISTRY: dict[str, Spec] = {
+ENTRY_POINTS = "zerotuner.families"  # the group an installed family's package names its Spec in
+
+
+def installed_families(builtin: dict[str, Spec]) -> dict[str, Spec]:
+    """Families another installed package adds: each entry point of ENTRY_POINTS is a family
+    name and the `package.module:SPEC` naming its Spec (`module` and `demo` as dotted import
+    paths), so a family outside this repository needs no edit here."""
+    from importlib.metadata import entry_points
+
+    found: dict[str, Spec] = {}
+    for point in entry_points(group=ENTRY_POINTS):
+        spec = point.load()
+        if not isinstance(spec, Spec):
+            raise ImportError(f"entry point {point.name} = {point.value}: not a families Spec")
+        if point.name in builtin:
+            raise ImportError(f"entry point {point.name} = {point.value}: a built-in family")
+        found[point.name] = spec
+    return found
+
+
+BUILTIN: dict[str, Spec] = {
     "sdxl": Spec(
         "unet", "SDXL",
         {
@@ -219,12 +240,17 @@ REGISTRY: dict[str, Spec] = {
         demo="wan:write_model",
     ),
 }  # fmt: skip
+REGISTRY = BUILTIN | installed_families(BUILTIN)
 Family = str  # a key of REGISTRY
 FAMILIES = tuple(REGISTRY)
 FLOW_FAMILIES = tuple(f for f, spec in REGISTRY.items() if spec.flow)
-PIPELINES = {spec.pipeline: f for f, spec in REGISTRY.items() if spec.pipeline}
-TRANSFORMERS: dict[str, str] = {}  # a class's first family; FLUX.2's two: transformer_family
+# A class's first family (built-ins first: an installed family sharing a class is named by
+# ZT_MODEL_FAMILY or its hub markers); FLUX.2's two transformers: detection.transformer_family
+PIPELINES: dict[str, str] = {}
+TRANSFORMERS: dict[str, str] = {}
 for _family, _spec in REGISTRY.items():
+    if _spec.pipeline:
+        PIPELINES.setdefault(_spec.pipeline, _family)
     if _spec.transformer:
         TRANSFORMERS.setdefault(_spec.transformer, _family)
 
@@ -235,7 +261,14 @@ def get(name: str) -> Any:
     import importlib
 
     spec = REGISTRY[known_family(name)]
-    return getattr(importlib.import_module(f"zerotuner.families.{spec.module}"), spec.cls)(name)
+    module = importlib.import_module(import_path(spec.module, "zerotuner.families"))
+    return getattr(module, spec.cls)(name)
+
+
+def import_path(module: str, package: str) -> str:
+    """A Spec's module name as imported: a built-in family's is in `package`, an installed
+    family's is a dotted path of its own."""
+    return module if "." in module else f"{package}.{module}"
 
 
 def known_family(setting: str, *, auto: bool = False) -> Family:
