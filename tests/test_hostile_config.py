@@ -518,11 +518,11 @@ def test_the_highest_timestep_range_that_holds_one_passes_and_trains(env, capsys
     from diffusers import DDPMScheduler
 
     from zerotuner.families.ddpm import LossConfig, diffusion_loss
-    from zerotuner.settings.schema import load_settings, timestep_bounds
+    from zerotuner.settings.schema import load_settings
 
     env.setenv("ZT_TIMESTEP_RANGE", "0.9994-1")
     assert config(capsys)[0] == 0
-    bounds = timestep_bounds(load_settings().timestep_range)
+    bounds = load_settings().timesteps
 
     def denoiser(noisy, timesteps):
         assert timesteps.tolist() == [999, 999]

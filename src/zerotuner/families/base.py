@@ -160,11 +160,10 @@ class ModelFamily:
     # --- training -------------------------------------------------------------------------
     def objective(self, settings: Settings, scheduler: Any, model_config: Any) -> Objective:
         from zerotuner.families.ddpm import DDPMObjective, LossConfig, prediction_type
-        from zerotuner.settings.schema import timestep_bounds
 
         config = LossConfig(
             prediction_type(scheduler, settings.prediction_type), settings.snr_gamma,
-            settings.noise_offset, timestep_bounds(settings.timestep_range),
+            settings.noise_offset, settings.timesteps,
         )  # fmt: skip
         return DDPMObjective(scheduler, config)
 

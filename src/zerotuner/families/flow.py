@@ -96,12 +96,11 @@ class FlowFamily(ModelFamily):
     def flow_config(self, settings: Settings, scheduler: Any) -> Any:
         """The sigma sampling the run's settings and the model's scheduler give."""
         from zerotuner.families.flow_matching import FlowConfig
-        from zerotuner.settings.schema import timestep_bounds
 
         return FlowConfig.from_scheduler(
             scheduler.config, weighting=settings.weighting_scheme, logit_mean=settings.logit_mean,
             logit_std=settings.logit_std, mode_scale=settings.mode_scale,
-            timestep_range=timestep_bounds(settings.timestep_range),
+            timestep_range=settings.timesteps,
         )  # fmt: skip
 
     def objective(self, settings: Settings, scheduler: Any, model_config: Any) -> Any:

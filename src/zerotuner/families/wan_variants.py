@@ -33,7 +33,7 @@ def expert_sigmas(settings: Any, boundary: float | None) -> tuple[float, float]:
     """The sigmas a run of ZT_EXPERT trains: the expert's part of the schedule, or the
     ZT_TIMESTEP_RANGE inside it; one line, exit 2, for a boundary WanPipeline never uses or a
     range outside the expert's."""
-    from zerotuner.settings.schema import env_name, timestep_bounds
+    from zerotuner.settings.schema import env_name
 
     expert = settings.expert
     if boundary is None or math.isnan(boundary) or not 0 < boundary < 1:
@@ -45,7 +45,7 @@ def expert_sigmas(settings: Any, boundary: float | None) -> tuple[float, float]:
     low, high = expert_range(expert, boundary)
     if settings.timestep_range is None:
         return low, high
-    want = timestep_bounds(settings.timestep_range)
+    want = settings.timesteps
     if not low <= want[0] < want[1] <= high:
         raise ConfigError(
             f"{env_name('timestep_range')}={settings.timestep_range}: outside the {expert}-noise "

@@ -447,6 +447,13 @@ class Settings(BaseSettings):
     def _resume_word_or_path(cls, value: str) -> str:
         return value.strip() or "auto"
 
+    @property
+    def timesteps(self) -> tuple[float, float]:
+        """ZT_TIMESTEP_RANGE as (low, high) fractions of the noise schedule, (0, 1) when unset:
+        the objectives and Wan's experts read the numbers, never the text (a property, so a
+        `model_copy(update=...)` cannot leave it stale)."""
+        return (_fractions(self.timestep_range) if self.timestep_range else None) or (0.0, 1.0)
+
     @field_validator("timestep_range")
     @classmethod
     def _fraction_range(cls, value: str | None) -> str | None:
@@ -526,11 +533,6 @@ def _fractions(value: str) -> tuple[float, float] | None:
     """`low-high` as two numbers, else None: ZT_TIMESTEP_RANGE's one parser."""
     match = FRACTIONS.match(value)
     return (float(match[1]), float(match[2])) if match else None
-
-
-def timestep_bounds(value: str | None) -> tuple[float, float]:
-    """ZT_TIMESTEP_RANGE as (low, high) fractions of the noise schedule; (0, 1) when unset."""
-    return (_fractions(value) if value else None) or (0.0, 1.0)
 
 
 def _byte_length(text: str) -> int:
