@@ -112,14 +112,16 @@ def held_out_loss(pipe, demo_dir: Path, *, images: int = 32, draws: int = 4) -> 
     and timesteps, averaged over `draws` seeds."""
     from diffusers import DDPMScheduler
 
+    from zerotuner.data.loading import load_example
+    from zerotuner.data.scan import scan
     from zerotuner.families import ddpm, get
     from zerotuner.families.unet import time_ids
-    from zerotuner.train import data, model
+    from zerotuner.train import model
 
     source = demo_dir / "model"
     scheduler = DDPMScheduler.from_pretrained(source, subfolder="scheduler")
-    items = data.scan(demo_dir / "data", log_skipped=False).items[:images]
-    examples = [data.load_example(item, (64, 64), flip=False) for item in items]
+    items = scan(demo_dir / "data", log_skipped=False).items[:images]
+    examples = [load_example(item, (64, 64), flip=False) for item in items]
     pixels = torch.stack([torch.from_numpy(e.pixels) for e in examples])
     parts = model.Components(
         family="sdxl", source=source, denoiser=None, scheduler=scheduler, vae=pipe.vae,

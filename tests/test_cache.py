@@ -8,20 +8,24 @@ from pathlib import Path
 import pytest
 import torch
 
+from zerotuner.data.buckets import assign_buckets
+from zerotuner.data.dataset import Dataset
+from zerotuner.data.loading import load_example
+from zerotuner.data.scan import scan
 from zerotuner.demo.parts import LATENT_SCALE
 from zerotuner.errors import ConfigError
 from zerotuner.families import ddpm, get
 from zerotuner.families.unet import time_ids
-from zerotuner.train import data, loop, model
+from zerotuner.train import loop, model
 from zerotuner.train.feature_cache import CacheItem, FeatureCache, component_key
 
 
-def items_for(dataset: data.Dataset, buckets) -> list[CacheItem]:
+def items_for(dataset: Dataset, buckets) -> list[CacheItem]:
     bucket_of = {i: size for size, ix in buckets.items() for i in ix}
 
     def loader(item, bucket):
         def load(flip: bool):
-            ex = data.load_example(item, bucket, flip=flip)
+            ex = load_example(item, bucket, flip=flip)
             ids = time_ids(ex.original_size, ex.crop_top_left, ex.target_size)
             return torch.from_numpy(ex.pixels), ids
 
@@ -43,8 +47,8 @@ def items_for(dataset: data.Dataset, buckets) -> list[CacheItem]:
 def sdxl(demo_dir: Path):
     source = demo_dir / "model"
     components = model.load_components(source, "sdxl", gradient_checkpointing=False)
-    dataset = data.scan(demo_dir / "data")
-    buckets = data.assign_buckets(dataset.items, 64, multiple=8)
+    dataset = scan(demo_dir / "data")
+    buckets = assign_buckets(dataset.items, 64, multiple=8)
     return source, components, items_for(dataset, buckets)[:6]
 
 
@@ -179,7 +183,7 @@ def test_frozen_parts_load_on_a_nodes_first_rank_and_leave_before_the_engine(
     from zerotuner import families
     from zerotuner.launch import distributed
     from zerotuner.settings.schema import Settings
-    from zerotuner.train import caching, data
+    from zerotuner.train import caching
 
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # torchrun's view: 2 nodes of 2 ranks
     for local, rank, expected in ((0, 0, (0, 2)), (1, 1, None), (0, 2, (1, 2)), (1, 3, None)):
@@ -194,8 +198,8 @@ def test_frozen_parts_load_on_a_nodes_first_rank_and_leave_before_the_engine(
         demo_dir / "model", "sdxl", gradient_checkpointing=False, with_frozen=False
     )
     conditioning = families.get("sdxl").configured(s)
-    dataset = data.scan(s.data_dir, log_skipped=False)
-    buckets = data.assign_buckets(dataset.items, 64, multiple=8)
+    dataset = scan(s.data_dir, log_skipped=False)
+    buckets = assign_buckets(dataset.items, 64, multiple=8)
     loaded: list[weakref.ref] = []
     real_load = model.load_frozen
 

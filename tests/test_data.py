@@ -14,8 +14,19 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from PIL import Image
 
+from zerotuner.data.buckets import assign_buckets, bucket_sizes, nearest_bucket
+from zerotuner.data.dataset import Dataset, Item
+from zerotuner.data.loading import load_example
+from zerotuner.data.order import (
+    Position,
+    batches,
+    batches_per_epoch,
+    epoch_batches,
+    iterate_batches,
+)
+from zerotuner.data.probe import EXIF_ORIENTATION
+from zerotuner.data.scan import scan
 from zerotuner.errors import EXIT_CONFIG, ConfigError
-from zerotuner.train import data
 
 RED, BLUE = (255, 0, 0), (0, 0, 255)
 
@@ -31,7 +42,7 @@ def _rotated_jpeg(path: Path) -> Path:
     image = Image.new("RGB", (40, 20), RED)
     image.paste(Image.new("RGB", (20, 20), BLUE), (20, 0))
     exif = Image.Exif()
-    exif[data.EXIF_ORIENTATION] = 6
+    exif[EXIF_ORIENTATION] = 6
     image.save(path, "JPEG", exif=exif, quality=95)
     return path
 
@@ -68,7 +79,7 @@ def mixed_dir(tmp_path: Path) -> Path:
 
 
 def test_scan_reads_captions_from_sidecar_metadata_and_file_name(mixed_dir: Path) -> None:
-    dataset = data.scan(mixed_dir)
+    dataset = scan(mixed_dir)
     captions = {item.path.name: item.caption for item in dataset.items}
     assert captions["sidecar.png"] == "a caption from the sidecar"
     assert captions["meta.png"] == "from metadata"
@@ -80,8 +91,8 @@ def test_scan_reads_captions_from_sidecar_metadata_and_file_name(mixed_dir: Path
 def test_scan_skips_broken_files_once_each_and_counts_them(
     mixed_dir: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    with caplog.at_level(logging.WARNING, logger="zerotuner.train.data"):
-        dataset = data.scan(mixed_dir)
+    with caplog.at_level(logging.WARNING, logger="zerotuner.data.scan"):
+        dataset = scan(mixed_dir)
     reasons = {path.name: reason for path, reason in dataset.skipped}
     assert set(reasons) == {"corrupt.png", "truncated.jpg", "notes.png", "table.csv", "old.bmp"}
     assert reasons["truncated.jpg"].startswith("truncated")
@@ -93,13 +104,13 @@ def test_scan_skips_broken_files_once_each_and_counts_them(
     assert all(sum(name in message for message in warned) == 1 for name in reasons)
 
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="zerotuner.train.data"):
-        assert len(data.scan(mixed_dir, log_skipped=False).skipped) == 5
+    with caplog.at_level(logging.WARNING, logger="zerotuner.data.scan"):
+        assert len(scan(mixed_dir, log_skipped=False).skipped) == 5
     assert not caplog.records
 
 
 def test_scan_records_oriented_size_and_content_digest(mixed_dir: Path) -> None:
-    items = {item.path.name: item for item in data.scan(mixed_dir).items}
+    items = {item.path.name: item for item in scan(mixed_dir).items}
     assert items["rotated.jpg"].size == (20, 40)  # portrait after EXIF orientation
     assert items["sidecar.png"].digest == items["meta.png"].digest  # same bytes
     assert items["sidecar.png"].digest != items["grey.png"].digest
@@ -110,32 +121,32 @@ def test_scan_records_oriented_size_and_content_digest(mixed_dir: Path) -> None:
 
 def test_index_lets_a_restart_skip_unchanged_files(mixed_dir: Path, tmp_path: Path) -> None:
     index = tmp_path / "cache" / "dataset-index.json"
-    first = data.scan(mixed_dir, index=index)
+    first = scan(mixed_dir, index=index)
     assert index.is_file()
-    assert data.scan(mixed_dir, index=index) == first
+    assert scan(mixed_dir, index=index) == first
 
     # Same size and mtime: trusted from the index without reading (the stale digest shows it).
     path = mixed_dir / "sidecar.png"
     stat = path.stat()
     path.write_bytes(path.read_bytes()[:-1] + b"\x00")
     os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
-    again = {i.path.name: i for i in data.scan(mixed_dir, index=index).items}
+    again = {i.path.name: i for i in scan(mixed_dir, index=index).items}
     assert (
         again["sidecar.png"].digest == {i.path.name: i for i in first.items}["sidecar.png"].digest
     )
 
     # A changed mtime is read again: the digest follows the new bytes.
     os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1))
-    rescanned = {i.path.name: i for i in data.scan(mixed_dir, index=index).items}
+    rescanned = {i.path.name: i for i in scan(mixed_dir, index=index).items}
     assert rescanned["sidecar.png"].digest != again["sidecar.png"].digest
 
     index.write_text("{not json")  # a damaged index only costs a full scan
-    assert data.scan(mixed_dir, index=index).items == tuple(rescanned.values())
+    assert scan(mixed_dir, index=index).items == tuple(rescanned.values())
 
 
 def test_load_example_applies_exif_and_converts_modes(mixed_dir: Path) -> None:
-    items = {item.path.name: item for item in data.scan(mixed_dir).items}
-    rotated = data.load_example(items["rotated.jpg"], (16, 32))
+    items = {item.path.name: item for item in scan(mixed_dir).items}
+    rotated = load_example(items["rotated.jpg"], (16, 32))
     assert rotated.pixels.shape == (3, 32, 16)
     # Displayed upright, the red half is on top and the blue half at the bottom.
     assert rotated.pixels[0, :8].mean() > 0.8 and rotated.pixels[2, :8].mean() < -0.8
@@ -143,10 +154,10 @@ def test_load_example_applies_exif_and_converts_modes(mixed_dir: Path) -> None:
     assert rotated.original_size == (40, 20)
 
     for name in ("alpha.png", "palette.png", "sixteen.png"):  # transparent / 16-bit white
-        example = data.load_example(items[name], (32, 32))
+        example = load_example(items[name], (32, 32))
         assert example.pixels.shape == (3, 32, 32)
         assert example.pixels.min() > 0.99, name
-    grey = data.load_example(items["grey.png"], (32, 32)).pixels
+    grey = load_example(items["grey.png"], (32, 32)).pixels
     assert np.allclose(grey, grey[0]) and abs(float(grey.mean()) - (128 / 127.5 - 1)) < 0.01
 
 
@@ -155,9 +166,9 @@ def test_load_example_covers_the_bucket_center_crops_and_flips(tmp_path: Path) -
     image[:, :100] = RED
     image[:, 100:] = BLUE
     Image.fromarray(image).save(tmp_path / "wide.png")
-    item = data.scan(tmp_path).items[0]
+    item = scan(tmp_path).items[0]
 
-    example = data.load_example(item, (64, 64))
+    example = load_example(item, (64, 64))
     assert example.pixels.dtype == np.float32 and example.pixels.shape == (3, 64, 64)
     assert example.pixels.min() >= -1.0 and example.pixels.max() <= 1.0
     assert example.original_size == (100, 200)
@@ -165,55 +176,55 @@ def test_load_example_covers_the_bucket_center_crops_and_flips(tmp_path: Path) -
     assert example.crop_top_left == (0, 32)  # resized to 128x64, 32 px cut on each side
     assert example.pixels[0, :, :16].mean() > 0.9  # left is red
 
-    flipped = data.load_example(item, (64, 64), flip=True)
+    flipped = load_example(item, (64, 64), flip=True)
     assert np.array_equal(flipped.pixels, example.pixels[:, :, ::-1])
     assert flipped.pixels[2, :, :16].mean() > 0.9  # left is blue now
 
     # An odd margin: the mirrored crop starts one pixel further right (129 px wide, 32 + 33).
     Image.fromarray(np.zeros((100, 201, 3), dtype=np.uint8)).save(tmp_path / "odd.png")
-    odd = next(i for i in data.scan(tmp_path).items if i.path.name == "odd.png")
-    assert data.load_example(odd, (64, 64)).crop_top_left == (0, 32)
-    assert data.load_example(odd, (64, 64), flip=True).crop_top_left == (0, 33)
+    odd = next(i for i in scan(tmp_path).items if i.path.name == "odd.png")
+    assert load_example(odd, (64, 64)).crop_top_left == (0, 32)
+    assert load_example(odd, (64, 64), flip=True).crop_top_left == (0, 33)
 
 
 def test_empty_or_missing_data_dir_is_a_config_error(tmp_path: Path) -> None:
     (tmp_path / "readme.txt").write_text("no images here")
     with pytest.raises(ConfigError, match="ZT_DATA_DIR=.*no usable images") as empty:
-        data.scan(tmp_path)
+        scan(tmp_path)
     assert empty.value.exit_code == EXIT_CONFIG
     with pytest.raises(ConfigError, match="ZT_DATA_DIR=.*no such directory"):
-        data.scan(tmp_path / "missing")
+        scan(tmp_path / "missing")
     (tmp_path / "broken.png").write_text("not a png")
     with pytest.raises(ConfigError, match="1 file.s. skipped"):
-        data.scan(tmp_path)
+        scan(tmp_path)
 
 
 def test_malformed_metadata_names_file_and_line(tmp_path: Path) -> None:
     _png(tmp_path / "a.png")
     (tmp_path / "metadata.jsonl").write_text('{"file_name": "a.png", "text": "ok"}\n{"text": 1}\n')
     with pytest.raises(ConfigError, match="metadata.jsonl line 2"):
-        data.scan(tmp_path)
+        scan(tmp_path)
 
 
 # --- buckets -------------------------------------------------------------------------------
 
 
 def test_buckets_keep_area_and_multiple() -> None:
-    sizes = data.bucket_sizes(1024)
+    sizes = bucket_sizes(1024)
     assert (1024, 1024) in sizes and (832, 1216) in sizes and (1216, 832) in sizes
     for w, h in sizes:
         assert w % 64 == 0 and h % 64 == 0
         assert 0.75 * 1024**2 <= w * h <= 1024**2
         assert max(w / h, h / w) <= 4
     with pytest.raises(ConfigError, match="ZT_RESOLUTION=32"):
-        data.bucket_sizes(32)
+        bucket_sizes(32)
 
 
 @settings(max_examples=200, deadline=None)
 @given(st.integers(16, 4000), st.integers(16, 4000))
 def test_nearest_bucket_matches_orientation_and_is_closest(w: int, h: int) -> None:
-    sizes = data.bucket_sizes(512, multiple=32)
-    bw, bh = data.nearest_bucket((w, h), sizes)
+    sizes = bucket_sizes(512, multiple=32)
+    bw, bh = nearest_bucket((w, h), sizes)
     if w / h > 1.2:
         assert bw > bh
     elif h / w > 1.2:
@@ -223,8 +234,8 @@ def test_nearest_bucket_matches_orientation_and_is_closest(w: int, h: int) -> No
 
 
 def test_assign_buckets_groups_every_item(mixed_dir: Path) -> None:
-    items = data.scan(mixed_dir).items
-    buckets = data.assign_buckets(items, 64, multiple=16)
+    items = scan(mixed_dir).items
+    buckets = assign_buckets(items, 64, multiple=16)
     assert sorted(i for group in buckets.values() for i in group) == list(range(len(items)))
     rotated = next(i for i, item in enumerate(items) if item.path.name == "rotated.jpg")
     (bucket,) = [size for size, group in buckets.items() if rotated in group]
@@ -234,13 +245,13 @@ def test_assign_buckets_groups_every_item(mixed_dir: Path) -> None:
 # --- batch order ---------------------------------------------------------------------------
 
 
-def _fake(sizes: dict[tuple[int, int], int]) -> tuple[data.Dataset, dict]:
+def _fake(sizes: dict[tuple[int, int], int]) -> tuple[Dataset, dict]:
     buckets, n = {}, 0
     for size, count in sizes.items():
         buckets[size] = list(range(n, n + count))
         n += count
-    item = data.Item(Path("x.png"), "", (1, 1), 1, 1, "d")
-    return data.Dataset(Path("."), (item,) * n, ()), buckets
+    item = Item(Path("x.png"), "", (1, 1), 1, 1, "d")
+    return Dataset(Path("."), (item,) * n, ()), buckets
 
 
 @settings(max_examples=60, deadline=None)
@@ -255,7 +266,7 @@ def test_batches_are_even_across_ranks_single_bucket_and_complete(
 ) -> None:
     dataset, buckets = _fake({(64 * (i + 1), 64): c for i, c in enumerate(counts)})
     per_rank = [
-        data.batches(
+        batches(
             dataset,
             buckets,
             micro_batch=micro_batch,
@@ -266,7 +277,7 @@ def test_batches_are_even_across_ranks_single_bucket_and_complete(
         )
         for r in range(world_size)
     ]
-    expected = data.batches_per_epoch(buckets, micro_batch=micro_batch, world_size=world_size)
+    expected = batches_per_epoch(buckets, micro_batch=micro_batch, world_size=world_size)
     assert {len(b) for b in per_rank} == {expected}
     home = {i: size for size, group in buckets.items() for i in group}
     seen = set()
@@ -282,7 +293,7 @@ def test_batch_order_is_deterministic_and_reshuffled_per_epoch() -> None:
 
     def order(seed: int, epoch: int) -> list[list[int]]:
         kw = {"micro_batch": 4, "rank": 1, "world_size": 2}
-        return data.batches(dataset, buckets, seed=seed, epoch=epoch, **kw)
+        return batches(dataset, buckets, seed=seed, epoch=epoch, **kw)
 
     assert order(7, 0) == order(7, 0)
     assert order(7, 0) != order(7, 1)
@@ -294,18 +305,18 @@ def test_resume_from_a_position_continues_the_same_order(world_size, resume_worl
     dataset, buckets = _fake({(64, 64): 21, (128, 64): 10})
     kw = {"micro_batch": 3, "seed": 5}
 
-    def run(rank: int, world: int, start: data.Position, n: int):
-        it = data.iterate_batches(dataset, buckets, rank=rank, world_size=world, start=start, **kw)
+    def run(rank: int, world: int, start: Position, n: int):
+        it = iterate_batches(dataset, buckets, rank=rank, world_size=world, start=start, **kw)
         return [next(it) for _ in range(n)]
 
-    first = run(0, world_size, data.Position(), 30)  # crosses into the next epochs
+    first = run(0, world_size, Position(), 30)  # crosses into the next epochs
     assert first[-1][1].epoch >= 2
     stop = first[12][1]
     if resume_world == world_size:
         assert run(0, world_size, stop, 17) == first[13:]
     else:  # a world-size change continues the global order at the same place
-        global_order = [b for p in range(3) for b in data.epoch_batches(buckets, epoch=p, **kw)]
-        per_epoch = len(data.epoch_batches(buckets, epoch=0, **kw))
+        global_order = [b for p in range(3) for b in epoch_batches(buckets, epoch=p, **kw)]
+        per_epoch = len(epoch_batches(buckets, epoch=0, **kw))
         resumed = [b for b, _ in run(0, resume_world, stop, 5)]
         offset = stop.epoch * per_epoch + stop.batch
         assert resumed == global_order[offset : offset + 5]

@@ -2,7 +2,7 @@
 and devices, link loops, thousands of broken files, images far below the training resolution;
 and caching that outlasts the process group's collective timeout on two real ranks.
 
-Each folder test is milliseconds on `data.scan` or the real `zerotuner check`."""
+Each folder test is milliseconds on `scan` or the real `zerotuner check`."""
 
 from __future__ import annotations
 
@@ -17,8 +17,12 @@ import pytest
 import trainkit as tk
 from PIL import Image
 
+from zerotuner.data.captions import CAPTION_BYTES
+from zerotuner.data.dataset import Dataset
+from zerotuner.data.files import LINK_OUT
+from zerotuner.data.notes import upscale_warning
+from zerotuner.data.scan import scan
 from zerotuner.errors import ConfigError
-from zerotuner.train import data
 
 MIB = 2**20
 
@@ -29,26 +33,26 @@ def _png(path: Path, size=(32, 32)) -> Path:
     return path
 
 
-def _scan_within(root: Path, seconds: float = 20.0, **kwargs) -> data.Dataset:
-    """data.scan in a thread: a FIFO or a device that blocks it fails the test, not the suite."""
+def _scan_within(root: Path, seconds: float = 20.0, **kwargs) -> Dataset:
+    """scan in a thread: a FIFO or a device that blocks it fails the test, not the suite."""
     result: dict = {}
 
     def run() -> None:
         try:
-            result["dataset"] = data.scan(root, **kwargs)
+            result["dataset"] = scan(root, **kwargs)
         except BaseException as error:  # noqa: BLE001 - handed to the test
             result["error"] = error
 
     thread = threading.Thread(target=run, daemon=True)
     thread.start()
     thread.join(seconds)
-    assert not thread.is_alive(), f"data.scan({root}) still running after {seconds} s"
+    assert not thread.is_alive(), f"scan({root}) still running after {seconds} s"
     if "error" in result:
         raise result["error"]
     return result["dataset"]
 
 
-def _reasons(dataset: data.Dataset) -> dict[str, str]:
+def _reasons(dataset: Dataset) -> dict[str, str]:
     return {path.relative_to(dataset.root).as_posix(): why for path, why in dataset.skipped}
 
 
@@ -64,11 +68,11 @@ def test_huge_captions_are_cut_to_a_prefix_with_one_warning(tmp_path: Path, capl
     row = '{"file_name": "m.png", "text": "%s"}\n' % ("word " * MIB)  # 5 MB in one line
     (root / "meta" / "metadata.jsonl").write_text(row)
 
-    with caplog.at_level(logging.WARNING, logger="zerotuner.train.data"):
-        dataset = data.scan(root)
+    with caplog.at_level(logging.WARNING, logger="zerotuner.data.scan"):
+        dataset = scan(root)
     captions = {item.path.name: item.caption for item in dataset.items}
     for name in ("a.png", "b.png", "c.png", "m.png"):
-        assert len(captions[name].encode()) <= data.CAPTION_BYTES, name
+        assert len(captions[name].encode()) <= CAPTION_BYTES, name
     assert captions["a.png"].startswith("a cat é") and "\ufffd" not in captions["a.png"]
     assert captions["m.png"].startswith("word word")
     warned = [r.getMessage() for r in caplog.records]
@@ -82,12 +86,12 @@ def test_metadata_lines_too_long_or_too_deep_are_one_line_errors(tmp_path, monke
     meta = tmp_path / "metadata.jsonl"
     meta.write_text('{"file_name": "a.png", "text": "ok"}\n' + "[" * 100_000 + "\n")
     with pytest.raises(ConfigError, match="metadata.jsonl line 2: expected a JSON object"):
-        data.scan(tmp_path)  # nested 100,000 deep: not a RecursionError traceback
+        scan(tmp_path)  # nested 100,000 deep: not a RecursionError traceback
 
-    monkeypatch.setattr(data, "METADATA_LINE_BYTES", 1000)  # the real cap is 64 MiB
+    monkeypatch.setattr("zerotuner.data.captions.METADATA_LINE_BYTES", 1000)  # really 64 MiB
     meta.write_text('{"file_name": "a.png", "text": "%s"}\n' % ("x" * 2000))
     with pytest.raises(ConfigError, match=r"metadata.jsonl line 1: longer than"):
-        data.scan(tmp_path)
+        scan(tmp_path)
 
 
 # --- links that leave the data folder; special files; loops --------------------------------------
@@ -117,7 +121,7 @@ def test_links_out_of_the_data_folder_are_skipped_links_inside_are_read(tmp_path
                         "sub/dog.png": "a dog inside"}  # fmt: skip
     reasons = _reasons(dataset)
     for name in ("cat.txt", "stolen.png", "metadata.jsonl", "far"):
-        assert reasons[name] == data.LINK_OUT, (name, reasons)
+        assert reasons[name] == LINK_OUT, (name, reasons)
     assert "skipped 4 files, links outside the data folder: cat.txt, far, metadata.jsonl and " in (
         "\n".join(dataset.warnings())
     )
@@ -142,7 +146,7 @@ def test_fifos_devices_and_link_loops_never_block_or_repeat(tmp_path: Path) -> N
     reasons = _reasons(dataset)
     for name in ("b.txt", "pipe.png", "metadata.jsonl"):
         assert reasons[name].startswith("not a regular file"), (name, reasons)
-    assert reasons["zero.png"] == data.LINK_OUT
+    assert reasons["zero.png"] == LINK_OUT
     assert {i.path.name: i.caption for i in dataset.items}["b.png"] == "b"
 
 
@@ -160,8 +164,8 @@ def _many_broken(root: Path, count: int) -> None:
 def test_thousands_of_unreadable_files_make_a_short_summary(tmp_path: Path, caplog) -> None:
     root = tmp_path / "data"
     _many_broken(root, 2000)  # 10,000 made 10,000 lines; the summary is as short for any count
-    with caplog.at_level(logging.WARNING, logger="zerotuner.train.data"):
-        dataset = data.scan(root)
+    with caplog.at_level(logging.WARNING, logger="zerotuner.data.scan"):
+        dataset = scan(root)
     warned = [r.getMessage() for r in caplog.records]
     assert warned == dataset.warnings()
     assert warned == [
@@ -209,9 +213,9 @@ def test_check_lists_the_skips_and_the_upscaling(demo_job_env, tmp_path, capsys)
 def test_upscale_warning_follows_the_resolution(tmp_path: Path) -> None:
     _png(tmp_path / "tiny.png", size=(96, 64))
     _png(tmp_path / "big.png", size=(2048, 2048))
-    dataset = data.scan(tmp_path)
-    assert data.upscale_warning(dataset, 64) is None
-    line = data.upscale_warning(dataset, 1024)
+    dataset = scan(tmp_path)
+    assert upscale_warning(dataset, 64) is None
+    line = upscale_warning(dataset, 1024)
     assert line is not None and line.startswith("1 of 2 images are smaller than 1024 px")
 
 
@@ -316,7 +320,7 @@ def test_a_mask_that_is_no_file_leaves_its_picture_out(demo_job_env, tmp_path, c
                       ("fifo.png", "not a regular file (a FIFO, socket or device)")):  # fmt: skip
         assert f"{name} ({why})" in line, line
     dataset = _scan_within(root, log_skipped=False)
-    assert _reasons(dataset)["out.png"] == f"its mask is unusable ({data.LINK_OUT})"
+    assert _reasons(dataset)["out.png"] == f"its mask is unusable ({LINK_OUT})"
     assert [item.name for item in dataset.items] == ["kept.png"]
 
 

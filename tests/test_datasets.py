@@ -20,11 +20,16 @@ from fakehub import FakeHub
 from PIL import Image
 from s3server import KEY_ID, SECRET, S3Server, served
 
+from zerotuner.data.buckets import dataset_buckets
+from zerotuner.data.loading import load_example
+from zerotuner.data.order import Position, epoch_batches, iterate_batches
+from zerotuner.data.scan import scan, scan_sources
+from zerotuner.errors import ConfigError
 from zerotuner.families.ddpm import masked_mse
 from zerotuner.preflight.fetch import MANIFEST, fetch_all
 from zerotuner.settings.datasets import DatasetSource, local_folder, sources
 from zerotuner.settings.schema import Settings
-from zerotuner.train import caching, data
+from zerotuner.train import caching
 from zerotuner.train.feature_cache import FeatureCache
 
 BUCKET = "datasets"
@@ -147,7 +152,7 @@ def test_repeats_resolution_template_and_caption_files_per_dataset(demo_dir, tmp
         DatasetSource(path=str(portraits), repeats=3, caption_template="sks {caption}"),
         DatasetSource(path=str(styles), resolution=128, caption_extension=".caption"),
     ]
-    dataset = data.scan_sources(found, tmp_path / "cache", log_skipped=False)
+    dataset = scan_sources(found, tmp_path / "cache", log_skipped=False)
     assert len(dataset) == 10 and not dataset.skipped  # the .caption files are not "skipped"
     assert dataset.summary() == (
         f"10 images in 2 datasets: 4 images in {portraits} (x3), 6 images in {styles} (128 px)"
@@ -157,12 +162,12 @@ def test_repeats_resolution_template_and_caption_files_per_dataset(demo_dir, tmp
     assert [i.caption for i in second] == [
         (styles / i.path.name).with_suffix(".caption").read_text().strip() for i in second
     ]
-    buckets = data.dataset_buckets(dataset, 64, multiple=8)
+    buckets = dataset_buckets(dataset, 64, multiple=8)
     sizes = {i: size for size, ix in buckets.items() for i in ix}
     area = {i: w * h for i, (w, h) in sizes.items()}
     assert all(area[i] <= 64 * 64 for i in range(4))  # the job's 64 px buckets
     assert all(64 * 64 < area[i] <= 128 * 128 for i in range(4, 10))  # its own 128 px ones
-    order = data.epoch_batches(buckets, micro_batch=1, seed=0, epoch=0)
+    order = epoch_batches(buckets, micro_batch=1, seed=0, epoch=0)
     counts = Counter(i for batch in order for i in batch)
     assert [counts[i] for i in range(10)] == [3] * 4 + [1] * 6
 
@@ -173,12 +178,12 @@ def test_the_order_after_a_position_is_the_same_on_one_rank_as_on_two(demo_dir, 
     a = _copy(_demo_files(demo_dir, 0, 5), tmp_path / "a")
     b = _copy(_demo_files(demo_dir, 5, 7), tmp_path / "b")
     found = [DatasetSource(path=str(a), repeats=3), DatasetSource(path=str(b))]
-    dataset = data.scan_sources(found, tmp_path / "cache", log_skipped=False)
-    buckets = data.dataset_buckets(dataset, 64, multiple=8)
-    start = data.Position(epoch=0, batch=4)  # where two ranks stopped after 2 steps
+    dataset = scan_sources(found, tmp_path / "cache", log_skipped=False)
+    buckets = dataset_buckets(dataset, 64, multiple=8)
+    start = Position(epoch=0, batch=4)  # where two ranks stopped after 2 steps
 
     def take(world: int, rank: int, count: int) -> list[list[int]]:
-        it = data.iterate_batches(dataset, buckets, micro_batch=2, rank=rank,
+        it = iterate_batches(dataset, buckets, micro_batch=2, rank=rank,
                                   world_size=world, seed=7, start=start)  # fmt: skip
         return [next(it)[0] for _ in range(count)]
 
@@ -202,7 +207,7 @@ def test_a_mask_pairs_with_its_image_and_the_rest_is_listed(tmp_path) -> None:
     Image.new("L", (8, 8), 255).save(tmp_path / "c.mask.png")  # no image c
     _halves((96, 64), (1, 2, 3), (4, 5, 6)).save(tmp_path / "d.png")
     (tmp_path / "d.mask.png").write_bytes(b"\x89PNG broken")
-    dataset = data.scan(tmp_path, log_skipped=False)
+    dataset = scan(tmp_path, log_skipped=False)
     items = {item.path.name: item for item in dataset.items}
     assert set(items) == {"a.png", "b.jpg"}
     assert items["a.png"].mask == tmp_path / "a.mask.png" and items["b.jpg"].mask is None
@@ -212,7 +217,7 @@ def test_a_mask_pairs_with_its_image_and_the_rest_is_listed(tmp_path) -> None:
     assert reasons["d.png"].startswith("its mask is unusable")
     assert any("masks without an image" in line for line in dataset.warnings())
     for flip in (False, True):  # cut and mirrored as the pixels are
-        example = data.load_example(items["a.png"], (64, 64), flip=flip)
+        example = load_example(items["a.png"], (64, 64), flip=flip)
         red = example.pixels[0] > 0.5
         kept = example.mask[0] > 0.5
         assert kept.any() and (~kept).any()
@@ -248,8 +253,8 @@ def test_the_cache_keeps_each_mask_at_the_latents_size(demo_dir, tmp_path) -> No
     image = sorted(folder.glob("*.png"))[0]
     with Image.open(image) as opened:
         _halves(opened.size, 255, 0, "L").save(image.with_name(f"{image.stem}.mask.png"))
-    dataset = data.scan(folder, log_skipped=False)
-    buckets = data.dataset_buckets(dataset, 64, multiple=8)
+    dataset = scan(folder, log_skipped=False)
+    buckets = dataset_buckets(dataset, 64, multiple=8)
     bucket_of = {i: size for size, ix in buckets.items() for i in ix}
     items = [
         caching.feature_cache.CacheItem(
@@ -309,14 +314,14 @@ def test_an_s3_dataset_is_fetched_once_verified_and_goes_on_after_an_interruptio
     assert changed.fetched_files == 1 and changed.files == 15
     assert not (folder / files[1].name).exists()
     assert (folder / files[2].name).read_bytes() == files[4].read_bytes()
-    dataset = data.scan_sources(found, settings.cache_dir, log_skipped=False)
+    dataset = scan_sources(found, settings.cache_dir, log_skipped=False)
     assert len(dataset) == 8
 
 
 def test_a_dataset_not_fetched_yet_is_refused_by_the_ranks(s3, tmp_path, monkeypatch) -> None:
     settings = _s3_settings(s3, monkeypatch, tmp_path, f"s3://{BUCKET}/never")
-    with pytest.raises(data.ConfigError, match="not fetched into .* yet"):
-        data.scan_sources(sources(settings), settings.cache_dir)
+    with pytest.raises(ConfigError, match="not fetched into .* yet"):
+        scan_sources(sources(settings), settings.cache_dir)
 
 
 def test_an_empty_or_unreachable_s3_prefix_is_one_line(s3, tmp_path, monkeypatch) -> None:
@@ -347,7 +352,7 @@ def test_a_hub_dataset_of_parquet_shards_is_read_as_a_folder(
         downloads = len(hub.fetched())
         assert fetch_all(found, settings).sources[0].fetched_files == 0
         assert len(hub.fetched()) == downloads  # nothing fetched again
-    dataset = data.scan_sources(found, settings.cache_dir, log_skipped=False)
+    dataset = scan_sources(found, settings.cache_dir, log_skipped=False)
     assert sorted(item.caption for item in dataset.items) == sorted(captions)
     (skipped,) = dataset.skipped
     assert skipped[0].suffix == ".unknown" and "'.unknown' files are not read" in skipped[1]
@@ -378,7 +383,7 @@ def test_a_parquet_shard_without_a_caption_column_says_which_it_has(
             {"path": "hf://datasets/acme/odd", "caption_column": "words"}]})  # fmt: skip
         named = Settings(datasets_file=path, cache_dir=tmp_path / "cache")
         fetch_all(sources(named), named)
-        dataset = data.scan_sources(sources(named), named.cache_dir, log_skipped=False)
+        dataset = scan_sources(sources(named), named.cache_dir, log_skipped=False)
         assert [item.caption for item in dataset.items] == ["a caption"]
 
 

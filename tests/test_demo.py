@@ -10,10 +10,11 @@ import torch
 from PIL import Image
 
 from zerotuner import cli
+from zerotuner.data.buckets import assign_buckets
+from zerotuner.data.scan import scan
 from zerotuner.demo.parts import DEMO_RESOLUTION, LATENT_SCALE, MAX_TOKENS, train_bpe
 from zerotuner.families import detect_family
 from zerotuner.settings.schema import load_settings
-from zerotuner.train import data
 
 
 def _generate(pipe, prompt: str):
@@ -105,11 +106,11 @@ def test_bpe_turns_each_training_word_into_one_token() -> None:
 
 
 def test_demo_data_has_captions_and_several_aspect_buckets(demo_dir: Path) -> None:
-    dataset = data.scan(demo_dir / "data")
+    dataset = scan(demo_dir / "data")
     assert len(dataset) == 64 and not dataset.skipped
     assert all(item.caption.startswith("a ") for item in dataset.items)
     assert {"red", "green", "blue"} <= {item.caption.split()[1] for item in dataset.items}
-    buckets = data.assign_buckets(dataset.items, DEMO_RESOLUTION, multiple=4)
+    buckets = assign_buckets(dataset.items, DEMO_RESOLUTION, multiple=4)
     assert len(buckets) == 3 and (DEMO_RESOLUTION, DEMO_RESOLUTION) in buckets
 
 

@@ -14,11 +14,11 @@ import yaml
 from fakehub import FakeHub
 from s3server import KEY_ID, SECRET, S3Server, served
 
+from zerotuner.data.scan import scan_sources
 from zerotuner.errors import ConfigError
 from zerotuner.preflight.fetch import fetch_all
 from zerotuner.settings.datasets import local_folder, sources
 from zerotuner.settings.schema import Settings
-from zerotuner.train import data
 
 BUCKET = "hostile"
 
@@ -87,7 +87,7 @@ def test_s3_keys_that_would_leave_the_dataset_folder_are_listed_and_never_writte
     folder = local_folder(found[0], settings.cache_dir)
     written = sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file())
     assert [name for name in written if not name.startswith(".zerotuner")] == ["a.png", "a.txt"]
-    assert len(data.scan_sources(found, settings.cache_dir, log_skipped=False)) == 1
+    assert len(scan_sources(found, settings.cache_dir, log_skipped=False)) == 1
     _put(s3, {f"only-bad/{victim}": b"overwritten"})  # nothing left to fetch: one line
     settings = _settings(s3, monkeypatch, tmp_path, "only-bad")
     expected = r"no objects under this prefix to write \(1 not written: '/.*/victim.txt' \(an "
@@ -114,7 +114,7 @@ def test_hub_files_and_parquet_paths_stay_inside_the_dataset_folder(
         settings = Settings(data_dir="hf://datasets/acme/paths", cache_dir=tmp_path / "cache")
         assert fetch_all(sources(settings), settings).sources[0].fetched_files == 2
     assert not list(tmp_path.rglob("escaped.png"))
-    dataset = data.scan_sources(sources(settings), settings.cache_dir, log_skipped=False)
+    dataset = scan_sources(sources(settings), settings.cache_dir, log_skipped=False)
     assert sorted(item.caption for item in dataset.items) == ["one", "two"]
 
 
@@ -279,7 +279,7 @@ def test_a_copy_fetched_with_other_columns_is_written_again(demo_dir, tmp_path, 
                 {"path": "hf://datasets/acme/cols", "caption_column": column}]}))  # fmt: skip
             settings = Settings(datasets_file=path, cache_dir=tmp_path / "cache")
             fetch_all(sources(settings), settings)
-            dataset = data.scan_sources(sources(settings), settings.cache_dir, log_skipped=False)
+            dataset = scan_sources(sources(settings), settings.cache_dir, log_skipped=False)
             captions += [item.caption for item in dataset.items]
     assert captions == ["t", "p"]
     shutil.rmtree(tmp_path / "cache")

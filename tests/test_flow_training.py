@@ -15,8 +15,10 @@ import torch
 import trainkit as tk
 
 from zerotuner import families
+from zerotuner.data.loading import load_example
+from zerotuner.data.scan import scan
 from zerotuner.settings.schema import Settings
-from zerotuner.train import data, model
+from zerotuner.train import model
 from zerotuner.weights.checkpoint import read_manifest
 
 STEPS, SAVED = 10, 5
@@ -84,9 +86,9 @@ def held_out_loss(demo: Path, family: str, transformer, draws: int = 4) -> float
 
     pipe = DiffusionPipeline.from_pretrained(demo / "model")
     kind = dataclasses.replace(families.get(family), max_sequence_length=TOKENS)
-    items = data.scan(demo / "data", log_skipped=False).items[:16]
+    items = scan(demo / "data", log_skipped=False).items[:16]
     pixels = torch.stack(
-        [torch.from_numpy(data.load_example(i, (64, 64), flip=False).pixels) for i in items]
+        [torch.from_numpy(load_example(i, (64, 64), flip=False).pixels) for i in items]
     )
     parts = pipeline_parts(pipe, family, kind, source=demo / "model", scheduler=pipe.scheduler,
                            vae=pipe.vae)  # fmt: skip

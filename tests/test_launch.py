@@ -448,7 +448,7 @@ def test_check_sizes_the_text_cache_against_the_free_space(
     demo_job_env, flow_demo_dirs, capsys, monkeypatch
 ):
     import zerotuner.machine.offload_volume
-    from zerotuner.train.data import scan
+    from zerotuner.data.scan import scan
 
     flux = flow_demo_dirs["flux"]
     monkeypatch.setenv("ZT_MODEL", str(flux / "model"))

@@ -15,9 +15,15 @@ from PIL import Image
 from safetensors.torch import load_file
 
 from zerotuner import families
+from zerotuner.data.buckets import assign_buckets, bucket_sizes, native_bucket, nearest_bucket
+from zerotuner.data.captions import caption_dropped
+from zerotuner.data.loading import load_example
+from zerotuner.data.notes import recipe_notes, upscale_warning
+from zerotuner.data.order import Position, iterate_batches
+from zerotuner.data.scan import scan
 from zerotuner.errors import ConfigError
 from zerotuner.settings.schema import Settings, load_settings
-from zerotuner.train import caching, data, model
+from zerotuner.train import caching, model
 
 DROPOUT = 0.1
 TEMPLATE = "sks {caption}"
@@ -46,8 +52,8 @@ def filled(demo_dir: Path, tmp_path_factory: pytest.TempPathFactory):
         demo_dir / "model", "sdxl", gradient_checkpointing=False, with_frozen=False
     )
     conditioning = families.get("sdxl").configured(s)
-    dataset = data.scan(s.data_dir, log_skipped=False, caption_template=s.caption_template)
-    buckets = data.assign_buckets(dataset.items, 64, multiple=8)
+    dataset = scan(s.data_dir, log_skipped=False, caption_template=s.caption_template)
+    buckets = assign_buckets(dataset.items, 64, multiple=8)
     features, items, stats = caching.fill(
         s, demo_dir / "model", components, conditioning, dataset, buckets, rank=0, world=1,
         device=torch.device("cpu"), dtype=torch.float32,
@@ -55,14 +61,14 @@ def filled(demo_dir: Path, tmp_path_factory: pytest.TempPathFactory):
     return s, dataset, buckets, features, items, stats
 
 
-def _seen(filled, world: int, start: data.Position, samples: int) -> dict[tuple[int, int], bool]:
+def _seen(filled, world: int, start: Position, samples: int) -> dict[tuple[int, int], bool]:
     """(epoch, item) -> whether the text embedding the model was given is the empty caption's,
     read from the batches every rank loads, as the worker loads them."""
     s, dataset, buckets, features, items, _ = filled
     empty = load_file(features.text_path(""))["prompt_embeds"]
     seen: dict[tuple[int, int], bool] = {}
     for rank in range(world):
-        batches = data.iterate_batches(
+        batches = iterate_batches(
             dataset, buckets, micro_batch=4, rank=rank, world_size=world, seed=s.seed,
             start=start,
         )  # fmt: skip
@@ -93,7 +99,7 @@ def test_caption_dropout_gives_the_empty_caption_to_a_tenth_of_each_epoch(filled
     own = load_file(features.text_path(items[0].caption))["prompt_embeds"]
     assert not torch.equal(empty, own)
 
-    seen = _seen(filled, world=1, start=data.Position(), samples=EPOCHS * len(dataset))
+    seen = _seen(filled, world=1, start=Position(), samples=EPOCHS * len(dataset))
     assert len(seen) == EPOCHS * len(dataset)  # every (epoch, image) once
     fraction = sum(seen.values()) / len(seen)
     print(f"caption dropout {DROPOUT}: {fraction:.3f} of {len(seen)} samples empty")
@@ -105,19 +111,19 @@ def test_caption_dropout_gives_the_empty_caption_to_a_tenth_of_each_epoch(filled
     assert dropped[0] != dropped[1]
 
     # the same samples drop on two ranks, and after a resume in the middle of an epoch
-    assert _seen(filled, world=2, start=data.Position(), samples=len(seen)) == seen
-    resumed = _seen(filled, world=2, start=data.Position(2, 6), samples=len(dataset) * 2)
+    assert _seen(filled, world=2, start=Position(), samples=len(seen)) == seen
+    resumed = _seen(filled, world=2, start=Position(2, 6), samples=len(dataset) * 2)
     assert resumed and all(seen[key] == value for key, value in resumed.items())
     assert min(e for e, _ in resumed) == 2
 
 
 def test_dropout_is_a_pure_function_of_seed_epoch_and_item() -> None:
-    draws = [data.caption_dropped(42, 0, i, 0.25) for i in range(4000)]
+    draws = [caption_dropped(42, 0, i, 0.25) for i in range(4000)]
     assert abs(sum(draws) / len(draws) - 0.25) < 0.03
-    assert draws == [data.caption_dropped(42, 0, i, 0.25) for i in range(4000)]
-    assert draws != [data.caption_dropped(43, 0, i, 0.25) for i in range(4000)]
-    assert not any(data.caption_dropped(42, 0, i, 0.0) for i in range(100))
-    assert all(data.caption_dropped(42, 0, i, 1.0) for i in range(100))
+    assert draws == [caption_dropped(42, 0, i, 0.25) for i in range(4000)]
+    assert draws != [caption_dropped(43, 0, i, 0.25) for i in range(4000)]
+    assert not any(caption_dropped(42, 0, i, 0.0) for i in range(100))
+    assert all(caption_dropped(42, 0, i, 1.0) for i in range(100))
 
 
 def test_the_template_wraps_every_caption_and_must_hold_one_slot(tmp_path: Path) -> None:
@@ -126,14 +132,14 @@ def test_the_template_wraps_every_caption_and_must_hold_one_slot(tmp_path: Path)
     _png(tmp_path / "0001.png", (32, 32), seed=1)  # no caption at all: the template alone
     _png(tmp_path / "b.png", (32, 32), seed=2)
     (tmp_path / "b.txt").write_text("{not a slot}")
-    scanned = data.scan(tmp_path, caption_template="{caption}, in {sks} style")
+    scanned = scan(tmp_path, caption_template="{caption}, in {sks} style")
     captions = {item.path.name: item.caption for item in scanned.items}
     assert captions == {
         "a.png": "a red circle, in {sks} style",  # other braces are text
         "0001.png": ", in {sks} style",
         "b.png": "{not a slot}, in {sks} style",
     }
-    assert data.scan(tmp_path, caption_template="sks {caption}").items[0].caption == "sks"
+    assert scan(tmp_path, caption_template="sks {caption}").items[0].caption == "sks"
 
     for bad in ("sks", "sks {caption} and {caption}", "{Caption}"):
         with pytest.raises(ConfigError) as error:
@@ -167,15 +173,15 @@ def test_min_image_size_leaves_small_images_out_with_the_skip_summary(tmp_path: 
         _png(tmp_path / f"small-{i}.png", (48, 80), seed=i)
     _png(tmp_path / "edge.png", (64, 300))
     _png(tmp_path / "large.png", (128, 96))
-    dataset = data.scan(tmp_path, min_image_size=64)
+    dataset = scan(tmp_path, min_image_size=64)
     assert sorted(item.path.name for item in dataset.items) == ["edge.png", "large.png"]
     assert dataset.warnings() == [
         "skipped 4 files, smaller than ZT_MIN_IMAGE_SIZE=64 px on the short side (48x80): "
         "small-0.png, small-1.png, small-2.png and 1 more"
     ]
-    assert data.recipe_notes(dataset, 64, min_image_size=64) == ["4 images under 64 px left out"]
+    assert recipe_notes(dataset, 64, min_image_size=64) == ["4 images under 64 px left out"]
     with pytest.raises(ConfigError) as error:
-        data.scan(tmp_path, min_image_size=1000)
+        scan(tmp_path, min_image_size=1000)
     assert "no usable images; 6 file(s) skipped" in error.value.problems[0]
     assert "smaller than ZT_MIN_IMAGE_SIZE=1000 px" in error.value.problems[1]
 
@@ -185,10 +191,10 @@ def test_no_upscale_buckets_keep_small_images_at_their_own_size(tmp_path: Path) 
              "tiny": (40, 40)}  # fmt: skip
     for name, size in sizes.items():
         _png(tmp_path / f"{name}.png", size)
-    dataset = data.scan(tmp_path)
+    dataset = scan(tmp_path)
     bucket = {}
     for upscale in (True, False):
-        groups = data.assign_buckets(dataset.items, 512, multiple=64, upscale=upscale)
+        groups = assign_buckets(dataset.items, 512, multiple=64, upscale=upscale)
         bucket[upscale] = {dataset.items[i].path.stem: s for s, ix in groups.items() for i in ix}
     assert bucket[False]["big"] == bucket[True]["big"] == (512, 512)  # covers its bucket
     assert bucket[False]["small"] == (256, 192)  # its own size, rounded down to the step
@@ -200,19 +206,19 @@ def test_no_upscale_buckets_keep_small_images_at_their_own_size(tmp_path: Path) 
 
     # what the model sees: the image's own pixels, center-cropped, not resampled
     exact = next(item for item in dataset.items if item.path.stem == "exact")
-    example = data.load_example(exact, bucket[False]["exact"])
+    example = load_example(exact, bucket[False]["exact"])
     original = np.asarray(Image.open(exact.path), dtype=np.float32) / 127.5 - 1.0
     assert example.pixels.shape == (3, 192, 256)
     assert np.array_equal(example.pixels, original[4:196].transpose(2, 0, 1))
-    enlarged = data.load_example(exact, bucket[True]["exact"])
+    enlarged = load_example(exact, bucket[True]["exact"])
     assert enlarged.pixels.shape[1] * enlarged.pixels.shape[2] > 4 * 192 * 256
 
-    line = data.upscale_warning(dataset, 512, upscale=True)
+    line = upscale_warning(dataset, 512, upscale=True)
     assert line and line.startswith("4 of 5 images are smaller than 512 px and will be upscaled")
-    line = data.upscale_warning(dataset, 512, upscale=False)
+    line = upscale_warning(dataset, 512, upscale=False)
     assert line and line.startswith("1 of 5 images have a side below the bucket step 64 px")
     assert "ZT_MIN_IMAGE_SIZE=64" in line
-    notes = data.recipe_notes(dataset, 512, upscale=False)
+    notes = recipe_notes(dataset, 512, upscale=False)
     assert notes == ["4 images not upscaled (trained at their own size)"]
 
 
@@ -220,9 +226,9 @@ def test_no_upscale_buckets_keep_small_images_at_their_own_size(tmp_path: Path) 
                                   for h in (10, 64, 200, 511, 900)])  # fmt: skip
 def test_native_buckets_never_enlarge_beyond_a_step_or_exceed_the_area(size) -> None:
     for resolution, multiple in ((512, 64), (64, 8), (1024, 64)):
-        sizes = data.bucket_sizes(resolution, multiple=multiple)
-        bucket = data.native_bucket(
-            size, data.nearest_bucket(size, sizes), resolution=resolution, multiple=multiple
+        sizes = bucket_sizes(resolution, multiple=multiple)
+        bucket = native_bucket(
+            size, nearest_bucket(size, sizes), resolution=resolution, multiple=multiple
         )
         w, h = bucket
         assert w % multiple == 0 and h % multiple == 0 and w * h <= resolution**2

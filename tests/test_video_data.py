@@ -12,10 +12,13 @@ import numpy as np
 import pytest
 import torch
 
-from zerotuner.train import clips, data
+from zerotuner.data import clips
+from zerotuner.data.buckets import bucket_name, bucket_sizes, dataset_buckets
+from zerotuner.data.loading import load_example
+from zerotuner.data.scan import scan
 
 STEP = 4  # Wan's VAE: 4k+1 frames
-VIDEO = data.Video(fps=16.0, frames=81, step=STEP)
+VIDEO = clips.Video(fps=16.0, frames=81, step=STEP)
 
 
 def _write(path: Path, count: int, fps: int, *, codec: str = "libx264", size=(64, 48)) -> Path:
@@ -79,24 +82,24 @@ def test_a_folder_of_clips_and_images_scans_as_clips(tmp_path, demo_dir) -> None
     _write(tmp_path / "long.mp4", 48, 24)  # the last frame at 1.96 s: 32 sampled at 16 fps -> 29
     _write(tmp_path / "short.webm", 4, 8, codec="libvpx")  # the last at 0.375 s: 7 -> 5
     (tmp_path / "long.txt").write_text("a grey fade")
-    dataset = data.scan(tmp_path, log_skipped=False, video=VIDEO)
+    dataset = scan(tmp_path, log_skipped=False, video=VIDEO)
     by_name = {item.name: item for item in dataset.items}
     assert by_name["long.mp4"].frames == 29 and by_name["long.mp4"].caption == "a grey fade"
     assert by_name["short.webm"].frames == 5 and by_name["short.webm"].caption == "short"
     assert all(by_name[n].frames == 1 and not by_name[n].clip for n in by_name if ".png" in n)
     assert dataset.summary() == f"3 images and 2 clips (2.0 s) in {tmp_path}"
-    buckets = data.dataset_buckets(dataset, 64, multiple=16)
-    names = {data.bucket_name(b) for b in buckets}
+    buckets = dataset_buckets(dataset, 64, multiple=16)
+    names = {bucket_name(b) for b in buckets}
     assert {"64x48x29", "64x48x5"} <= names or {"80x48x29", "80x48x5"} <= names, names
     long_bucket = next(b for b, ix in buckets.items() if len(b) == 3 and b[2] == 29)
-    example = data.load_example(by_name["long.mp4"], long_bucket)
+    example = load_example(by_name["long.mp4"], long_bucket)
     assert example.pixels.shape == (3, 29, long_bucket[1], long_bucket[0])
     levels = (example.pixels.mean(axis=(0, 2, 3)) + 1) * 127.5 / 4
     assert np.allclose(levels, [int(k / 16 * 24 + 1e-9) for k in range(29)], atol=0.3)
-    flipped = data.load_example(by_name["long.mp4"], long_bucket, flip=True)
+    flipped = load_example(by_name["long.mp4"], long_bucket, flip=True)
     assert np.allclose(flipped.pixels, example.pixels[..., ::-1], atol=1e-6)
     # The same folder for an image family: the clips are listed, not read.
-    images_only = data.scan(tmp_path, log_skipped=False)
+    images_only = scan(tmp_path, log_skipped=False)
     assert len(images_only) == 3
     assert any("video clips (ZT_MODEL is an image model" in line for line in images_only.warnings())
 
@@ -110,7 +113,7 @@ def test_broken_and_hostile_clips_are_listed_and_the_rest_trains(tmp_path) -> No
     (tmp_path / "cut.mp4").write_bytes(whole[: len(whole) // 3])
     os.mkfifo(tmp_path / "pipe.mp4")
     _audio_only(tmp_path / "audio.mkv")
-    dataset = data.scan(tmp_path, log_skipped=False, video=VIDEO)
+    dataset = scan(tmp_path, log_skipped=False, video=VIDEO)
     assert [item.name for item in dataset.items] == ["good.mp4"]
     reasons = {path.name: why for path, why in dataset.skipped}
     assert reasons["empty.mp4"] == "empty (0 bytes)"
@@ -138,10 +141,10 @@ def test_a_decoding_trap_is_bounded(tmp_path, monkeypatch) -> None:
 def test_a_scan_index_is_kept_per_sampling(tmp_path) -> None:
     _write(tmp_path / "a.mp4", 48, 24)
     index = tmp_path / "index" / "scan.json"
-    first = data.scan(tmp_path, log_skipped=False, video=VIDEO, index=index)
-    assert data.scan(tmp_path, log_skipped=False, video=VIDEO, index=index) == first
-    fewer = data.Video(fps=16.0, frames=9, step=STEP)
-    assert data.scan(tmp_path, log_skipped=False, video=fewer, index=index).items[0].frames == 9
+    first = scan(tmp_path, log_skipped=False, video=VIDEO, index=index)
+    assert scan(tmp_path, log_skipped=False, video=VIDEO, index=index) == first
+    fewer = clips.Video(fps=16.0, frames=9, step=STEP)
+    assert scan(tmp_path, log_skipped=False, video=fewer, index=index).items[0].frames == 9
 
 
 def test_clip_latents_keep_their_frames(family_demo_dir) -> None:
@@ -195,8 +198,8 @@ def test_huge_clips_are_refused_before_decoding(tmp_path, monkeypatch) -> None:
 def test_wans_own_480p_is_a_bucket_at_its_step() -> None:
     """Wan plans and trains at 632 px (the area of 832x480) in 16 px steps (its VAE's 8 x its
     patch's 2): 832x480 and 480x832 are buckets; 64 px steps would miss them."""
-    assert {(832, 480), (480, 832)} <= set(data.bucket_sizes(632, multiple=16))
-    assert (832, 480) not in data.bucket_sizes(632, multiple=64)
+    assert {(832, 480), (480, 832)} <= set(bucket_sizes(632, multiple=16))
+    assert (832, 480) not in bucket_sizes(632, multiple=64)
 
 
 # --- round 2 (issue 40): a clip bounded as a whole, kept at its bucket's size; one frame ------
@@ -205,16 +208,18 @@ MEMORY_PROBE = """
 import sys
 from pathlib import Path
 import av  # its libraries load before the baseline
-from zerotuner.train import data
+from zerotuner.data.clips import Video
+from zerotuner.data.loading import load_example
+from zerotuner.data.scan import scan
 
 def peak():  # this process's own peak (ru_maxrss keeps the forking parent's across exec)
     status = Path("/proc/self/status").read_text()
     return int(status.split("VmHWM:")[1].split()[0]) * 1024
 
 before = peak()
-dataset = data.scan(Path(sys.argv[1]), log_skipped=False, video=data.Video(16.0, 33, 4))
+dataset = scan(Path(sys.argv[1]), log_skipped=False, video=Video(16.0, 33, 4))
 (item,) = dataset.items
-example = data.load_example(item, (64, 64, item.frames))
+example = load_example(item, (64, 64, item.frames))
 print(item.frames, *example.pixels.shape, peak() - before)
 """
 
@@ -259,16 +264,16 @@ def test_a_clip_of_one_frame_caches_with_the_images(family_demo_dir, tmp_path) -
     folder.mkdir()
     for image in sorted((demo / "data").glob("*.png"))[:2]:
         shutil.copy(image, folder / image.name)
-    size = data.scan(folder, log_skipped=False).items[0].size
+    size = scan(folder, log_skipped=False).items[0].size
     _write(folder / "still.mp4", 1, 16, size=size)
     _write(folder / "two.mp4", 2, 16, size=size)
     s = Settings(model=str(demo / "model"), data_dir=folder, resolution=64,
                  cache_dir=tmp_path / "cache")  # fmt: skip
     conditioning = families.get("wan").configured(s, demo / "model")
-    video = data.video_sampling(s, conditioning, demo / "model")
-    dataset = data.scan(folder, log_skipped=False, video=video)
+    video = clips.video_sampling(s, conditioning, demo / "model")
+    dataset = scan(folder, log_skipped=False, video=video)
     assert sorted(item.frames for item in dataset.items) == [1, 1, 1, 1]
-    buckets = data.dataset_buckets(dataset, 64, multiple=16)
+    buckets = dataset_buckets(dataset, 64, multiple=16)
     assert len(buckets) == 1  # the clips and the images batch together
     components = model.load_components(
         demo / "model", "wan", gradient_checkpointing=False, with_frozen=False

@@ -36,7 +36,7 @@ from zerotuner.errors import (
 )
 
 if TYPE_CHECKING:
-    from zerotuner.train.data import Dataset
+    from zerotuner.data.dataset import Dataset
 
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
@@ -153,10 +153,12 @@ def _finish(c: Checks) -> int:
 
 def _dataset(c: Checks) -> tuple[str, list[str]]:
     from zerotuner import families
+    from zerotuner.data.clips import video_sampling
+    from zerotuner.data.notes import recipe_notes
+    from zerotuner.data.scan import scan_sources
     from zerotuner.preflight.fetch import fetch_all
     from zerotuner.preflight.steps import job_resolution
     from zerotuner.settings.datasets import sources
-    from zerotuner.train.data import recipe_notes, scan_sources, video_sampling
 
     s = c.facts["settings"]
     found = sources(s)
@@ -194,7 +196,7 @@ def _dataset(c: Checks) -> tuple[str, list[str]]:
 def _upscaled(dataset: Dataset, resolution: int, *, upscale: bool, step: int) -> list[str]:
     """The upscale line of each dataset at the side it trains at: its own `resolution`, else
     the job's (one line for all when there is one dataset); `step`: the bucket step."""
-    from zerotuner.train.data import upscale_warning
+    from zerotuner.data.notes import upscale_warning
 
     def line(data: Dataset, side: int) -> str | None:
         return upscale_warning(data, side, multiple=step, upscale=upscale)
@@ -231,8 +233,8 @@ def _text_cache(c: Checks) -> str:
 def _latent_cache(c: Checks) -> str:
     """The images' and clips' cached latents at the buckets train will use (fp32)."""
     from zerotuner import families
+    from zerotuner.data.buckets import bucket_name, dataset_buckets
     from zerotuner.preflight.steps import job_resolution
-    from zerotuner.train.data import bucket_name, dataset_buckets
     from zerotuner.train.feature_cache import latent_cache_bytes
 
     s, dataset, model = c.facts["settings"], c.facts["dataset"], c.facts["model"]

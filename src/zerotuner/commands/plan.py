@@ -106,9 +106,9 @@ def phase_lines(plan: Plan) -> list[str]:
 def epoch_text(*, video: bool) -> str:
     """How many samples an epoch holds, as the data's file names tell (`check` decodes them):
     each dataset's pictures times its repeats (ZT_DATASETS_FILE)."""
+    from zerotuner.data.scan import listed_samples
     from zerotuner.settings.datasets import sources
     from zerotuner.settings.schema import load_settings
-    from zerotuner.train.data import listed_samples
 
     settings = load_settings()
     count = listed_samples(sources(settings), settings.cache_dir, video=video)

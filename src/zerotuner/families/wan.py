@@ -3,7 +3,7 @@ video DiT (WanTransformer3DModel: 3D patches of (1, 2, 2) latent cells, cross-at
 text) conditioned on UMT5-XXL's last hidden states, with a causal video VAE (AutoencoderKLWan:
 latents normalised by a per-channel mean and std) and a flow-matching scheduler with a static
 shift (the published one is UniPCMultistepScheduler with flow sigmas and `flow_shift` 3.0).
-It trains on clips (latents (batch, channels, frames, h, w), train/clips.py) and on images
+It trains on clips (latents (batch, channels, frames, h, w), data/clips.py) and on images
 as one-frame clips.
 
 What it trains on is what WanPipeline samples with (diffusers 0.42, pipelines/wan/

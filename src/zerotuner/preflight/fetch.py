@@ -3,7 +3,7 @@
 `zerotuner train` runs on every node before torchrun; it fetches each `s3://` and
 `hf://datasets/` dataset of the run (settings/datasets.py) into the folder
 `settings.datasets.local_folder` names, and the ranks then read it as a local folder
-(`train.data.scan_sources` refuses one without its FETCHED marker). A lock on the folder lets
+(`data.scan.scan_sources` refuses one without its FETCHED marker). A lock on the folder lets
 nodes that share a cache volume take turns; the second finds the work done.
 
 - S3: every object under the prefix (any S3-compatible store; the credentials ZT_PUSH_TO
@@ -39,13 +39,14 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any
 
+from zerotuner.data.files import IMAGE_SUFFIXES
+from zerotuner.data.scan import FETCHED
 from zerotuner.errors import ConfigError, EnvironmentUnfit
 from zerotuner.families import hub_cache_dir
 from zerotuner.publish.remote import RemoteError, open_store
 from zerotuner.settings.datasets import FILE_SETTING, DatasetSource, Location, local_folder
 from zerotuner.settings.files import short_repr
 from zerotuner.settings.schema import Settings
-from zerotuner.train.data import FETCHED, IMAGE_SUFFIXES
 
 log = logging.getLogger(__name__)
 

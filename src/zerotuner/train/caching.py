@@ -18,11 +18,14 @@ from typing import Any, TextIO
 import torch
 from tqdm import tqdm
 
+from zerotuner.data.captions import caption_dropped
+from zerotuner.data.dataset import Dataset, Item
+from zerotuner.data.loading import load_example
 from zerotuner.families.unet import time_ids
 from zerotuner.launch import distributed
 from zerotuner.monitor.logs import format_duration
 from zerotuner.settings.schema import Settings
-from zerotuner.train import data, feature_cache, model
+from zerotuner.train import feature_cache, model
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +35,7 @@ def fill(
     source: Path,
     components: model.Components,
     conditioning: Any,
-    dataset: data.Dataset,
+    dataset: Dataset,
     buckets: dict[tuple[int, int], list[int]],
     *,
     rank: int,
@@ -166,20 +169,20 @@ def batch_items(
     caption_dropout: float,
 ) -> list[feature_cache.CacheItem]:
     """The cache items of one micro-batch, `keys` being its (item indices, epoch): a sample
-    that drops its caption this epoch (data.caption_dropped) reads the empty caption's cached
+    that drops its caption this epoch (captions.caption_dropped) reads the empty caption's cached
     embedding instead of its own, its latents unchanged."""
     indices, epoch = keys
     return [
         replace(items[i], caption="")
-        if data.caption_dropped(seed, epoch, i, caption_dropout)
+        if caption_dropped(seed, epoch, i, caption_dropout)
         else items[i]
         for i in indices
     ]
 
 
-def _loader(item: data.Item, bucket: tuple[int, int]):
+def _loader(item: Item, bucket: tuple[int, int]):
     def load(flip: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        example = data.load_example(item, bucket, flip=flip)
+        example = load_example(item, bucket, flip=flip)
         ids = time_ids(example.original_size, example.crop_top_left, example.target_size)
         mask = None if example.mask is None else torch.from_numpy(example.mask)
         return torch.from_numpy(example.pixels), ids, mask

@@ -30,6 +30,11 @@ from typing import Any
 import torch
 
 from zerotuner import families
+from zerotuner.data.buckets import bucket_name, dataset_buckets
+from zerotuner.data.clips import video_sampling
+from zerotuner.data.notes import recipe_notes, upscale_warning
+from zerotuner.data.order import Position, iterate_batches
+from zerotuner.data.scan import scan_sources
 from zerotuner.errors import (
     EXIT_DIVERGED,
     EXIT_FAILURE,
@@ -46,7 +51,7 @@ from zerotuner.launch.records import Sink, StepRecord, write_rank_armed, write_r
 from zerotuner.settings import datasets
 from zerotuner.settings.effective import effective_settings
 from zerotuner.settings.schema import Settings
-from zerotuner.train import caching, data, loop, model, nonfinite, samples, speed
+from zerotuner.train import caching, loop, model, nonfinite, samples, speed
 from zerotuner.train.stop import Stopped, StopRequest
 from zerotuner.weights import checkpoint, lora, lora_files, lora_from, lora_text, pipeline_folder
 from zerotuner.weights.ema import EMA, full_state_dict
@@ -98,7 +103,7 @@ class Run:
         self.run_dir = settings.output_dir / "run"
         self.device = world.device
         self.dtype = model.train_dtype(job.mixed_precision)
-        self.position = data.Position()
+        self.position = Position()
         self.ema: EMA | None = None
         self.base_digest: str | None = None  # LoRA: sha256 of the base weights it sits on
         self.text_metadata: dict[str, Any] | None = None  # LoRA on the text encoders too
@@ -147,8 +152,8 @@ class Run:
         self.objective = self.conditioning.objective(
             s, self.components.scheduler, self.components.denoiser.config
         )
-        self.video = data.video_sampling(s, self.conditioning, self.source)  # None: images
-        self.dataset = data.scan_sources(
+        self.video = video_sampling(s, self.conditioning, self.source)  # None: images
+        self.dataset = scan_sources(
             datasets.sources(s), s.cache_dir, log_skipped=self.rank == 0,
             write_index=self.place.node_leader, min_image_size=s.min_image_size,
             video=self.video,
@@ -158,7 +163,7 @@ class Run:
         multiple = families.bucket_step(
             job.family, Path(self.source), resolution=job.resolution, denoiser=self.part
         )
-        self.buckets = data.dataset_buckets(
+        self.buckets = dataset_buckets(
             self.dataset, job.resolution, multiple=multiple, upscale=s.upscale
         )
         if self.rank == 0:  # every rank scanned the same files: count them once
@@ -174,7 +179,7 @@ class Run:
                         for p in self.dataset.parts
                     ],
                     "skipped": [[str(p), why] for p, why in self.dataset.skipped],
-                    "buckets": {data.bucket_name(b): len(ix) for b, ix in self.buckets.items()},
+                    "buckets": {bucket_name(b): len(ix) for b, ix in self.buckets.items()},
                 },
             )
             log.info(
@@ -182,11 +187,11 @@ class Run:
                 self.dataset.summary(), len(self.dataset.skipped), len(self.buckets),
                 self.objective.describe(),
             )  # fmt: skip
-            if upscaled := data.upscale_warning(
+            if upscaled := upscale_warning(
                 self.dataset, job.resolution, multiple=multiple, upscale=s.upscale
             ):
                 log.warning("%s", upscaled)
-            if notes := data.recipe_notes(
+            if notes := recipe_notes(
                 self.dataset, job.resolution, multiple=multiple,
                 caption_template=s.caption_template, caption_dropout=s.caption_dropout,
                 min_image_size=s.min_image_size, upscale=s.upscale,
@@ -251,7 +256,7 @@ class Run:
         resumed = checkpoint.load(self.engine_, resume) if resume else None
         if resumed:
             self.start_step = resumed.step
-            self.position = data.Position(**(resumed.position or {}))
+            self.position = Position(**(resumed.position or {}))
             log.info("resumed from %s at step %d", resumed.path, resumed.step)
         if self.settings.ema:
             self.ema = EMA(
@@ -266,7 +271,7 @@ class Run:
         """(step, micro-batches) from the resumed position; self.position follows along. A
         micro-batch is (item indices, epoch): the epoch decides the caption dropout."""
         s = self.settings
-        micro = data.iterate_batches(
+        micro = iterate_batches(
             self.dataset,
             self.buckets,
             micro_batch=self.engine_.train_micro_batch_size_per_gpu(),

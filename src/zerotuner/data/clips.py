@@ -1,12 +1,12 @@
 """Video clips as training examples (PyAV: FFmpeg's demuxers and decoders).
 
 A clip trains as `frames` frames sampled at `fps` from its start (ZT_VIDEO_FRAMES,
-ZT_VIDEO_FPS): frame k is the last decoded frame shown at or before k / fps, so a 30 fps clip
-sampled at 16 fps skips frames evenly and a 10 fps one repeats some. The count keeps the
-model's rule (`frames = step * k + 1`, Wan: 4k+1): a clip shorter than asked trains at the
-longest such count it holds. The same clip always gives the same frames (the latents are
-cached), so a run sees each clip's first seconds: cut long videos into clips to train on the
-rest.
+ZT_VIDEO_FPS; a video family's `Video`, from `video_sampling`): frame k is the last decoded
+frame shown at or before k / fps, so a 30 fps clip sampled at 16 fps skips frames evenly and a
+10 fps one repeats some. The count keeps the model's rule (`frames = step * k + 1`, Wan:
+4k+1): a clip shorter than asked trains at the longest such count it holds. The same clip
+always gives the same frames (the latents are cached), so a run sees each clip's first
+seconds: cut long videos into clips to train on the rest.
 
 Every clip is decoded once when the data is scanned (`probe`), as far as training reads it, so
 a broken or hostile file is found there and listed with the skipped files, not mid-training.
@@ -37,6 +37,23 @@ MAX_FRAME_PIXELS = Image.MAX_IMAGE_PIXELS or 89_478_485  # PIL's own bomb limit,
 MAX_CLIP_PIXELS = 2**30
 DECODED_PER_SAMPLED = 64  # frames decoded per frame sampled at most (a 1000 fps trap)
 HASH_CHUNK = 2**20
+
+
+@dataclass(frozen=True)
+class Video:
+    """How a video family trains clips (ZT_VIDEO_FPS, ZT_VIDEO_FRAMES, and `step`, the
+    model's frame rule: step * k + 1 frames). A scan without it is an image family's."""
+
+    fps: float
+    frames: int
+    step: int
+
+
+def video_sampling(settings: object, family: object, source: Path) -> Video | None:
+    """How this run samples clips: for a video family (its `frame_step`), ZT_VIDEO_FPS and
+    ZT_VIDEO_FRAMES; None for an image family. `train` and `check` both ask here."""
+    step = family.frame_step(Path(source))
+    return Video(settings.video_fps, settings.video_frames, step) if step else None
 
 
 @dataclass(frozen=True)
