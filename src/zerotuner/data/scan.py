@@ -74,7 +74,8 @@ def scan(
     items, cut = [], []
     for path, probe in zip(candidates, probes[: len(candidates)], strict=True):
         mask = paired[path]
-        why = _left_out(probe, mask_probes.get(mask), broken_masks.get(path), min_image_size)
+        mask_probe = mask_probes[mask] if mask else None
+        why = _left_out(probe, mask_probe, broken_masks.get(path), min_image_size)
         if why:
             skipped.append((path, why))
             continue
@@ -85,7 +86,7 @@ def scan(
             cut.append(cut_at)
         if caption_template is not None:
             caption = apply_template(caption_template, caption)
-        items.append(_item(path, data_dir, caption, probe, mask, mask_probes.get(mask), video))
+        items.append(_item(path, data_dir, caption, probe, mask, mask_probe, video))
     skipped.sort()
     dataset = Dataset(data_dir, tuple(items), tuple(skipped), tuple(sorted(cut)))
     if not items:
@@ -168,12 +169,11 @@ def _item(
     mask_probe: Probe | None,
     video: clips.Video | None,
 ) -> Item:
-    clip = video is not None and path.suffix.lower() in clips.CLIP_SUFFIXES
     return Item(
         path, caption, probe.size, probe.file_size, probe.mtime_ns, probe.digest,
         name=path.relative_to(root).as_posix(), mask=mask,
         mask_digest=mask_probe.digest if mask_probe else "", frames=probe.frames,
-        fps=video.fps if clip else 0.0,
+        fps=video.fps if video and path.suffix.lower() in clips.CLIP_SUFFIXES else 0.0,
     )  # fmt: skip
 
 
