@@ -41,13 +41,13 @@ TOY_PACKAGE = {
         class Toy(Flux):
             """Flux.1's objective and conditioning under the toy's name."""
     ''',
-    "toy_family/demo.py": '''
+    "toy_family/demo.py": """
         def write_model(model_dir, *, seed, corpus, data_dir=None):
             from zerotuner.demo.flow import write_flow_model
 
             return write_flow_model(model_dir, family="flux", seed=seed, corpus=corpus,
                                     data_dir=data_dir)
-    ''',
+    """,
     "toy_family-1.0.dist-info/METADATA": "Metadata-Version: 2.1\nName: toy-family\nVersion: 1.0\n",
     "toy_family-1.0.dist-info/entry_points.txt": "[zerotuner.families]\ntoy = toy_family:SPEC\n",
 }
