@@ -8,7 +8,7 @@ overheads. `plan.make_plan` adds the margins and chooses among the rows.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from zerotuner.families import REGISTRY, ModelShape
 from zerotuner.machine.hardware import GiB
@@ -86,31 +86,105 @@ def estimate(
     clip's tokens (`families.VideoShape`), its VAE encodes the clip while caching.
     """
     training = training or full_unet(shape)
-    psi = shape.denoiser_params  # what normalize sizes DeepSpeed's buffers by
-    t, t_largest = training.trainable_params, training.largest_trainable
-    frozen, total = training.frozen_params, training.total_params
-    n = world_size
     p_bytes = 4 if precision == "no" else 2
-    # DeepSpeed keeps an fp32 master partition at stage >= 1 even without mixed precision.
-    o_bytes = 8 if precision == "no" and stage == 0 else 12
-    g32 = 4  # fp32 grads the offloaded optimizer steps with
-    dev: dict[str, int] = {}
-    host_rank: dict[str, int] = {}  # per rank on this node
-    disk_rank: dict[str, int] = {}
+    parts = _Parts()
+    _weights(parts, shape, training, stage=stage, offload_param=offload_param,
+             world_size=world_size, p_bytes=p_bytes)  # fmt: skip
+    _optimizer_states(parts, training, stage=stage, offload_optimizer=offload_optimizer,
+                      world_size=world_size, p_bytes=p_bytes)  # fmt: skip
+    if offload_param == "nvme":  # buffer_size as normalize sets it (holds the largest tensor)
+        size = max(shape.largest_param, min(PARAM_BUFFER_MAX, shape.denoiser_params // 8))
+        parts.host["param_swap_buffers"] = PARAM_BUFFERS * size * p_bytes
+    parts.device["buckets"] = _buckets(shape, training, stage=stage, p_bytes=p_bytes)
+    parts.device["activations"] = _activations(
+        shape, gradient_checkpointing, resolution=resolution, micro_batch=micro_batch,
+        frames=frames, p_bytes=p_bytes,
+    )  # fmt: skip
+    if not on_cpu:
+        parts.device["framework"] = CUDA_CONTEXT
+    caching = _caching(shape, resolution=resolution, frames=frames, p_bytes=p_bytes)
+    training_bytes = sum(parts.device.values())
+    device = max(training_bytes, caching + (0 if on_cpu else CUDA_CONTEXT))
+    if caching > training_bytes:
+        parts.device["caching_peak"] = caching - training_bytes
 
-    # --- model states -----------------------------------------------------------------------
-    weights = {"params": t, "frozen_params": frozen}
+    parts.host["process"] = RANK_PROCESS
+    if not on_cpu:
+        parts.host["cuda_host_context"] = CUDA_HOST_CONTEXT
+    # The full fp32 copy every rank loads is gone (moved to the device, or cast and
+    # partitioned by DeepSpeed) before offloaded states fill the host: `load_peak` counts it.
+    host = ranks_per_node * sum(parts.host.values()) + ENTRYPOINT_PROCESS + TORCHRUN_AGENT
+    if ema:  # one fp32 shadow per node (rank 0 keeps it), on the CPU, not sharded by DeepSpeed
+        shadow = 4 * training.trainable_params
+        host += shadow
+        parts.host["ema_once_per_node"] = shadow
+    if on_cpu:
+        host += ranks_per_node * device  # the CPU accelerator's "device" memory is host memory
+    disk = ranks_per_node * sum(parts.disk.values())
+    return device, host, disk, parts.named()
+
+
+@dataclass
+class _Parts:
+    """One option's bytes by part: per device, and per rank on the host and the offload disk."""
+
+    device: dict[str, int] = field(default_factory=dict)
+    host: dict[str, int] = field(default_factory=dict)
+    disk: dict[str, int] = field(default_factory=dict)
+
+    def on(self, offload: str) -> dict[str, int]:
+        """Where an `offload_*` value ("none", "cpu" or "nvme") puts a part."""
+        return {"none": self.device, "cpu": self.host, "nvme": self.disk}[offload]
+
+    def named(self) -> dict[str, int]:
+        """`estimate`'s parts: each part's bytes under "device.", "host_per_rank." or
+        "disk_per_rank."."""
+        named = {f"device.{k}": v for k, v in self.device.items()}
+        named |= {f"host_per_rank.{k}": v for k, v in self.host.items()}
+        return named | {f"disk_per_rank.{k}": v for k, v in self.disk.items()}
+
+
+def _weights(
+    parts: _Parts,
+    shape: ModelShape,
+    training: Training,
+    *,
+    stage: int,
+    offload_param: str,
+    world_size: int,
+    p_bytes: int,
+) -> None:
+    """The trained and the frozen weights: whole on the device below ZeRO-3; at ZeRO-3 a
+    partition where `offload_param` puts it, and every parameter gathered in forward and
+    backward."""
+    weights = {"params": training.trainable_params, "frozen_params": training.frozen_params}
     for name, count in weights.items():
         if not count:
             continue
         if stage < 3:
-            dev[name] = p_bytes * count
+            parts.device[name] = p_bytes * count
         else:
-            place = {"none": dev, "cpu": host_rank, "nvme": disk_rank}[offload_param]
-            place[name] = p_bytes * count // n
+            parts.on(offload_param)[name] = p_bytes * count // world_size
     if stage == 3:  # forward and backward gather every parameter, frozen ones included
-        live = min(total, STAGE3_MAX_LIVE + bucket(shape))
-        dev["gathered_params"] = p_bytes * live
+        live = min(training.total_params, STAGE3_MAX_LIVE + bucket(shape))
+        parts.device["gathered_params"] = p_bytes * live
+
+
+def _optimizer_states(
+    parts: _Parts,
+    training: Training,
+    *,
+    stage: int,
+    offload_optimizer: str,
+    world_size: int,
+    p_bytes: int,
+) -> None:
+    """The gradients and the optimizer's states of what trains, and the buffers the step
+    passes them through: on the device, or (offloaded) on the host or the disk."""
+    t, t_largest, n = training.trainable_params, training.largest_trainable, world_size
+    # DeepSpeed keeps an fp32 master partition at stage >= 1 even without mixed precision.
+    o_bytes = 8 if p_bytes == 4 and stage == 0 else 12
+    dev, host = parts.device, parts.host
     if offload_optimizer == "none":
         dev["grads"] = p_bytes * t // (n if stage >= 2 else 1)
         dev["optimizer"] = o_bytes * t // (n if stage >= 1 else 1)
@@ -119,62 +193,70 @@ def estimate(
             # its end-of-backward reduce) and casts it to the fp32 master's dtype: a 16-bit
             # flat copy plus its fp32 cast, or one fp32 copy (stage_1_and_2.py, step).
             dev["flat_grad_partition"] = (p_bytes + (0 if p_bytes == 4 else 4)) * t // n
-    else:
-        if stage == 1:
-            dev["grads"] = p_bytes * t  # reduced at the step, then copied to the host
-        target = host_rank if offload_optimizer == "cpu" else disk_rank
-        target["optimizer"] = o_bytes * t // n
-        target["fp32_grads"] = g32 * t // n
-        if stage in (1, 2):
-            # stage_1_and_2.py with cpu_offload: a 16-bit copy of the partition on the host
-            # (param_buffer_of_bit16_for_cpu_offload_groups, the updated params go back to the
-            # device through it) and one largest-parameter gradient staging buffer each side.
-            host_rank["param_partition_copy"] = p_bytes * t // n
-            host_rank["grad_staging"] = p_bytes * t_largest
-            dev["grad_staging"] = p_bytes * t_largest
-        if stage == 3:  # reduced 16-bit grad partitions wait on the host for the step
-            host_rank["grad_partitions"] = p_bytes * t // n
-        if offload_optimizer == "nvme":  # pinned fp32 buffers of one sub-group each
-            group = min(SUB_GROUP_NVME, max(t // n, t_largest))
-            host_rank["optimizer_swap_buffers"] = OPTIMIZER_NVME_BUFFERS * group * 4
-            # stage3.py: swapped sub-groups step with their fp32 gradient in one host buffer
-            # of the largest sub-group (gradient_buffer), kept for the whole run.
-            host_rank["subgroup_grad_buffer"] = group * 4
-    if offload_param == "nvme":  # buffer_size as normalize sets it (holds the largest tensor)
-        size = max(shape.largest_param, min(PARAM_BUFFER_MAX, psi // 8))
-        host_rank["param_swap_buffers"] = PARAM_BUFFERS * size * p_bytes
+        return
+    if stage == 1:
+        dev["grads"] = p_bytes * t  # reduced at the step, then copied to the host
+    target = parts.on(offload_optimizer)
+    target["optimizer"] = o_bytes * t // n
+    target["fp32_grads"] = 4 * t // n  # the fp32 grads the offloaded optimizer steps with
+    if stage in (1, 2):
+        # stage_1_and_2.py with cpu_offload: a 16-bit copy of the partition on the host
+        # (param_buffer_of_bit16_for_cpu_offload_groups, the updated params go back to the
+        # device through it) and one largest-parameter gradient staging buffer each side.
+        host["param_partition_copy"] = p_bytes * t // n
+        host["grad_staging"] = p_bytes * t_largest
+        dev["grad_staging"] = p_bytes * t_largest
+    if stage == 3:  # reduced 16-bit grad partitions wait on the host for the step
+        host["grad_partitions"] = p_bytes * t // n
+    if offload_optimizer == "nvme":  # pinned fp32 buffers of one sub-group each
+        group = min(SUB_GROUP_NVME, max(t // n, t_largest))
+        host["optimizer_swap_buffers"] = OPTIMIZER_NVME_BUFFERS * group * 4
+        # stage3.py: swapped sub-groups step with their fp32 gradient in one host buffer
+        # of the largest sub-group (gradient_buffer), kept for the whole run.
+        host["subgroup_grad_buffer"] = group * 4
 
-    # --- buckets: gradients are reduced through flat buffers -----------------------------------
+
+def _buckets(shape: ModelShape, training: Training, *, stage: int, p_bytes: int) -> int:
+    """The flat buffers gradients are reduced through."""
     if stage == 0:
         # The engine's all-reduce flattens the gradients into buckets of 5e8 elements, at any
         # world size (engine.allreduce_no_retain; parameters without grad are skipped): the
         # whole gradient for models below that.
-        dev["buckets"] = p_bytes * min(t, MAX_BUCKET)
-    else:
-        # One reduce_bucket_size buffer (sized by normalize from the whole UNet, whatever
-        # trains): the all-gather after the step writes into the flat params in place, and
-        # overlap_comm (the second, double buffer) is off below stage 3.
-        dev["buckets"] = p_bytes * bucket(shape)
+        return p_bytes * min(training.trainable_params, MAX_BUCKET)
+    # One reduce_bucket_size buffer (sized by normalize from the whole UNet, whatever
+    # trains): the all-gather after the step writes into the flat params in place, and
+    # overlap_comm (the second, double buffer) is off below stage 3.
+    return p_bytes * bucket(shape)
 
-    # --- activations ------------------------------------------------------------------------
-    # The same for LoRA: every layer still passes gradients to its input, and the frozen
-    # layers' inputs a LoRA layer does not also read are the only tensors autograd skips (an
-    # upper bound, then).
+
+def _activations(
+    shape: ModelShape,
+    gradient_checkpointing: bool,
+    *,
+    resolution: int,
+    micro_batch: int,
+    frames: int,
+    p_bytes: int,
+) -> int:
+    """The activations of a micro batch. The same for LoRA: every layer still passes
+    gradients to its input, and the frozen layers' inputs a LoRA layer does not also read are
+    the only tensors autograd skips (an upper bound, then)."""
+    if shape.video is not None:  # a clip: frames x tokens (VideoShape), linear in tokens
+        tokens = shape.video.tokens(frames, resolution)
+        clip = shape.video.activations(tokens, gradient_checkpointing)
+        return int(clip * (p_bytes / 2) * micro_batch)
     per_image = ACT_BYTES_PER_IMAGE_CHECKPOINTED if gradient_checkpointing else ACT_BYTES_PER_IMAGE
     width = shape.base_channels / REFERENCE_CHANNELS
     if shape.activations_1024 is not None:  # a transformer's, from its layers and width
         per_image, width = shape.activations_1024[1 if gradient_checkpointing else 0], 1.0
     scale = (resolution * resolution / REFERENCE_PIXELS) * width * (p_bytes / 2)
-    dev["activations"] = int(per_image * scale * micro_batch)
-    if shape.video is not None:  # a clip: frames x tokens (VideoShape), linear in tokens
-        tokens = shape.video.tokens(frames, resolution)
-        clip = shape.video.activations(tokens, gradient_checkpointing)
-        dev["activations"] = int(clip * (p_bytes / 2) * micro_batch)
+    return int(per_image * scale * micro_batch)
 
-    if not on_cpu:
-        dev["framework"] = CUDA_CONTEXT
-    # Caching latents and embeddings runs before training: frozen encoders + one VAE encode
-    # (an encoder that streams from host memory: its largest layer, `caching_params`).
+
+def _caching(shape: ModelShape, *, resolution: int, frames: int, p_bytes: int) -> int:
+    """The device bytes of caching latents and embeddings, before training: the frozen
+    encoders and one VAE encode (an encoder that streams from host memory: its largest layer,
+    `caching_params`)."""
     vae_width = shape.vae_channels / REFERENCE_VAE_CHANNELS
     on_device = shape.frozen_params if shape.caching_params is None else shape.caching_params
     encode = VAE_ENCODE_BYTES * resolution * resolution / REFERENCE_PIXELS * vae_width
@@ -186,30 +268,7 @@ def estimate(
         latent = shape.video.latent_frames(frames) * resolution * resolution
         latent = latent * shape.video.latent_channels // shape.video.spatial**2
         encode = encode * min(frames, VAE_CHUNK_FRAMES) + 2 * (3 * frames * resolution**2 + latent)
-    caching = on_device * p_bytes + int(encode * (p_bytes / 2))
-    training = sum(dev.values())
-    device = max(training, caching + (0 if on_cpu else CUDA_CONTEXT))
-    if caching > training:
-        dev["caching_peak"] = caching - training
-
-    host_rank["process"] = RANK_PROCESS
-    if not on_cpu:
-        host_rank["cuda_host_context"] = CUDA_HOST_CONTEXT
-    # The full fp32 copy every rank loads is gone (moved to the device, or cast and
-    # partitioned by DeepSpeed) before offloaded states fill the host: `load_peak` counts it.
-    per_rank_host = sum(host_rank.values())
-    host = ranks_per_node * per_rank_host + ENTRYPOINT_PROCESS + TORCHRUN_AGENT
-    if ema:  # one fp32 shadow per node (rank 0 keeps it), on the CPU, not sharded by DeepSpeed
-        host += 4 * t
-        host_rank["ema_once_per_node"] = 4 * t
-    if on_cpu:
-        host += ranks_per_node * device  # the CPU accelerator's "device" memory is host memory
-    disk = ranks_per_node * sum(disk_rank.values())
-
-    parts = {f"device.{k}": v for k, v in dev.items()}
-    parts |= {f"host_per_rank.{k}": v for k, v in host_rank.items()}
-    parts |= {f"disk_per_rank.{k}": v for k, v in disk_rank.items()}
-    return device, host, disk, parts
+    return on_device * p_bytes + int(encode * (p_bytes / 2))
 
 
 def bucket(shape: ModelShape) -> int:
