@@ -1,10 +1,11 @@
 """The config builder's computing side: the form's settings -> what `config` and `plan` say.
 
-`evaluate` runs the very functions `zerotuner config --explain` and `zerotuner plan --json`
-run, on variables that hold exactly the form's settings (builder_form.compose, form_environ):
-the same settings path as every command (zerotuner.settings.effective), given a mapping, so the page
-cannot disagree with the CLI (tests/test_builder_cli.py compares them on a table of cases) and
-the process's environment is never touched.
+`evaluate` takes preflight's steps once per form (preflight.what_if.answer_what_if, as
+`zerotuner config --explain` and `zerotuner plan --json` do), on variables that hold exactly
+the form's settings (builder.form.compose, form_environ): the same settings path as every
+command (zerotuner.settings.effective), given a mapping, so the page cannot disagree with the
+CLI (tests/test_builder_cli.py compares them on a table of cases) and the process's
+environment is never touched. The one answer gives both the DeepSpeed config and the plan.
 
 A form never reaches the network nor the process's credentials: it is evaluated offline
 (HF_HUB_OFFLINE, which no form can undo: a form sets ZT_* names only), with no token and no
@@ -23,7 +24,7 @@ from typing import Any
 
 from zerotuner.builder.form import DEEPSPEED, compose, shown
 from zerotuner.errors import EXIT_CONFIG, ConfigError, ZeroTunerError
-from zerotuner.preflight.what_if import WhatIf, explain_config, plan_json, plan_what_if
+from zerotuner.preflight.what_if import WhatIf, answer_what_if, plan_json
 
 # Where this machine keeps the hub cache: the server's own, unless the form says.
 MACHINE_SETTINGS = ("ZT_CACHE_DIR",)
@@ -117,18 +118,18 @@ def evaluate(form: dict[str, Any], *, files_under: Path | None = None) -> dict[s
     if refused:  # nothing was opened: no line can quote the file
         return out | {"config": None, "exit_code": EXIT_CONFIG, "errors": refused,
                       "plan_exit_code": EXIT_CONFIG, "plan_errors": refused}  # fmt: skip
-    environ = form_environ(composed.env)
+    answer = answer_what_if(what, form_environ(composed.env))
     try:
-        result, described = explain_config(what, environ)
+        result = answer.preflight()
         out["config"] = result.normalized.config
-        out["described"] = described
+        out["described"] = answer.described
         out["notes"] += [{"level": n.level, "message": n.message} for n in result.notes]
         out["exit_code"] = 0
     except ZeroTunerError as error:
         out |= {"config": None, "exit_code": error.exit_code}
         out["errors"] = _located(error.problems)
     try:
-        plan, hardware = plan_what_if(what, environ=environ)
+        plan, hardware = answer.plan()
         out["plan"] = plan_json(plan, hardware)
         out["plan_exit_code"] = 0
     except ZeroTunerError as error:

@@ -12,7 +12,7 @@ import json
 import sys
 
 from zerotuner.commands import what_if
-from zerotuner.preflight.what_if import explain_config
+from zerotuner.preflight.what_if import answer_what_if
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -23,7 +23,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    result, described = explain_config(what_if.from_args(args))
+    answer = answer_what_if(what_if.from_args(args))
+    result, described = answer.preflight(), answer.described
     if described is not None:
         print(f"zerotuner: for described hardware: {described}", file=sys.stderr)
     shown = {"change", "warning"} | ({"info"} if args.explain else set())

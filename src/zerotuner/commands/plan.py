@@ -1,7 +1,8 @@
 """`zerotuner plan`: memory per ZeRO stage x offload for this machine (or one described by flags).
 
-Without hardware flags it probes this machine and reads the settings, exactly as `train` does.
-With `--gpus/--gpu-memory/--host-memory` it plans for hardware you are about to rent.
+Without hardware flags it probes this machine, as `train` does; with
+`--gpus/--gpu-memory/--host-memory` it plans for hardware you are about to rent. Either way it
+takes the preflight steps `train` takes (preflight.what_if), so its plan is the one `train` runs.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from zerotuner.commands import what_if
 from zerotuner.families import FAMILIES, FLOW_FAMILIES, REGISTRY
 from zerotuner.machine.hardware import Hardware, describe_hardware
 from zerotuner.preflight.plan import Plan, PlanInputs, gib
-from zerotuner.preflight.what_if import plan_json, plan_what_if
+from zerotuner.preflight.what_if import answer_what_if, plan_json
 from zerotuner.settings.schema import precision_name
 
 
@@ -118,10 +119,10 @@ def epoch_text(*, video: bool) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    plan, hardware = plan_what_if(
+    plan, hardware = answer_what_if(
         what_if.from_args(args), model_family=args.model_family,
         resolution=args.resolution, train_batch_size=args.train_batch_size,
-    )  # fmt: skip
+    ).plan()  # fmt: skip
     if args.json:
         print(json.dumps(plan_json(plan, hardware), indent=2))
     else:

@@ -150,6 +150,7 @@ class Plan:
     reasons: tuple[str, ...]
     inputs: PlanInputs
     load: LoadPeak
+    unfit: str | None = None  # why the hardware planned for cannot run it; None: it can
 
     @property
     def load_fits(self) -> bool:
@@ -271,7 +272,7 @@ def make_plan(
     values are kept. `training`: what trains (default: the whole UNet;
     `trainable.lora_adapter` for LoRA). `offload_disk_free`: bytes free for NVMe offload
     (None: no offload disk measured). `require_fit=False`: when nothing fits, plan the closest
-    option anyway and say why in the reasons.
+    option anyway and say why in the reasons (and `Plan.unfit`).
 
     Raises ConfigError for an illegal pinned combination and EnvironmentUnfit (exit 3) when
     nothing fits, naming the closest option and what it lacks (the pins by `request.pin_names`).
@@ -284,50 +285,17 @@ def make_plan(
         raise ConfigError(
             f"world size {request.world_size} and micro batch {request.micro_batch} must be >= 1"
         )
-    ranks_per_node = request.ranks_per_node or request.world_size
-    training = training or full_unet(shape)
-    preference = _preference_for(training)
-    precision = resolve_precision(request.mixed_precision, hardware)
-    on_cpu = hardware.accelerator == "cpu"
-    cap = capacity(hardware, offload_disk_free)
-    check_pins(request.zero_stage, request.offload_optimizer, request.offload_param, names)
-    stages = [0, 1, 2, 3] if request.zero_stage == "auto" else [int(request.zero_stage)]
-    ckpts = (
-        [False, True]
-        if request.gradient_checkpointing == "auto"
-        else [bool(request.gradient_checkpointing)]
+    sizing = _Sizing(
+        shape=shape,
+        request=request,
+        training=training or full_unet(shape),
+        precision=resolve_precision(request.mixed_precision, hardware),
+        on_cpu=hardware.accelerator == "cpu",
+        cap=capacity(hardware, offload_disk_free),
+        nvme_ok=hardware.nvme_offload_possible,
     )
-
-    rows = []
-    for opt, param in OFFLOADS:
-        if request.offload_optimizer not in ("auto", opt):
-            continue  # pinned to another device
-        if request.offload_param not in ("auto", param):
-            continue
-        for stage in stages:
-            if legal(stage, opt, param):
-                continue
-            for ckpt in ckpts:
-                device, host, disk, parts = estimate(
-                    shape,
-                    stage=stage,
-                    offload_optimizer=opt,
-                    offload_param=param,
-                    gradient_checkpointing=ckpt,
-                    resolution=request.resolution,
-                    micro_batch=request.micro_batch,
-                    world_size=request.world_size,
-                    ranks_per_node=ranks_per_node,
-                    precision=precision,
-                    on_cpu=on_cpu,
-                    ema=request.ema,
-                    training=training,
-                    frames=request.frames,
-                )
-                short = _shortfalls(device, host, disk, cap, on_cpu, hardware.nvme_offload_possible)
-                rows.append(
-                    Estimate(stage, opt, param, ckpt, device, host, disk, not short, short, parts)
-                )
+    check_pins(request.zero_stage, request.offload_optimizer, request.offload_param, names)
+    rows = sizing.rows()
     if not rows:
         raise ConfigError(
             f"{names['zero_stage']}={request.zero_stage}, "
@@ -335,85 +303,156 @@ def make_plan(
             f"{names['offload_param']}={request.offload_param}: no DeepSpeed option matches "
             "these pins"
         )
-    rows.sort(key=_table_order)
-    inputs = PlanInputs(
-        family=shape.family,
-        denoiser_params=shape.denoiser_params,
-        training_type=training.type,
-        text_encoders_train=training.text_encoders,
-        trainable_params=training.trainable_params,
-        frozen_params=training.frozen_params,
-        resolution=request.resolution,
-        micro_batch=request.micro_batch,
-        world_size=request.world_size,
-        ranks_per_node=ranks_per_node,
-        precision=precision,
-        accelerator=hardware.accelerator,
-        device_memory_bytes=cap.device_total,
-        device_usable_bytes=cap.device,
-        host_memory_bytes=cap.host_total,
-        host_usable_bytes=cap.host,
-        offload_disk_free_bytes=offload_disk_free,
-        ema=request.ema,
-        caption_cache_bytes=caption_cache_bytes(shape, request.max_sequence_length),
-        **_clip(shape, request),
-    )
+    inputs = sizing.inputs(hardware, offload_disk_free)
+    fitting = sorted((r for r in rows if r.fits), key=sizing.preference)
+    if fitting:
+        plan = _choose(sizing, rows, fitting, inputs)
+    else:
+        closest, unfit = _nothing_fits(sizing, rows, names)
+        # `zerotuner config` on a laptop: show the config for the closest option, and why.
+        reasons = (f"the hardware planned for cannot run it: {unfit}",)
+        plan = Plan(tuple(rows), closest, reasons, inputs, sizing.load_for(closest), unfit)
+    if require_fit and plan.unfit:  # at preflight: before a rank starts, so before a download
+        raise EnvironmentUnfit(plan.unfit)
+    return plan
 
-    def load_for(row: Estimate, stage: int | None = None) -> LoadPeak:
+
+@dataclass(frozen=True)
+class _Sizing:
+    """What every option of one plan is sized for: the job asked, what trains, the precision
+    DeepSpeed runs, and the capacity of the hardware."""
+
+    shape: ModelShape
+    request: PlanRequest
+    training: Training
+    precision: str
+    on_cpu: bool
+    cap: Capacity
+    nvme_ok: bool | None  # whether NVMe offload can run here (None: not known)
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.request.ranks_per_node or self.request.world_size
+
+    def preference(self, row: Estimate) -> tuple[int, ...]:
+        return _preference_for(self.training)(row)
+
+    def rows(self) -> list[Estimate]:
+        """Every option the pins leave, estimated, in the table's order."""
+        request = self.request
+        stages = [0, 1, 2, 3] if request.zero_stage == "auto" else [int(request.zero_stage)]
+        asked = request.gradient_checkpointing
+        ckpts = [False, True] if asked == "auto" else [bool(asked)]
+        rows = []
+        for opt, param in OFFLOADS:
+            if request.offload_optimizer not in ("auto", opt):
+                continue  # pinned to another device
+            if request.offload_param not in ("auto", param):
+                continue
+            for stage in stages:
+                if legal(stage, opt, param):
+                    continue
+                rows += [self.estimate(stage, opt, param, ckpt) for ckpt in ckpts]
+        return sorted(rows, key=_table_order)
+
+    def estimate(self, stage: int, opt: str, param: str, ckpt: bool) -> Estimate:
+        request = self.request
+        device, host, disk, parts = estimate(
+            self.shape, stage=stage, offload_optimizer=opt, offload_param=param,
+            gradient_checkpointing=ckpt, resolution=request.resolution,
+            micro_batch=request.micro_batch, world_size=request.world_size,
+            ranks_per_node=self.ranks_per_node, precision=self.precision, on_cpu=self.on_cpu,
+            ema=request.ema, training=self.training, frames=request.frames,
+        )  # fmt: skip
+        short = _shortfalls(device, host, disk, self.cap, self.on_cpu, self.nvme_ok)
+        return Estimate(stage, opt, param, ckpt, device, host, disk, not short, short, parts)
+
+    def inputs(self, hardware: Hardware, offload_disk_free: int | None) -> PlanInputs:
+        shape, request, training, cap = self.shape, self.request, self.training, self.cap
+        return PlanInputs(
+            family=shape.family,
+            denoiser_params=shape.denoiser_params,
+            training_type=training.type,
+            text_encoders_train=training.text_encoders,
+            trainable_params=training.trainable_params,
+            frozen_params=training.frozen_params,
+            resolution=request.resolution,
+            micro_batch=request.micro_batch,
+            world_size=request.world_size,
+            ranks_per_node=self.ranks_per_node,
+            precision=self.precision,
+            accelerator=hardware.accelerator,
+            device_memory_bytes=cap.device_total,
+            device_usable_bytes=cap.device,
+            host_memory_bytes=cap.host_total,
+            host_usable_bytes=cap.host,
+            offload_disk_free_bytes=offload_disk_free,
+            ema=request.ema,
+            caption_cache_bytes=caption_cache_bytes(shape, request.max_sequence_length),
+            **_clip(shape, request),
+        )
+
+    def load_for(self, row: Estimate, stage: int | None = None) -> LoadPeak:
         """The load path `row` runs: zero.Init at ZeRO-3, every rank's full copy below."""
         return load_peak(
-            shape, ranks_per_node=ranks_per_node, precision=precision, on_cpu=on_cpu,
-            zero_stage=row.zero_stage if stage is None else stage,
-            offload_param=row.offload_param, world_size=request.world_size,
-            lora=training.type == "lora",
+            self.shape, ranks_per_node=self.ranks_per_node, precision=self.precision,
+            on_cpu=self.on_cpu, zero_stage=row.zero_stage if stage is None else stage,
+            offload_param=row.offload_param, world_size=self.request.world_size,
+            lora=self.training.type == "lora",
         )  # fmt: skip
 
-    fitting = sorted((r for r in rows if r.fits), key=preference)
-    if not fitting:
-        closest = min(rows, key=lambda r: _overshoot(r, cap, on_cpu))
-        pins = pin_text(
-            names,
-            request.zero_stage,
-            request.offload_optimizer,
-            request.offload_param,
-            request.gradient_checkpointing,
-        )
-        hint = ""
-        disk_only = [r for r in rows if r.short and all(s.startswith("disk") for s in r.short)]
-        if disk_only:
-            best = min(disk_only, key=lambda r: (r.disk_bytes, preference(r)))
-            need = int(best.disk_bytes * (1 + DISK_MARGIN))
-            hint = (
-                f"; {best.label()} would fit with {gib(need)} GiB free on an NVMe volume at "
-                "ZT_OFFLOAD_DIR"
-            )
-        message = (
-            f"nothing fits{pins}: closest is {closest.label()}, which needs "
-            f"{'; '.join(closest.short)}{hint}; use more or larger GPUs, more host memory, a "
-            f"smaller ZT_TRAIN_BATCH_SIZE or {request.resolution_name}, or offload to NVMe"
-        )
-        if require_fit:
-            raise EnvironmentUnfit(message)
-        # `zerotuner config` on a laptop: show the config for the closest option, and why.
-        unfit = f"the hardware planned for cannot run it: {message}"
-        return Plan(tuple(rows), closest, (unfit,), inputs, load_for(closest))
-    # The host must also hold the load: below ZeRO-3 every rank of a node builds the full
-    # fp32 model, so a node with little host memory per GPU needs zero.Init's partitions.
-    loads = [load_for(r) for r in fitting]
+
+def _choose(
+    sizing: _Sizing, rows: list[Estimate], fitting: list[Estimate], inputs: PlanInputs
+) -> Plan:
+    """The fastest option that fits (`fitting`, in order of preference) whose load the host
+    also holds: below ZeRO-3 every rank of a node builds the full fp32 model, so a node with
+    little host memory per GPU needs zero.Init's partitions."""
+    cap = sizing.cap
+    loads = [sizing.load_for(r) for r in fitting]
     pick = next((i for i, load in enumerate(loads) if load.peak_bytes <= cap.host), 0)
     choice, load = fitting[pick], loads[pick]
-    reasons = _reasons(choice, rows, cap, precision, preference)
+    reasons = _reasons(choice, rows, cap, sizing.precision, sizing.preference)
     if pick:
         reasons.insert(1, _load_reason(fitting[0], loads[0], cap))
-    if training.type == "lora":
-        reasons.insert(1, _lora_reason(choice, rows, training, precision))
+    if sizing.training.type == "lora":
+        reasons.insert(1, _lora_reason(choice, rows, sizing.training, sizing.precision))
+    unfit = None
     if load.peak_bytes > cap.host:
-        zero3 = choice.zero_stage != 3 and load_for(choice, 3).peak_bytes <= cap.host
-        message = _load_unfit(load, cap, zero3=zero3)
-        if require_fit:  # at preflight: before a rank starts, so before any download
-            raise EnvironmentUnfit(message)
-        reasons.insert(0, f"the hardware planned for cannot run it: {message}")
-    return Plan(tuple(rows), choice, tuple(reasons), inputs, load)
+        zero3 = choice.zero_stage != 3 and sizing.load_for(choice, 3).peak_bytes <= cap.host
+        unfit = _load_unfit(load, cap, zero3=zero3)
+        reasons.insert(0, f"the hardware planned for cannot run it: {unfit}")
+    return Plan(tuple(rows), choice, tuple(reasons), inputs, load, unfit)
+
+
+def _nothing_fits(
+    sizing: _Sizing, rows: list[Estimate], names: dict[str, str]
+) -> tuple[Estimate, str]:
+    """The option closest to fitting, and why none fits: its shortfalls, an NVMe volume that
+    would do, and what to change."""
+    request, cap = sizing.request, sizing.cap
+    closest = min(rows, key=lambda r: _overshoot(r, cap, sizing.on_cpu))
+    pins = pin_text(
+        names,
+        request.zero_stage,
+        request.offload_optimizer,
+        request.offload_param,
+        request.gradient_checkpointing,
+    )
+    hint = ""
+    disk_only = [r for r in rows if r.short and all(s.startswith("disk") for s in r.short)]
+    if disk_only:
+        best = min(disk_only, key=lambda r: (r.disk_bytes, sizing.preference(r)))
+        need = int(best.disk_bytes * (1 + DISK_MARGIN))
+        hint = (
+            f"; {best.label()} would fit with {gib(need)} GiB free on an NVMe volume at "
+            "ZT_OFFLOAD_DIR"
+        )
+    return closest, (
+        f"nothing fits{pins}: closest is {closest.label()}, which needs "
+        f"{'; '.join(closest.short)}{hint}; use more or larger GPUs, more host memory, a "
+        f"smaller ZT_TRAIN_BATCH_SIZE or {request.resolution_name}, or offload to NVMe"
+    )
 
 
 def _clip(shape: ModelShape, request: PlanRequest) -> dict[str, int]:

@@ -1,7 +1,8 @@
 """Settings -> inputs -> model shape -> plan -> DeepSpeed config: everything before launch.
 
-`config`, `plan`, `check` and `train` all go through `preflight`, so what `config` prints is
-what `train` runs. It reads files and the model's config, never weights.
+`config`, `plan`, `check` and `train` all take `PreflightRun`'s steps (`config` and `plan`
+through preflight.what_if, on a machine described or probed), so what `config` prints is what
+`train` runs. It reads files and the model's config, never weights.
 """
 
 from __future__ import annotations
@@ -201,10 +202,12 @@ class PreflightRun:
     warnings it has (what `check` prints).
 
     `hardware`: the machine (described or already probed); None probes this one in the first
-    step. `require_fit=False` (the `config` command): when nothing fits this machine, plan the
-    closest option anyway and say so, so a config can be checked before renting GPUs.
+    step. `require_fit=False` (a what-if: `config`, `plan`, the builder): when nothing fits
+    this machine, plan the closest option anyway and say so (`Plan.unfit`), so a config can be
+    checked before renting GPUs.
     `offload_disk_free`: bytes free for NVMe offload (None: unknown); by default measured at
-    ZT_OFFLOAD_DIR."""
+    ZT_OFFLOAD_DIR. `model`: the model when the caller names it (`plan --model-family`: the
+    family's built-in config), instead of resolving ZT_MODEL."""
 
     def __init__(
         self,
@@ -214,13 +217,14 @@ class PreflightRun:
         topology: Topology | None = None,
         require_fit: bool = True,
         offload_disk_free: int | None | str = "measure",
+        model: ModelSource | None = None,
     ) -> None:
         self.effective = effective
         self.settings, self.inputs = effective.settings, effective.inputs
         self.hardware, self.topology = hardware, topology
         self.require_fit = require_fit
         self.offload_disk_free = offload_disk_free
-        self.model: ModelSource | None = None
+        self.model = model
         self.shape: ModelShape | None = None
         self.plan: Plan | None = None
         self.decisions: Decisions | None = None
@@ -246,7 +250,7 @@ class PreflightRun:
     def read_model(self) -> tuple[str, list[str]]:
         settings = self.settings
         lora.check_settings(settings)
-        model = resolve_model(
+        model = self.model or resolve_model(
             settings, offline=self.effective.hub_offline, will_train=self.require_fit
         )
         check_family_settings(settings, model.family)

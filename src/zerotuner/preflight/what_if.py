@@ -1,9 +1,11 @@
 """What-if answers: the DeepSpeed config and the plan for a machine described instead of probed.
 
 `zerotuner config` and `zerotuner plan` take the machine from their flags, the builder page from
-its form; both ask here. Without a description (a WhatIf of Nones) this machine is probed, as
-`train` does. Either way only the world size matters: a multi-node job needs no rendezvous
-address (`train` and `check` still demand one).
+its form; each asks here once (`answer_what_if`), and the answer is one pass of the preflight
+steps `train` takes (`steps.PreflightRun`), from which the plan and the config are both read.
+Without a description (a WhatIf of Nones) this machine is probed, as `train` does. Either way
+only the world size matters: a multi-node job needs no rendezvous address (`train` and `check`
+still demand one).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from zerotuner.errors import ConfigError, EnvironmentUnfit
+from zerotuner.errors import ConfigError, EnvironmentUnfit, ZeroTunerError
 from zerotuner.launch.ranks import Topology, resolve_topology
 from zerotuner.machine.hardware import GPU, GiB, Hardware, describe_hardware
 from zerotuner.settings.effective import effective_settings
@@ -23,7 +25,7 @@ from zerotuner.settings.schema import Settings
 
 if TYPE_CHECKING:
     from zerotuner.preflight.plan import Plan
-    from zerotuner.preflight.steps import Preflight
+    from zerotuner.preflight.steps import Preflight, PreflightRun
 
 _UNITS = {"": GiB, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 10**6, "mb": 10**6}
 _UNITS |= {"mib": 1024**2, "g": GiB, "gb": 10**9, "gib": GiB, "t": 1024**4, "tb": 10**12}
@@ -130,80 +132,84 @@ DESCRIBE = (
 )
 
 
-def explain_config(
-    what: WhatIf, environ: Mapping[str, str] | None = None
-) -> tuple[Preflight, str | None]:
-    """What `zerotuner config` prints, computed (the builder page asks too, with the form's
-    variables as `environ`): the preflight, and the described hardware in words (None when
-    this machine was probed)."""
-    from zerotuner.machine.hardware import describe_hardware
-    from zerotuner.preflight.steps import preflight  # torch, through lora
+@dataclass(frozen=True)
+class WhatIfAnswer:
+    """`PreflightRun`'s steps, taken once on the machine a WhatIf describes: the plan `plan`
+    prints and the preflight `config` prints, both from the sequence `train` takes."""
 
-    effective = effective_settings(environ, **settings_overrides(what))
-    settings = effective.settings
-    if is_described(what):  # DeepSpeed only parses the JSON: skip its device probe
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")  # (whose warning goes to stdout)
-    try:
-        hardware = hardware_for(what, settings)
-        topology = topology_for(settings, hardware, environ)
-        result = preflight(
-            effective, hardware=hardware, topology=topology, require_fit=False,
-            offload_disk_free=offload_disk_free(what, settings),
-        )  # fmt: skip
-    except EnvironmentUnfit as error:
-        hint = "" if is_described(what) else f"; {DESCRIBE}"
-        raise ConfigError(f"{error}{hint}") from None
-    return result, describe_hardware(hardware) if is_described(what) else None
+    what: WhatIf
+    run: PreflightRun | None  # None: refused before the first step (settings, the machine)
+    error: ZeroTunerError | None = None  # the refusal that stopped the steps
+    result: Preflight | None = None  # every step's, when none refused
+
+    def plan(self) -> tuple[Plan, Hardware]:
+        """What `plan` prints: the plan and the machine it is for. The steps after the plan
+        (the DeepSpeed config) are `config`'s to refuse; a plan the machine cannot run is
+        refused as `train` refuses it (exit 3)."""
+        if self.run is None or self.run.plan is None:
+            assert self.error is not None
+            raise self.error
+        if self.run.plan.unfit:
+            raise EnvironmentUnfit(self.run.plan.unfit)
+        assert self.run.hardware is not None
+        return self.run.plan, self.run.hardware
+
+    def preflight(self) -> Preflight:
+        """What `config` prints: every step's result. A machine that cannot run the job (no
+        GPU for ZT_DEVICE=cuda, ROCm, MPS) is no verdict on the config: exit 2, with the way to
+        check it anyway when this machine was probed."""
+        if isinstance(self.error, EnvironmentUnfit):
+            hint = "" if is_described(self.what) else f"; {DESCRIBE}"
+            raise ConfigError(f"{self.error}{hint}") from None
+        if self.error is not None:
+            raise self.error
+        assert self.result is not None
+        return self.result
+
+    @property
+    def described(self) -> str | None:
+        """The described hardware in words; None when this machine was probed."""
+        if not is_described(self.what) or self.run is None or self.run.hardware is None:
+            return None
+        return describe_hardware(self.run.hardware)
 
 
-def plan_what_if(
+def answer_what_if(
     what: WhatIf,
+    environ: Mapping[str, str] | None = None,
     *,
     model_family: str | None = None,
     resolution: int | None = None,
     train_batch_size: int | None = None,
-    environ: Mapping[str, str] | None = None,
-) -> tuple[Plan, Hardware]:
-    """What `zerotuner plan` prints, computed (the builder page asks too, with the form's
-    variables as `environ`). `model_family`, `resolution`, `train_batch_size`: the what-if
-    job."""
-    from zerotuner.families import EXPERTS, check_family_settings, model_shape
-    from zerotuner.preflight.steps import resolve_model
-    from zerotuner.settings.effective import effective_settings
+) -> WhatIfAnswer:
+    """`PreflightRun`'s steps, once, for the settings read from `environ` (None: the
+    process's; the builder passes its form's) on the machine `what` describes (else this one,
+    probed). Planned with `require_fit=False`, so a plan the machine cannot run still reaches
+    the DeepSpeed config (`WhatIfAnswer.plan` refuses it, as `train` would). A described
+    machine is neither probed nor its offload disk measured. `model_family`, `resolution`,
+    `train_batch_size`: a what-if job (`plan`'s flags); a family given is planned from its
+    built-in config, ZT_MODEL unresolved (nothing fetched for it)."""
+    from zerotuner.preflight.steps import ModelSource, PreflightRun  # torch, through lora
 
     overrides: dict[str, Any] = settings_overrides(what)
-    if model_family:
-        overrides["model_family"] = model_family
-    if resolution:
-        overrides["resolution"] = resolution
-    if train_batch_size:
-        overrides["train_batch_size"] = train_batch_size
-    effective = effective_settings(environ, **overrides)
-    settings, inputs = effective.settings, effective.inputs
-    model_dir = None
-    if model_family:  # what-if: the family's built-in config, whatever ZT_MODEL holds
-        shape = model_shape(model_family)
-    else:
-        source = resolve_model(settings, offline=effective.hub_offline)
-        expert = EXPERTS.get(settings.expert or "")  # A14B: the expert trained
-        shape = model_shape(source.family, source.local_dir, denoiser=expert)  # type: ignore[arg-type]
-        model_dir = source.local_dir
-    check_family_settings(settings, shape.family, shape)  # as `train` would refuse them
-    hardware = hardware_for(what, settings, ops=True)
-    topology = topology_for(settings, hardware, environ)
-    from zerotuner.preflight.steps import plan_for  # torch, through lora
-
-    plan = plan_for(
-        settings,
-        shape,
-        hardware,
-        base=inputs.deepspeed,
-        world_size=topology.world_size,
-        ranks_per_node=topology.nproc_per_node,
-        offload_disk_free=offload_disk_free(what, settings),
-        model_dir=model_dir,
-    )
-    return plan, hardware
+    job = {"model_family": model_family, "resolution": resolution,
+           "train_batch_size": train_batch_size}  # fmt: skip
+    overrides |= {name: value for name, value in job.items() if value}
+    run = None
+    if is_described(what):  # DeepSpeed only parses the JSON: skip its device probe
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")  # (whose warning goes to stdout)
+    try:
+        effective = effective_settings(environ, **overrides)
+        settings = effective.settings
+        hardware = hardware_for(what, settings)
+        run = PreflightRun(
+            effective, hardware=hardware, topology=topology_for(settings, hardware, environ),
+            require_fit=False, offload_disk_free=offload_disk_free(what, settings),
+            model=ModelSource(model_family, None, "--model-family") if model_family else None,
+        )  # fmt: skip
+        return WhatIfAnswer(what, run, result=run.run())
+    except ZeroTunerError as error:
+        return WhatIfAnswer(what, run, error)
 
 
 def plan_json(plan: Plan, hardware: Hardware) -> dict[str, Any]:
