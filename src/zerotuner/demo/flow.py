@@ -31,9 +31,9 @@ T5_MAX_TOKENS = 32
 
 
 def write_t5_tokenizer(folder: Path, corpus: list[str]):
-    """A T5TokenizerFast over the corpus's words (unigram, `▁` word starts, `</s>` appended)."""
+    """A T5 tokenizer over the corpus's words (unigram, `▁` word starts, `</s>` appended)."""
     from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
-    from transformers import T5TokenizerFast
+    from transformers import T5Tokenizer
 
     words = sorted(set(re.findall(r"[a-z]+", " ".join([*corpus, EXTRA_WORDS]).lower())))
     vocab = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0)]
@@ -45,7 +45,7 @@ def write_t5_tokenizer(folder: Path, corpus: list[str]):
     tok.post_processor = processors.TemplateProcessing(
         single="$A </s>", special_tokens=[("</s>", 1)]
     )
-    tokenizer = T5TokenizerFast(
+    tokenizer = T5Tokenizer(
         tokenizer_object=tok, eos_token="</s>", unk_token="<unk>", pad_token="<pad>",
         extra_ids=0, model_max_length=T5_MAX_TOKENS,
     )  # fmt: skip
@@ -61,8 +61,7 @@ def _t5(vocab_size: int, seed: int):
     return T5EncoderModel(
         T5Config(
             vocab_size=vocab_size, d_model=T5_WIDTH, d_ff=T5_WIDTH * 2, d_kv=16, num_layers=2,
-            num_heads=4, feed_forward_proj="gated-gelu", dense_act_fn="gelu_new",
-            is_gated_act=True, pad_token_id=0, eos_token_id=1,
+            num_heads=4, feed_forward_proj="gated-gelu", pad_token_id=0, eos_token_id=1,
         )
     )  # fmt: skip
 
@@ -133,10 +132,10 @@ def write_flow_model(
             vae=vae, text_encoder=clip_l, tokenizer=clip_tokenizer, text_encoder_2=clip_g,
             tokenizer_2=clip_tokenizer, text_encoder_3=t5, tokenizer_3=t5_tokenizer,
         )  # fmt: skip
-        clip_folders = ("tokenizer", "tokenizer_2")
+        clip_folders: tuple[str, ...] = ("tokenizer", "tokenizer_2")
     else:
         torch.manual_seed(seed + 1)
-        clip_l = CLIPTextModel(text_config(len(clip_tokenizer), 32))
+        clip = CLIPTextModel(text_config(len(clip_tokenizer), 32))
         torch.manual_seed(seed + 3)
         transformer = FluxTransformer2DModel(
             patch_size=1, in_channels=LATENT_CHANNELS * 4, num_layers=1, num_single_layers=1,
@@ -144,7 +143,7 @@ def write_flow_model(
             pooled_projection_dim=32, guidance_embeds=True, axes_dims_rope=(4, 6, 6),
         )  # fmt: skip
         pipe = FluxPipeline(
-            transformer=transformer, scheduler=dynamic_scheduler(), vae=vae, text_encoder=clip_l,
+            transformer=transformer, scheduler=dynamic_scheduler(), vae=vae, text_encoder=clip,
             tokenizer=clip_tokenizer, text_encoder_2=t5, tokenizer_2=t5_tokenizer,
         )  # fmt: skip
         clip_folders = ("tokenizer",)

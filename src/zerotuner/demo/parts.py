@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 from PIL import Image
 
@@ -173,14 +174,14 @@ def _exact_vae(vae) -> None:
     with torch.no_grad():
         for module in vae.modules():
             if isinstance(module, ResnetBlock2D):
-                module.conv2.weight.zero_(), module.conv2.bias.zero_()
+                _zero(module.conv2)
                 if module.conv_shortcut is not None:
                     _identity(module.conv_shortcut, tap=0)
             elif isinstance(module, Attention):
-                module.to_out[0].weight.zero_(), module.to_out[0].bias.zero_()
+                _zero(module.to_out[0])
             elif isinstance(module, Downsample2D):
                 conv = module.conv
-                conv.weight.zero_(), conv.bias.zero_()
+                _zero(conv)
                 for c in range(conv.out_channels):
                     conv.weight[c, c, :2, :2] = 0.25  # padding (0, 1, 0, 1), stride 2
             elif isinstance(module, Upsample2D):
@@ -198,15 +199,21 @@ def _exact_vae(vae) -> None:
             norm.weight.fill_(1.0), norm.bias.zero_()
 
 
+def _zero(layer: Any) -> None:
+    """A convolution's or linear layer's weight and bias (diffusers types its blocks' layers
+    loosely, and a bias as optional: the demo's all have one)."""
+    layer.weight.zero_(), layer.bias.zero_()
+
+
 def _identity(conv, *, tap: int) -> None:
-    conv.weight.zero_(), conv.bias.zero_()
+    _zero(conv)
     for c in range(min(conv.in_channels, conv.out_channels)):
         conv.weight[c, c, tap, tap] = 1.0
 
 
 def _pairs_in(conv, matrix) -> None:
     """conv(x) puts +/- (matrix @ x) in the channel pairs (4k, 4k + 1), zero elsewhere."""
-    conv.weight.zero_(), conv.bias.zero_()
+    _zero(conv)
     centre = conv.kernel_size[0] // 2
     for k, row in enumerate(matrix):
         conv.weight[4 * k, :, centre, centre] = row
@@ -215,7 +222,7 @@ def _pairs_in(conv, matrix) -> None:
 
 def _pairs_out(conv, matrix) -> None:
     """conv(silu(y)) = matrix @ (y over the pairs): silu(y) - silu(-y) = y."""
-    conv.weight.zero_(), conv.bias.zero_()
+    _zero(conv)
     centre = conv.kernel_size[0] // 2
     for k in range(matrix.shape[1]):
         conv.weight[: matrix.shape[0], 4 * k, centre, centre] = matrix[:, k]
@@ -230,11 +237,11 @@ def demo_pixels(data_dir: Path, count: int = 16):
 
     batch = []
     for path in sorted(data_dir.glob("*.png"))[:count]:  # enough for a stable estimate
-        with Image.open(path) as image:
-            side = min(image.size)
-            image = image.convert("RGB").crop((0, 0, side, side))
-            image = image.resize((DEMO_RESOLUTION, DEMO_RESOLUTION), Image.Resampling.BICUBIC)
-            batch.append(np.asarray(image, dtype=np.float32) / 127.5 - 1.0)
+        with Image.open(path) as file:
+            side = min(file.size)
+            square = file.convert("RGB").crop((0, 0, side, side))
+            square = square.resize((DEMO_RESOLUTION, DEMO_RESOLUTION), Image.Resampling.BICUBIC)
+            batch.append(np.asarray(square, dtype=np.float32) / 127.5 - 1.0)
     return torch.from_numpy(np.stack(batch)).permute(0, 3, 1, 2)
 
 

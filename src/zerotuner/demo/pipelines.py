@@ -15,6 +15,7 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 from PIL import Image, ImageDraw
@@ -109,8 +110,10 @@ def write_dataset(data_dir: Path, *, seed: int = 0, count: int = 64) -> Path:
 # images are plus which way it moves. PyAV (FFmpeg) writes H.264 .mp4, one .webm (VP8) and one
 # .gif: the formats a clip folder holds. 9 frames at 16 fps: Wan's 4k+1 at the rate it samples.
 CLIP_FRAMES, CLIP_FPS, CLIP_SIZE = 9, 16, 96
-CLIP_FORMATS = {".mp4": ("libx264", "yuv420p"), ".webm": ("libvpx", "yuv420p"),
-                ".gif": ("gif", "rgb8")}  # fmt: skip
+# (encoder, pixel format) by suffix: literal encoder names tell PyAV's types it is a video stream
+CLIP_FORMATS: dict[str, tuple[Literal["libx264", "libvpx", "gif"], str]] = {
+    ".mp4": ("libx264", "yuv420p"), ".webm": ("libvpx", "yuv420p"), ".gif": ("gif", "rgb8"),
+}  # fmt: skip
 
 
 def write_clips(data_dir: Path, *, count: int = 8) -> list[Path]:

@@ -56,8 +56,10 @@ def _text_encoder(tokenizer, seed: int):
     ids = {"pad_token_id": tokenizer.pad_token_id, "bos_token_id": tokenizer.pad_token_id,
            "eos_token_id": tokenizer.eos_token_id}  # fmt: skip
     torch.manual_seed(seed)
+    # A top-level vocab_size as Qwen-Image's own text encoder config has: outside transformers'
+    # signature, the config keeps it as an attribute.
     return Qwen2_5_VLForConditionalGeneration(
-        Qwen2_5_VLConfig(
+        Qwen2_5_VLConfig(  # type: ignore[call-arg]
             text_config={
                 "vocab_size": len(tokenizer), "hidden_size": QWEN_WIDTH,
                 "intermediate_size": QWEN_WIDTH * 2, "num_hidden_layers": 2,

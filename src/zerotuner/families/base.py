@@ -11,12 +11,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, Self
 
 import torch
 
 if TYPE_CHECKING:
     from zerotuner.settings.schema import Settings
+
+# Token ids, one row per text encoder: stacked when the encoders share a length (the UNet
+# families), a list when they do not (SD3's and Flux's T5 reads longer captions than CLIP).
+TokenIds = torch.Tensor | list[torch.Tensor]
 
 
 class TextParts(Protocol):
@@ -75,7 +79,7 @@ class ModelFamily:
     # the layout of pytorch_lora_weights_comfyui.safetensors: kohya's for the UNet families
     comfy_lora: ComfyLora = ComfyLora(kohya=True)
 
-    def configured(self, settings: Settings, source: Path | None = None) -> ModelFamily:
+    def configured(self, settings: Settings, source: Path | None = None) -> Self:
         """The family as this run's settings configure it (flow families: the T5 length; Wan
         2.2 A14B: the expert trained, read with its boundary from the pipeline at `source`)."""
         return self
@@ -131,11 +135,11 @@ class ModelFamily:
             return_tensors="pt",
         ).input_ids
 
-    def tokens(self, tokenizers: list[Any], captions: list[str]) -> torch.Tensor:
+    def tokens(self, tokenizers: list[Any], captions: list[str]) -> TokenIds:
         """Token ids of every encoder, stacked: (encoders, captions, max length) on the CPU."""
         return torch.stack([self.tokenize(t, captions) for t in tokenizers])
 
-    def embed(self, encoders: list[Any], ids: torch.Tensor) -> dict[str, torch.Tensor]:
+    def embed(self, encoders: list[Any], ids: TokenIds) -> dict[str, torch.Tensor]:
         """The model's text conditioning from token ids, with gradients (encoders that train:
         lora_text.py). SD 1.x/2.x: the text encoder's last hidden state."""
         (encoder,) = encoders
@@ -145,7 +149,7 @@ class ModelFamily:
     def encode_text(self, components: TextParts, captions: list[str]) -> dict[str, torch.Tensor]:
         """`embed` once per caption at caching time: per-example tensors on the CPU."""
         encoders = components.text_encoders
-        ids = self.tokens(components.tokenizers, captions).to(encoders[0].device)
+        ids = [i.to(encoders[0].device) for i in self.tokens(components.tokenizers, captions)]
         embeds = self.embed(encoders, ids)
         return {k: v.to(self.cache_dtype).cpu() for k, v in embeds.items()}
 

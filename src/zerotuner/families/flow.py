@@ -9,12 +9,12 @@ them equal), cached on disk in bf16: a T5 caption is max-sequence-length x 4096 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Self
 
 import torch
 import torch.nn.functional as F
 
-from zerotuner.families.base import ComfyLora, ModelFamily
+from zerotuner.families.base import ComfyLora, ModelFamily, TokenIds
 from zerotuner.families.registry import REGISTRY
 
 if TYPE_CHECKING:
@@ -40,7 +40,7 @@ class FlowFamily(ModelFamily):
         if not self.max_sequence_length:
             object.__setattr__(self, "max_sequence_length", REGISTRY[self.name].t5_tokens)
 
-    def configured(self, settings: Settings, source: Path | None = None) -> FlowFamily:
+    def configured(self, settings: Settings, source: Path | None = None) -> Self:
         """The family with the run's T5 length (ZT_MAX_SEQUENCE_LENGTH, else its default)."""
         if settings.max_sequence_length is None:
             return self
@@ -133,7 +133,7 @@ class SD3(FlowFamily):
         ("text_encoder_3", "tokenizer_3"),
     )
 
-    def embed(self, encoders: list[Any], ids: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+    def embed(self, encoders: list[Any], ids: TokenIds) -> dict[str, torch.Tensor]:
         """Both CLIPs' penultimate states side by side, zero-padded to T5's width and put
         before T5's states along the tokens; their pooled projections side by side."""
         *clips, t5 = encoders
@@ -159,7 +159,7 @@ class Flux(FlowFamily):
     )
     packed: bool = True
 
-    def embed(self, encoders: list[Any], ids: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+    def embed(self, encoders: list[Any], ids: TokenIds) -> dict[str, torch.Tensor]:
         """T5's states, and CLIP-L's pooled output."""
         clip, t5 = encoders
         return {

@@ -332,8 +332,9 @@ def video_shape(family: str, config: dict[str, Any], model_dir: Path | None) -> 
     head_dim = width // heads
     per_token = (WAN_TOKEN_WIDTH_BYTES * width + WAN_TOKEN_FFN_BYTES * int(config["ffn_dim"])
                  + WAN_TOKEN_BYTES + LSE_BYTES * heads)  # fmt: skip
+    patch_frames, patch_height, patch_width = (int(p) for p in config["patch_size"])
     return VideoShape(
-        temporal=temporal, spatial=spatial, patch=tuple(int(p) for p in config["patch_size"]),
+        temporal=temporal, spatial=spatial, patch=(patch_frames, patch_height, patch_width),
         layers=sum(int(config[key]) for key in spec.layer_keys), token_bytes=per_token,
         input_bytes=2 * width,
         text_bytes=(WAN_TEXT_WIDTH_BYTES * width + WAN_TEXT_BYTES) * spec.t5_tokens,

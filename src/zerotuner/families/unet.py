@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from zerotuner.families.base import ModelFamily
+from zerotuner.families.base import ModelFamily, TokenIds
 
 
 @dataclass(frozen=True)
@@ -32,13 +32,15 @@ class SDXL(ModelFamily):
 
         return StableDiffusionXLPipeline
 
-    def embed(self, encoders: list[Any], ids: torch.Tensor) -> dict[str, torch.Tensor]:
-        states, pooled = [], None
-        for encoder, encoder_ids in zip(encoders, ids, strict=True):
-            out = encoder(encoder_ids, output_hidden_states=True)
-            states.append(out.hidden_states[-2])
-            pooled = getattr(out, "text_embeds", None)
-        return {"prompt_embeds": torch.cat(states, dim=-1), "pooled_prompt_embeds": pooled}
+    def embed(self, encoders: list[Any], ids: TokenIds) -> dict[str, torch.Tensor]:
+        outputs = [
+            encoder(encoder_ids, output_hidden_states=True)
+            for encoder, encoder_ids in zip(encoders, ids, strict=True)
+        ]
+        return {
+            "prompt_embeds": torch.cat([out.hidden_states[-2] for out in outputs], dim=-1),
+            "pooled_prompt_embeds": outputs[-1].text_embeds,
+        }
 
     def model_kwargs(self, batch: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, Any]:
         return {

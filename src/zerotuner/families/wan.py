@@ -41,7 +41,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import torch
 
@@ -119,7 +119,7 @@ class Wan(FlowFamily):
     # loads as a model of its own there)
     comfy_lora: ComfyLora = ComfyLora(prefix="diffusion_model.", renames=WAN_ORIGINAL_NAMES)
 
-    def configured(self, settings: Any, source: Path | None = None) -> Wan:
+    def configured(self, settings: Any, source: Path | None = None) -> Self:
         """With ZT_EXPERT: the expert's folder as the denoiser, and the boundary between the
         experts read from the pipeline at `source`."""
         family = super().configured(settings, source)

@@ -187,6 +187,7 @@ class PatientBarrier:
             self._beat.join(timeout=BEAT_SECONDS)
 
     def _beat_loop(self) -> None:
+        assert self.store is not None  # __enter__ starts the beat only with a store
         key = f"{self.prefix}/beat/{self.rank}"
         while True:
             with contextlib.suppress(Exception):  # a store gone: the wait says so
@@ -196,18 +197,19 @@ class PatientBarrier:
 
     def wait(self) -> None:
         """Return once every rank has called wait() as many times as this one."""
-        if self.store is None or self.world == 1:
+        store = self.store
+        if store is None or self.world == 1:
             return
         self._rounds += 1
         key = f"{self.prefix}/round/{self._rounds}"
         beats: dict[int, tuple[int, float]] = {}  # rank -> (its count, when it last changed)
         checked = 0.0
         try:
-            self.store.add(key, 1)
-            while self.store.add(key, 0) < self.world:
+            store.add(key, 1)
+            while store.add(key, 0) < self.world:
                 time.sleep(POLL_SECONDS)
                 if time.monotonic() - checked > BEAT_SECONDS:
-                    self._check_alive(beats)  # one read per rank, once a beat
+                    self._check_alive(store, beats)  # one read per rank, once a beat
                     checked = time.monotonic()
         except ZeroTunerError:
             raise
@@ -217,10 +219,10 @@ class PatientBarrier:
                 "another node stopped"
             ) from None
 
-    def _check_alive(self, beats: dict[int, tuple[int, float]]) -> None:
+    def _check_alive(self, store: dist.Store, beats: dict[int, tuple[int, float]]) -> None:
         now = time.monotonic()
         for rank in self.watched:
-            count = self.store.add(f"{self.prefix}/beat/{rank}", 0)
+            count = store.add(f"{self.prefix}/beat/{rank}", 0)
             last = beats.get(rank)
             if last is None or last[0] != count:
                 beats[rank] = (count, now)

@@ -26,7 +26,7 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from datetime import timedelta
 from typing import Any
@@ -45,7 +45,7 @@ WATCH_SECONDS = 2.0  # how often a node's first rank reads the other nodes' coun
 DIAGNOSE_SECONDS = 3.0  # after a failed collective: a live rank counts up within this
 
 
-def die_with_parent(sig: int = signal.SIGKILL, *, environ: dict[str, str] | None = None) -> bool:
+def die_with_parent(sig: int = signal.SIGKILL, *, environ: Mapping[str, str] | None = None) -> bool:
     """Have the kernel send `sig` to this process when its parent dies; exit at once if the
     parent died already (before this call). False where the platform has no such signal."""
     environ = os.environ if environ is None else environ
@@ -285,7 +285,7 @@ def start_watch(
     master_port: int,
     silent_seconds: float,
     on_lost: Callable[[LostPeers], None] | None,
-    environ: dict[str, str] | None = None,
+    environ: Mapping[str, str] | None = None,
 ) -> PeerWatch | None:
     """The watch of a multi-node job's rank (None for a job on one node, or without a store
     to reach: there is no other node to lose)."""

@@ -22,7 +22,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from zerotuner.errors import (
     EXIT_CONFIG,
@@ -39,6 +39,9 @@ from zerotuner.launch.job import JOB_FILE_ENV, LAUNCHER_PID_ENV
 from zerotuner.launch.records import STATUS_DIR_ENV, read_armed_ranks, read_rank_statuses
 from zerotuner.machine.hardware import Hardware
 from zerotuner.machine.ops import deepspeed_arch_list
+
+if TYPE_CHECKING:
+    import psutil
 
 log = logging.getLogger(__name__)
 
@@ -236,7 +239,7 @@ def exit_code(torchrun_code: int, statuses: list[Any], *, signalled: bool) -> in
     return EXIT_FAILURE
 
 
-def _descendants(pid: int) -> set[Any]:
+def _descendants(pid: int) -> set[psutil.Process]:
     """psutil handles (not bare pids: a handle refuses to signal a reused pid)."""
     import psutil
 
@@ -246,7 +249,7 @@ def _descendants(pid: int) -> set[Any]:
         return set()
 
 
-def _kill(processes: set[Any]) -> None:
+def _kill(processes: set[psutil.Process]) -> None:
     import psutil
 
     for process in processes:
@@ -254,7 +257,7 @@ def _kill(processes: set[Any]) -> None:
             process.kill()
 
 
-def _kill_all(proc: subprocess.Popen, known: set[Any]) -> None:
+def _kill_all(proc: subprocess.Popen, known: set[psutil.Process]) -> None:
     """SIGKILL torchrun's group and every worker (each in a session of its own)."""
     _kill(known | _descendants(proc.pid))
     with contextlib.suppress(ProcessLookupError):
@@ -289,7 +292,9 @@ class Ranks:
         self.grace_seconds, self.expected_ranks = grace_seconds, expected_ranks
         self.released = released
         self.launcher = "torchrun" if "zerotuner.launch.torchrun" in argv else "the rank"
-        self.signals, self.deadline, self.known = 0, None, set()
+        self.signals = 0
+        self.deadline: float | None = None  # when the first signal's grace runs out
+        self.known: set[psutil.Process] = set()  # the workers seen so far
         self.signal_name = "signal"  # the first one's name
         self.proc: subprocess.Popen | None = None
         pending = None

@@ -347,8 +347,11 @@ def mounted_offload_device(
         raise ConfigError(f"ZT_OFFLOAD_DEVICE={device}: not a block device")
     path = Path(path)
     current = mount_for(path.absolute(), _read_mounts())
-    here = current is not None and current.mount_point == str(path.absolute())
-    if here and os.path.realpath(current.source) == os.path.realpath(device):
+    if (
+        current is not None
+        and current.mount_point == str(path.absolute())
+        and os.path.realpath(current.source) == os.path.realpath(device)
+    ):
         yield f"{device} already mounted at {path}"
         return
     fs = filesystem_of(device)

@@ -147,6 +147,7 @@ class StrictRequests(BaseHTTPRequestHandler):
 
     # Errors found before the version is parsed (HTTP/2.0 -> 505) still get a status line.
     default_request_version = "HTTP/1.0"
+    raw_requestline: bytes  # set by `handle_one_request` before it parses (typeshed omits it)
 
     def parse_request(self) -> bool:
         if len(self.raw_requestline.split()) == 2:  # HTTP/0.9: no version, and no headers come

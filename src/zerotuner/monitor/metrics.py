@@ -186,7 +186,8 @@ class DeviceMemory:
 
 
 class MemoryProbe(Protocol):
-    gpu_uuid: str | None
+    @property
+    def gpu_uuid(self) -> str | None: ...  # read only: a probe's may be narrower (CPU: None)
 
     def sample(self) -> DeviceMemory: ...
 

@@ -59,8 +59,8 @@ def loss_curve_png(steps_jsonl: Path, out_png: Path, *, title: str = "training l
             ax.plot(steps, losses, color="tab:blue", alpha=0.3, linewidth=1, label="loss")
             ax.plot(steps, smooth(losses), color="tab:blue", linewidth=2, label="smoothed")
             handles = ax.get_lines()
-            lrs = [r.get("lr") for r in records]
-            if all(isinstance(v, int | float) for v in lrs):
+            lrs = [lr for r in records if isinstance(lr := r.get("lr"), int | float)]
+            if len(lrs) == len(records):  # every step logged its rate
                 twin = ax.twinx()
                 (lr_line,) = twin.plot(
                     steps, lrs, color="tab:orange", linestyle="--", linewidth=1, label="lr"

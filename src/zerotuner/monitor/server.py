@@ -31,7 +31,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import IO, Any, BinaryIO, TypedDict, cast
 from wsgiref.simple_server import ServerHandler, WSGIRequestHandler, WSGIServer
 
 from prometheus_client import CollectorRegistry, make_wsgi_app
@@ -287,10 +287,28 @@ class _Server(ConnectionLimits, WSGIServer):
     connections."""
 
 
+class _Server6(_Server):
+    address_family = socket.AF_INET6
+
+
+class _Limits(TypedDict):
+    """`ConnectionLimits`' keyword arguments."""
+
+    idle_timeout: float
+    request_timeout: float
+    max_connections: int
+    priority_paths: tuple[str, ...]
+
+
 class _Answer(ServerHandler):
     """wsgiref's handler, minus its tracebacks on stderr (the training log): a client that
     stops reading or hangs up mid-answer (a timeout, a reset) is its own doing, one debug line;
     anything else is a bug of the page, one error line, its traceback at debug level."""
+
+    # Set by wsgiref as it answers (typeshed leaves them out).
+    environ: dict[str, Any]
+    headers_sent: bool
+    request_handler: WSGIRequestHandler  # its close() logs the request through it
 
     def handle_error(self) -> None:
         error = sys.exc_info()[1]
@@ -306,6 +324,8 @@ class _Answer(ServerHandler):
 
 
 class _QuietHandler(StrictRequests, WSGIRequestHandler):
+    server: _Server
+
     def log_message(self, format: str, *args: Any) -> None:
         pass  # one line per scrape would drown the training log
 
@@ -318,10 +338,13 @@ class _QuietHandler(StrictRequests, WSGIRequestHandler):
             return
         if not self.parse_request():  # an error status was sent
             return
-        handler = _Answer(self.rfile, self.wfile, self.get_stderr(), self.get_environ(),
-                          multithread=False)  # fmt: skip
-        handler.request_handler = self  # type: ignore[attr-defined] - for its log line
-        handler.run(self.server.get_app())
+        # wsgiref only writes and flushes: the socket's BufferedIOBase serves as IO[bytes].
+        handler = _Answer(self.rfile, cast(IO[bytes], self.wfile), self.get_stderr(),
+                          self.get_environ(), multithread=False)  # fmt: skip
+        handler.request_handler = self
+        app = self.server.get_app()
+        assert app is not None  # MetricsServer.start sets it before serving
+        handler.run(app)
 
 
 def _not_found(start_response: Callable[..., Any]) -> list[bytes]:
@@ -368,12 +391,12 @@ class MetricsServer:
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(self.collector)
         self._metrics_app = make_wsgi_app(self.registry)
-        self._limits = {
-            "idle_timeout": idle_timeout,
-            "request_timeout": request_timeout,
-            "max_connections": max_connections,
-            "priority_paths": PROBES,
-        }
+        self._limits = _Limits(
+            idle_timeout=idle_timeout,
+            request_timeout=request_timeout,
+            max_connections=max_connections,
+            priority_paths=PROBES,
+        )
         self._httpd: _Server | None = None
         self._thread: threading.Thread | None = None
         # The run page: OUTPUT/run records, and per-rank metrics sampled every few seconds.
@@ -485,9 +508,7 @@ class MetricsServer:
                 continue
 
     def start(self) -> MetricsServer:
-        server_class = _Server
-        if ":" in self.host:  # an IPv6 address such as "::"
-            server_class = type("_Server6", (_Server,), {"address_family": socket.AF_INET6})
+        server_class = _Server6 if ":" in self.host else _Server  # an IPv6 address such as "::"
         try:
             self._httpd = server_class((self.host, self._port), _QuietHandler, **self._limits)
         except OSError as exc:

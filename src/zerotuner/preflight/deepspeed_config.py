@@ -29,6 +29,7 @@ from zerotuner.preflight.plan import bucket as plan_bucket
 from zerotuner.preflight.plan import resolve_precision
 from zerotuner.settings.config_values import (
     coerce_numbers,
+    config_section,
     deepspeed_accepts,
     is_number,
     no_auto_left,
@@ -151,6 +152,7 @@ def _batch(ctx: _Context, world_size: int) -> None:
         accum = s.gradient_accumulation_steps
     if total is not None and (micro is None or accum is None):
         known = micro if micro is not None else accum
+        assert known is not None  # with both unset, accumulation took its setting above
         if total % (known * world_size):
             n.error(
                 f"train_batch_size={total} is not divisible by "
@@ -194,9 +196,7 @@ OPTIMIZER_DEFAULTS: dict[str, dict[str, Any]] = {
 
 def _optimizer(ctx: _Context) -> None:
     cfg, s, n = ctx.cfg, ctx.settings, ctx.n
-    section = cfg.get("optimizer")
-    if not isinstance(section, dict):
-        section = {}
+    section = config_section(cfg, "optimizer")
     given = section.get("type")
     if given in (None, "auto") or "optimizer" in ctx.explicit:
         if given not in (None, "auto") and given != s.optimizer:
@@ -212,8 +212,7 @@ def _optimizer(ctx: _Context) -> None:
         stage_note = " (1-bit optimizers refuse ZeRO stages >= 1)" if name in ONE_BIT else ""
         n.error(f"optimizer {name}: {REFUSED[name]}{stage_note}; valid: {valid_optimizer_names()}")
         return
-    params = section.get("params") if isinstance(section.get("params"), dict) else {}
-    params = dict(params)
+    params = dict(config_section(section, "params"))
     if "max_grad_norm" in params:
         clip = params.pop("max_grad_norm")
         if cfg.get("gradient_clipping") in (None, "auto") and is_number(clip):
@@ -293,8 +292,7 @@ def _scheduler(ctx: _Context) -> None:
 
 def _precision(ctx: _Context, hardware: Hardware) -> str:
     cfg, s, n = ctx.cfg, ctx.settings, ctx.n
-    bf16 = cfg.get("bf16") if isinstance(cfg.get("bf16"), dict) else {}
-    fp16 = cfg.get("fp16") if isinstance(cfg.get("fp16"), dict) else {}
+    bf16, fp16 = config_section(cfg, "bf16"), config_section(cfg, "fp16")
     if bf16.get("enabled") is True and fp16.get("enabled") is True:
         n.error(f"bf16 and fp16 are both enabled in {ctx.source}: enable at most one")
         return "no"
@@ -369,7 +367,7 @@ def _zero(ctx: _Context, d: Decisions, hardware: Hardware, shape: ModelShape) ->
 def _sub_group(ctx: _Context, zero: dict[str, Any]) -> None:
     """NVMe optimizer: one sub-group's fp32 state sits in host buffers (DeepSpeed's default,
     1e9 elements, is the whole of most models); the planner's host row counts SUB_GROUP_NVME."""
-    size = zero.get("sub_group_size")
+    size = zero.get("sub_group_size", "auto")
     if size in (None, "auto"):
         zero["sub_group_size"] = SUB_GROUP_NVME
         ctx.n.info(f"zero_optimization.sub_group_size={SUB_GROUP_NVME} (NVMe optimizer swap)")
@@ -436,7 +434,7 @@ def _offload_section(
     else:
         section.pop("nvme_path", None)
     if key == "offload_param":
-        size = section.get("buffer_size")
+        size = section.get("buffer_size", "auto")
         largest = shape.largest_param
         if size in (None, "auto"):
             section["buffer_size"] = max(largest, min(100_000_000, shape.denoiser_params // 8))
@@ -450,7 +448,7 @@ def _offload_section(
         if section.get("buffer_count") in (None, "auto"):
             section["buffer_count"] = DEFAULT_PARAM_BUFFERS
     elif target == "nvme":
-        count = section.get("buffer_count")
+        count = section.get("buffer_count", "auto")
         if count in (None, "auto") or int(count) < MIN_NVME_OPTIMIZER_BUFFERS:
             if count not in (None, "auto"):
                 n.change(f"offload_optimizer.buffer_count {count} -> 4 (DeepSpeed needs >= 4)")

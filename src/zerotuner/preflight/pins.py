@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from zerotuner.errors import ConfigError
-from zerotuner.settings.config_values import is_number
+from zerotuner.settings.config_values import config_section, is_number
 from zerotuner.settings.schema import Settings, env_name
 
 
@@ -44,8 +44,7 @@ def config_precision(base: dict[str, Any]) -> str | None:
     """The precision a raw DeepSpeed config's bf16 / fp16 sections ask for: the one enabled,
     no (fp32) when it disables every one it has, None when it says nothing (or enables both:
     an error that normalize reports)."""
-    bf16 = base.get("bf16") if isinstance(base.get("bf16"), dict) else {}
-    fp16 = base.get("fp16") if isinstance(base.get("fp16"), dict) else {}
+    bf16, fp16 = config_section(base, "bf16"), config_section(base, "fp16")
     if bf16.get("enabled") is True:
         return None if fp16.get("enabled") is True else "bf16"
     if fp16.get("enabled"):
@@ -83,7 +82,7 @@ def pins(settings: Settings, base: dict[str, Any]) -> Pins:
         else:
             offloads[key] = str(device).lower()
             names[key] = f"zero_optimization.{key}.device"
-    precision = settings.mixed_precision
+    precision: str = settings.mixed_precision
     if "mixed_precision" not in settings.model_fields_set:
         precision = config_precision(base) or precision
     return Pins(stage, offloads["offload_optimizer"], offloads["offload_param"], names, precision)

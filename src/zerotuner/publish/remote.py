@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import uuid
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Protocol
 
@@ -33,7 +33,7 @@ class Store(Protocol):
     def list(self, prefix: str) -> dict[str, int]:
         """Keys under `prefix` (a folder, ending in /) with their sizes in bytes."""
 
-    def upload(self, files: list[tuple[Path, str]], message: str) -> None:
+    def upload(self, files: Sequence[tuple[Path, str]], message: str) -> None:
         """Put local files at keys; on the Hub one commit, on S3 one object after another."""
 
     def download(self, key: str, path: Path) -> None: ...
@@ -130,7 +130,7 @@ class S3Store:
                 found[key] = (item["Size"], item.get("ETag", "").strip('"'))
         return found
 
-    def upload(self, files: list[tuple[Path, str]], message: str) -> None:
+    def upload(self, files: Sequence[tuple[Path, str]], message: str) -> None:
         for path, key in files:
             # SHA-256 checksum: the service rejects a body that differs from what was read.
             self._call(
@@ -205,7 +205,7 @@ class HubStore:
             raise
         return {e.path: e.size for e in found if isinstance(e, RepoFile)}
 
-    def upload(self, files: list[tuple[Path, str]], message: str) -> None:
+    def upload(self, files: Sequence[tuple[Path, str]], message: str) -> None:
         from huggingface_hub import CommitOperationAdd
 
         self._ensure_repo()

@@ -29,6 +29,13 @@ BOOL_KEYS = {
 }  # fmt: skip
 
 
+def config_section(config: dict[str, Any], key: str) -> dict[str, Any]:
+    """`config[key]` when it is a mapping, else an empty one (absent, or of a type that
+    DeepSpeed's own parser reports)."""
+    section = config.get(key)
+    return section if isinstance(section, dict) else {}
+
+
 def is_number(value: Any) -> bool:
     if isinstance(value, bool):
         return False

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic_core import ErrorDetails
 
 from zerotuner.errors import ConfigError
 from zerotuner.settings.files import load_mapping, short_repr
@@ -171,7 +172,7 @@ def sources(settings: Settings) -> list[DatasetSource]:
     return found
 
 
-def _message(error: dict) -> str:
+def _message(error: ErrorDetails) -> str:
     text = str(error["msg"])
     return text.removeprefix("Value error, ")
 

@@ -63,7 +63,8 @@ class _Loader(yaml.SafeLoader):
         _check_expansion(node)
         return self.construct_document(node)
 
-    def construct_mapping(self, node: yaml.Node, deep: bool = False) -> dict[Any, Any]:
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        # A mis-tagged scalar (`!!map x`) arrives here too: SafeConstructor refuses it below.
         if isinstance(node, yaml.MappingNode):
             seen: set[Any] = set()
             for key_node, _ in node.value:
