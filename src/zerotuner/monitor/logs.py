@@ -64,11 +64,22 @@ KNOWN_NOISE: dict[str, tuple[str, ...]] = {
     "py.warnings": (
         "FutureWarning: `torch.distributed.all_gather_into_tensor` is deprecated",
         "FutureWarning: `torch.distributed.reduce_scatter_tensor` is deprecated",
+        # peft's LoRA on a torchao weight (ZT_BASE_PRECISION) cannot merge into it: the export
+        # merges into the base read afresh instead
+        "TorchaoLoraLinear was instantiated without `get_apply_tensor_subclass`",
     ),
     # Validation samples of a LoRA run load a UNet-only adapter into the whole pipeline.
     "diffusers.loaders.lora_base": ("No LoRA keys associated to CLIPTextModel",),
     # First start of a fresh container: matplotlib builds its font cache for the loss plot.
     "matplotlib.font_manager": ("generated new fontManager",),
+    # torchao (ZT_BASE_PRECISION's storage), imported by diffusers whenever installed: kernels
+    # built for other Pythons or GPUs than this one, and Triton's absent on a CPU (its
+    # weight-only paths need neither), a deprecated registration it makes, and diffusers'
+    # loader of torchao checkpoints, unused.
+    "torchao": ("Failed to load",),
+    "torchao.kernel.intmm": ("Detected no triton",),
+    "torch.utils._pytree": ("is an Enum subclass and is now natively supported",),
+    "diffusers.quantizers.torchao.torchao_quantizer": ("Unable to import `torchao` Tensor",),
 }
 # Libraries whose DEBUG lines are per-file internals (PNG chunks, font scoring): INFO at most.
 CHATTY_LOGGERS = ("PIL", "matplotlib")

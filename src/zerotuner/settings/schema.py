@@ -273,6 +273,15 @@ class Settings(BaseSettings):
         "diffusers' SDXL DreamBooth LoRA example); captions are then encoded at every step, "
         "not cached.",
     )
+    base_precision: Literal["auto", "fp8", "int8"] = Field(
+        "auto",
+        description="LoRA: how the frozen base's weights are stored: `auto` at the run's "
+        "precision; `fp8` (e4m3) or `int8`, each with a scale per output channel (torchao's "
+        "weight-only storage), upcast layer by layer for the matmul: the blocks' Linear "
+        "layers take about half the bytes of bf16 (norms, embedders, the first and last "
+        "layers keep the run's precision). The adapter trains at the run's precision; ZeRO "
+        "0-2.",
+    )
 
     # --- DeepSpeed ------------------------------------------------------------------------
     zero_stage: Auto | Literal[0, 1, 2, 3] = Field(

@@ -24,7 +24,7 @@ import torch
 from zerotuner.errors import ConfigError
 from zerotuner.settings.notes import Note
 from zerotuner.settings.schema import Settings, env_name
-from zerotuner.weights import zero_init
+from zerotuner.weights import base_precision, zero_init
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +67,7 @@ def check_settings(settings: Settings) -> None:
                         f"true: not offered; set {env_name('lora_init')}=gaussian or unset "
                         f"{env_name(name)}"
                     )
+    problems.extend(base_precision.settings_problems(settings))  # ZT_BASE_PRECISION's
     if problems:
         raise ConfigError(problems[0], problems=problems)
 
@@ -211,8 +212,10 @@ def check_targets(
 
 
 def check_init_stage(settings: Settings, zero_stage: int) -> None:
-    """PiSSA / OLoRA read and rewrite the base weights as the adapter is added: ZeRO-3 holds
-    only a shard of each."""
+    """The LoRA settings against the stage the plan chose. PiSSA / OLoRA read and rewrite the
+    base weights as the adapter is added: ZeRO-3 holds only a shard of each; a base stored at
+    a low precision (ZT_BASE_PRECISION) cannot be partitioned."""
+    base_precision.check_stage(settings, zero_stage)
     if settings.training_type == "lora" and settings.lora_init != "gaussian" and zero_stage == 3:
         raise ConfigError(
             f"{env_name('lora_init')}={settings.lora_init}: {INITS[settings.lora_init]} reads "
