@@ -393,7 +393,7 @@ def test_node_1_killed_whole_node_0_says_so_and_a_restart_resumes(demo_dir, tmp_
 
 
 def test_lost_line_without_a_checkpoint(tmp_path):
-    from zerotuner.train.worker import Whereabouts, lost_line
+    from zerotuner.train.lost_peer import Whereabouts, lost_line
 
     where = Whereabouts()
     where.on_phase("caching")

@@ -18,7 +18,7 @@ from zerotuner.errors import EXIT_DIVERGED, Diverged
 from zerotuner.launch.records import StepRecord
 from zerotuner.monitor.metrics import PrometheusSink
 from zerotuner.train import nonfinite
-from zerotuner.train.loop import StepsJsonlSink
+from zerotuner.train.sinks import StepsJsonlSink
 
 # One rank, a real engine per case, set up as the worker does (foreach clip, the ZeRO-0
 # guard); each micro-batch's loss goes through nonfinite.poison as in loop.forward_backward.

@@ -8,12 +8,9 @@ what the uninterrupted run would have drawn, with no RNG state to carry in check
 
 from __future__ import annotations
 
-import json
-import math
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -30,7 +27,7 @@ def step_generator(seed: int, step: int, micro: int, rank: int) -> torch.Generat
 
 @dataclass
 class LoopContext:
-    """What the loop needs besides the engine; built once by the worker."""
+    """What the loop needs besides the engine; built once per run (zerotuner.train.run)."""
 
     conditioning: Any  # the family (base.ModelFamily): model_kwargs from a batch
     objective: Any  # base.Objective: the family's loss
@@ -141,56 +138,3 @@ LOSS_SCALE_FLOOR = "loss scale already at minimum"
 
 def _resume_hint(ctx: LoopContext) -> str:
     return resume_hint(ctx.streak.last_checkpoint() if ctx.streak else None)
-
-
-class StepsJsonlSink:
-    """OUTPUT/run/steps.jsonl: one line per optimizer step (rank 0). At the first record, lines
-    from that step on are dropped (left by a run that went further than its last checkpoint),
-    so after a resume the file continues with the next step."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self._file: Any = None
-
-    def _open(self, first_step: int) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        kept = []
-        if self.path.exists():
-            for line in self.path.read_text().splitlines():
-                try:
-                    if json.loads(line)["step"] < first_step:
-                        kept.append(line)
-                except (ValueError, KeyError, TypeError):
-                    continue  # a line cut by a crash
-        self.path.write_text("".join(f"{line}\n" for line in kept))
-        self._file = self.path.open("a", buffering=1)
-
-    def on_phase(self, phase: str) -> None:
-        pass
-
-    def on_step(self, record: StepRecord) -> None:
-        if self._file is None:
-            self._open(record.step)
-        line = {
-            "step": record.step,
-            "loss": _finite_or_none(record.loss),  # strict JSON: no NaN or Infinity
-            "lr": record.lr,
-            "step_seconds": round(record.step_seconds, 6),
-            "samples": record.samples,
-            "grad_norm": _finite_or_none(record.grad_norm),
-            "timestamp": record.timestamp,
-            "skipped": record.skipped,  # non-finite: the weights did not change (nonfinite)
-        }
-        self._file.write(json.dumps(line) + "\n")
-
-    def on_checkpoint(self, step: int, seconds: float) -> None:
-        if self._file is not None:
-            self._file.flush()
-
-    def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
-
-
-def _finite_or_none(value: float | None) -> float | None:
-    return value if value is not None and math.isfinite(value) else None

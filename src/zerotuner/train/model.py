@@ -3,7 +3,7 @@
 The denoiser (a UNet, or a transformer) is trained. The VAE and text encoders are frozen:
 they encode the dataset once (see cache.py) and are then dropped. What distinguishes the
 families lives in one module per family (families/), so the training loop has no family
-flags. This module knows nothing about distribution: deepspeed.initialize is in worker.py.
+flags. This module knows nothing about distribution: deepspeed.initialize is in run.py.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ right before `deepspeed.initialize`:
   (bounded: blocks x buckets graphs, the recompile limit raised to that so no block falls back
   to eager). Dynamic H/W would need one graph per block, but inductor's CPU backend fails on
   the UNet blocks with symbolic sizes (torch 2.13: "cannot determine truth value of
-  Relational"). `graphs_built()` says how many were built; the worker logs it.
+  Relational"). `graphs_built()` says how many were built; the rank's run logs it.
 - PyTorch's fused attention (SDPA): diffusers' default processors already call it; any plain
   `AttnProcessor` left (a model saved with one set) is replaced by `AttnProcessor2_0`.
 - Not done, on purpose: fused QKV (`fuse_qkv_projections`) adds `to_qkv` beside to_q/k/v, so

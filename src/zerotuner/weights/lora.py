@@ -7,8 +7,9 @@ moments); peft's DoRA and rsLoRA variants are settings. DoRA works at every stag
 the base weight it reads outside the base layer's forward is gathered by DeepSpeed on access
 (its external-parameter hook on `module._parameters`).
 
-This module holds the settings, the adapter's definition and the resume checks; the files it
-becomes are written by zerotuner.weights.lora_files.
+This module holds the settings, the adapter's definition and the resume checks; a training rank
+adds the adapter through zerotuner.weights.training_type, and the files it becomes are written
+by zerotuner.weights.lora_files.
 """
 
 from __future__ import annotations
@@ -318,15 +319,6 @@ def shapes(module: torch.nn.Module) -> dict[str, tuple[int, ...]]:
     }
 
 
-def manifest_entries(settings: Settings, *, base_digest: str | None = None) -> dict[str, Any]:
-    """What a checkpoint's manifest records about the training type (and the adapter's
-    settings and base), so that a resume cannot mix a LoRA and a full run or two bases."""
-    entries: dict[str, Any] = {"training_type": settings.training_type}
-    if settings.training_type == "lora":
-        entries["lora"] = adapter_settings(settings) | {"base_unet_sha256": base_digest}
-    return entries
-
-
 def base_folders(source: Path, *, text_encoder: bool, denoiser: str | None = None) -> list[str]:
     """The pipeline parts an adapter sits on: the UNet (`denoiser`: that folder, Wan 2.2 A14B's
     expert), and the text encoders if they train."""
@@ -409,7 +401,7 @@ def check_resume(manifest: dict[str, Any], settings: Settings, path: Path) -> No
     if wanted != "lora":
         return
     before = {"dora": False, "text_encoder": False, "init": "gaussian"} | manifest.get("lora", {})
-    now = manifest_entries(settings)["lora"]
+    now = adapter_settings(settings)
     for key, setting in (
         ("rank", "lora_rank"), ("targets", "lora_targets"), ("dora", "lora_dora"),
         ("text_encoder", "lora_text_encoder"), ("init", "lora_init"),
