@@ -10,6 +10,7 @@ import argparse
 import importlib
 import logging
 import sys
+from types import ModuleType
 
 from zerotuner import __version__
 from zerotuner.errors import ZeroTunerError
@@ -43,7 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _module(name: str):
+def _module(name: str) -> ModuleType:
     return importlib.import_module(f"zerotuner.commands.{name}")
 
 

@@ -22,7 +22,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from zerotuner.demo.pipelines import DEMO_RESOLUTION, write_demo
+    from zerotuner.demo.parts import DEMO_RESOLUTION
+    from zerotuner.demo.pipelines import write_demo
 
     paths = write_demo(args.dir, seed=args.seed, family=args.family)
     root, model, data = paths.root.resolve(), paths.model.resolve(), paths.data.resolve()

@@ -14,6 +14,7 @@ import os
 import tempfile
 from contextlib import ExitStack
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from zerotuner.errors import EXIT_OK, ZeroTunerError
 from zerotuner.launch.ranks import resolve_topology, start_ranks
@@ -24,6 +25,10 @@ from zerotuner.monitor.logs import rank_level, setup_logging
 from zerotuner.settings.effective import Effective, effective_settings
 from zerotuner.settings.folders import require_writable
 from zerotuner.settings.schema import Settings
+
+if TYPE_CHECKING:  # types only: each is imported where it is used, when the run needs it
+    from zerotuner.monitor.server import MetricsServer
+    from zerotuner.publish.push import Pusher
 
 log = logging.getLogger("zerotuner.train")
 
@@ -53,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
         return code
 
 
-def _start_metrics(settings: Settings, stack: ExitStack):  # noqa: ANN202 - optional server
+def _start_metrics(settings: Settings, stack: ExitStack) -> MetricsServer | None:
     if not settings.metrics_port:
         return None
     from zerotuner.monitor.server import MetricsServer, prepare_metrics_dir
@@ -74,7 +79,7 @@ def _start_metrics(settings: Settings, stack: ExitStack):  # noqa: ANN202 - opti
     return server
 
 
-def _train(effective: Effective, server, stack: ExitStack) -> int:  # noqa: ANN001
+def _train(effective: Effective, server: MetricsServer | None, stack: ExitStack) -> int:
     settings = effective.settings
     # Enough to place the ranks (no DeepSpeed op builders: on the CPU, no torch import yet).
     facts = probe_facts(settings.device, os.environ, ops=False)
@@ -116,7 +121,7 @@ def _train(effective: Effective, server, stack: ExitStack) -> int:  # noqa: ANN0
 FINAL_UPLOAD_SECONDS = 3600.0
 
 
-def _finish_pushing(pusher, settings: Settings, code: int) -> None:  # noqa: ANN001
+def _finish_pushing(pusher: Pusher, settings: Settings, code: int) -> None:
     from zerotuner.publish.model_card import model_card
 
     ok = code == EXIT_OK

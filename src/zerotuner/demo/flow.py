@@ -15,6 +15,7 @@ import re
 import shutil
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from zerotuner.demo.parts import (
     EXTRA_WORDS,
@@ -25,12 +26,16 @@ from zerotuner.demo.parts import (
 )
 from zerotuner.families.registry import Family
 
+if TYPE_CHECKING:
+    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler
+    from transformers import T5EncoderModel, T5Tokenizer
+
 LATENT_CHANNELS = 16  # SD3's and Flux's VAEs
 T5_WIDTH = 64  # T5's d_model: SD3 pads the CLIP states (32 + 32) to it
 T5_MAX_TOKENS = 32
 
 
-def write_t5_tokenizer(folder: Path, corpus: list[str]):
+def write_t5_tokenizer(folder: Path, corpus: list[str]) -> T5Tokenizer:
     """A T5 tokenizer over the corpus's words (unigram, `▁` word starts, `</s>` appended)."""
     from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
     from transformers import T5Tokenizer
@@ -53,7 +58,7 @@ def write_t5_tokenizer(folder: Path, corpus: list[str]):
     return tokenizer
 
 
-def _t5(vocab_size: int, seed: int):
+def _t5(vocab_size: int, seed: int) -> T5EncoderModel:
     import torch
     from transformers import T5Config, T5EncoderModel
 
@@ -66,7 +71,7 @@ def _t5(vocab_size: int, seed: int):
     )  # fmt: skip
 
 
-def _vae(seed: int, data_dir: Path | None):
+def _vae(seed: int, data_dir: Path | None) -> AutoencoderKL:
     """demo/parts.py's exact VAE (average-pooling encoder, nearest-upsampling decoder) with 16
     latent channels, scaled to unit variance on the demo images, and a shift factor as SD3's
     and Flux's VAEs have (so the shift path is exercised)."""
@@ -76,7 +81,7 @@ def _vae(seed: int, data_dir: Path | None):
     return vae
 
 
-def dynamic_scheduler(**config):
+def dynamic_scheduler(**config: Any) -> FlowMatchEulerDiscreteScheduler:
     """FLUX.1's flow-matching Euler scheduler (dynamic shifting) at the demo's sizes."""
     from diffusers import FlowMatchEulerDiscreteScheduler
 
@@ -86,7 +91,7 @@ def dynamic_scheduler(**config):
     )  # fmt: skip
 
 
-def save_pipeline(model_dir: Path, work: Path, pipeline: type, **parts) -> Path:
+def save_pipeline(model_dir: Path, work: Path, pipeline: type, **parts: Any) -> Path:
     """`pipeline(**parts)` saved into `model_dir`; the tokenizers' scratch folder removed."""
     pipeline(**parts).save_pretrained(model_dir, safe_serialization=True)
     shutil.rmtree(work, ignore_errors=True)

@@ -18,8 +18,18 @@ from __future__ import annotations
 import re
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from zerotuner.demo.parts import EXTRA_WORDS, demo_pixels
+
+if TYPE_CHECKING:
+    from diffusers import AutoencoderKLFlux2
+    from transformers import (
+        Mistral3ForConditionalGeneration,
+        PreTrainedModel,
+        PreTrainedTokenizerFast,
+        Qwen3ForCausalLM,
+    )
 
 TEXT_WIDTH = 16  # the encoders' hidden size: the transformer takes 3 layers' states side by side
 MARKERS = ("<s>", "</s>", "<unk>", "<pad>", "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]", "[INST]",
@@ -33,7 +43,7 @@ CHAT_TEMPLATE = (
 )
 
 
-def write_mistral_tokenizer(folder: Path, corpus: list[str]):
+def write_mistral_tokenizer(folder: Path, corpus: list[str]) -> PreTrainedTokenizerFast:
     """A unigram tokenizer over the corpus's words with Mistral's markers; Flux2Pipeline's
     system message is one added token."""
     from diffusers.pipelines.flux2.system_messages import SYSTEM_MESSAGE
@@ -58,7 +68,7 @@ def write_mistral_tokenizer(folder: Path, corpus: list[str]):
     return tokenizer
 
 
-def _mistral(tokenizer, seed: int):
+def _mistral(tokenizer: PreTrainedTokenizerFast, seed: int) -> Mistral3ForConditionalGeneration:
     import torch
     from transformers import Mistral3Config, Mistral3ForConditionalGeneration
 
@@ -81,7 +91,7 @@ def _mistral(tokenizer, seed: int):
     )  # fmt: skip
 
 
-def _qwen3(tokenizer, seed: int):
+def _qwen3(tokenizer: PreTrainedTokenizerFast, seed: int) -> Qwen3ForCausalLM:
     import torch
     from transformers import Qwen3ForCausalLM
 
@@ -91,7 +101,7 @@ def _qwen3(tokenizer, seed: int):
     return Qwen3ForCausalLM(qwen3_config(tokenizer, TEXT_WIDTH, layers=27, heads=2))
 
 
-def _vae(seed: int, data_dir: Path | None):
+def _vae(seed: int, data_dir: Path | None) -> AutoencoderKLFlux2:
     """flow.py's exact 16-channel VAE as an AutoencoderKLFlux2, its batch norm's running mean
     and variance those of the demo images' 2x2 latent patches."""
     import torch
@@ -127,6 +137,7 @@ def write_model(model_dir: Path, *, seed: int, corpus: list[str], data_dir: Path
     from zerotuner.demo.z_image import write_qwen_tokenizer
 
     work = Path(tempfile.mkdtemp(prefix="zerotuner-tokenizers-"))
+    text_encoder: PreTrainedModel
     if klein:
         tokenizer = write_qwen_tokenizer(work / "qwen", corpus)
         text_encoder = _qwen3(tokenizer, seed + 4)

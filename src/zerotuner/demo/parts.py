@@ -8,9 +8,16 @@ from __future__ import annotations
 import json
 from collections import Counter
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from PIL import Image
+
+if TYPE_CHECKING:
+    import torch
+    from diffusers import AutoencoderKL, AutoencoderKLQwenImage, AutoencoderKLWan
+    from transformers import CLIPTextConfig, CLIPTokenizer
+
+    VideoVAE = TypeVar("VideoVAE", AutoencoderKLQwenImage, AutoencoderKLWan)
 
 DEMO_RESOLUTION = 64  # pixels
 # Each VAE block after the first halves the image: the UNet sees 16x16 latents, so a 2-rank CPU
@@ -74,7 +81,7 @@ def train_bpe(words: list[str]) -> tuple[dict[str, int], list[str]]:
     return {t: i for i, t in enumerate(dict.fromkeys(tokens))}, merges
 
 
-def write_tokenizer(folder: Path, corpus: list[str]):
+def write_tokenizer(folder: Path, corpus: list[str]) -> CLIPTokenizer:
     """Write vocab.json + merges.txt and load them back as a CLIPTokenizer (77 tokens)."""
     import re
 
@@ -95,7 +102,7 @@ def write_tokenizer(folder: Path, corpus: list[str]):
 # --- text encoders and VAE ------------------------------------------------------------------------
 
 
-def text_config(vocab_size: int, hidden: int, *, layers: int = 2, heads: int = 4):
+def text_config(vocab_size: int, hidden: int, *, layers: int = 2, heads: int = 4) -> CLIPTextConfig:
     """A tiny CLIP text encoder's config over the demo tokenizer's vocabulary."""
     from transformers import CLIPTextConfig
 
@@ -120,7 +127,7 @@ def exact_vae(
     blocks: tuple[int, ...] = VAE_BLOCKS,
     sample_size: int = DEMO_RESOLUTION,
     latent_channels: int = 4,
-):
+) -> AutoencoderKL:
     """A tiny AutoencoderKL that reconstructs the demo images by construction (see `_exact_vae`).
 
     Each block after the first halves the image (the latent scale). The weights are set, not
@@ -153,7 +160,7 @@ VAE_GROUPS = 16  # GroupNorm groups: the decoder's last 32 channels then pair up
 _SIGNAL = 1e-5  # scale of the colours inside the VAE: far below GroupNorm's eps (see below)
 
 
-def _exact_vae(vae) -> None:
+def _exact_vae(vae: AutoencoderKL) -> None:
     """Set the weights so that encode = average pooling, decode = nearest upsampling.
 
     Colour k travels as the channel pair (4k, 4k + 1) holding (+c, -c) * _SIGNAL; every other
@@ -184,7 +191,7 @@ def _exact_vae(vae) -> None:
                 _zero(conv)
                 for c in range(conv.out_channels):
                     conv.weight[c, c, :2, :2] = 0.25  # padding (0, 1, 0, 1), stride 2
-            elif isinstance(module, Upsample2D):
+            elif isinstance(module, Upsample2D) and module.conv is not None:
                 _identity(module.conv, tap=1)  # after nearest-neighbour interpolation
         enc, dec = vae.encoder, vae.decoder
         _pairs_in(enc.conv_in, torch.eye(3) * _SIGNAL)
@@ -205,13 +212,13 @@ def _zero(layer: Any) -> None:
     layer.weight.zero_(), layer.bias.zero_()
 
 
-def _identity(conv, *, tap: int) -> None:
+def _identity(conv: torch.nn.Conv2d | torch.nn.ConvTranspose2d, *, tap: int) -> None:
     _zero(conv)
     for c in range(min(conv.in_channels, conv.out_channels)):
         conv.weight[c, c, tap, tap] = 1.0
 
 
-def _pairs_in(conv, matrix) -> None:
+def _pairs_in(conv: torch.nn.Conv2d, matrix: torch.Tensor) -> None:
     """conv(x) puts +/- (matrix @ x) in the channel pairs (4k, 4k + 1), zero elsewhere."""
     _zero(conv)
     centre = conv.kernel_size[0] // 2
@@ -220,7 +227,7 @@ def _pairs_in(conv, matrix) -> None:
         conv.weight[4 * k + 1, :, centre, centre] = -row
 
 
-def _pairs_out(conv, matrix) -> None:
+def _pairs_out(conv: torch.nn.Conv2d, matrix: torch.Tensor) -> None:
     """conv(silu(y)) = matrix @ (y over the pairs): silu(y) - silu(-y) = y."""
     _zero(conv)
     centre = conv.kernel_size[0] // 2
@@ -229,7 +236,7 @@ def _pairs_out(conv, matrix) -> None:
         conv.weight[: matrix.shape[0], 4 * k + 1, centre, centre] = -matrix[:, k]
 
 
-def demo_pixels(data_dir: Path, count: int = 16):
+def demo_pixels(data_dir: Path, count: int = 16) -> torch.Tensor:
     """The first `count` demo images, square and at the demo resolution, in [-1, 1]:
     (count, 3, height, width), what a demo VAE's latent statistics are measured on."""
     import numpy as np
@@ -245,7 +252,7 @@ def demo_pixels(data_dir: Path, count: int = 16):
     return torch.from_numpy(np.stack(batch)).permute(0, 3, 1, 2)
 
 
-def latent_scaling_factor(vae, data_dir: Path) -> float:
+def latent_scaling_factor(vae: AutoencoderKL, data_dir: Path) -> float:
     """1 / std of the demo latents, as SD/SDXL chose theirs: the diffusion sees unit variance."""
     import torch
 
@@ -255,7 +262,7 @@ def latent_scaling_factor(vae, data_dir: Path) -> float:
     return round(1.0 / float(latents.std()), 5)
 
 
-def normalise_video_latents(vae, data_dir: Path | None):
+def normalise_video_latents(vae: VideoVAE, data_dir: Path | None) -> VideoVAE:
     """A video VAE (Qwen-Image's, Wan's) with `latents_mean` / `latents_std` measured on the
     demo images, each a one-frame clip, as the published VAEs carry their own; unchanged
     without data."""

@@ -15,7 +15,7 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 from PIL import Image, ImageDraw
@@ -31,6 +31,12 @@ from zerotuner.demo.parts import (
 from zerotuner.families import FLOW_FAMILIES, REGISTRY, Family
 from zerotuner.families.registry import import_path
 from zerotuner.settings.folders import readable_by_all
+
+if TYPE_CHECKING:
+    from diffusers import EulerDiscreteScheduler, UNet2DConditionModel
+    from transformers import PreTrainedModel
+
+RGB = tuple[int, int, int]
 
 log = logging.getLogger(__name__)
 
@@ -135,7 +141,7 @@ def write_clips(data_dir: Path, *, count: int = 8) -> list[Path]:
     return written
 
 
-def _clip_frame(k: int, shape: str, fill, background, direction: str) -> np.ndarray:
+def _clip_frame(k: int, shape: str, fill: RGB, background: RGB, direction: str) -> np.ndarray:
     image = Image.new("RGB", (CLIP_SIZE, CLIP_SIZE), background)
     draw = ImageDraw.Draw(image)
     r = CLIP_SIZE * 3 // 10
@@ -161,7 +167,7 @@ def _encode_clip(frames: list[np.ndarray], path: Path) -> Path:
 
 
 def draw_shape(
-    rng: random.Random, size: tuple[int, int], shape: str, fill, background
+    rng: random.Random, size: tuple[int, int], shape: str, fill: RGB, background: RGB
 ) -> Image.Image:
     """One big shape near the centre: a 4-million-parameter UNet learns it in a few hundred steps
     (small shapes anywhere in the frame take thousands)."""
@@ -176,7 +182,9 @@ def draw_shape(
     return image
 
 
-def _draw(draw: ImageDraw.ImageDraw, shape: str, centre: tuple[int, int], r: int, fill) -> None:
+def _draw(
+    draw: ImageDraw.ImageDraw, shape: str, centre: tuple[int, int], r: int, fill: RGB
+) -> None:
     """A circle, square or triangle of radius r around centre."""
     cx, cy = centre
     if shape == "circle":
@@ -192,7 +200,7 @@ def _draw(draw: ImageDraw.ImageDraw, shape: str, centre: tuple[int, int], r: int
 
 def _unet(
     seed: int, *, cross_attention_dim: int, sdxl: bool, pooled_dim: int = 0, linear: bool = True
-):
+) -> UNet2DConditionModel:
     import torch
     from diffusers import UNet2DConditionModel
 
@@ -222,7 +230,7 @@ def _unet(
     )
 
 
-def _scheduler(family: DemoFamily):
+def _scheduler(family: DemoFamily) -> EulerDiscreteScheduler:
     from diffusers import EulerDiscreteScheduler
 
     # SD 1.x keeps the published epsilon schedule and SD 2.x (768 px) predicts v. The SDXL demo
@@ -245,7 +253,7 @@ def _scheduler(family: DemoFamily):
 WORD_EMBEDDING_SCALE = 50.0
 
 
-def _distinct_words(*text_encoders) -> None:
+def _distinct_words(*text_encoders: PreTrainedModel) -> None:
     """Scale the token embeddings so a word outweighs its position and the random layers.
 
     A freshly initialised CLIP encoder maps "a red circle ..." and "a blue circle ..." to
@@ -256,7 +264,9 @@ def _distinct_words(*text_encoders) -> None:
 
     with torch.no_grad():
         for encoder in text_encoders:
-            encoder.get_input_embeddings().weight.mul_(WORD_EMBEDDING_SCALE)
+            embedding = encoder.get_input_embeddings()
+            assert isinstance(embedding, torch.nn.Embedding)  # the token table: one row a token
+            embedding.weight.mul_(WORD_EMBEDDING_SCALE)
 
 
 def write_model(

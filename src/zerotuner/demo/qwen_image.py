@@ -14,9 +14,14 @@ from __future__ import annotations
 import re
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from zerotuner.demo.parts import EXTRA_WORDS, normalise_video_latents
 from zerotuner.demo.z_image import SPECIALS
+
+if TYPE_CHECKING:
+    from diffusers import AutoencoderKLQwenImage
+    from transformers import PreTrainedTokenizerFast, Qwen2_5_VLForConditionalGeneration
 
 TEMPLATE_WORDS = (
     "system user assistant describe the image by detailing color shape size texture quantity "
@@ -25,7 +30,7 @@ TEMPLATE_WORDS = (
 QWEN_WIDTH = 32  # the text states' width: the transformer's joint_attention_dim
 
 
-def write_qwen_tokenizer(folder: Path, corpus: list[str]):
+def write_qwen_tokenizer(folder: Path, corpus: list[str]) -> PreTrainedTokenizerFast:
     """Word-level: lower-cased words, each punctuation mark and each newline one token."""
     from tokenizers import AddedToken, Regex, Tokenizer, models, normalizers, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
@@ -49,7 +54,9 @@ def write_qwen_tokenizer(folder: Path, corpus: list[str]):
     return tokenizer
 
 
-def _text_encoder(tokenizer, seed: int):
+def _text_encoder(
+    tokenizer: PreTrainedTokenizerFast, seed: int
+) -> Qwen2_5_VLForConditionalGeneration:
     import torch
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
@@ -77,7 +84,7 @@ def _text_encoder(tokenizer, seed: int):
     )  # fmt: skip
 
 
-def _vae(seed: int, data_dir: Path | None):
+def _vae(seed: int, data_dir: Path | None) -> AutoencoderKLQwenImage:
     """A small video VAE (4 pixels per latent cell, 16 channels), its latents' per-channel
     mean and std measured on the demo images."""
     import torch

@@ -12,11 +12,16 @@ from __future__ import annotations
 
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from zerotuner.demo.parts import normalise_video_latents
 
+if TYPE_CHECKING:
+    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler
+    from transformers import UMT5EncoderModel
 
-def _umt5(vocab_size: int, seed: int):
+
+def _umt5(vocab_size: int, seed: int) -> UMT5EncoderModel:
     import torch
     from transformers import UMT5Config, UMT5EncoderModel
 
@@ -31,7 +36,7 @@ def _umt5(vocab_size: int, seed: int):
     )  # fmt: skip
 
 
-def _vae(seed: int, data_dir: Path | None):
+def _vae(seed: int, data_dir: Path | None) -> AutoencoderKLWan:
     """A small video VAE: two spatial halvings (one temporal), its latents' per-channel mean and
     std measured on the demo images (one-frame clips)."""
     import torch
@@ -48,7 +53,7 @@ def _vae(seed: int, data_dir: Path | None):
     return normalise_video_latents(vae, data_dir)
 
 
-def scheduler():
+def scheduler() -> UniPCMultistepScheduler:
     """Wan2.1-T2V-1.3B-Diffusers' scheduler/scheduler_config.json (its non-default fields)."""
     from diffusers import UniPCMultistepScheduler
 

@@ -12,8 +12,12 @@ from __future__ import annotations
 import re
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from zerotuner.demo.parts import EXTRA_WORDS
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerFast, Qwen3Config
 
 # Qwen's chat markup, as Qwen3's template writes a single user turn (no thinking block when
 # enable_thinking is true, the pipeline's call).
@@ -25,7 +29,7 @@ SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 QWEN_WIDTH = 32  # the text states' width: the transformer's cap_feat_dim
 
 
-def write_qwen_tokenizer(folder: Path, corpus: list[str]):
+def write_qwen_tokenizer(folder: Path, corpus: list[str]) -> PreTrainedTokenizerFast:
     """A fast tokenizer over the corpus's words with Qwen's special tokens and chat template
     (`<|endoftext|>` pads, on the right)."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers
@@ -49,7 +53,9 @@ def write_qwen_tokenizer(folder: Path, corpus: list[str]):
     return tokenizer
 
 
-def qwen3_config(tokenizer, width: int, *, layers: int, heads: int):
+def qwen3_config(
+    tokenizer: PreTrainedTokenizerFast, width: int, *, layers: int, heads: int
+) -> Qwen3Config:
     """A tiny Qwen3's config: `width` wide, heads of 8, half as many key/value heads."""
     from transformers import Qwen3Config
 

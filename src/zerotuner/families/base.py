@@ -126,7 +126,9 @@ class ModelFamily:
 
     # --- conditioning ---------------------------------------------------------------------
     @staticmethod
-    def tokenize(tokenizer: Any, captions: list[str], max_length: int | None = None):
+    def tokenize(
+        tokenizer: Any, captions: list[str], max_length: int | None = None
+    ) -> torch.Tensor:
         return tokenizer(
             captions,
             padding="max_length",

@@ -32,7 +32,7 @@ class LossConfig:
 
 
 def diffusion_loss(
-    denoiser: Callable,
+    denoiser: Callable[..., Any],
     scheduler: Any,
     latents: torch.Tensor,
     unet_kwargs: dict[str, Any],
@@ -110,7 +110,16 @@ class DDPMObjective:
         part = "" if (low, high) == (0.0, 1.0) else f", timesteps {low:g}-{high:g} of the schedule"
         return f"{self.config.prediction_type} prediction{part}"
 
-    def loss(self, model, latents, kwargs, *, generator, dtype, mask=None) -> torch.Tensor:
+    def loss(
+        self,
+        model: Any,
+        latents: torch.Tensor,
+        kwargs: dict[str, Any],
+        *,
+        generator: torch.Generator,
+        dtype: torch.dtype,
+        mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         return diffusion_loss(
             model, self.scheduler, latents, kwargs, config=self.config, generator=generator,
             dtype=dtype, mask=mask,

@@ -157,7 +157,9 @@ class FlowObjective:
         itself (its pipeline passes `t / 1000`)."""
         return sigmas if self.packed else timesteps(sigmas, self.config)
 
-    def call(self, model: Any, latents: torch.Tensor, t: torch.Tensor, kwargs: dict[str, Any]):
+    def call(
+        self, model: Any, latents: torch.Tensor, t: torch.Tensor, kwargs: dict[str, Any]
+    ) -> torch.Tensor:
         """An unpacked transformer's forward (SD3's; Z-Image's takes lists)."""
         return model(hidden_states=latents, timestep=t, **kwargs).sample
 

@@ -58,7 +58,7 @@ def weight_files(folder: Path, stems: tuple[str, ...] = STEMS) -> list[Path] | N
     return None
 
 
-def stored_config(folder: Path, keys: tuple[str, ...]) -> dict | None:
+def stored_config(folder: Path, keys: tuple[str, ...]) -> dict[str, Any] | None:
     """The folder's config.json when it has `keys` (save_pretrained writes them all)."""
     path = folder / "config.json"
     if not path.is_file():

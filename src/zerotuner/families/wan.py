@@ -82,7 +82,9 @@ class WanObjective(FlowObjective):
         return (f"{self.expert}-noise expert ({EXPERTS[self.expert]}), sigmas in "
                 f"{low:g}-{high:g}: {super().describe()}")  # fmt: skip
 
-    def call(self, model: Any, latents: torch.Tensor, t: torch.Tensor, kwargs: dict[str, Any]):
+    def call(
+        self, model: Any, latents: torch.Tensor, t: torch.Tensor, kwargs: dict[str, Any]
+    ) -> torch.Tensor:
         image = latents.ndim == 4  # (batch, channels, height, width): one frame
         clip = latents.unsqueeze(2) if image else latents
         out = model(hidden_states=clip, timestep=t, **kwargs).sample

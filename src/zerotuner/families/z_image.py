@@ -35,7 +35,9 @@ class ZImageObjective(FlowObjective):
     def timestep(self, sigmas: torch.Tensor) -> torch.Tensor:
         return 1 - sigmas  # the pipeline's (1000 - t) / 1000
 
-    def call(self, model: Any, latents: torch.Tensor, t: torch.Tensor, kwargs: dict[str, Any]):
+    def call(
+        self, model: Any, latents: torch.Tensor, t: torch.Tensor, kwargs: dict[str, Any]
+    ) -> torch.Tensor:
         """One (channels, 1, height, width) latent per image in a list; the output negated."""
         out = model(list(latents.unsqueeze(2).unbind(dim=0)), t, kwargs["cap_feats"],
                     return_dict=False)[0]  # fmt: skip

@@ -257,7 +257,7 @@ def _kill(processes: set[psutil.Process]) -> None:
             process.kill()
 
 
-def _kill_all(proc: subprocess.Popen, known: set[psutil.Process]) -> None:
+def _kill_all(proc: subprocess.Popen[bytes], known: set[psutil.Process]) -> None:
     """SIGKILL torchrun's group and every worker (each in a session of its own)."""
     _kill(known | _descendants(proc.pid))
     with contextlib.suppress(ProcessLookupError):
@@ -296,7 +296,7 @@ class Ranks:
         self.deadline: float | None = None  # when the first signal's grace runs out
         self.known: set[psutil.Process] = set()  # the workers seen so far
         self.signal_name = "signal"  # the first one's name
-        self.proc: subprocess.Popen | None = None
+        self.proc: subprocess.Popen[bytes] | None = None
         pending = None
 
         def on_signal(signum: int, _frame: Any) -> None:

@@ -24,7 +24,7 @@ import logging
 import os
 import sys
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any, TextIO
 
 from tqdm import tqdm
@@ -86,12 +86,12 @@ CHATTY_LOGGERS = ("PIL", "matplotlib")
 
 
 def secret_values(
-    extra: Iterable[str | None] = (), environ: dict[str, str] | None = None
+    extra: Iterable[str | None] = (), environ: Mapping[str, str] | None = None
 ) -> list[str]:
     """Values to mask: the secret environment variables plus `extra`, longest first."""
     environ = os.environ if environ is None else environ
-    found = {environ.get(name) for name in SECRET_ENV_NAMES} | set(extra)
-    found = {s.strip() for s in found if s and len(s.strip()) >= MIN_SECRET_LENGTH}
+    candidates = {environ.get(name) for name in SECRET_ENV_NAMES} | set(extra)
+    found = {s.strip() for s in candidates if s and len(s.strip()) >= MIN_SECRET_LENGTH}
     return sorted(found, key=len, reverse=True)  # a secret containing another masks whole
 
 
@@ -163,7 +163,7 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(line, ensure_ascii=False)
 
 
-class _Handler(logging.StreamHandler):
+class _Handler(logging.StreamHandler[TextIO]):
     """Writes through tqdm so a log line does not tear a progress bar on a terminal."""
 
     def emit(self, record: logging.LogRecord) -> None:

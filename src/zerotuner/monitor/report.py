@@ -10,16 +10,17 @@ import json
 import logging
 import math
 from pathlib import Path
+from typing import Any
 
 log = logging.getLogger(__name__)
 
 
-def read_steps(steps_jsonl: Path) -> list[dict]:
+def read_steps(steps_jsonl: Path) -> list[dict[str, Any]]:
     """The step records, last one winning per step (a resumed run may repeat steps).
 
     A torn last line (the run was killed mid-write) or a non-finite loss is left out.
     """
-    by_step: dict[int, dict] = {}
+    by_step: dict[int, dict[str, Any]] = {}
     for line in Path(steps_jsonl).read_text().splitlines():
         try:
             record = json.loads(line)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -19,7 +20,7 @@ CARD_SETTINGS = (
 )  # fmt: skip
 
 
-def _last_step(output_dir: Path) -> dict | None:
+def _last_step(output_dir: Path) -> dict[str, Any] | None:
     path = output_dir / "run" / "steps.jsonl"
     lines = path.read_text().splitlines() if path.is_file() else []
     return json.loads(lines[-1]) if lines else None

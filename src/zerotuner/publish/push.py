@@ -17,12 +17,17 @@ import logging
 import shutil
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from zerotuner.publish.remote import RemoteError, Store, open_store
 from zerotuner.settings.schema import Settings
 from zerotuner.weights import checkpoint
+
+if TYPE_CHECKING:
+    from prometheus_client.core import Metric
 
 log = logging.getLogger(__name__)
 
@@ -239,7 +244,7 @@ class PushCollector:
     def __init__(self, stats: PushStats) -> None:
         self.stats = stats
 
-    def collect(self):  # noqa: ANN201 - prometheus_client's collector protocol
+    def collect(self) -> Iterator[Metric]:  # prometheus_client's collector protocol
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
         from zerotuner.monitor.metrics import METRICS

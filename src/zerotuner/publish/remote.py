@@ -13,14 +13,17 @@ from __future__ import annotations
 import logging
 import os
 import uuid
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import Protocol
+from typing import ParamSpec, Protocol, TypeVar
 
 from zerotuner.errors import EnvironmentUnfit
 from zerotuner.settings.push_url import SETTING, parse
 
 log = logging.getLogger(__name__)
+
+P = ParamSpec("P")  # a remote call's arguments and its result, for the stores' _call
+R = TypeVar("R")
 
 
 class RemoteError(Exception):
@@ -102,7 +105,7 @@ class S3Store:
         # A session of its own: boto3's default one caches the first credentials it resolved.
         self.client = boto3.session.Session().client("s3", config=retries, **credentials)
 
-    def _call(self, what: str, fn, *args, **kwargs):  # noqa: ANN001, ANN202
+    def _call(self, what: str, fn: Callable[P, R], *args: P.args, **kwargs: P.kwargs) -> R:
         from botocore.exceptions import BotoCoreError, ClientError
 
         try:
@@ -175,7 +178,7 @@ class HubStore:
         self.api = HfApi(token=token)
         self._created = False
 
-    def _call(self, what: str, fn, *args, **kwargs):  # noqa: ANN001, ANN202
+    def _call(self, what: str, fn: Callable[P, R], *args: P.args, **kwargs: P.kwargs) -> R:
         from huggingface_hub.errors import HfHubHTTPError
 
         try:
