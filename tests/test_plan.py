@@ -200,7 +200,7 @@ def test_activations_scale_with_pixels_batch_and_checkpointing():
             ranks_per_node=1, precision="bf16", on_cpu=False, ema=False,
         )[3]["device.activations"]  # fmt: skip
 
-    assert act(1024, 1, False) == pytest.approx(6.4 * GiB, rel=0.01)  # DESIGN.md
+    assert act(1024, 1, False) == pytest.approx(6.4 * GiB, rel=0.01)  # the measured SDXL figure
     assert act(1024, 1, True) == pytest.approx(0.55 * GiB, rel=0.01)
     assert act(512, 1, False) == pytest.approx(act(1024, 1, False) / 4, rel=0.01)
     assert act(1024, 8, True) == pytest.approx(8 * act(1024, 1, True), rel=0.01)

@@ -41,7 +41,8 @@ SETTINGS = [
     "ZT_SECRETS_DIR", "ZT_HF_TOKEN",
 ]  # fmt: skip
 
-# The names DESIGN.md fixes; the catalog may add more but never drop one of these.
+# The metric names of the public interface (the catalog's `contract` ones); the catalog may add
+# more but never drop one of these.
 DESIGN_METRICS = {
     "zerotuner_step_duration_seconds", "zerotuner_steps_total", "zerotuner_samples_total",
     "zerotuner_loss", "zerotuner_learning_rate", "zerotuner_device_memory_allocated_bytes",

@@ -18,7 +18,7 @@ page may drive it: every request must name a Host that is an address of this ser
 loopback name (a DNS name could be another site's, re-pointed at 127.0.0.1: DNS rebinding),
 an Origin, when sent, must be that same http://HOST, and a POST or PUT must be
 `application/json` (a web page cannot send that to another origin without asking first).
-A form names only the settings the page shows (builder_form.accepted), is evaluated
+A form names only the settings the page shows (form.accepted), is evaluated
 offline, and may name files only under the folder the operator chose (`--files`, default
 /config: evaluate.outside). Bodies are at most MAX_BODY with a Content-Length; a client gets
 IDLE_TIMEOUT per read and REQUEST_TIMEOUT in all; a refusal is a 4xx JSON answer, a hang-up is

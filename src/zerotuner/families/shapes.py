@@ -84,7 +84,8 @@ class ModelShape:
     base_channels: int = 320  # block_out_channels[0]: activation memory scales with it
     vae_channels: int = 128  # the VAE's block_out_channels[0]: so does encoding's memory
     # A transformer's activations per image at 1024 px in 16-bit (without, with gradient
-    # checkpointing); None: a UNet's, scaled from DESIGN.md's SDXL figure by base_channels.
+    # checkpointing); None: a UNet's, scaled from a measured SDXL figure by base_channels
+    # (preflight/memory.ACT_BYTES_PER_IMAGE).
     activations_1024: tuple[int, int] | None = None
     text_width: int = 2048  # width of the text states it attends to (a cached caption's)
     # Frozen parameters on the device while caching: frozen_params, less what streams from host

@@ -2,8 +2,8 @@
 
 Every number is a formula over the model's shape and what trains (`trainable.Training`):
 the ZeRO paper's model states, the DeepSpeed buffers the in-step peak holds (bench/peak.py
-measured them), activations scaled from DESIGN.md's SDXL figure, and fixed per-process host
-overheads. `plan.make_plan` adds the margins and chooses among the rows.
+measured them), activations scaled from a measured SDXL figure (ACT_BYTES_PER_IMAGE), and
+fixed per-process host overheads. `plan.make_plan` adds the margins and chooses among the rows.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from zerotuner.families import REGISTRY, ModelShape
 from zerotuner.machine.hardware import GiB
 from zerotuner.preflight.trainable import Training, full_unet
 
-# SDXL U-Net activations at 1024^2, bf16, per image (the design's measured figure, 6.4 GiB;
+# SDXL U-Net activations at 1024^2, bf16, per image (a measured figure, 6.4 GiB;
 # 0.55 with gradient checkpointing). They scale with pixels and
 # with the width of the first block (320 in SDXL, SD1 and SD2), not with the parameter count:
 # counting saved tensors of a checkpointed forward on the meta device gave SD1/SD2/SDXL within
