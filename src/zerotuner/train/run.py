@@ -381,6 +381,7 @@ class Run:
                     video_frames=s.video_frames,  # a video family's samples are clips
                     video_fps=s.video_fps,
                     denoiser=self.part,
+                    base_precision=trained.base_precision,
                 )
         distributed.barrier()
         self.phase("training")

@@ -3,7 +3,8 @@
 Works at every ZeRO stage: the caller gathers the full weights on rank 0 (every rank takes
 part in the gather, see ema.full_state_dict) and rank 0 renders them here, in a fresh UNet, so
 DeepSpeed's partitioning hooks never run inside the pipeline. The frozen parts are read again
-from the base folder (they left memory after caching) and dropped afterwards.
+from the base folder (they left memory after caching) and dropped afterwards. A LoRA trained on
+a base stored in 8 bits (ZT_BASE_PRECISION) renders on the base stored so, as it trains.
 
 After each validation, samples/base-vs-trained.png sets the base model's images (same prompts,
 same seeds; rendered once into samples/base/) above the latest ones, so what training changed
@@ -53,12 +54,15 @@ def load_pipeline(
     device: str,
     lora_dir: Path | None = None,
     denoiser: str | None = None,
+    base_precision: str = "auto",
 ) -> object:
     """`unet_state`: the trained denoiser's weights (UNet or transformer; `denoiser`: the part
     they are, Wan 2.2 A14B's expert), None for the base's as saved; `lora_dir`: a LoRA adapter
-    loaded on top (into `transformer_2` for A14B's low-noise expert)."""
+    loaded on top (into `transformer_2` for A14B's low-noise expert), on the base stored at
+    `base_precision` as the run trained it (ZT_BASE_PRECISION)."""
     from diffusers import DiffusionPipeline
 
+    from zerotuner.weights import base_precision as stored
     from zerotuner.weights.pipeline_folder import built_part, denoiser_part
 
     parts = {}
@@ -66,6 +70,8 @@ def load_pipeline(
     if unet_state is not None:
         parts[part] = built_part(base, part, unet_state)
     pipe = DiffusionPipeline.from_pretrained(base, dtype=torch.float32, **parts)
+    if stored.is_low(base_precision):
+        stored.quantize_frozen_base(getattr(pipe, part), base_precision)
     if lora_dir is not None:
         into = {"load_into_transformer_2": True} if part == "transformer_2" else {}
         pipe.load_lora_weights(lora_dir, **into)
@@ -94,6 +100,7 @@ def render(
     video_frames: int | None = None,
     video_fps: float | None = None,
     denoiser: str | None = None,
+    base_precision: str = "auto",
 ) -> list[Path]:
     """One image per prompt, prompt i with seed + i, into out_dir (e.g. samples/step-N/);
     then (compare) the side-by-side with the base model's images in out_dir's parent.
@@ -103,10 +110,14 @@ def render(
     A video pipeline (its call takes `num_frames`) renders a clip per prompt instead, of
     `sample_frames(video_frames)` frames (whatever num_frames pipeline_kwargs names), written
     as NN-slug.mp4 at `video_fps` (ZT_VIDEO_FPS; None: 16) beside its contact sheet NN-slug.png;
-    the .mp4 paths are returned. `denoiser`: the trained part (load_pipeline)."""
+    the .mp4 paths are returned. `denoiser`, `base_precision`: the trained part and how the
+    run stores the base (load_pipeline); the base model's own images use its weights as saved."""
     extra = {} if guidance_scale is None else {"guidance_scale": guidance_scale}
     extra |= pipeline_kwargs or {}
-    pipe = load_pipeline(base, unet_state, device=device, lora_dir=lora_dir, denoiser=denoiser)
+    pipe = load_pipeline(
+        base, unet_state, device=device, lora_dir=lora_dir, denoiser=denoiser,
+        base_precision=base_precision,
+    )  # fmt: skip
     video = "num_frames" in inspect.signature(pipe.__call__).parameters
     fps = VIDEO_FPS if video_fps is None else video_fps
     if video:

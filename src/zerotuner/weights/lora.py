@@ -388,8 +388,8 @@ def check_resume_base(
 def check_resume(manifest: dict[str, Any], settings: Settings, path: Path) -> None:
     """Refuse (exit 2, one line) to resume a checkpoint of another training type, or a LoRA
     checkpoint whose adapter has another rank, other targets, DoRA or the text encoders'
-    adapters on/off. Alpha, rsLoRA and dropout may change: they do not change what the
-    checkpoint holds."""
+    adapters on/off, or that trained on a base stored at another precision. Alpha, rsLoRA and
+    dropout may change: they do not change what the checkpoint holds."""
     saved = manifest.get("training_type", "full")  # checkpoints from before LoRA were full
     wanted = settings.training_type
     fresh = f"set {env_name('resume')}=never or another {env_name('output_dir')} to start afresh"
@@ -415,3 +415,4 @@ def check_resume(manifest: dict[str, Any], settings: Settings, path: Path) -> No
                 f"{env_name(setting)}={value}: the checkpoint to resume ({path}) has an adapter "
                 f"with {key.replace('_', ' ')} {shown}; set it back to continue, or {fresh}"
             )
+    base_precision.check_resume(manifest, settings, path)

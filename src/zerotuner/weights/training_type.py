@@ -22,7 +22,14 @@ from typing import Any
 import torch
 
 from zerotuner.settings.schema import Settings
-from zerotuner.weights import lora, lora_files, lora_from, lora_text, pipeline_folder
+from zerotuner.weights import (
+    base_precision,
+    lora,
+    lora_files,
+    lora_from,
+    lora_text,
+    pipeline_folder,
+)
 from zerotuner.weights.ema import EMA, full_state_dict
 
 log = logging.getLogger(__name__)
@@ -35,6 +42,7 @@ class RenderWith:
 
     state: dict[str, torch.Tensor] | None
     lora_dir: Path | None = None
+    base_precision: str = "auto"  # the base stored as the run stores it (ZT_BASE_PRECISION)
 
 
 @dataclass(frozen=True)
@@ -132,7 +140,9 @@ class FullWeights(TrainedWeights):
 
 class LoraWeights(TrainedWeights):
     """ZT_TRAINING_TYPE=lora: adapters train on the frozen base, which loads in the run's dtype
-    (no fp32 copy of it)."""
+    (no fp32 copy of it) and, with ZT_BASE_PRECISION=fp8 or int8, keeps its blocks' Linear
+    weights in 8 bits (base_precision): quantized again from the model's files by every run,
+    never saved."""
 
     adapter_only = True
 
@@ -158,6 +168,8 @@ class LoraWeights(TrainedWeights):
         self, denoiser: Any, *, source: Path, resume: Path | None, gradient_checkpointing: bool
     ) -> torch.nn.Module:
         s = self.settings
+        if base_precision.is_low(s.base_precision):  # on the whole base, before the adapter
+            log.info("%s", base_precision.quantize_frozen_base(denoiser, s.base_precision).line())
         lora.add_adapter(denoiser, s)
         if self.adapter_file is not None and resume:
             log.info("%s: not loaded, the checkpoint resumed continues it", lora_from.NAME)
@@ -177,17 +189,19 @@ class LoraWeights(TrainedWeights):
 
     def manifest_entries(self) -> dict[str, Any]:
         adapter = lora.adapter_settings(self.settings) | {"base_unet_sha256": self.base_digest}
+        adapter |= base_precision.manifest_entry(self.settings)  # a resume stores it alike
         return {"training_type": "lora", "lora": adapter}
 
     @contextlib.contextmanager
     def to_render(
         self, module: torch.nn.Module, *, rank: int, source: Path, part: str | None
     ) -> Iterator[RenderWith | None]:
-        """The base pipeline with the adapter as saved so far."""
+        """The base pipeline, its base stored as the run's, with the adapter as saved so far."""
         with tempfile.TemporaryDirectory() as tmp:
             out = Path(tmp) / "adapter"
             written = self._write(module, rank=rank, out=out, source=source, part=part)
-            yield RenderWith(None, lora_dir=out) if written else None
+            precision = self.settings.base_precision
+            yield RenderWith(None, lora_dir=out, base_precision=precision) if written else None
 
     def export(
         self, module: torch.nn.Module, *, rank: int, ema: EMA | None, source: Path, part: str | None
