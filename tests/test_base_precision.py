@@ -2,8 +2,9 @@
 
 On a tiny real diffusers UNet: the stored bytes (measured equal to what the planner's table
 says), which layers are stored so, the forward close to the full-precision one, LoRA steps that
-lower a loss and leave the base as it was (plain torch, and a real DeepSpeed ZeRO-2 engine),
-and the refusals, one line each through `zerotuner config`.
+lower a loss and leave the base as it was (plain torch, and a real DeepSpeed ZeRO-2 engine), a
+backward that keeps the 8-bit weights rather than upcast copies of them, and the refusals, one
+line each through `zerotuner config`.
 """
 
 from __future__ import annotations
@@ -159,6 +160,51 @@ def test_lora_steps_lower_the_loss_and_leave_the_base(reference, precision, dora
     for name, param in model.named_parameters():
         if ".lora_" not in name:
             assert torch.equal(param, kept[name.replace(".base_layer", "")]), name
+
+
+def saved_for_backward(model: torch.nn.Module) -> tuple[int, int]:
+    """Bytes autograd keeps from one forward for the backward: (copies, stored), beside what
+    aliases the model's own parameters and buffers (stored: its 8-bit weights)."""
+    own = {t.data_ptr() for t in (*model.parameters(), *model.buffers())
+           if not type(t).__module__.startswith("torchao")}  # fmt: skip
+    kept = [0, 0]
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        if type(tensor).__module__.startswith("torchao"):
+            kept[1] += base_precision._tensor_bytes(tensor)
+        elif tensor.data_ptr() not in own:
+            kept[0] += tensor.numel() * tensor.element_size()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        model(*inputs()).sample.sum().backward()
+    return kept[0], kept[1]
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_the_backward_keeps_the_stored_weights_not_upcast_copies(reference, precision):
+    """Autograd keeps from the forward, beside the activations the full-precision base's run
+    keeps too, the 8-bit weights themselves: no layer's upcast copy outlives its matmul. The
+    adapter's gradients are those of the plain upcast matmul."""
+    settings = Settings(training_type="lora", lora_rank=4, base_precision=precision)
+    full = copy.deepcopy(reference)
+    lora.add_adapter(full, settings)
+    low = copy.deepcopy(reference)
+    stats = base_precision.quantize_frozen_base(low, precision)
+    lora.add_adapter(low, settings)
+    plain = copy.deepcopy(low)  # autograd through torchao's own upcast
+    for layer in plain.modules():
+        if isinstance(layer, base_precision.StoredLinear):
+            layer.__class__ = torch.nn.Linear
+    (full_copies, _), (copies, stored) = saved_for_backward(full), saved_for_backward(low)
+    assert copies == full_copies and 0 < stored <= stats.quantized_after
+    plain_copies, _ = saved_for_backward(plain)
+    assert plain_copies - full_copies >= stats.quantized_before / 2  # what it would keep
+    grads = {n: p.grad for n, p in low.named_parameters() if p.grad is not None}
+    assert grads and grads.keys() == {n for n, p in plain.named_parameters() if p.grad is not None}
+    for name, param in plain.named_parameters():
+        if param.grad is not None:
+            torch.testing.assert_close(grads[name], param.grad, rtol=1e-4, atol=1e-6)
 
 
 def test_a_partitioned_model_or_one_with_its_adapter_is_refused(reference):

@@ -146,8 +146,9 @@ def test_the_run_samples_on_its_stored_base(low_run, demo_dir: Path, tmp_path: P
     run = np.asarray(Image.open(made), dtype=np.int16)
     # The rank rendered with its own thread count: float sums may round a pixel differently.
     assert np.abs(run - pixels[precision]).max() <= 2
+    # the 8-bit base's rounding through 2 sampler steps (measured: fp8 2.4, int8 0.36 of 255)
     apart = np.abs(run - pixels["auto"]).mean()
-    assert 0 < apart < 8, apart  # the 8-bit base's rounding, seen through 2 sampler steps
+    assert 0 < apart < 5, apart
 
 
 def _resume_env(demo_dir: Path, tmp: Path, precision: str) -> dict[str, str]:

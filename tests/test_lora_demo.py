@@ -23,6 +23,7 @@ from PIL import Image
 
 from zerotuner.demo.concept import COLOUR, TRIGGER, concept_caption, write_concept_dataset
 from zerotuner.demo.pipelines import BACKGROUNDS, COLOURS, SHAPES, draw_shape
+from zerotuner.weights.checkpoint import last_committed, read_manifest
 
 pytestmark = pytest.mark.slow
 
@@ -33,6 +34,13 @@ CONCEPT_GAIN = 0.30
 # ... while the base's own colours keep their loss within this fraction of the base's
 # (measured: +0.4 %).
 PRIOR_DRIFT = 0.10
+# An adapter trained on a base stored in 8 bits (ZT_BASE_PRECISION), on the full-precision
+# pipeline: its held-out concept loss within this fraction of the full-precision base's adapter
+# (issue 42; measured: fp8 0.1917, int8 0.1912 against 0.1914), and its images within this
+# mean pixel difference of the run's own, drawn on the 8-bit base (measured: fp8 0.3 to 0.5,
+# int8 0.05 to 0.15, of 255).
+LOW_BASE_LOSS = 0.05
+LOW_BASE_PIXELS = 2.0
 
 
 def _entrypoint(env: dict[str, str], log: Path) -> None:
@@ -58,20 +66,46 @@ def concept(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_concept_dataset(tmp_path_factory.mktemp("lora-demo") / "data-lora")
 
 
-@pytest.fixture(scope="module", params=[2, 3], ids=["zero2", "zero3"])
-def adapter(request, base: Path, concept: Path, tmp_path_factory) -> Path:
-    """A run of config/demo-lora.yaml (as `make run-lora`, at the given stage) on the trained
-    base: its output folder."""
-    out = tmp_path_factory.mktemp(f"lora-demo-zero{request.param}")
-    env = tk.entrypoint_env(
-        concept.parent, out, ZT_MODEL=str(base), ZT_DATA_DIR=str(concept),
-        ZT_CONFIG_FILE=str(REPO / "config" / "demo-lora.yaml"),
-        ZT_ZERO_STAGE=str(request.param), ZT_CHECKPOINT_EVERY_STEPS="0",
-        ZT_VALIDATION_EVERY_STEPS="0", ZT_LOG_EVERY_STEPS="100",
-    )  # fmt: skip
-    del env["ZT_VALIDATION_PROMPTS"]  # the config's: two with the trigger word, one without
-    _entrypoint(env, out / "train.log")
-    return out / "output"
+# The runs of config/demo-lora.yaml: ZeRO stage and ZT_BASE_PRECISION (the base's storage).
+RUNS = {"zero2": (2, "auto"), "zero3": (3, "auto"), "zero2-fp8": (2, "fp8"),
+        "zero2-int8": (2, "int8")}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def adapters(base: Path, concept: Path, tmp_path_factory):
+    """`adapters(name)`: the output folder of the run RUNS names (as `make run-lora`, at its
+    stage and base precision) on the trained base, made on first use."""
+    made: dict[str, Path] = {}
+
+    def get(name: str) -> Path:
+        if name not in made:
+            stage, precision = RUNS[name]
+            out = tmp_path_factory.mktemp(f"lora-demo-{name}")
+            env = tk.entrypoint_env(
+                concept.parent, out, ZT_MODEL=str(base), ZT_DATA_DIR=str(concept),
+                ZT_CONFIG_FILE=str(REPO / "config" / "demo-lora.yaml"),
+                ZT_ZERO_STAGE=str(stage), ZT_BASE_PRECISION=precision,
+                ZT_CHECKPOINT_EVERY_STEPS="0", ZT_VALIDATION_EVERY_STEPS="0",
+                ZT_LOG_EVERY_STEPS="100",
+            )  # fmt: skip
+            del env["ZT_VALIDATION_PROMPTS"]  # the config's: two with the trigger word, one without
+            _entrypoint(env, out / "train.log")
+            made[name] = out / "output"
+        return made[name]
+
+    return get
+
+
+@pytest.fixture(scope="module", params=list(RUNS))
+def adapter(request, adapters) -> Path:
+    return adapters(request.param)
+
+
+def _precision(output: Path) -> str:
+    """The base precision the run in `output` trained on (its last checkpoint's manifest)."""
+    last = last_committed(output)
+    assert last is not None
+    return read_manifest(last)["lora"]["base_precision"]
 
 
 def _pipeline(base: Path, adapter: Path | None = None):
@@ -148,12 +182,14 @@ def test_the_adapter_learns_the_concept_and_keeps_what_the_base_knew(
 
 
 def test_a_plain_pipeline_with_the_adapter_draws_the_run_samples(adapter: Path, base: Path):
-    """diffusers' own loader, the run's prompts and seeds (prompts.txt): the same pictures;
-    the trigger word's are magenta where the base's were not, the third prompt's unchanged."""
+    """diffusers' own loader, the run's prompts and seeds (prompts.txt): the same pictures (on
+    an 8-bit base the run drew them on that base: close ones); the trigger word's are magenta
+    where the base's were not, the third prompt's unchanged."""
     (run,) = adapter.glob("samples/step-*")
     seeds_prompts = [line.split("\t") for line in (run / "prompts.txt").read_text().splitlines()]
     assert sum(TRIGGER in p for _, p in seeds_prompts) == 2 and len(seeds_prompts) == 3
     pipe = _pipeline(base, adapter / "final")
+    low = _precision(adapter) != "auto"
     changes = {}
     made = [np.asarray(Image.open(p), dtype=np.int16) for p in sorted(run.glob("*.png"))]
     based = [
@@ -165,8 +201,11 @@ def test_a_plain_pipeline_with_the_adapter_draws_the_run_samples(adapter: Path, 
             prompt, height=64, width=64, num_inference_steps=25, guidance_scale=1.0,
             generator=torch.Generator().manual_seed(int(seed)),
         ).images[0]  # fmt: skip
-        # The rank rendered with its own thread count: float sums may round a pixel apart.
-        assert np.abs(np.asarray(again, dtype=np.int16) - image).max() <= 2, prompt
+        apart = np.abs(np.asarray(again, dtype=np.int16) - image)
+        if low:  # 25 sampler steps through a base rounded to 8 bits
+            assert apart.mean() <= LOW_BASE_PIXELS, (prompt, apart.mean())
+        else:  # The rank rendered with its own thread count: a float sum may round apart.
+            assert apart.max() <= 2, prompt
         changes[prompt] = np.abs(image - before).mean()
         if TRIGGER in prompt:
             # measured: +0.15 to +0.26 (the adapter draws a pinkish magenta)
@@ -174,6 +213,25 @@ def test_a_plain_pipeline_with_the_adapter_draws_the_run_samples(adapter: Path, 
     kept = min(v for p, v in changes.items() if TRIGGER not in p)
     learned = min(v for p, v in changes.items() if TRIGGER in p)
     assert kept < learned / 2, f"mean pixel change without / with the trigger: {changes}"
+
+
+@pytest.mark.parametrize("precision", ["fp8", "int8"])
+def test_an_8_bit_base_teaches_the_concept_as_well(adapters, base: Path, precision: str) -> None:
+    """The adapter trained on a base stored at `precision`, loaded on the full-precision
+    pipeline: its held-out concept loss within LOW_BASE_LOSS of the same run's on the
+    full-precision base (and on the base stored so, as the run trained, printed beside)."""
+    from zerotuner.train import samples
+
+    full = held_out_loss(_pipeline(base, adapters("zero2") / "final"), CONCEPT)
+    low = adapters(f"zero2-{precision}") / "final"
+    loss = held_out_loss(_pipeline(base, low), CONCEPT)
+    on_stored = held_out_loss(
+        samples.load_pipeline(base, None, device="cpu", lora_dir=low, base_precision=precision),
+        CONCEPT,
+    )
+    print(f"held-out concept loss, adapter of the full-precision base {full:.4f}; of the "
+          f"{precision} base {loss:.4f} (on that base {on_stored:.4f})")  # fmt: skip
+    assert loss <= (1 + LOW_BASE_LOSS) * full
 
 
 def _magenta(image: np.ndarray) -> float:
