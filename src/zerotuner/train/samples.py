@@ -26,9 +26,13 @@ import re
 import textwrap
 from fractions import Fraction
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
+
+if TYPE_CHECKING:
+    from PIL.Image import Image as PILImage
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +59,7 @@ def load_pipeline(
     lora_dir: Path | None = None,
     denoiser: str | None = None,
     base_precision: str = "auto",
-) -> object:
+) -> Any:
     """`unet_state`: the trained denoiser's weights (UNet or transformer; `denoiser`: the part
     they are, Wan 2.2 A14B's expert), None for the base's as saved; `lora_dir`: a LoRA adapter
     loaded on top (into `transformer_2` for A14B's low-noise expert), on the base stored at
@@ -96,7 +100,7 @@ def render(
     lora_dir: Path | None = None,
     guidance_scale: float | None = None,
     compare: bool = True,
-    pipeline_kwargs: dict | None = None,
+    pipeline_kwargs: dict[str, Any] | None = None,
     video_frames: int | None = None,
     video_fps: float | None = None,
     denoiser: str | None = None,
@@ -112,7 +116,7 @@ def render(
     as NN-slug.mp4 at `video_fps` (ZT_VIDEO_FPS; None: 16) beside its contact sheet NN-slug.png;
     the .mp4 paths are returned. `denoiser`, `base_precision`: the trained part and how the
     run stores the base (load_pipeline); the base model's own images use its weights as saved."""
-    extra = {} if guidance_scale is None else {"guidance_scale": guidance_scale}
+    extra: dict[str, Any] = {} if guidance_scale is None else {"guidance_scale": guidance_scale}
     extra |= pipeline_kwargs or {}
     pipe = load_pipeline(
         base, unet_state, device=device, lora_dir=lora_dir, denoiser=denoiser,
@@ -123,20 +127,39 @@ def render(
     if video:
         temporal = int(getattr(pipe, "vae_scale_factor_temporal", 1) or 1)
         extra |= {"num_frames": sample_frames(video_frames, temporal), "output_type": "np"}
+    how = {"height": resolution, "width": resolution, "num_inference_steps": inference_steps}
+    written = _render_each(pipe, prompts, out_dir, seed=seed, fps=fps if video else None,
+                           call=how | extra)  # fmt: skip
+    del pipe
+    log.info("samples: %d %s in %s", len(written), "clip(s)" if video else "image(s)", out_dir)
+    if compare:
+        try:
+            base_samples = _base_samples(
+                base, prompts, out_dir.parent / "base", resolution=resolution,
+                inference_steps=inference_steps, seed=seed, device=device,
+                guidance_scale=guidance_scale, pipeline_kwargs=pipeline_kwargs,
+                **({"video_frames": video_frames, "video_fps": fps} if video else {}),
+            )  # fmt: skip
+            _compare(base_samples, written, prompts, out_dir, fps=fps if video else None)
+        except Exception as error:  # noqa: BLE001 - a nicety must not end a training run
+            log.warning("samples: no side-by-side with the base model: %s", error)
+    return written
+
+
+def _render_each(
+    pipe: Any, prompts: list[str], out_dir: Path, *, seed: int, fps: float | None,
+    call: dict[str, Any],
+) -> list[Path]:  # fmt: skip
+    """Prompt i with seed + i through `pipe` into out_dir (with prompts.txt naming the seeds);
+    `fps`: a video pipeline's clips, written at that rate beside their contact sheets."""
     out_dir.mkdir(parents=True, exist_ok=True)
     written = []
     for i, prompt in enumerate(prompts):
         generator = torch.Generator().manual_seed(seed + i)
-        out = pipe(
-            prompt=prompt,  # by name: FLUX.2's pipelines take reference images first
-            height=resolution,
-            width=resolution,
-            num_inference_steps=inference_steps,
-            generator=generator,
-            **extra,
-        )
+        # the prompt by name: FLUX.2's pipelines take reference images first
+        out = pipe(prompt=prompt, generator=generator, **call)
         path = out_dir / f"{i:02d}-{slug(prompt)}.png"
-        if video:  # the mp4 first: the run page shows a clip once its contact sheet is there
+        if fps is not None:  # the mp4 first: the run page shows a clip once its sheet is there
             frames = as_uint8(out.frames[0])
             written.append(write_clip(frames, path.with_suffix(".mp4"), fps))
             contact_sheet(frames, path)
@@ -146,36 +169,29 @@ def render(
     (out_dir / "prompts.txt").write_text(
         "".join(f"{seed + i}\t{p}\n" for i, p in enumerate(prompts))
     )
-    del pipe
-    log.info("samples: %d %s in %s", len(written), "clip(s)" if video else "image(s)", out_dir)
-    if compare:
-        try:
-            base_images = _base_samples(
-                base, prompts, out_dir.parent / "base", resolution=resolution,
-                inference_steps=inference_steps, seed=seed, device=device,
-                guidance_scale=guidance_scale, pipeline_kwargs=pipeline_kwargs,
-                **({"video_frames": video_frames, "video_fps": fps} if video else {}),
-            )  # fmt: skip
-            label = out_dir.name.replace("-", " ")
-            if video:
-                for base_clip, clip in zip(base_images, written, strict=True):
-                    clips_side_by_side(
-                        [("base model", read_clip(base_clip)), (label, read_clip(clip))],
-                        out_dir.parent / CLIP_COMPARISONS / clip.name,
-                        fps,
-                    )
-            else:
-                side_by_side(
-                    [("base model", base_images), (label, written)],
-                    prompts,
-                    out_dir.parent / COMPARISON,
-                )
-        except Exception as error:  # noqa: BLE001 - a nicety must not end a training run
-            log.warning("samples: no side-by-side with the base model: %s", error)
     return written
 
 
-def _base_samples(base: Path, prompts: list[str], out_dir: Path, **how) -> list[Path]:
+def _compare(
+    base: list[Path], trained: list[Path], prompts: list[str], out_dir: Path, *,
+    fps: float | None,
+) -> None:  # fmt: skip
+    """The base model's samples beside the trained ones, in out_dir's parent: one image grid,
+    or (`fps`: clips) a side-by-side clip per prompt."""
+    label = out_dir.name.replace("-", " ")
+    if fps is None:
+        side_by_side([("base model", base), (label, trained)], prompts,
+                     out_dir.parent / COMPARISON)  # fmt: skip
+        return
+    for base_clip, clip in zip(base, trained, strict=True):
+        clips_side_by_side(
+            [("base model", read_clip(base_clip)), (label, read_clip(clip))],
+            out_dir.parent / CLIP_COMPARISONS / clip.name,
+            fps,
+        )
+
+
+def _base_samples(base: Path, prompts: list[str], out_dir: Path, **how: Any) -> list[Path]:
     """The base model's samples, rendered once per base, prompts and settings (a resumed or
     repeated run reuses them)."""
     key = {"base": str(base), "prompts": prompts, **how}
@@ -276,6 +292,7 @@ def write_clip(frames: np.ndarray, path: Path, fps: float) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     with av.open(str(partial), "w", format="mp4", options={"movflags": "+faststart"}) as out:
         stream = out.add_stream(codec, rate=Fraction(fps).limit_denominator(1001))
+        assert isinstance(stream, av.VideoStream)  # each of video_codec()'s is a video codec
         stream.width, stream.height = frames.shape[2], frames.shape[1]
         stream.pix_fmt = "yuv420p"
         if codec == "libx264":
@@ -308,7 +325,7 @@ def _cell(frames: np.ndarray) -> int:
     return max(1, 256 // side) if side < 256 else 1
 
 
-def _sheet_frame(frame: np.ndarray) -> object:
+def _sheet_frame(frame: np.ndarray) -> PILImage:
     """A frame as a PIL image for a contact sheet: its longer side at most SHEET_SIDE."""
     from PIL import Image
 
