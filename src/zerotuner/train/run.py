@@ -17,9 +17,9 @@ from typing import Any
 import torch
 
 from zerotuner import families
-from zerotuner.data.buckets import bucket_name, dataset_buckets
+from zerotuner.data.buckets import Bucket, bucket_name, dataset_buckets
 from zerotuner.data.clips import Video, video_sampling
-from zerotuner.data.dataset import Dataset, Size
+from zerotuner.data.dataset import Dataset
 from zerotuner.data.notes import recipe_notes, upscale_warning
 from zerotuner.data.order import Position, iterate_batches
 from zerotuner.data.scan import scan_sources
@@ -77,7 +77,7 @@ class Run:
         self.objective: Objective
         self.video: Video | None = None  # None: the dataset is images
         self.dataset: Dataset
-        self.buckets: dict[Size, list[int]]
+        self.buckets: dict[Bucket, list[int]]
         # cache(): the feature cache and the items it holds
         self.features: feature_cache.FeatureCache
         self.items: list[feature_cache.CacheItem]
@@ -282,7 +282,7 @@ class Run:
 
     def _load_batch(
         self, keys: tuple[list[int], int], gen: torch.Generator, *, texts: bool
-    ) -> dict:
+    ) -> dict[str, Any]:
         items = caching.batch_items(
             self.items, keys, seed=self.settings.seed, caption_dropout=self.settings.caption_dropout
         )
