@@ -84,7 +84,8 @@ def type_text(annotation: Any) -> str:
 
 def bounds_text(field: FieldInfo) -> str:
     """Numeric limits declared on the field (`>= 1`, `64..4096`), or ''."""
-    low = high = None
+    low: object = None
+    high: object = None
     low_op = high_op = ""
     for item in field.metadata:
         if isinstance(item, annotated_types.Ge):
@@ -103,7 +104,7 @@ def bounds_text(field: FieldInfo) -> str:
 
 def default_value(field: FieldInfo) -> Any:
     if field.default_factory is not None:
-        return field.default_factory()  # type: ignore[call-arg]
+        return field.default_factory()  # type: ignore[call-arg]  # ours take no data
     return field.default
 
 
@@ -120,7 +121,7 @@ def setting_type(name: str) -> Any:
     """A setting's type as the docs and the builder show it: ZT_MODEL_FAMILY's choices are the
     family registry's names, which the settings layer (below the families) cannot list."""
     if name == "model_family":
-        return Literal[("auto", *FAMILIES)]  # type: ignore[valid-type]
+        return Literal[("auto", *FAMILIES)]
     return Settings.model_fields[name].annotation
 
 

@@ -8,6 +8,7 @@ is what the page showed. Secrets never come in: the form has none.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from importlib import resources
 from typing import Any
 
@@ -44,12 +45,13 @@ def export(fmt: str, composed: Composed, config: dict[str, Any] | None) -> tuple
         return name, media, json.dumps(config, indent=2) + "\n"
     settings = _ordered(composed.env)
     _validated(settings)
-    text = {
+    writers: dict[str, Callable[[dict[str, str]], str]] = {
         "env": env_file,
         "compose": compose_override,
         "yaml": yaml_config,
         "kubernetes": lambda s: kubernetes_job(s, gpus=_gpus(composed.hardware)),
-    }[fmt](settings)
+    }
+    text = writers[fmt](settings)
     return name, media, text
 
 

@@ -172,8 +172,8 @@ def _describe(name: str) -> dict[str, Any] | None:
         key = name[3:]
         label, help_text = HARDWARE[key]
         flag = "--" + key.replace("_", "-")
-        out = {"name": name, "label": label, "help": help_text, "kind": "text", "default": "",
-               "code": flag}  # fmt: skip
+        out: dict[str, Any] = {"name": name, "label": label, "help": help_text, "kind": "text",
+                               "default": "", "code": flag}  # fmt: skip
         if key == "bf16":
             out |= {"kind": "select", "choices": ["true", "false"], "default": "true"}
         return out
@@ -384,10 +384,10 @@ def _parse_extra(key: str, extra: Extra, text: str) -> Any:
                 raise ValueError
             return number
         if extra.kind == "float":
-            number = float(text)
-            if not number >= 0 or number == float("inf"):
+            real = float(text)
+            if not real >= 0 or real == float("inf"):
                 raise ValueError
-            return number
+            return real
         if extra.kind == "betas":
             parts = [float(p) for p in re.split(r"[,\s]+", text.strip("[] ")) if p]
             if len(parts) != 2 or not all(0 <= p < 1 for p in parts):

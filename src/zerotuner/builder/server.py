@@ -403,6 +403,7 @@ class BuilderServer(ConnectionLimits, ThreadingHTTPServer):
     @property
     def url(self) -> str:
         host, port = self.server_address[:2]
+        assert isinstance(host, str)  # bound: getsockname's, text
         host = "127.0.0.1" if host in ("0.0.0.0", "") else host
         return f"http://{host}:{port}"
 

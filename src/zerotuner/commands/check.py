@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import functools
 import os
 import re
 import socket
@@ -96,7 +97,7 @@ def run(args: argparse.Namespace) -> int:
     # then preflight's (each needs the one before); then what train meets later on.
     path = SettingsPath()
     for name, step in path.STEPS:
-        ok = c.run(name, lambda step=step: step(path))
+        ok = c.run(name, functools.partial(step, path))
         if path.settings is None:  # nothing to check the rest against
             return c.exit_code()
         c.facts["settings"] = path.settings
@@ -104,8 +105,8 @@ def run(args: argparse.Namespace) -> int:
             c.facts["inputs"] = path.inputs
     if "inputs" in c.facts:
         pre = PreflightRun(path.effective())
-        for name, step in pre.STEPS:
-            if not c.run(name, lambda step=step: step(pre)):
+        for name, pre_step in pre.STEPS:
+            if not c.run(name, functools.partial(pre_step, pre)):
                 if name == "hardware":  # no machine to check the job against
                     return _finish(c)
                 break
@@ -279,7 +280,6 @@ def _offload(c: Checks) -> tuple[str, list[str]] | str:
 
     settings = c.facts["settings"]
     plan = c.facts.get("plan")
-    nvme = bool(plan and plan.choice.disk_bytes)
     if settings.offload_device:
         device = settings.offload_device
         if not Path(device).is_block_device():
@@ -297,7 +297,7 @@ def _offload(c: Checks) -> tuple[str, list[str]] | str:
         return f"{device} ({fs or 'blank: will be formatted'}) will be mounted at " + str(
             settings.offload_dir
         )
-    if not nvme:
+    if not (plan and plan.choice.disk_bytes):
         return f"{settings.offload_dir}: not used (the plan offloads nothing to NVMe)"
     report = prepare_offload_dir(
         settings.offload_dir,

@@ -64,13 +64,13 @@ def native_bucket(
 
 
 def assign_buckets(
-    items: Sequence[Item],
+    items: Sequence[Item | None],
     resolution: int,
     *,
     multiple: int = 64,
     max_aspect: float = 4.0,
     upscale: bool = True,
-) -> dict[Size, list[int]]:
+) -> dict[Bucket, list[int]]:
     """Item indices grouped by bucket (w, h); only buckets in use, in sorted order.
 
     `multiple` must keep latents divisible by the UNet's downsampling: pass
@@ -79,7 +79,7 @@ def assign_buckets(
     (`native_bucket`) instead of being enlarged to cover it.
     """
     sizes = bucket_sizes(resolution, multiple=multiple, max_aspect=max_aspect)
-    groups: dict[Size, list[int]] = {}
+    groups: dict[Bucket, list[int]] = {}
     for index, item in enumerate(items):
         if item is None:  # another dataset's (dataset_buckets)
             continue
@@ -105,14 +105,14 @@ def dataset_buckets(
     multiple: int = 64,
     max_aspect: float = 4.0,
     upscale: bool = True,
-) -> dict[Size, list[int]]:
+) -> dict[Bucket, list[int]]:
     """`assign_buckets` over every dataset of the run at its own resolution, each item listed
     once per repeat: the epoch order (`order.epoch_batches`) then trains it that often."""
     if not dataset.parts:
         return assign_buckets(
             dataset.items, resolution, multiple=multiple, max_aspect=max_aspect, upscale=upscale
         )
-    groups: dict[Size, list[int]] = {}
+    groups: dict[Bucket, list[int]] = {}
     for part in dataset.parts:
         # placeholders keep the joined dataset's indices
         items = [None] * part.start + list(part.dataset.items)

@@ -24,10 +24,17 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from PIL import Image
+
+if TYPE_CHECKING:
+    import av
+    import av.video.stream
+
+    from zerotuner.families.base import ModelFamily
+    from zerotuner.settings.schema import Settings
 
 CLIP_SUFFIXES = (".mp4", ".webm", ".mov", ".gif", ".mkv")
 CLIP_BYTES = 2 * 2**30
@@ -49,7 +56,7 @@ class Video:
     step: int
 
 
-def video_sampling(settings: object, family: object, source: Path) -> Video | None:
+def video_sampling(settings: Settings, family: ModelFamily, source: Path) -> Video | None:
     """How this run samples clips: for a video family (its `frame_step`), ZT_VIDEO_FPS and
     ZT_VIDEO_FRAMES; None for an image family. `train` and `check` both ask here."""
     step = family.frame_step(Path(source))
@@ -192,7 +199,7 @@ def _sampled(path: Path, *, fps: float, frames: int) -> Iterator[tuple[Any, bool
                     )
                 if frame.width * frame.height > MAX_FRAME_PIXELS:
                     raise ClipError(f"too large (frames of {frame.width}x{frame.height} pixels)")
-                at = _time(frame, stream)
+                at = _time(frame, stream, index=decoded - 1)
                 first = at if first is None else first
                 if shown is not None:
                     yield from give(shown[1], due(at - first, inclusive=False))
@@ -209,10 +216,11 @@ def _sampled(path: Path, *, fps: float, frames: int) -> Iterator[tuple[Any, bool
         raise ClipError("not a video (no frame decoded)")
 
 
-def _time(frame, stream) -> Fraction:  # noqa: ANN001 - PyAV's types
-    """When the frame is shown, in seconds from the first one."""
+def _time(frame: av.VideoFrame, stream: av.video.stream.VideoStream, *, index: int) -> Fraction:
+    """When the frame is shown, in seconds from the first one (`index`: its place in decoding
+    order)."""
     if frame.pts is None or stream.time_base is None:
-        return Fraction(frame.index or 0, 25)  # no timestamps: assume 25 fps, in order
+        return Fraction(index, 25)  # no timestamps: assume 25 fps, in order
     start = stream.start_time or 0
     return Fraction(frame.pts - start) * Fraction(stream.time_base)
 

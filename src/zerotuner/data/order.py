@@ -13,7 +13,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from zerotuner.data.dataset import Dataset, Size
+from zerotuner.data.buckets import Bucket
+from zerotuner.data.dataset import Dataset
 from zerotuner.errors import ConfigError
 
 
@@ -30,7 +31,7 @@ class Position:
 
 
 def epoch_batches(
-    buckets: dict[Size, list[int]], *, micro_batch: int, seed: int, epoch: int
+    buckets: dict[Bucket, list[int]], *, micro_batch: int, seed: int, epoch: int
 ) -> list[list[int]]:
     """The global batch order of one epoch: every batch from one bucket, every batch full."""
     rng = np.random.default_rng([seed, epoch])
@@ -48,7 +49,7 @@ def epoch_batches(
 
 def batches(
     dataset: Dataset,
-    buckets: dict[Size, list[int]],
+    buckets: dict[Bucket, list[int]],
     *,
     micro_batch: int,
     rank: int,
@@ -70,7 +71,9 @@ def batches(
     return order[rank::world_size]
 
 
-def batches_per_epoch(buckets: dict[Size, list[int]], *, micro_batch: int, world_size: int) -> int:
+def batches_per_epoch(
+    buckets: dict[Bucket, list[int]], *, micro_batch: int, world_size: int
+) -> int:
     """Micro-batches each rank runs per epoch (what `batches` returns the length of)."""
     total = sum(-(-len(v) // micro_batch) for v in buckets.values())
     return -(-total // world_size)
@@ -78,7 +81,7 @@ def batches_per_epoch(buckets: dict[Size, list[int]], *, micro_batch: int, world
 
 def iterate_batches(
     dataset: Dataset,
-    buckets: dict[Size, list[int]],
+    buckets: dict[Bucket, list[int]],
     *,
     micro_batch: int,
     rank: int,

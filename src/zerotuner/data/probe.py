@@ -137,7 +137,7 @@ def _read_index(index: Path, root: Path, video: clips.Video | None) -> dict[str,
         return {}
 
 
-def _sampling(video: clips.Video | None) -> list | None:
+def _sampling(video: clips.Video | None) -> list[float] | None:
     """What a clip's probe depends on besides the file: a scan index of other sampling, or
     of another bound on a whole clip, is not reused."""
     if video is None:

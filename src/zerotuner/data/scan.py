@@ -169,6 +169,7 @@ def _item(
     mask_probe: Probe | None,
     video: clips.Video | None,
 ) -> Item:
+    assert probe.size is not None  # a probe without a size says why, and is left out
     return Item(
         path, caption, probe.size, probe.file_size, probe.mtime_ns, probe.digest,
         name=path.relative_to(root).as_posix(), mask=mask,
@@ -235,7 +236,9 @@ def scan_sources(
     if len(scanned) == 1 and sources[0].repeats == 1 and sources[0].resolution is None:
         dataset = scanned[0]
     else:
-        parts, items, start = [], [], 0
+        parts: list[Part] = []
+        items: list[Item] = []
+        start = 0
         for source, part in zip(sources, scanned, strict=True):
             parts.append(Part(source.path, part, start, source.repeats, source.resolution))
             items += part.items

@@ -41,7 +41,7 @@ def detect_family(model_dir: Path, expert: str | None = None) -> Family:
         refuse_edit_model(model_dir, pipeline)
         refuse_wan_variant(model_dir, pipeline, components, expert)
         if pipeline in PIPELINES:
-            return PIPELINES[pipeline]  # type: ignore[return-value]
+            return PIPELINES[pipeline]
         foreign = pipeline and not pipeline.startswith("StableDiffusion")
         if foreign or "transformer" in components or "unet" not in components and pipeline:
             raise ConfigError(
@@ -107,8 +107,8 @@ def refuse_edit_model(model: Any, name: str) -> None:
     so; FLUX.2 with reference images) is one line, exit 2, naming what zerotuner trains."""
     import re
 
-    flux2 = any(m in name.lower() for m in REGISTRY["flux2"].hub_markers)
-    flux2 = " (FLUX.2 trains here on text and image alone, without reference images)" * flux2
+    is_flux2 = any(m in name.lower() for m in REGISTRY["flux2"].hub_markers)
+    flux2 = " (FLUX.2 trains here on text and image alone, without reference images)" * is_flux2
     supported = (f"zerotuner trains text-to-image models from captioned images: "
                  f"{', '.join(FAMILIES)}")  # fmt: skip
     # words of a class or hub name: QwenImageEditPipeline, Qwen-Image-Edit-2509 (not "credit")

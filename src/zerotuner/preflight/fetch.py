@@ -43,7 +43,7 @@ from zerotuner.data.files import IMAGE_SUFFIXES
 from zerotuner.data.scan import FETCHED
 from zerotuner.errors import ConfigError, EnvironmentUnfit
 from zerotuner.families import hub_cache_dir
-from zerotuner.publish.remote import RemoteError, open_store
+from zerotuner.publish.remote import RemoteError, S3Store, open_store
 from zerotuner.settings.datasets import FILE_SETTING, DatasetSource, Location, local_folder
 from zerotuner.settings.files import short_repr
 from zerotuner.settings.schema import Settings
@@ -120,6 +120,7 @@ def _fetch_s3(
 ) -> Fetched:
     token = settings.hf_token.get_secret_value() if settings.hf_token else None
     store = open_store(location.url, hf_token=token, secrets_dir=settings.secrets_dir)
+    assert isinstance(store, S3Store)  # an s3:// location
     listed = store.objects("")
     names, skipped = _writable(listed)
     objects = {k: listed[k] for k in names}
@@ -206,11 +207,13 @@ def _log_skipped(state: Fetched) -> None:
         log.warning("%s: %s", state.source.path, _not_written(state.skipped))
 
 
-def _expected(objects: dict[str, tuple[int, str]]) -> dict[str, list]:
+def _expected(objects: dict[str, tuple[int, str]]) -> dict[str, list[int | str]]:
     return {k: [size, etag] for k, (size, etag) in objects.items()}
 
 
-def _have(folder: Path, key: str, entry: tuple[int, str], manifest: dict[str, list]) -> bool:
+def _have(
+    folder: Path, key: str, entry: tuple[int, str], manifest: dict[str, list[int | str]]
+) -> bool:
     path = folder / key
     return manifest.get(key) == list(entry) and path.is_file() and path.stat().st_size == entry[0]
 
@@ -315,7 +318,9 @@ def _fetch_hub(
     return state
 
 
-def _list_hub(source: DatasetSource, location: Location, folder: Path, token: str | None):
+def _list_hub(
+    source: DatasetSource, location: Location, folder: Path, token: str | None
+) -> Fetched:
     """What `check` says of a hub dataset the cache does not hold yet: its files and size."""
     from huggingface_hub import HfApi
 
@@ -355,7 +360,7 @@ def _shard_columns(
 
 
 def _write_shard(
-    shard: Path, snapshot: Path, folder: Path, columns: list[str], marker: dict
+    shard: Path, snapshot: Path, folder: Path, columns: list[str], marker: dict[str, Any]
 ) -> int:
     """One parquet shard as image files and a metadata.jsonl in a folder of its own; skipped
     when a previous fetch of the same commit finished it. Returns the images written."""
@@ -426,6 +431,7 @@ def _columns(schema: Any, source: DatasetSource, where: str) -> tuple[str, str]:
                 + ("images (the hub's Image feature or bytes)" if what == "image" else "text")
                 + f"; its {what} columns: {', '.join(fitting) or 'none'}"
             )
+    assert image is not None and caption is not None  # refused above
     return image, caption
 
 
@@ -471,7 +477,7 @@ def _locked(folder: Path) -> Iterator[None]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-def _manifest(folder: Path) -> dict[str, list]:
+def _manifest(folder: Path) -> dict[str, list[int | str]]:
     found = _read_json(folder / MANIFEST)
     return found if isinstance(found, dict) else {}
 

@@ -13,6 +13,7 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Literal
 
 from zerotuner.errors import ConfigError
 from zerotuner.families import (
@@ -135,15 +136,15 @@ def resolve_model(
         raise ConfigError(f"{name}: no such folder")
     if settings.model_family != "auto":
         return ModelSource(settings.model_family, None, env_name("model_family"), settings.model)
-    family = guess_family(settings.model, settings.expert)
-    if family is None:
+    guessed = guess_family(settings.model, settings.expert)
+    if guessed is None:
         raise ConfigError(
             f"{env_name('model')}={settings.model}: its configs cannot be read ({unreachable}) "
             f"and the name does not say the model family; set {env_name('model_family')} to one "
             f"of {', '.join(FAMILIES)}"
         )
     reason = f"guessed from the hub id {settings.model!r} ({unreachable})"
-    return ModelSource(family, None, reason, settings.model)
+    return ModelSource(guessed, None, reason, settings.model)
 
 
 def _hub_offline() -> bool:
@@ -216,7 +217,7 @@ class PreflightRun:
         hardware: Hardware | None = None,
         topology: Topology | None = None,
         require_fit: bool = True,
-        offload_disk_free: int | None | str = "measure",
+        offload_disk_free: int | Literal["measure"] | None = "measure",
         model: ModelSource | None = None,
     ) -> None:
         self.effective = effective
@@ -255,7 +256,7 @@ class PreflightRun:
         )
         check_family_settings(settings, model.family)
         expert = EXPERTS.get(settings.expert or "")  # A14B: the expert this run trains
-        shape = model_shape(model.family, model.local_dir, denoiser=expert)  # type: ignore[arg-type]
+        shape = model_shape(model.family, model.local_dir, denoiser=expert)
         check_family_settings(settings, model.family, shape)  # the model's VAE: its frame rule
         # an adapter file's rank, alpha and targets are the run's: the plan and resume see them
         settings, _ = lora_from.apply(settings, model.family, model_dir=model.local_dir)
@@ -356,7 +357,7 @@ def preflight(
     hardware: Hardware,
     topology: Topology | None = None,
     require_fit: bool = True,
-    offload_disk_free: int | None | str = "measure",
+    offload_disk_free: int | Literal["measure"] | None = "measure",
 ) -> Preflight:
     """From the effective settings (`effective.effective_settings`: the one settings path) to
     the plan and the DeepSpeed config: every step of `PreflightRun`."""
@@ -398,7 +399,7 @@ def plan_for(
     shape: ModelShape,
     hardware: Hardware,
     *,
-    base: dict,
+    base: dict[str, Any],
     world_size: int,
     ranks_per_node: int,
     offload_disk_free: int | None,

@@ -12,7 +12,7 @@ import contextlib
 import difflib
 import os
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextvars import ContextVar
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -573,7 +573,7 @@ def field_of(key: str) -> str:
     """The field a source key or an alias names (`zt_hf_token` -> `hf_token`)."""
     for name, field in Settings.model_fields.items():
         alias = field.validation_alias
-        choices = alias.choices if isinstance(alias, AliasChoices) else [alias]
+        choices: Sequence[object] = alias.choices if isinstance(alias, AliasChoices) else (alias,)
         if key == name or key.lower() in {c.lower() for c in choices if isinstance(c, str)}:
             return name
     return key
@@ -672,12 +672,12 @@ class SecretsDirSource(PydanticBaseSettingsSource):
         raise NotImplementedError
 
 
-def did_you_mean(name: str, known: set[str] | list[str]) -> str:
+def did_you_mean(name: str, known: Iterable[str]) -> str:
     match = difflib.get_close_matches(name, sorted(known), n=1, cutoff=0.6)
     return f" (did you mean '{match[0]}'?)" if match else ""
 
 
-def unknown_env_names(environ: dict[str, str] | None = None) -> list[tuple[str, str, bool]]:
+def unknown_env_names(environ: Mapping[str, str] | None = None) -> list[tuple[str, str, bool]]:
     """`ZT_*` variables that name no setting: (name, hint, looks_like_a_typo).
 
     pydantic-settings ignores them silently. A near miss of a real name is a typo (an error);

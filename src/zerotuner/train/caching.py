@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, TextIO
@@ -18,6 +19,7 @@ from typing import Any, TextIO
 import torch
 from tqdm import tqdm
 
+from zerotuner.data.buckets import Bucket
 from zerotuner.data.captions import caption_dropped
 from zerotuner.data.dataset import Dataset, Item
 from zerotuner.data.loading import load_example
@@ -36,7 +38,7 @@ def fill(
     components: model.Components,
     conditioning: Any,
     dataset: Dataset,
-    buckets: dict[tuple[int, int], list[int]],
+    buckets: dict[Bucket, list[int]],
     *,
     rank: int,
     world: int,
@@ -76,6 +78,7 @@ def fill(
     with distributed.PatientBarrier("caching") as barrier:
         barrier.wait()  # every rank lists the same missing entries before any rank writes one
         if my_latents or my_texts:
+            assert leader is not None  # only a node's first rank has a share
             log.info(
                 "caching: this node's first rank loads the VAE and text encoders once for the "
                 "node and encodes %d images and %d captions (node %d of %d)",
@@ -180,7 +183,7 @@ def batch_items(
     ]
 
 
-def _loader(item: Item, bucket: tuple[int, int]):
+def _loader(item: Item, bucket: Bucket) -> Callable[[bool], feature_cache.Loaded]:
     def load(flip: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         example = load_example(item, bucket, flip=flip)
         ids = time_ids(example.original_size, example.crop_top_left, example.target_size)

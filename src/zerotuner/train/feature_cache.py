@@ -22,13 +22,19 @@ from collections import defaultdict
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 from safetensors.torch import load_file, save_file
 
+from zerotuner.data.buckets import Bucket
+
 log = logging.getLogger(__name__)
 
 ENCODE_BATCH = 8  # images or captions per encoder call while caching
+T = TypeVar("T")
+# What CacheItem.load gives: pixels, time ids and, optionally, the loss mask (None: none).
+Loaded = tuple[torch.Tensor, torch.Tensor] | tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]
 
 
 @dataclass(frozen=True)
@@ -40,8 +46,8 @@ class CacheItem:
     name: str  # path relative to the data dir: stable across mounts
     content: str  # a digest of the image file's bytes (and its mask's)
     caption: str
-    bucket: tuple[int, int]  # target (w, h) in pixels
-    load: Callable[[bool], tuple[torch.Tensor, torch.Tensor]]
+    bucket: Bucket  # target (w, h) in pixels, a clip's (w, h, frames)
+    load: Callable[[bool], Loaded]
 
 
 @dataclass
@@ -109,12 +115,15 @@ class FeatureCache:
         return latents, texts
 
     def encode_latents(
-        self, items: list[CacheItem], encode: Callable, progress: Callable[[int], None] = _none
+        self,
+        items: list[CacheItem],
+        encode: Callable[[torch.Tensor], torch.Tensor],
+        progress: Callable[[int], None] = _none,
     ) -> None:
         """Encode (and write) the given items, batching images of the same bucket;
         `progress(n)` after each batch of n images."""
         rows: dict[str, dict[str, torch.Tensor]] = defaultdict(dict)
-        by_bucket: dict[tuple[int, int], list[CacheItem]] = {}
+        by_bucket: dict[Bucket, list[CacheItem]] = {}
         for item in items:
             by_bucket.setdefault(item.bucket, []).append(item)
         for group in by_bucket.values():
@@ -136,7 +145,10 @@ class FeatureCache:
                 progress(len(chunk))
 
     def encode_texts(
-        self, captions: list[str], encode: Callable, progress: Callable[[int], None] = _none
+        self,
+        captions: list[str],
+        encode: Callable[[list[str]], dict[str, torch.Tensor]],
+        progress: Callable[[int], None] = _none,
     ) -> None:
         for start in range(0, len(captions), ENCODE_BATCH):
             chunk = captions[start : start + ENCODE_BATCH]
@@ -146,12 +158,16 @@ class FeatureCache:
             progress(len(chunk))
 
     def load_batch(
-        self, items: list[CacheItem], generator: torch.Generator | None = None, *, texts=True
+        self,
+        items: list[CacheItem],
+        generator: torch.Generator | None = None,
+        *,
+        texts: bool = True,
     ) -> dict[str, torch.Tensor]:
         """Stack the cached tensors of a batch; with flip on, each image is mirrored at random
         (its pre-encoded mirror image), decided by `generator` so resumed runs match. `texts`
         False: latents and time ids only (the captions were not cached)."""
-        rows = []
+        rows: list[dict[str, torch.Tensor]] = []
         for item in items:
             row = load_file(self.latent_path(item))
             if self.flip:
@@ -203,6 +219,6 @@ def _save(tensors: dict[str, torch.Tensor], path: Path) -> None:
     os.replace(tmp, path)
 
 
-def share(indices: list, rank: int, world: int) -> list:
+def share(indices: list[T], rank: int, world: int) -> list[T]:
     """This rank's round-robin share of a list every rank computed identically."""
     return indices[rank::world]

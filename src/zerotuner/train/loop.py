@@ -41,7 +41,9 @@ class LoopContext:
     streak: Streak | None = None  # non-finite steps in a row: exit 4 past the limit
 
 
-def forward_backward(engine: Any, batch: dict[str, torch.Tensor], ctx: LoopContext, gen) -> Any:
+def forward_backward(
+    engine: Any, batch: dict[str, torch.Tensor], ctx: LoopContext, gen: torch.Generator
+) -> Any:
     """One micro-batch: loss, then engine.backward (DeepSpeed scales for accumulation). A
     non-finite loss gets NaN gradients, so the step is skipped on every rank (nonfinite)."""
     kwargs = ctx.conditioning.model_kwargs(batch, ctx.dtype)

@@ -186,7 +186,7 @@ def load_components(
     return components
 
 
-def vae_class(source: Path) -> type:
+def vae_class(source: Path) -> type[Any]:
     """The VAE's class as the pipeline's model_index.json names it (AutoencoderKL, or
     Qwen-Image's AutoencoderKLQwenImage)."""
     import importlib

@@ -283,7 +283,8 @@ def warm_cpu_info() -> None:
 def _once(ask: Any) -> Any:
     import threading
 
-    lock, answer = threading.Lock(), []
+    lock = threading.Lock()
+    answer: list[Any] = []  # the answer, once there is one
 
     @functools.wraps(ask)
     def once() -> Any:

@@ -60,7 +60,7 @@ class Resumed:
     path: Path
 
 
-def on_rank0(rank: int, work: Callable[[], None]) -> None:
+def on_rank0(rank: int, work: Callable[[], object]) -> None:
     """`work` on rank 0, its outcome shared: if it fails, every rank raises (our own error
     classes as they are), so no rank waits at a barrier for one that has gone."""
     error: Exception | None = None
@@ -208,7 +208,7 @@ def restore_set_aside(output_dir: Path) -> None:
         log.warning("restored %s: the save that was replacing it did not commit", original)
 
 
-def _disk_full(error: BaseException) -> bool:
+def _disk_full(error: BaseException | None) -> bool:
     """torch.save reports ENOSPC as a RuntimeError from its zip writer, not an OSError."""
     while error is not None:
         if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 
@@ -64,12 +65,13 @@ def full_state_dict(module: torch.nn.Module, *, rank: int) -> dict[str, torch.Te
         masters = _swapped_zero3_masters(z3, [p for _, p in named])
     else:
         masters = [safe_get_full_fp32_param(p) for _, p in named]
-    if all(m is not None for m in masters):
+    found = [m for m in masters if m is not None]
+    if len(found) == len(masters):
         if state is not None:
             state.update(
                 {
                     n: m.detach().float().cpu().clone()
-                    for (n, _), m in zip(named, masters, strict=True)
+                    for (n, _), m in zip(named, found, strict=True)
                 }
             )
     else:  # no optimizer mapping (ZeRO-0 in fp32): the module holds the weights
@@ -107,7 +109,7 @@ def trainable_state_dict(module: torch.nn.Module, *, rank: int) -> dict[str, tor
     return state
 
 
-def _swapped_zero3_masters(z3, params: list[torch.nn.Parameter]) -> list[torch.Tensor | None]:
+def _swapped_zero3_masters(z3: Any, params: list[torch.nn.Parameter]) -> list[torch.Tensor | None]:
     """The full fp32 masters under ZeRO-3 with the optimizer on NVMe, one sub-group at a time.
 
     safe_get_full_fp32_param swaps a parameter's whole optimizer sub-group (master and both

@@ -159,12 +159,13 @@ def write_adapter(
     write_layouts(tmp, kind, parts, adapter_metadata, base=base or merge_base, denoiser=denoiser)
     if merge_base is not None:
         target = denoiser or kind.denoiser  # the part the adapter is on
-        merged = {
-            part: merged_state(
-                merge_base, target if part == kind.denoiser else part, layers, meta[part]
+        merged = {}
+        for part, layers in by_part(state, kind.denoiser).items():
+            config = meta[part]
+            assert config is not None  # text encoders' layers come with their text_metadata
+            merged[part] = merged_state(
+                merge_base, target if part == kind.denoiser else part, layers, config
             )
-            for part, layers in by_part(state, kind.denoiser).items()
-        }
         unet = merged.pop(kind.denoiser)
         write_pipeline(merge_base, unet, tmp / MERGED, text_states=merged, denoiser=denoiser)
     readable_by_all(tmp)  # safetensors writes 0600: the adapter is for other users too

@@ -91,14 +91,10 @@ def comfy(
                 weight = tensor * s if rest.startswith("B.") else tensor  # the scale folded in
                 out[f"{layout.prefix}{original(module, layout)}.lora_{rest}"] = weight.contiguous()
     for (part, module), m in magnitudes.items():
+        assert base is not None  # refused above
         a, b = (plain[part][f"{module}.lora_{x}.weight"] for x in "AB")
-        out[f"{comfy_name(layout, part, module)}.dora_scale"] = dora_scale(
-            m,
-            base[part][f"{module}.weight"],
-            a,
-            b,
-            s,  # type: ignore[index]
-        )
+        weight = base[part][f"{module}.weight"]
+        out[f"{comfy_name(layout, part, module)}.dora_scale"] = dora_scale(m, weight, a, b, s)
     return out
 
 

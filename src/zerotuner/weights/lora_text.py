@@ -43,7 +43,14 @@ class TextAndUNet(torch.nn.Module):
             self.add_module(name, encoder)
         self.conditioning = conditioning
 
-    def forward(self, sample, timestep, *, input_ids: torch.Tensor, batch: dict) -> Any:
+    def forward(
+        self,
+        sample: torch.Tensor,
+        timestep: torch.Tensor,
+        *,
+        input_ids: torch.Tensor,
+        batch: dict[str, torch.Tensor],
+    ) -> Any:
         encoders = [getattr(self, name) for name in self.encoder_names]
         embeds = self.conditioning.embed(encoders, input_ids.to(sample.device))
         kwargs = self.conditioning.model_kwargs(batch | embeds, sample.dtype)
@@ -120,7 +127,7 @@ def meta_encoders(family: str, model_dir: Path | None = None) -> list[Any]:
     from accelerate import init_empty_weights
 
     folders = _local_folders(family, model_dir)
-    if folders is not None:
+    if model_dir is not None and folders is not None:  # folders: only with a model_dir
         configs = [transformers.AutoConfig.from_pretrained(model_dir, subfolder=f) for f in folders]
     else:  # CLIP's heads are 64 wide and its MLP 4x: only q, k, v and out matter here
         configs = [

@@ -13,11 +13,19 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
+from typing import TYPE_CHECKING, TypeAlias
 
 import torch
 
 from zerotuner.errors import ConfigError
 from zerotuner.settings.folders import readable_by_all
+
+if TYPE_CHECKING:
+    from diffusers.models.modeling_utils import ModelMixin
+    from transformers import PreTrainedModel
+
+    # A pipeline part as load_part builds it: a diffusers model, or a transformers text encoder.
+    Part: TypeAlias = ModelMixin | PreTrainedModel
 
 
 def denoiser_part(base: Path) -> str:
@@ -26,7 +34,7 @@ def denoiser_part(base: Path) -> str:
     return "unet" if "unet" in index else "transformer"
 
 
-def load_part(base: Path, part: str, *, weights: bool = True) -> torch.nn.Module:
+def load_part(base: Path, part: str, *, weights: bool = True) -> Part:
     """A pipeline part in fp32, of the class its model_index names (diffusers' or
     transformers'), with the base's weights or (`weights` False) freshly built."""
     import importlib
@@ -42,7 +50,7 @@ def load_part(base: Path, part: str, *, weights: bool = True) -> torch.nn.Module
     return cls(transformers.AutoConfig.from_pretrained(Path(base) / part))
 
 
-def built_part(base: Path, part: str, state: dict[str, torch.Tensor]) -> torch.nn.Module:
+def built_part(base: Path, part: str, state: dict[str, torch.Tensor]) -> Part:
     """A part of `base`'s class holding `state` in fp32: built on the meta device and handed
     the tensors themselves, not randomly initialized first only to be overwritten (a second
     for a small UNet, minutes for a 12B transformer)."""

@@ -30,7 +30,7 @@ import os
 import re
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, overload
 
 import torch
 
@@ -122,7 +122,9 @@ def unswap(path: Path, staging: Path) -> None:
     for file in path.glob("*model_states.pt"):
         (staging / file.name).symlink_to(file.resolve())
     for file in sorted(path.glob("*optim_states.pt")):
-        rank = int(re.search(r"zero_pp_rank_(\d+)_", file.name).group(1))
+        named_rank = re.search(r"zero_pp_rank_(\d+)_", file.name)
+        assert named_rank is not None  # DeepSpeed names each rank's optimizer states so
+        rank = int(named_rank.group(1))
         folder = path / SWAPPED / f"rank{rank:02d}"
         masters = sorted(  # sub-groups in order (moments: "<key>-<first>_<last>")
             (p.name.removesuffix(".tensor.swp") for p in folder.glob("[0-9]*_*.tensor.swp")),
@@ -289,6 +291,12 @@ def _set_swapped(wrapper: Any, named: list[tuple[str, Any]], folder: Path, step:
             wrapper._optimizer_states_and_gradient_swap_out(group)
 
 
+@overload
+def _read(
+    folder: Path, name: str, key: str, *, missing_ok: Literal[False] = ...
+) -> torch.Tensor: ...
+@overload
+def _read(folder: Path, name: str, key: str, *, missing_ok: bool) -> torch.Tensor | None: ...
 def _read(folder: Path, name: str, key: str, *, missing_ok: bool = False) -> torch.Tensor | None:
     path = folder / "zero" / name / f"{key}.pt"
     if missing_ok and not path.is_file():

@@ -31,13 +31,14 @@ a fresh tensor leaves the file in the page cache (shared, reclaimable), not in t
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import logging
 import os
 import struct
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 import torch
 
@@ -70,7 +71,7 @@ class Reader:
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        self.file: BinaryIO = path.open("rb")
+        self.file: io.BufferedReader = path.open("rb")
         (length,) = struct.unpack("<Q", self.file.read(8))
         header = json.loads(self.file.read(length))
         header.pop("__metadata__", None)
@@ -85,7 +86,7 @@ class Reader:
         start, end = entry["data_offsets"]
         raw = torch.empty(end - start, dtype=torch.uint8)
         self.file.seek(self.base + start)
-        if self.file.readinto(memoryview(raw.numpy())) != end - start:
+        if self.file.readinto(raw.numpy().data) != end - start:
             raise ConfigError(f"{self.path}: truncated at tensor {name}")
         return raw.view(DTYPES[entry["dtype"]]).reshape(entry["shape"])
 
@@ -105,7 +106,7 @@ def _readers(files: list[Path]) -> Iterator[dict[str, Reader]]:
 
 
 def build(
-    cls: type, folder: Path, deepspeed_config: dict[str, Any], *, gradient_checkpointing: bool
+    cls: type[Any], folder: Path, deepspeed_config: dict[str, Any], *, gradient_checkpointing: bool
 ) -> Any | None:
     """The denoiser of `folder` (a diffusers model folder) partitioned by ZeRO-3 with its
     weights in; None when the folder has no safetensors weights."""
@@ -151,7 +152,7 @@ def _TrimmingInit(**kwargs: Any) -> Any:  # noqa: N802 - a class, built on first
     return _trimming_init()(**kwargs)
 
 
-def _no_init() -> contextlib.AbstractContextManager:
+def _no_init() -> contextlib.AbstractContextManager[None]:
     try:
         from diffusers.models.modeling_utils import no_init_weights
     except ImportError:  # another diffusers: the init runs, and is overwritten
@@ -182,7 +183,11 @@ _LIBC = _libc()
 
 def _targets(model: torch.nn.Module) -> dict[str, tuple[torch.Tensor, tuple[int, ...]]]:
     """Every tensor the files must fill: parameters (full shape) and persistent buffers."""
-    out = {n: (p, tuple(p.ds_shape)) for n, p in model.named_parameters()}
+    # a partitioned parameter's full shape is DeepSpeed's ds_shape, unknown to torch's types
+    params: list[tuple[str, Any]] = list(model.named_parameters())
+    out: dict[str, tuple[torch.Tensor, tuple[int, ...]]] = {
+        n: (p, tuple(p.ds_shape)) for n, p in params
+    }
     for module_name, module in model.named_modules():
         for name, buf in module.named_buffers(recurse=False):
             if buf is not None and name not in module._non_persistent_buffers_set:
@@ -243,7 +248,7 @@ def batches(model: torch.nn.Module, items: list[tuple[str, list[Any]]]) -> list[
     DeepSpeed has swap buffers (`offload_param.buffer_count`): a gather holds one buffer each."""
     from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum
 
-    params = list(model.parameters())
+    params: list[Any] = list(model.parameters())  # partitioned: DeepSpeed's ds_* attributes
     largest = max(p.ds_numel for p in params)
     swapper = next((p.nvme_swapper for p in params if hasattr(p, "nvme_swapper")), None)
     buffers = len(swapper.available_buffer_ids) if swapper is not None else None
