@@ -45,6 +45,7 @@ run-lora: setup
 	  ZT_CONFIG_FILE=config/demo-lora.yaml ZT_OUTPUT_DIR=$(DEMO_DIR)/output-lora ./entrypoint train
 
 test: setup
+	$(BIN)/mypy
 	$(BIN)/pytest -q tests
 
 test-fast: setup
@@ -53,6 +54,7 @@ test-fast: setup
 lint: setup
 	$(BIN)/ruff check src tests bench
 	$(BIN)/ruff format --check src tests bench
+	$(BIN)/mypy
 
 bench: setup
 	$(BIN)/python -m bench
