@@ -277,9 +277,11 @@ def test_a_stale_op_build_lock_is_removed_not_waited_on(demo_dir, tmp_path):
     extensions = _extensions_copy(tmp_path)
     hour_ago = time.time() - 3600
     for op in ("deepspeed_shm_comm", "fused_adam"):
-        (extensions / op / "lock").touch()
-        for path in (extensions / op).iterdir():
-            os.utime(path, (hour_ago, hour_ago))
+        lock = extensions / op / "lock"
+        lock.touch()
+        # The lock alone is aged: the binaries are hard links to the machine's built ops, and an
+        # hour-old .o makes ninja rebuild the op (here and, through the link, for later tests)
+        os.utime(lock, (hour_ago, hour_ago))
     env = entrypoint_env(demo_dir, tmp_path, ZT_MAX_STEPS="1", ZT_CHECKPOINT_EVERY_STEPS="0",
                          TORCH_EXTENSIONS_DIR=str(extensions))  # fmt: skip
     proc = subprocess.run([ENTRYPOINT, "train"], env=env, capture_output=True, text=True,
