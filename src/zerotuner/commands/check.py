@@ -175,6 +175,7 @@ def _dataset(c: Checks) -> tuple[str, list[str]]:
     dataset = scan_sources(
         found, s.cache_dir, log_skipped=False, write_index=False,
         min_image_size=s.min_image_size, video=video, datasets_file=s.datasets_file,
+        control_count=families.REGISTRY[source.family].controls if source is not None else 0,
     )  # fmt: skip
     warnings = dataset.warnings()  # the lines train logs
     shape = c.facts.get("model_shape")  # as train: ZT_RESOLUTION, else the family's own

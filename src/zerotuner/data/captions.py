@@ -1,11 +1,11 @@
 """Captions: where each picture's comes from, how long it may be, and when it is dropped.
 
 A caption is read from the sidecar beside its picture (`foo.txt`, or a dataset's
-`caption_extension`), else from a metadata.jsonl (Hugging Face imagefolder layout), else made
-of the file name; then it goes through ZT_CAPTION_TEMPLATE (`apply_template`). Tokenizers keep
-a few KiB of text at most, so a caption is read up to CAPTION_BYTES. Which samples train on
-the empty caption (ZT_CAPTION_DROPOUT) is a function of (seed, epoch, item) alone:
-`caption_dropped`.
+`caption_extension`), else from a metadata.jsonl (Hugging Face imagefolder layout, whose rows
+may name control images too), else made of the file name; then it goes through
+ZT_CAPTION_TEMPLATE (`apply_template`). Tokenizers keep a few KiB of text at most, so a caption
+is read up to CAPTION_BYTES. Which samples train on the empty caption (ZT_CAPTION_DROPOUT) is a
+function of (seed, epoch, item) alone: `caption_dropped`.
 """
 
 from __future__ import annotations
@@ -26,15 +26,20 @@ CAPTION_BYTES = 64 * 1024
 METADATA_LINE_BYTES = 64 * 2**20  # one metadata.jsonl line; longer is an input error
 
 
-def read_metadata(files: list[Path]) -> dict[Path, tuple[str, bool]]:
+def read_metadata(
+    files: list[Path],
+) -> tuple[dict[Path, tuple[str, bool]], dict[Path, list[Path]]]:
     """Captions from every metadata.jsonl (Hugging Face imagefolder layout), by image path:
-    (caption, whether it was cut to CAPTION_BYTES).
+    (caption, whether it was cut to CAPTION_BYTES); and the control images a row names (an
+    edit model's inputs: `control`, a name or a list of names, then `control_1`, ...), by
+    image path, in that order.
 
-    `file_name` is relative to the folder holding the metadata file. A malformed, unreadable
-    or overlong line is an input error: silently falling back to file names would train on
-    the wrong captions.
+    `file_name` and the controls are relative to the folder holding the metadata file. A
+    malformed, unreadable or overlong line is an input error: silently falling back to file
+    names would train on the wrong captions.
     """
     captions: dict[Path, tuple[str, bool]] = {}
+    controls: dict[Path, list[Path]] = {}
     for meta in files:
         for number, line in _lines(meta):
             if not line.strip():
@@ -43,15 +48,31 @@ def read_metadata(files: list[Path]) -> dict[Path, tuple[str, bool]]:
                 row = json.loads(line)
                 name, text = row["file_name"], row.get("text", row.get("caption"))
                 image = (meta.parent / name).resolve()
+                named = _control_names(row)
             except (ValueError, KeyError, TypeError, RecursionError) as exc:
                 raise ConfigError(
                     f"ZT_DATA_DIR: {meta} line {number}: expected a JSON object with "
-                    f'"file_name" and "text" ({type(exc).__name__}: {exc})'
+                    f'"file_name" and "text", and optionally "control" (a file name or a list '
+                    f"of them) ({type(exc).__name__}: {exc})"
                 ) from None
             text = "" if text is None else str(text)
             caption, cut = _prefix(text.encode("utf-8", "replace"), CAPTION_BYTES)
             captions[image] = (caption.strip(), cut)
-    return captions
+            if named:
+                controls[image] = [meta.parent / control for control in named]
+    return captions, controls
+
+
+def _control_names(row: dict[str, object]) -> list[str]:
+    """A metadata row's control image names: `control` (one or a list), then `control_1`,
+    `control_2`, ... by number."""
+    first = row.get("control")
+    names = [] if first is None else list(first) if isinstance(first, list) else [first]
+    numbered = sorted((int(k[8:]), k) for k in row if re.fullmatch(r"control_\d{1,4}", k))
+    names += [row[key] for _, key in numbered]
+    if not all(isinstance(name, str) and name for name in names):
+        raise TypeError(f"control names must be non-empty strings, got {names!r}")
+    return [str(name) for name in names]
 
 
 def _lines(meta: Path) -> Iterator[tuple[int, str]]:

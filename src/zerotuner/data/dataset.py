@@ -33,14 +33,18 @@ class Item:
     mask_digest: str = ""
     frames: int = 1  # a clip's frames trained (clips.trained_frames); an image is one
     fps: float = 0.0  # the rate a clip's frames are sampled at; 0 for an image
+    # an edit model's input images (foo.control.png, ...), cropped and flipped with this one
+    controls: tuple[Path, ...] = ()
+    control_digests: tuple[str, ...] = ()
 
     @property
     def content(self) -> str:
-        """What the cached latents depend on besides the bucket: the image and its mask, or
-        the clip and the rate its frames are sampled at."""
+        """What the cached latents depend on besides the bucket: the image, its mask and its
+        control images, or the clip and the rate its frames are sampled at."""
         if self.fps:
             return f"{self.digest}@{self.fps:g}fps"
-        return f"{self.digest}+{self.mask_digest}" if self.mask else self.digest
+        image = f"{self.digest}+{self.mask_digest}" if self.mask else self.digest
+        return f"{image}|{','.join(self.control_digests)}" if self.controls else image
 
     @property
     def clip(self) -> bool:
@@ -107,9 +111,12 @@ class Dataset:
 
 
 def _contents(items: Sequence[Item]) -> str:
-    """`12 images`, or with clips `10 images and 4 clips (2.5 s)`: the seconds they train."""
+    """`12 images`, `12 images with their control images`, or with clips `10 images and 4
+    clips (2.5 s)`: the seconds they train."""
     clips_in = [item for item in items if item.clip]
     images = count(len(items) - len(clips_in), "image")
+    if items and items[0].controls:  # an edit family's: every item has as many
+        images += f" with {count(len(items[0].controls), 'control image')} each"
     if not clips_in:
         return images
     seconds = sum((item.frames - 1) / item.fps for item in clips_in if item.fps)

@@ -3,12 +3,14 @@
 A data folder is untrusted: often a mount, sometimes full of links, FIFOs and loops. `walk`
 keeps the regular files inside it and says why it left out the rest; `open_regular` refuses a
 file swapped for something else since. A loss mask is named after its picture: `foo.mask.png`
-for `foo.jpg` (`masked`).
+for `foo.jpg` (`masked`); so is a control image, an edit model's input: `foo.control.png`, then
+`foo.control_1.png`, ... for several (`controlled`).
 """
 
 from __future__ import annotations
 
 import os
+import re
 import stat
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -19,6 +21,8 @@ IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp")
 MASK_SUFFIX = ".mask"  # foo.mask.png weights the loss of foo.png / foo.jpg
 # /data is often a mount: a link leading out of it reads files the user did not mean to train on.
 LINK_OUT = "links outside the data folder"
+# foo.control.png (the first), foo.control_1.png, ...: foo's control images, in that order
+CONTROL_NAME = re.compile(r"^(?P<picture>.+)\.control(?:_(?P<index>\d{1,4}))?$")
 
 
 def walk(root: Path) -> tuple[list[Path], list[tuple[Path, str]]]:
@@ -53,7 +57,8 @@ def walk(root: Path) -> tuple[list[Path], list[tuple[Path, str]]]:
                 continue
             if not real.is_relative_to(real_root):
                 skipped.append((path, LINK_OUT))
-            elif masked(path) is not None:  # `foo.mask.png/`: its picture is left out
+            elif masked(path) is not None or controlled(path) is not None:
+                # `foo.mask.png/`, `foo.control.png/`: their picture is left out
                 skipped.append((path, "not a regular file (a folder)"))
             elif inode not in seen:  # else read already, through another link
                 seen.add(inode)
@@ -81,6 +86,15 @@ def masked(path: Path) -> Path | None:
     if path.suffix.lower() in IMAGE_SUFFIXES and path.stem.endswith(MASK_SUFFIX):
         return path.with_name(path.stem.removesuffix(MASK_SUFFIX))
     return None
+
+
+def controlled(path: Path) -> tuple[Path, int] | None:
+    """The picture a control image's name stands for and its place among that picture's
+    controls (`(a/foo, 0)` for `a/foo.control.png`, `(a/foo, 2)` for `a/foo.control_2.png`);
+    None for any other name."""
+    if path.suffix.lower() not in IMAGE_SUFFIXES or not (match := CONTROL_NAME.match(path.stem)):
+        return None
+    return path.with_name(match["picture"]), int(match["index"] or 0)
 
 
 def _inode(path: Path) -> tuple[int, int]:

@@ -1,5 +1,6 @@
 """One image or clip decoded for the VAE: resized to cover its bucket, center-cropped, optionally
-mirrored, with its loss mask cut the same way and SDXL's size/crop micro-conditioning.
+mirrored, with its loss mask and its control images cut the same way and SDXL's size/crop
+micro-conditioning.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ class Example:
     crop_top_left: Size  # (top, left) of the crop in the resized image
     target_size: Size  # (h, w) of the bucket
     mask: np.ndarray | None = None  # float32 (1, H, W) in [0, 1], cropped as the pixels
+    # an edit model's inputs: float32 (controls, C, H, W) in [-1, 1], cropped as the pixels
+    controls: np.ndarray | None = None
 
 
 def load_example(item: Item, bucket_size: Bucket, *, flip: bool = False) -> Example:
@@ -62,6 +65,16 @@ def load_example(item: Item, bucket_size: Bucket, *, flip: bool = False) -> Exam
         with Image.open(item.mask) as raw:
             grey = ImageOps.exif_transpose(raw).convert("L")
         mask = np.asarray(fit(grey, Image.Resampling.BOX), dtype=np.float32)[None] / 255.0
+    controls = None
+    if item.controls:  # each stretched over the image (the scan checked their aspect ratios),
+        # cut by its box and resized to the bucket: diffusers' Kontext example fits its
+        # condition image to the target's size, crop and flip
+        fitted_controls = []
+        for path in item.controls:
+            with Image.open(path) as raw:
+                control = fit(_to_rgb(ImageOps.exif_transpose(raw)))
+            fitted_controls.append(np.asarray(control, dtype=np.float32).transpose(2, 0, 1))
+        controls = np.ascontiguousarray(np.stack(fitted_controls) / 127.5 - 1.0)
     return Example(
         pixels=np.ascontiguousarray(pixels),
         caption=item.caption,
@@ -69,6 +82,7 @@ def load_example(item: Item, bucket_size: Bucket, *, flip: bool = False) -> Exam
         crop_top_left=(top, nw - left - bw if flip else left),  # in the mirrored image
         target_size=(bh, bw),
         mask=mask,
+        controls=controls,
     )
 
 

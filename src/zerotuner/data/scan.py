@@ -5,19 +5,22 @@ Every rank scans the same folders and gets the same answer, so ranks agree on th
 without talking. Several datasets (ZT_DATASETS_FILE) are scanned one by one (`scan_sources`)
 and joined into one Dataset whose `parts` keep each one's repeats and resolution. A loss mask
 is an image beside its picture, `foo.mask.png` for `foo.jpg`: white trains, black is left out
-(`Item.mask`).
+(`Item.mask`). An edit model trains on control images beside their target, `foo.control.png`
+(then `foo.control_1.png`, ...), named in metadata.jsonl's `control` column, or in a dataset's
+`control_dir` under the target's own name (`controls.py`).
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 
-from zerotuner.data import clips
+from zerotuner.data import clips, controls
 from zerotuner.data.captions import METADATA_FILE, apply_template, read_caption, read_metadata
 from zerotuner.data.dataset import Dataset, Item, Part
-from zerotuner.data.files import IMAGE_SUFFIXES, masked, walk
+from zerotuner.data.files import IMAGE_SUFFIXES, controlled, masked, walk
 from zerotuner.data.probe import Probe, index_path, probe_files
 from zerotuner.errors import ConfigError
 from zerotuner.settings.datasets import DatasetSource, local_folder
@@ -41,6 +44,9 @@ def scan(
     caption_extension: str = ".txt",
     setting: str = "ZT_DATA_DIR",
     video: clips.Video | None = None,
+    control_count: int = 0,
+    control_dir: Path | None = None,
+    control_index: Path | None = None,
 ) -> Dataset:
     """Find every readable PNG/JPEG/WebP under data_dir (recursively), with its caption.
 
@@ -51,8 +57,11 @@ def scan(
     log_skipped=False on all ranks but one) and listed in `Dataset.skipped`, as are images
     whose short side is below `min_image_size` (ZT_MIN_IMAGE_SIZE). Each caption goes through
     `caption_template` (ZT_CAPTION_TEMPLATE), so the text cache holds what is trained on.
-    Captions are read from `caption_extension` sidecars; `foo.mask.png` is foo's loss mask. No
-    usable image is a ConfigError (exit 2) naming `setting`.
+    Captions are read from `caption_extension` sidecars; `foo.mask.png` is foo's loss mask.
+    `control_count`: the control images an edit family trains each target with (0: control
+    images are refused, `controls.refuse`); they are found beside their targets, in
+    metadata.jsonl or in `control_dir` (its scan index: `control_index`), and a target without
+    them usable is skipped. No usable image is a ConfigError (exit 2) naming `setting`.
     """
     data_dir = Path(data_dir)
     if not data_dir.is_dir():
@@ -61,21 +70,37 @@ def scan(
             "images (captions in sidecar .txt files or metadata.jsonl) there"
         )
     files, skipped = walk(data_dir)
-    metadata = read_metadata([p for p in files if p.name == METADATA_FILE])
+    metadata, named_controls = read_metadata([p for p in files if p.name == METADATA_FILE])
     sidecars = {p for p in files if p.suffix == caption_extension}
-    candidates, masks = _classify(files, sidecars, skipped, video)
+    found = controls.find(data_dir, files, skipped, named_controls, control_dir)
+    others = [p for p in files if p.resolve() not in found.files]  # controls are no targets
+    candidates, masks = _classify(others, sidecars, skipped, video)
     paired, broken_masks = _pair_masks(candidates, masks, skipped)
+    attached = found.attach(candidates, skipped)
+    if not control_count and (attached or control_dir):
+        raise controls.refuse(setting, data_dir, attached)
     mask_files = [m for m in paired.values() if m is not None]
     probes = probe_files(
-        data_dir, candidates + mask_files, video=video, index=index, write_index=write_index,
-        workers=workers,
+        data_dir, candidates + mask_files + found.inside, video=video, index=index,
+        write_index=write_index, workers=workers,
     )  # fmt: skip
-    mask_probes = dict(zip(mask_files, probes[len(candidates) :], strict=True))
+    masks_end = len(candidates) + len(mask_files)
+    mask_probes = dict(zip(mask_files, probes[len(candidates) : masks_end], strict=True))
+    control_probes = dict(zip(found.inside, probes[masks_end:], strict=True))
+    if control_dir is not None and found.outside:
+        outside = probe_files(
+            control_dir, found.outside, video=None, index=control_index,
+            write_index=write_index, workers=workers,
+        )  # fmt: skip
+        control_probes.update(zip(found.outside, outside, strict=True))
     items, cut = [], []
     for path, probe in zip(candidates, probes[: len(candidates)], strict=True):
         mask = paired[path]
         mask_probe = mask_probes[mask] if mask else None
         why = _left_out(probe, mask_probe, broken_masks.get(path), min_image_size)
+        own = attached.get(path, [])
+        why = why or found.left_out(path, probe, [control_probes.get(c) for c in own],
+                                    control_count)  # fmt: skip
         if why:
             skipped.append((path, why))
             continue
@@ -86,7 +111,11 @@ def scan(
             cut.append(cut_at)
         if caption_template is not None:
             caption = apply_template(caption_template, caption)
-        items.append(_item(path, data_dir, caption, probe, mask, mask_probe, video))
+        item = _item(path, data_dir, caption, probe, mask, mask_probe, video)
+        if own:
+            digests = tuple(control_probes[c].digest for c in own)
+            item = replace(item, controls=tuple(own), control_digests=digests)
+        items.append(item)
     skipped.sort()
     dataset = Dataset(data_dir, tuple(items), tuple(skipped), tuple(sorted(cut)))
     if not items:
@@ -206,13 +235,17 @@ def scan_sources(
     min_image_size: int = 0,
     video: clips.Video | None = None,
     datasets_file: Path | None = None,
+    control_count: int = 0,
 ) -> Dataset:
     """Every dataset of the run scanned (`scan`) and joined: one dataset as it is, several
     into a Dataset whose `parts` keep each one's repeats and resolution. A remote dataset is
     read from its fetched copy (settings.datasets.local_folder); `preflight.fetch` made it.
-    `datasets_file` (ZT_DATASETS_FILE): what an error names instead of ZT_DATA_DIR."""
+    `datasets_file` (ZT_DATASETS_FILE): what an error names instead of ZT_DATA_DIR.
+    `control_count`: the control images the model's family trains each target with (0: a
+    text-to-image family; a `control_dir` or control images are refused in one line)."""
     scanned = []
-    for source in sources:
+    for number, source in enumerate(sources):
+        control_dir = controls.control_folder(source, number, datasets_file, control_count)
         folder = local_folder(source, cache_dir)
         if source.location.remote and not (folder / FETCHED).is_file():
             raise ConfigError(
@@ -231,6 +264,9 @@ def scan_sources(
                 setting=setting,
                 index=index_path(cache_dir, folder),
                 video=video,
+                control_count=control_count,
+                control_dir=control_dir,
+                control_index=index_path(cache_dir, control_dir) if control_dir else None,
             )  # fmt: skip
         )
     if len(scanned) == 1 and sources[0].repeats == 1 and sources[0].resolution is None:
@@ -264,6 +300,7 @@ def listed_samples(
         if not folder.is_dir() or (source.location.remote and not (folder / FETCHED).is_file()):
             return None
         files, _ = walk(folder)
-        pictures = [p for p in files if p.suffix.lower() in suffixes and masked(p) is None]
+        pictures = [p for p in files if p.suffix.lower() in suffixes and masked(p) is None
+                    and controlled(p) is None]  # fmt: skip
         total += len(pictures) * source.repeats
     return total

@@ -58,6 +58,9 @@ class Spec:
     # path (`zerotuner demo`, the tests' models); "": the UNet families' and SD3's and Flux's,
     # in demo/pipelines.py and demo/flow.py
     demo: str = ""
+    # Control images each target trains with (an edit model's inputs: data/controls.py);
+    # 0: a text-to-image family, which refuses them
+    controls: int = 0
 
     @property
     def frozen_params(self) -> int:

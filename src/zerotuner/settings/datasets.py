@@ -14,6 +14,8 @@ answer on every rank. The datasets file (YAML, JSON or TOML, mounted like the co
         resolution: 768               # this dataset's buckets
       - path: hf://datasets/owner/name
         caption_column: prompt        # parquet shards: which column holds the caption
+      - path: /data/edits
+        control_dir: /data/edit-inputs  # an edit model's control images, named as the targets
 
 Fields left out take the job's settings (ZT_CAPTION_TEMPLATE, ZT_RESOLUTION).
 """
@@ -99,6 +101,9 @@ class DatasetSource(BaseModel):
     caption_extension: str = ".txt"
     image_column: str | None = None  # parquet shards: defaults to the first image column
     caption_column: str | None = None  # parquet shards: `text`, `caption` or `prompt`
+    # A local folder of control images (an edit family's inputs) named as their targets
+    # (data/controls.py); refused in one line for a family that takes none or a missing folder.
+    control_dir: str | None = Field(None, min_length=1)
 
     @field_validator("path")
     @classmethod
@@ -142,8 +147,8 @@ def sources(settings: Settings) -> list[DatasetSource]:
     if extra or not isinstance(entries, list) or not entries:
         raise ConfigError(
             f"{where}: expected `datasets:` with a list of entries (path, repeats, "
-            "caption_template, resolution, caption_extension, image_column, caption_column)"
-            + (f"; unknown key {extra[0]!r}" if extra else "")
+            "caption_template, resolution, caption_extension, image_column, caption_column, "
+            "control_dir)" + (f"; unknown key {extra[0]!r}" if extra else "")
         )
     found, problems = [], []
     for number, entry in enumerate(entries):

@@ -184,10 +184,11 @@ def batch_items(
 
 
 def _loader(item: Item, bucket: Bucket) -> Callable[[bool], feature_cache.Loaded]:
-    def load(flip: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    def load(flip: bool) -> feature_cache.Loaded:
         example = load_example(item, bucket, flip=flip)
         ids = time_ids(example.original_size, example.crop_top_left, example.target_size)
         mask = None if example.mask is None else torch.from_numpy(example.mask)
-        return torch.from_numpy(example.pixels), ids, mask
+        controls = None if example.controls is None else torch.from_numpy(example.controls)
+        return torch.from_numpy(example.pixels), ids, mask, controls
 
     return load

@@ -3,8 +3,9 @@
 Entries live under `ZT_CACHE_DIR/features/` as one safetensors file each, named by a digest of
 everything the tensor depends on:
 - a latent: the VAE (its config and weight files), the image file (relative path and a
-  digest of its bytes) and its bucket -- so a changed image, resolution or bucket re-encodes
-  only that image;
+  digest of its bytes, and its mask's and control images') and its bucket -- so a changed
+  image, control, resolution or bucket re-encodes only that image; an edit model's control
+  images are encoded into the same entry (`control_latents`: controls x the latents' shape);
 - a text embedding: the text encoders and tokenizers, and the caption.
 Each node's first rank encodes the node's share of the missing entries (round-robin), writes
 them atomically, and after a barrier every rank reads any entry from the shared folder. A
@@ -33,18 +34,24 @@ log = logging.getLogger(__name__)
 
 ENCODE_BATCH = 8  # images or captions per encoder call while caching
 T = TypeVar("T")
-# What CacheItem.load gives: pixels, time ids and, optionally, the loss mask (None: none).
-Loaded = tuple[torch.Tensor, torch.Tensor] | tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]
+# What CacheItem.load gives: pixels, time ids and, optionally, the loss mask and the control
+# images (None: none).
+Loaded = (
+    tuple[torch.Tensor, torch.Tensor]
+    | tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]
+    | tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]
+)
 
 
 @dataclass(frozen=True)
 class CacheItem:
     """One training example as the cache sees it. `load(flip)` reads the bucketed image:
     (C, H, W) tensor in [-1, 1], SDXL's time ids (original size, crop, target size) and,
-    optionally third, its loss mask (1, H, W) in [0, 1] (cached at the latents' size)."""
+    optionally third, its loss mask (1, H, W) in [0, 1] (cached at the latents' size) and
+    fourth its control images (controls, C, H, W) in [-1, 1], cropped and flipped with it."""
 
     name: str  # path relative to the data dir: stable across mounts
-    content: str  # a digest of the image file's bytes (and its mask's)
+    content: str  # a digest of the image file's bytes (and its mask's and controls')
     caption: str
     bucket: Bucket  # target (w, h) in pixels, a clip's (w, h, frames)
     load: Callable[[bool], Loaded]
@@ -133,6 +140,7 @@ class FeatureCache:
                 for flip in variants:
                     loaded = [item.load(flip) for item in chunk]
                     latents = encode(torch.stack([pixels for pixels, *_ in loaded]))
+                    controls = _encode_controls([extra for _, _, *extra in loaded], encode)
                     suffix = "_flipped" if flip else ""
                     for i, (_, time_ids, *mask) in enumerate(loaded):
                         row = rows[chunk[i].name]
@@ -140,6 +148,8 @@ class FeatureCache:
                         row[f"time_ids{suffix}"] = time_ids
                         if mask and mask[0] is not None:
                             row[f"mask{suffix}"] = latent_mask(mask[0], latents[i].shape[-2:])
+                        if (control := controls[i]) is not None:
+                            row[f"control_latents{suffix}"] = control
                 for item in chunk:
                     _save(rows.pop(item.name), self.latent_path(item))
                 progress(len(chunk))
@@ -172,7 +182,7 @@ class FeatureCache:
             row = load_file(self.latent_path(item))
             if self.flip:
                 mirrored = torch.rand((), generator=generator).item() < 0.5  # CPU generator
-                for key in ("latents", "time_ids", "mask"):
+                for key in ("latents", "time_ids", "mask", "control_latents"):
                     if f"{key}_flipped" in row:
                         flipped = row.pop(f"{key}_flipped")
                         row[key] = flipped if mirrored else row[key]
@@ -202,6 +212,19 @@ def latent_cache_bytes(
         latent_frames = (frames - 1) // frame_step + 1 if frame_step else 1
         total += len(set(indices)) * channels * latent_frames * (h // scale) * (w // scale) * 4
     return total * (2 if flip else 1)
+
+
+def _encode_controls(
+    extras: list[list[torch.Tensor | None]], encode: Callable[[torch.Tensor], torch.Tensor]
+) -> list[torch.Tensor | None]:
+    """Each item's control images (what its load gave after the mask) as latents, (controls,
+    c, h, w), encoded in one call: a chunk shares its bucket."""
+    controls = [extra[1] if len(extra) > 1 else None for extra in extras]
+    given = [c for c in controls if c is not None]
+    if not given:
+        return controls
+    latents = iter(encode(torch.cat(given)).split([len(c) for c in given]))
+    return [None if c is None else next(latents).contiguous() for c in controls]
 
 
 def latent_mask(mask: torch.Tensor, size: torch.Size) -> torch.Tensor:

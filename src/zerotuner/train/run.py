@@ -118,6 +118,7 @@ class Run:
             video=self.video,
             datasets_file=s.datasets_file,
         )  # fmt: skip
+            control_count=families.REGISTRY[job.family].controls,
         # one bucket rule, the one `check` reports (families.bucket_step)
         multiple = families.bucket_step(
             job.family, source, resolution=job.resolution, denoiser=self.part
