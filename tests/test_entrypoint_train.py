@@ -14,6 +14,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from receiver import Receiver
 from trainkit import ENTRYPOINT, entrypoint_env, sigterm_after_steps, steps_done
 
 from zerotuner.launch.ranks import free_port
@@ -64,9 +65,13 @@ def test_two_entrypoints_on_localhost_train_together(demo_dir, tmp_path):
 
 @pytest.mark.slow
 def test_sigterm_to_the_entrypoint_reaches_the_ranks_and_exits_143(demo_dir, tmp_path):
-    env = entrypoint_env(demo_dir, tmp_path, ZT_MAX_STEPS="10000", ZT_CHECKPOINT_EVERY_STEPS="0")
-    code, out = sigterm_after_steps(env, tmp_path)
+    with Receiver() as webhook:  # ZT_NOTIFY_URL (issue 46): the stop is told, with its code
+        env = entrypoint_env(demo_dir, tmp_path, ZT_MAX_STEPS="10000",
+                             ZT_CHECKPOINT_EVERY_STEPS="0", ZT_NOTIFY_URL=webhook.url)  # fmt: skip
+        code, out = sigterm_after_steps(env, tmp_path)
     assert code == 143, out[-3000:]
+    told = webhook.bodies[-1]
+    assert told["type"] == "failure" and told["message"].startswith("exit 143: stopped by a"), told
     last = steps_done(tmp_path)[-1]["step"]
     pointer = tmp_path / "output" / "checkpoints" / "latest"
     assert pointer.is_file(), out[-3000:]

@@ -12,6 +12,7 @@ import time
 import pytest
 import torch
 from prometheus_client import CollectorRegistry
+from receiver import Receiver
 from trainkit import ENTRYPOINT, entrypoint_env, lone_rank_result
 
 from zerotuner.errors import EXIT_DIVERGED, Diverged
@@ -153,14 +154,19 @@ def test_skipped_steps_reach_steps_jsonl_and_the_counter(tmp_path):
 def test_a_diverging_run_exits_4_keeping_its_last_finite_checkpoint(demo_dir, tmp_path):
     """2 ranks, ZeRO-2, through `./entrypoint train`: a learning rate of 1e30 makes step 2's
     update huge (finite) and every later step NaN."""
-    env = entrypoint_env(
-        demo_dir, tmp_path, ZT_LEARNING_RATE="1e30", ZT_LR_WARMUP_STEPS="0", ZT_MAX_STEPS="10",
-        ZT_CHECKPOINT_EVERY_STEPS="1", ZT_CHECKPOINTS_KEEP="5", ZT_MAX_NONFINITE_STEPS="3",
-    )  # fmt: skip
-    done = subprocess.run([ENTRYPOINT, "train"], env=env, capture_output=True, text=True,
-                          timeout=600)  # fmt: skip
+    with Receiver() as webhook:  # ZT_NOTIFY_URL (issue 46): the failure is told, with its line
+        env = entrypoint_env(
+            demo_dir, tmp_path, ZT_LEARNING_RATE="1e30", ZT_LR_WARMUP_STEPS="0",
+            ZT_MAX_STEPS="10", ZT_CHECKPOINT_EVERY_STEPS="1", ZT_CHECKPOINTS_KEEP="5",
+            ZT_MAX_NONFINITE_STEPS="3", ZT_NOTIFY_URL=webhook.url,
+        )  # fmt: skip
+        done = subprocess.run([ENTRYPOINT, "train"], env=env, capture_output=True, text=True,
+                              timeout=600)  # fmt: skip
     err = done.stderr
     assert done.returncode == EXIT_DIVERGED, err[-4000:]
+    told = webhook.bodies[-1]
+    assert told["type"] == "failure" and told["message"].startswith("exit 4: "), told
+    assert "training diverged:" in told["message"], told
     assert "Traceback" not in err + done.stdout, err[-4000:]
     (line,) = [x for x in err.splitlines() if "diverged" in x]
     assert line.startswith("zerotuner: error: training diverged:"), line

@@ -16,6 +16,17 @@ EXIT_PEER_LOST = 200  # another node of a multi-node job was lost (preempted, ki
 # retry every node; they resume from the last committed checkpoint. In 128-255, so Kubeflow's
 # `restartPolicy: ExitCode` retries it, and above 128 + 64, so no signal's exit reads as it.
 
+# What each code tells someone who was not watching (a notification, a summary).
+EXIT_MEANINGS = {
+    EXIT_OK: "finished",
+    EXIT_FAILURE: "failed unexpectedly (a retry may help)",
+    EXIT_CONFIG: "a setting or an input is wrong (a retry will not help)",
+    EXIT_ENVIRONMENT: "this machine cannot run the job (a retry will not help)",
+    EXIT_DIVERGED: "the loss or gradients stayed non-finite (the last checkpoint is kept)",
+    EXIT_SIGNAL: "stopped by a signal (a retry resumes from the last checkpoint)",
+    EXIT_PEER_LOST: "a node of the job was lost (a retry resumes from the last checkpoint)",
+}
+
 
 class ZeroTunerError(Exception):
     """An error the user can act on: printed as one line, no traceback."""

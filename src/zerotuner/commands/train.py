@@ -22,12 +22,14 @@ from zerotuner.machine.hardware import describe
 from zerotuner.machine.ops import clear_stale_locks
 from zerotuner.machine.probe import probe_facts, with_ops
 from zerotuner.monitor.logs import rank_level, setup_logging
+from zerotuner.publish.notify import secret_parts as notify_secret_parts
 from zerotuner.settings.effective import Effective, effective_settings
 from zerotuner.settings.folders import require_writable
 from zerotuner.settings.schema import Settings
 
 if TYPE_CHECKING:  # types only: each is imported where it is used, when the run needs it
     from zerotuner.monitor.server import MetricsServer
+    from zerotuner.publish.notify import Notifier
     from zerotuner.publish.push import Pusher
 
 log = logging.getLogger("zerotuner.train")
@@ -42,20 +44,37 @@ def run(args: argparse.Namespace) -> int:
     settings = effective.settings
     require_writable(settings)  # a read-only or file output fails here, not after loading
     token = settings.hf_token.get_secret_value() if settings.hf_token else None
+    notify_url = settings.notify_url.get_secret_value() if settings.notify_url else None
     level = rank_level(settings.log_level, 0)
-    setup_logging(rank=0, log_format=settings.log_format, level=level, secrets=[token])
+    setup_logging(rank=0, log_format=settings.log_format, level=level,
+                  secrets=[token, *notify_secret_parts(notify_url)])  # fmt: skip
     with ExitStack() as stack:
         server = _start_metrics(settings, stack)
-        code = 1
+        news = _notifier(settings, notify_url)  # a URL no notifier takes: exit 2, here
+        code, line = 1, ""
         try:
-            code = _train(effective, server, stack)
+            code, line = _train(effective, server, stack, news)
         except ZeroTunerError as error:
-            code = error.exit_code
+            code, line = error.exit_code, str(error)
+            raise
+        except BaseException as error:
+            line = type(error).__name__  # its message may quote anything: the log has it
             raise
         finally:
             if server is not None:
                 server.set_phase("done" if code == EXIT_OK else "failed")
+            if news is not None:
+                news.finish(code, line)  # bounded: a dead endpoint never changes the code
         return code
+
+
+def _notifier(settings: Settings, url: str | None) -> Notifier | None:
+    if not url:
+        return None
+    from zerotuner.publish.notify import Notifier, targets
+
+    found = targets(url, timeout_seconds=settings.notify_timeout_seconds)
+    return Notifier(found, settings.output_dir, timeout_seconds=settings.notify_timeout_seconds)
 
 
 def _start_metrics(settings: Settings, stack: ExitStack) -> MetricsServer | None:
@@ -79,7 +98,10 @@ def _start_metrics(settings: Settings, stack: ExitStack) -> MetricsServer | None
     return server
 
 
-def _train(effective: Effective, server: MetricsServer | None, stack: ExitStack) -> int:
+def _train(
+    effective: Effective, server: MetricsServer | None, stack: ExitStack, news: Notifier | None
+) -> tuple[int, str]:
+    """The run on this node: its exit code and, for a failure, the ranks' one line."""
     settings = effective.settings
     # Enough to place the ranks (no DeepSpeed op builders: on the CPU, no torch import yet).
     facts = probe_facts(settings.device, os.environ, ops=False)
@@ -94,6 +116,10 @@ def _train(effective: Effective, server: MetricsServer | None, stack: ExitStack)
         topology, placement, job_file=job_file, status_dir=status_dir,
         grace_seconds=settings.stop_grace_seconds,
     )  # fmt: skip
+    if news is not None and topology.node_rank == 0:
+        news.start()  # node 0 tells, from here on: the ranks exist
+    else:
+        news = None
     try:
         clear_stale_locks()  # a start killed mid-build left one: every op build would wait on it
         hardware = describe(with_ops(facts, os.environ), settings.device)
@@ -103,18 +129,20 @@ def _train(effective: Effective, server: MetricsServer | None, stack: ExitStack)
 
         pusher = prepare(
             effective, hardware=hardware, topology=topology, job_file=job_file, server=server,
-            stack=stack,
+            stack=stack, news=news,
         )  # fmt: skip
     except BaseException:
         ranks.cancel()
         raise
     ranks.release()
+    if news is not None:
+        news.watch()
     code = ranks.wait()
     if code == EXIT_OK and topology.node_rank == 0:
         _say_where_outputs_are(settings)
     if pusher is not None:
         _finish_pushing(pusher, settings, code)
-    return code
+    return code, ranks.failure_line()
 
 
 # After a successful run the final export may be tens of GB: it gets up to an hour to upload.

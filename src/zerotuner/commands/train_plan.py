@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from zerotuner.launch.ranks import Topology
     from zerotuner.machine.hardware import Hardware
     from zerotuner.monitor.server import MetricsServer
+    from zerotuner.publish.notify import Notifier
     from zerotuner.publish.push import Pusher
     from zerotuner.settings.effective import Effective
 
@@ -42,9 +43,11 @@ def prepare(
     job_file: Path,
     server: MetricsServer | None,
     stack: ExitStack,
+    news: Notifier | None = None,
 ) -> Pusher | None:
     """Everything before the ranks may go: the plan, the offload volume, the job file, and on
-    node 0 the checkpoint pusher (which may first fetch the checkpoint to resume from)."""
+    node 0 the checkpoint pusher (which may first fetch the checkpoint to resume from) and the
+    start notification (`news`, node 0's)."""
     settings = effective.settings
     if settings.offload_device:
         stack.enter_context(
@@ -83,8 +86,22 @@ def prepare(
             pusher = _start_pusher(settings, server)
         else:  # an earlier run's remote no longer holds back the local rotation
             (checkpoints_dir(settings.output_dir) / REMOTE_LATEST).unlink(missing_ok=True)
+    if news is not None:
+        from zerotuner.publish.notify import Event
+
+        news.send(Event("start", _plan_line(pre)))
     job.write(job_file)  # the waiting ranks go on from here
     return pusher
+
+
+def _plan_line(pre: Preflight) -> str:
+    """The plan in one line, for someone not reading the log."""
+    s, t = pre.settings, pre.topology
+    nodes = f" on {t.nnodes} nodes" if t.nnodes > 1 else ""
+    return (
+        f"{pre.model.family} {s.training_type} training, {s.max_steps} steps, "
+        f"{t.world_size} rank(s){nodes}: {pre.plan.choice.label()}; output {s.output_dir}"
+    )
 
 
 def _start_pusher(settings: Settings, server: MetricsServer | None) -> Pusher:

@@ -378,6 +378,16 @@ class Settings(BaseSettings):
         "rank's debug lines, the third-party notices held back included.",
     )
     log_every_steps: int = Field(10, ge=1, description="Progress line interval without a TTY.")
+    notify_url: SecretStr | None = Field(
+        None,
+        description="Where to tell the run's start, checkpoints, samples, finish and failures: "
+        "Discord or Slack webhook URLs, any apprise URL (ntfy://, tgram://, mailto://, ...), or "
+        "an http(s) URL for a JSON POST; several separated by spaces. A secret (never printed; "
+        "the secret file `notify_url` works). Sent by node 0's entrypoint, never slowing a step.",
+    )
+    notify_timeout_seconds: float = Field(
+        10, gt=0, le=300, description="Bound of one notification's delivery try (3 tries)."
+    )
 
     # --- files and secrets ---------------------------------------------------------------------
     config_file: Path = Field(
