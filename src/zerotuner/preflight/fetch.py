@@ -22,6 +22,11 @@ written: `_writable` skips, and `describe` lists, a name that is absolute, has a
 or `..` part, or is a file where another name needs a folder; a parquet row's `path` only hints
 at a suffix. A parquet shard's columns are checked, every shard's, before anything is written.
 `check` lists instead (`listing_only`): counts and sizes, what the cache holds already.
+
+ZT_LORA_FROM's remote adapter file (`fetch_adapter`) comes the same ways, one file: from S3 into
+ZT_CACHE_DIR/adapters (weights.lora_from.Remote.copy_path; its key must be a name `_writable`
+writes, checked against the listing's size and ETag, fetched again only when they change), from
+the hub into the hub cache (`hf_hub_download`).
 """
 
 from __future__ import annotations
@@ -46,7 +51,8 @@ from zerotuner.families import hub_cache_dir
 from zerotuner.publish.remote import RemoteError, S3Store, open_store
 from zerotuner.settings.datasets import FILE_SETTING, DatasetSource, Location, local_folder
 from zerotuner.settings.files import short_repr
-from zerotuner.settings.schema import Settings
+from zerotuner.settings.schema import Settings, env_name
+from zerotuner.weights import lora_from
 
 log = logging.getLogger(__name__)
 
@@ -110,6 +116,91 @@ def fetch_all(
         except RemoteError as error:
             raise EnvironmentUnfit(f"{source.path}: cannot fetch it: {error}") from None
     return found
+
+
+def fetch_adapter(settings: Settings, *, offline: bool = False) -> Path | None:
+    """ZT_LORA_FROM's file into the cache when it is an `s3://` or `hf://` URL (its path; None
+    for a local file or no adapter). A bad URL, a missing object or file, a repo this token
+    cannot read: one line, exit 2; an unreachable store or a refused S3 request: exit 3 (as a
+    remote dataset's). `offline`: the hub cache only (HF_HUB_OFFLINE)."""
+    if settings.training_type != "lora" or not settings.lora_from:
+        return None
+    found = lora_from.remote(settings.lora_from)
+    if found is None:
+        return None
+    where = f"{lora_from.NAME}={found.url}"
+    names, skipped = _writable([found.key])
+    if not names:  # the key could not be a file of the cache (absolute, `..`, a folder, ...)
+        why = skipped[0][1] if skipped else "a folder or hidden name"
+        raise ConfigError(f"{where}: the key is {why}, not a file name the cache can hold")
+    if found.kind == "hf":
+        return _fetch_hub_file(found, where, settings, offline)
+    try:
+        return _fetch_s3_file(found, where, settings)
+    except RemoteError as error:
+        if "NoSuchBucket" in str(error):
+            raise ConfigError(f"{where}: no such bucket; check the URL") from None
+        raise EnvironmentUnfit(f"{where}: cannot fetch it: {error}") from None
+
+
+def _fetch_s3_file(found: lora_from.Remote, where: str, settings: Settings) -> Path:
+    folder, name = found.key.rpartition("/")[::2]
+    token = settings.hf_token.get_secret_value() if settings.hf_token else None
+    store = open_store(f"s3://{found.where}/{folder}", hf_token=token,
+                       secrets_dir=settings.secrets_dir)  # fmt: skip
+    assert isinstance(store, S3Store)  # an s3:// location
+    listed = store.objects(name).get(name)  # the keys that begin with it: this one exactly
+    if listed is None:
+        raise ConfigError(f"{where}: no such object in the bucket; check the URL")
+    size, etag = listed
+    path = found.copy_path(settings.cache_dir)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with _locked(path.parent):
+        marker = path.parent / FETCHED
+        if _read_json(marker) == [size, etag] and path.is_file() and path.stat().st_size == size:
+            return path  # fetched before, unchanged
+        marker.unlink(missing_ok=True)
+        part = path.with_name(f".{name}.part")
+        store.download(name, part)
+        _verify(part, found.key, size, etag)
+        os.replace(part, path)
+        _write_json(marker, [size, etag])
+    log.info("%s: fetched, %s, into %s", where, _size(size), path)
+    return path
+
+
+def _fetch_hub_file(found: lora_from.Remote, where: str, settings: Settings, offline: bool) -> Path:
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub.errors import (
+        EntryNotFoundError,
+        GatedRepoError,
+        HFValidationError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
+
+    token = settings.hf_token.get_secret_value() if settings.hf_token else None
+    try:
+        path = hf_hub_download(
+            found.where, found.key, revision=found.revision, token=token,
+            repo_type="dataset" if found.dataset else None, local_files_only=offline,
+            cache_dir=hub_cache_dir(settings.cache_dir),
+        )  # fmt: skip
+    except LocalEntryNotFoundError:  # before EntryNotFoundError, its base
+        raise EnvironmentUnfit(
+            f"{where}: not in the hub cache and the hub is unreachable or HF_HUB_OFFLINE is set"
+        ) from None
+    except (RepositoryNotFoundError, GatedRepoError, RevisionNotFoundError, HFValidationError,
+            EntryNotFoundError) as error:  # fmt: skip
+        raise ConfigError(
+            f"{where}: not a file of a repository (or revision) this token can read "
+            f"({type(error).__name__}); check the URL and {env_name('hf_token')}"
+        ) from None
+    except OSError as error:  # the hub answered with an error, or not at all
+        raise EnvironmentUnfit(f"{where}: cannot fetch it ({type(error).__name__})") from None
+    log.info("%s: in the hub cache at %s", where, path)
+    return Path(path)
 
 
 # --- S3 -------------------------------------------------------------------------------------

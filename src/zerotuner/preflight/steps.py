@@ -34,6 +34,7 @@ from zerotuner.machine.hardware import Hardware, describe_hardware, require_supp
 from zerotuner.machine.offload_volume import free_bytes_at
 from zerotuner.preflight import trainable
 from zerotuner.preflight.deepspeed_config import Decisions, Normalized, normalize
+from zerotuner.preflight.fetch import fetch_adapter
 from zerotuner.preflight.pins import pins
 from zerotuner.preflight.plan import Plan, PlanRequest, gib, make_plan
 from zerotuner.settings.datasets import sources
@@ -259,6 +260,7 @@ class PreflightRun:
         shape = model_shape(model.family, model.local_dir, denoiser=expert)
         check_family_settings(settings, model.family, shape)  # the model's VAE: its frame rule
         # an adapter file's rank, alpha and targets are the run's: the plan and resume see them
+        fetch_adapter(settings, offline=self.effective.hub_offline)  # an s3:// or hf:// file
         settings, _ = lora_from.apply(settings, model.family, model_dir=model.local_dir)
         self.settings = settings
         check_resume(settings, model.family, shape)

@@ -258,9 +258,11 @@ class Settings(BaseSettings):
     )
     lora_from: str | None = Field(
         None,
-        description="Train on from an existing adapter file (a local `.safetensors` in the "
-        "diffusers, kohya or ComfyUI layout, for this model): its rank, alpha and targets are "
-        "the run's, its weights the adapter's start; a resume starts from its checkpoint instead.",
+        description="Train on from an existing adapter file (a `.safetensors` in the "
+        "diffusers, kohya or ComfyUI layout, for this model: a path, `s3://bucket/key` or "
+        "`hf://owner/repo[@revision]/path`, fetched into ZT_CACHE_DIR before the ranks start): "
+        "its rank, alpha and targets are the run's, its weights the adapter's start; a resume "
+        "starts from its checkpoint instead.",
     )
     lora_merge: bool = Field(
         False,
