@@ -390,6 +390,12 @@ class Settings(BaseSettings):
     notify_timeout_seconds: float = Field(
         10, gt=0, le=300, description="Bound of one notification's delivery try (3 tries)."
     )
+    report_to: Annotated[list[Literal["tensorboard"]], NoDecode] = Field(
+        default_factory=list,
+        description="Experiment trackers mirroring rank 0's step log, learning rate, memory and "
+        "samples: `tensorboard` (event files in ZT_OUTPUT_DIR/run/tensorboard/); "
+        "comma-separated; empty or `none`: none.",
+    )
 
     # --- files and secrets ---------------------------------------------------------------------
     config_file: Path = Field(
@@ -410,6 +416,14 @@ class Settings(BaseSettings):
         """Every whole-number setting fits 64 bits (10**400 steps or seed overflow later)."""
         if isinstance(value, int) and not isinstance(value, bool) and abs(value) > MAX_INT:
             raise PydanticCustomError("int_too_large", "Input should be a number below 2**63")
+        return value
+
+    @field_validator("report_to", mode="before")
+    @classmethod
+    def _split_trackers(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            names = [n.strip().lower() for n in value.split(",") if n.strip()]
+            return [n for n in names if n != "none"]
         return value
 
     @field_validator("validation_prompts", mode="before")

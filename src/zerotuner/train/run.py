@@ -117,8 +117,8 @@ class Run:
             write_index=self.place.node_leader, min_image_size=s.min_image_size,
             video=self.video,
             datasets_file=s.datasets_file,
-        )  # fmt: skip
             control_count=families.REGISTRY[job.family].controls,
+        )  # fmt: skip
         # one bucket rule, the one `check` reports (families.bucket_step)
         multiple = families.bucket_step(
             job.family, source, resolution=job.resolution, denoiser=self.part
@@ -385,6 +385,9 @@ class Run:
                     base_precision=trained.base_precision,
                 )
         distributed.barrier()
+        for sink in self.sinks:  # the trackers (ZT_REPORT_TO) show the images
+            if hasattr(sink, "on_samples"):
+                sink.on_samples(step, s.output_dir / "samples" / f"step-{step}")
         self.phase("training")
 
     # --- the end --------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """The consumers of a rank's step records (launch.records.Sink), plugged in one place: the
 Prometheus metrics and the progress log (zerotuner.monitor) on every rank, and steps.jsonl,
-the run's step history, on rank 0.
+the run's step history, and the trackers of ZT_REPORT_TO (monitor.trackers) on rank 0.
 """
 
 from __future__ import annotations
@@ -41,6 +41,12 @@ def build_sinks(
     ]
     if rank == 0:
         sinks.append(StepsJsonlSink(settings.output_dir / "run" / "steps.jsonl"))
+        if "tensorboard" in settings.report_to:
+            from zerotuner.monitor.metrics import memory_probe
+            from zerotuner.monitor.trackers import TENSORBOARD_DIR, TensorBoardSink
+
+            folder = settings.output_dir / "run" / TENSORBOARD_DIR
+            sinks.append(TensorBoardSink(folder, probe=memory_probe(device), resumed_step=start))
     return sinks
 
 

@@ -1,0 +1,59 @@
+"""Trackers (ZT_REPORT_TO, issue 46): TensorBoard's own reader reads back what the sink wrote,
+and a resumed run's events continue from its checkpoint's step. (A real run writing them:
+test_notify's run, which sets ZT_REPORT_TO=tensorboard.)"""
+
+from __future__ import annotations
+
+import pytest
+from PIL import Image
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from zerotuner.launch.records import StepRecord
+from zerotuner.monitor.metrics import CpuMemoryProbe
+from zerotuner.monitor.trackers import TensorBoardSink
+
+
+def _record(step: int, loss: float, *, skipped: bool = False) -> StepRecord:
+    return StepRecord(step=step, loss=loss, lr=1e-4 * step, grad_norm=0.5, step_seconds=0.25,
+                      samples=8, timestamp=0.0, skipped=skipped)  # fmt: skip
+
+
+def _read(folder) -> EventAccumulator:
+    events = EventAccumulator(str(folder), size_guidance={"scalars": 0, "images": 0})
+    events.Reload()
+    return events
+
+
+def test_the_step_log_memory_and_samples_read_back(tmp_path):
+    sink = TensorBoardSink(tmp_path / "tb", probe=CpuMemoryProbe(), resumed_step=0)
+    for step in (1, 2, 3):
+        sink.on_step(_record(step, 1.0 / step, skipped=step == 2))
+    sink.on_checkpoint(3, 1.5)
+    folder = tmp_path / "samples" / "step-3"
+    folder.mkdir(parents=True)
+    Image.new("RGB", (16, 8), (255, 0, 0)).save(folder / "00-a-red-square.png")
+    sink.on_samples(3, folder)
+    sink.close()
+    events = _read(tmp_path / "tb")
+    # a skipped step (non-finite) has no loss, as steps.jsonl's null
+    losses = [(e.step, e.value) for e in events.Scalars("train/loss")]
+    assert losses == [(1, 1.0), (3, pytest.approx(1 / 3))]  # stored as float32
+    assert [e.step for e in events.Scalars("train/lr")] == [1, 2, 3]
+    assert events.Scalars("train/samples_per_second")[0].value == 32.0
+    assert events.Scalars("memory/allocated_gib")[0].value > 0
+    assert [(e.step, e.value) for e in events.Scalars("checkpoint/seconds")] == [(3, 1.5)]
+    (image,) = events.Images("samples/00-a-red-square")
+    assert (image.step, image.width, image.height) == (3, 16, 8)
+
+
+def test_a_resumed_run_drops_the_steps_its_checkpoint_does_not_hold(tmp_path):
+    first = TensorBoardSink(tmp_path, probe=None, resumed_step=0)
+    for step in range(1, 6):
+        first.on_step(_record(step, float(step)))
+    first.close()  # ended at step 5; the last checkpoint holds step 3
+    resumed = TensorBoardSink(tmp_path, probe=None, resumed_step=3)
+    for step in (4, 5):
+        resumed.on_step(_record(step, 10.0 * step))
+    resumed.close()
+    losses = [(e.step, e.value) for e in _read(tmp_path).Scalars("train/loss")]
+    assert losses == [(1, 1.0), (2, 2.0), (3, 3.0), (4, 40.0), (5, 50.0)]
