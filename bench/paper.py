@@ -12,6 +12,8 @@ adapter in place (backward computes no weight gradients for the frozen base).
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -187,12 +189,13 @@ FLOW_MODELS = (("SD3.5 Large", "sd3"), ("FLUX.1-dev", "flux"))
 
 def flow_plan(
     family: str, gpus: int, gpu_gib: int, host_gib: int, training: str = "full",
-    resolution: int | None = 1024, frames: int | None = None,
+    resolution: int | None = 1024, frames: int | None = None, base_precision: str = "auto",
 ) -> dict[str, Any]:  # fmt: skip
     """`zerotuner plan --json` for a flow family on what-if hardware (`training`: full, or
     lora with the default adapter, as ZT_TRAINING_TYPE says; `resolution` None: the family's
-    native; `frames`: a video family's ZT_VIDEO_FRAMES). `family` may name one of
-    CONFIG_MODELS instead: its configs are planned as ZT_MODEL, as a hub model's are."""
+    native; `frames`: a video family's ZT_VIDEO_FRAMES; `base_precision`: a LoRA base's
+    storage, ZT_BASE_PRECISION). `family` may name one of CONFIG_MODELS instead: its configs
+    are planned as ZT_MODEL, as a hub model's are."""
     import contextlib
     import io
     import json
@@ -202,9 +205,10 @@ def flow_plan(
     from zerotuner.cli import main
 
     out, err = io.StringIO(), io.StringIO()
-    names = ("ZT_TRAINING_TYPE", "ZT_MODEL", "ZT_VIDEO_FRAMES")
+    names = ("ZT_TRAINING_TYPE", "ZT_MODEL", "ZT_VIDEO_FRAMES", "ZT_BASE_PRECISION")
     before = {name: os.environ.get(name) for name in names}
     os.environ["ZT_TRAINING_TYPE"] = training
+    os.environ["ZT_BASE_PRECISION"] = base_precision
     if frames is not None:
         os.environ["ZT_VIDEO_FRAMES"] = str(frames)
     model = ["--model-family", family]
@@ -230,10 +234,9 @@ def flow_plan(
             else:
                 os.environ[name] = value
     if code == 3:  # nothing fits (EnvironmentUnfit): the planner's line, as its only reason
-        return {
-            "choice": None,
-            "reasons": [err.getvalue().strip().removeprefix("zerotuner: error: ")],
-        }
+        error = "zerotuner: error: "  # (a library's first import may log lines before it)
+        line = next(x for x in err.getvalue().splitlines() if x.startswith(error))
+        return {"choice": None, "reasons": [line.removeprefix(error)]}
     assert code == 0, out.getvalue() + err.getvalue()
     return json.loads(out.getvalue())
 
@@ -290,14 +293,39 @@ def config_model(folder: Path, name: str) -> Path:
 def flow_plans_markdown() -> str:
     """docs/models.md's table of the planner's choices for SD3.5 Large and FLUX.1-dev."""
     rows = [
-        "| model | GPUs (host RAM) | choice | device GiB | host GiB (load peak) | disk GiB |",
-        "|---|---|---|---:|---:|---:|",
+        "| model | GPUs (host RAM) | training | choice | device GiB | host GiB (load peak) | "
+        "disk GiB |",
+        "|---|---|---|---|---:|---:|---:|",
     ]
     for name, family in FLOW_MODELS:
         for label, gpus, gpu_gib, host_gib in FLOW_HARDWARE:
-            plan = flow_plan(family, gpus, gpu_gib, host_gib)
-            rows.append(f"| {name} | {label} ({host_gib} GiB) | {_chosen_cells(plan)} |")
+            plan = partial(flow_plan, family, gpus, gpu_gib, host_gib)
+            rows += [
+                f"| {name} | {label} ({host_gib} GiB) | {r} |"
+                for r in _trainings(plan, _cells_or_why)
+            ]
     return "\n".join(rows) + "\n"
+
+
+def _trainings(
+    plan: Callable[..., dict[str, Any]], cells: Callable[[dict[str, Any]], str]
+) -> list[str]:
+    """A table's training column and the `cells` after it of `plan(training, base_precision=)`
+    for full fine-tuning, LoRA, and LoRA on a base stored in 8 bits (ZT_BASE_PRECISION, issue
+    42): fp8 and int8 in one row where the planner says the same of both."""
+    out = [f"{t} | {cells(plan(t, base_precision='auto'))}" for t in ("full", "lora")]
+    low = {p: cells(plan("lora", base_precision=p)) for p in ("fp8", "int8")}
+    if low["fp8"] == low["int8"]:
+        return [*out, f"lora, fp8 or int8 base | {low['fp8']}"]
+    return out + [f"lora, {precision} base | {c}" for precision, c in low.items()]
+
+
+def _cells_or_why(plan: dict[str, Any], blanks: int = 3) -> str:
+    """`_chosen_cells`, or where nothing fits the planner's line ("nothing fits: ...") and
+    `blanks` empty cells."""
+    if plan["choice"] is None:
+        return plan["reasons"][0] + " |" * blanks
+    return _chosen_cells(plan)
 
 
 def _chosen_cells(plan: dict) -> str:
@@ -333,16 +361,11 @@ def family_plans_markdown() -> str:
     for name, family in FAMILY_MODELS:
         frames = 1 if family.startswith("wan") else None
         for label, gpus, gpu_gib, host_gib in FLOW_HARDWARE:
-            for training in ("full", "lora"):
-                plan = flow_plan(family, gpus, gpu_gib, host_gib, training, frames=frames)
-                c = plan["choice"]
-                if c is None:  # nothing fits: the planner's first reason says why
-                    rows.append(f"| {name} | {label} ({host_gib} GiB) | {training} | nothing "
-                                f"fits: {plan['reasons'][0]} | | | |")  # fmt: skip
-                    continue
-                rows.append(
-                    f"| {name} | {label} ({host_gib} GiB) | {training} | {_chosen_cells(plan)} |"
-                )
+            plan = partial(flow_plan, family, gpus, gpu_gib, host_gib, frames=frames)
+            rows += [
+                f"| {name} | {label} ({host_gib} GiB) | {r} |"
+                for r in _trainings(plan, _cells_or_why)
+            ]
     return "\n".join(rows) + "\n"
 
 
@@ -364,24 +387,24 @@ def video_plans_markdown() -> str:
     ]
     for name, family in VIDEO_MODELS:
         for label, gpus, gpu_gib, host_gib in FLOW_HARDWARE:
-            for training in ("full", "lora"):
-                plan = flow_plan(family, gpus, gpu_gib, host_gib, training, resolution=None,
-                                 frames=VIDEO_FRAMES)  # fmt: skip
-                c = plan["choice"]
-                if c is None:  # nothing fits: the planner's line, up to its advice
-                    why = plan["reasons"][0].split("; use more")[0]
-                    rows.append(f"| {name} | {label} ({host_gib} GiB) | {training} | "
-                                f"{VIDEO_FRAMES} | {why} | | | |")  # fmt: skip
-                    continue
-                i = plan["inputs"]
-                clip = (
-                    f"{i['frames']} ({i['latent_frames']}), {i['tokens']} at {i['resolution']} px"
-                )
-                rows.append(
-                    f"| {name} | {label} ({host_gib} GiB) | {training} | {clip} | "
-                    f"{_chosen_cells(plan)} |"
-                )
+            plan = partial(flow_plan, family, gpus, gpu_gib, host_gib, resolution=None,
+                           frames=VIDEO_FRAMES)  # fmt: skip
+            rows += [
+                f"| {name} | {label} ({host_gib} GiB) | {r} |"
+                for r in _trainings(plan, _clip_cells)
+            ]
     return "\n".join(rows) + "\n"
+
+
+def _clip_cells(plan: dict[str, Any]) -> str:
+    """The clip planned and `_chosen_cells`; where nothing fits the planner's line, up to its
+    advice."""
+    if plan["choice"] is None:
+        why = plan["reasons"][0].split("; use more")[0]
+        return f"{VIDEO_FRAMES} | {why} | | |"
+    i = plan["inputs"]
+    clip = f"{i['frames']} ({i['latent_frames']}), {i['tokens']} at {i['resolution']} px"
+    return f"{clip} | {_chosen_cells(plan)}"
 
 
 # Host RAM to start SDXL full fine-tuning on one 8 x 80 GB node (1024 px, batch 8 per GPU, bf16):

@@ -296,6 +296,10 @@ def errors(err: str) -> list[str]:
          "ZT_BASE_PRECISION=int8 with ZT_ZERO_STAGE=3: ZeRO-3 partitions the base weights, and "
          "DeepSpeed cannot partition a base stored at int8; set ZT_ZERO_STAGE to 0-2 (with "
          "ZT_OFFLOAD_OPTIMIZER if it must fit) or ZT_BASE_PRECISION=auto"),
+        ({"ZT_BASE_PRECISION": "fp8", "ZT_OFFLOAD_PARAM": "cpu"},
+         "ZT_BASE_PRECISION=fp8 with ZT_OFFLOAD_PARAM=cpu: parameter offload is ZeRO-3's, and "
+         "DeepSpeed cannot partition a base stored at fp8; set ZT_OFFLOAD_PARAM=none (the "
+         "optimizer may still be offloaded) or ZT_BASE_PRECISION=auto"),
         ({"ZT_BASE_PRECISION": "fp8", "ZT_LORA_INIT": "pissa"},
          "ZT_BASE_PRECISION=fp8 with ZT_LORA_INIT=pissa: it moves part of each base weight "
          "into the adapter, and a base stored at fp8 is read-only; set ZT_LORA_INIT=gaussian "

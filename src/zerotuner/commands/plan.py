@@ -13,9 +13,9 @@ import json
 from zerotuner.commands import what_if
 from zerotuner.families import FAMILIES, FLOW_FAMILIES, REGISTRY
 from zerotuner.machine.hardware import Hardware, describe_hardware
-from zerotuner.preflight.plan import Plan, PlanInputs, gib
+from zerotuner.preflight.plan import Estimate, Plan, PlanInputs, gib
 from zerotuner.preflight.what_if import answer_what_if, plan_json
-from zerotuner.settings.schema import precision_name
+from zerotuner.settings.schema import env_name, precision_name
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -37,7 +37,8 @@ def training_text(inputs: PlanInputs) -> str:
             f"lora, {trainable:.1f}M trainable (UNet and text encoder adapters), {frozen:.1f}M "
             "frozen (base UNet and text encoders); captions encoded at every step, not cached"
         )
-    return f"lora, {trainable:.1f}M trainable (adapter), {frozen:.1f}M frozen (base UNet)"
+    stored = "" if inputs.base_precision == "auto" else f", stored at {inputs.base_precision}"
+    return f"lora, {trainable:.1f}M trainable (adapter), {frozen:.1f}M frozen (base UNet{stored})"
 
 
 def clip_text(inputs: PlanInputs) -> str:
@@ -61,14 +62,8 @@ def render(plan: Plan, hardware: Hardware) -> str:
         f"{'stage':>5}  {'optimizer':<9}  {'params':<6}  {'ckpt':<4}  "
         f"{'device GiB':>10}  {'host GiB':>8}  {'disk GiB':>8}  fits",
     ]
-    for r in plan.rows:
-        mark = "<- choice" if r == plan.choice else ""
-        lines.append(
-            f"{r.zero_stage:>5}  {r.offload_optimizer:<9}  {r.offload_param:<6}  "
-            f"{'on' if r.gradient_checkpointing else 'off':<4}  {gib(r.device_bytes):>10}  "
-            f"{gib(r.host_bytes):>8}  {gib(r.disk_bytes):>8}  {'yes' if r.fits else 'no ':<4}"
-            f"{mark}"
-        )
+    lines += [row_line(r, "<- choice" if r == plan.choice else "") for r in plan.rows]
+    lines += low_base_lines(plan)
     lines += ["", *phase_lines(plan)]
     per_caption = i.caption_cache_bytes
     lines.append(
@@ -81,6 +76,28 @@ def render(plan: Plan, hardware: Hardware) -> str:
     lines += [f"  - {reason}" for reason in plan.reasons]
     lines += [f"warning: {w}" for w in hardware.warnings]
     return "\n".join(lines)
+
+
+def row_line(r: Estimate, mark: str) -> str:
+    return (
+        f"{r.zero_stage:>5}  {r.offload_optimizer:<9}  {r.offload_param:<6}  "
+        f"{'on' if r.gradient_checkpointing else 'off':<4}  {gib(r.device_bytes):>10}  "
+        f"{gib(r.host_bytes):>8}  {gib(r.disk_bytes):>8}  {'yes' if r.fits else 'no ':<4}{mark}"
+    )
+
+
+def low_base_lines(plan: Plan) -> list[str]:
+    """The rows a LoRA base stored in 8 bits would make fit (`Plan.low_base`), by setting."""
+    lines = []
+    for low in plan.low_base:
+        lines += [
+            "",
+            f"with {low.setting} (the base's {low.base.layers} Linear layers in 8 bits, "
+            f"{gib(low.base.before)} -> {gib(low.base.after)} GiB; not chosen: "
+            f"{env_name('base_precision')}=auto keeps the run's precision), these fit:",
+        ]
+        lines += [row_line(r, "<- its choice" if r == low.choice else "") for r in low.rows]
+    return lines
 
 
 def phase_lines(plan: Plan) -> list[str]:

@@ -9,10 +9,14 @@ fixed per-process host overheads. `plan.make_plan` adds the margins and chooses 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from zerotuner.families import REGISTRY, ModelShape
 from zerotuner.machine.hardware import GiB
 from zerotuner.preflight.trainable import Training, full_unet
+
+if TYPE_CHECKING:
+    from zerotuner.weights.base_precision import BaseBytes
 
 # SDXL U-Net activations at 1024^2, bf16, per image (a measured figure, 6.4 GiB;
 # 0.55 with gradient checkpointing). They scale with pixels and
@@ -66,6 +70,7 @@ def estimate(
     ema: bool,
     training: Training | None = None,
     frames: int = 1,
+    base: BaseBytes | None = None,
 ) -> tuple[int, int, int, dict[str, int]]:
     """(device bytes per rank, host bytes per node, disk bytes per node, named parts).
 
@@ -84,12 +89,17 @@ def estimate(
 
     `frames`: a video family's clip length (ZT_VIDEO_FRAMES): its activations count the
     clip's tokens (`families.VideoShape`), its VAE encodes the clip while caching.
+
+    `base`: a LoRA's frozen denoiser stored in 8 bits (ZT_BASE_PRECISION; below ZeRO-3 only),
+    as `base_precision.StoredLayers.at` plans it at this run's bytes per parameter.
     """
     training = training or full_unet(shape)
     p_bytes = 4 if precision == "no" else 2
     parts = _Parts()
     _weights(parts, shape, training, stage=stage, offload_param=offload_param,
              world_size=world_size, p_bytes=p_bytes)  # fmt: skip
+    if base is not None and base.layers:
+        _stored_base(parts, base, stage=stage)
     _optimizer_states(parts, training, stage=stage, offload_optimizer=offload_optimizer,
                       world_size=world_size, p_bytes=p_bytes)  # fmt: skip
     if offload_param == "nvme":  # buffer_size as normalize sets it (holds the largest tensor)
@@ -168,6 +178,16 @@ def _weights(
     if stage == 3:  # forward and backward gather every parameter, frozen ones included
         live = min(training.total_params, STAGE3_MAX_LIVE + bucket(shape))
         parts.device["gathered_params"] = p_bytes * live
+
+
+def _stored_base(parts: _Parts, base: BaseBytes, *, stage: int) -> None:
+    """The frozen base's stored layers at their stored bytes (8-bit values and a scale per
+    row), and the upcast copy of one layer's weight that each matmul makes, forward and
+    backward (base_precision.StoredLinear): the largest layer's, one at a time."""
+    if stage == 3:  # refused before a plan is made (base_precision.stage_problem)
+        raise ValueError("a base stored in 8 bits is never partitioned (ZeRO-3)")
+    parts.device["frozen_params"] -= base.saved
+    parts.device["frozen_base_upcast"] = base.largest_upcast
 
 
 def _optimizer_states(

@@ -6,16 +6,20 @@ option that fits with a margin: least offload first (CPU transfers are the slowe
 then no recomputation (gradient checkpointing costs ~30% compute), then the lowest stage
 (each stage adds communication). LoRA (a frozen base, a small adapter) goes to ZeRO-3 only
 when no lower stage fits: stages 1-2 shard only the adapter's gradients and optimizer state,
-so the base's weights decide, and ZeRO-3 gathers all of them twice a step. All numbers are
-estimates from formulas, not measurements: see `Estimate.parts` for the terms and
-`memory.py` for their sources.
+so the base's weights decide, and ZeRO-3 gathers all of them twice a step. A LoRA base stored
+in 8 bits (ZT_BASE_PRECISION=fp8|int8) counts at its stored bytes and is never offered ZeRO-3
+(DeepSpeed cannot partition it); `auto` keeps the run's precision, and where the run needs
+parameter offload or does not fit, the plan shows what a base in 8 bits would let fit
+(`Plan.low_base`) without choosing it: that changes the numerics, which only the user asks for.
+All numbers are estimates from formulas, not measurements: see `Estimate.parts` for the terms
+and `memory.py` for their sources.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from zerotuner.errors import ConfigError, EnvironmentUnfit
@@ -27,6 +31,8 @@ from zerotuner.preflight.pins import check_pins, legal, pin_text
 from zerotuner.preflight.trainable import Training, full_unet
 from zerotuner.settings.notes import Notes
 from zerotuner.settings.schema import env_name
+from zerotuner.weights import base_precision
+from zerotuner.weights.base_precision import BaseBytes
 
 DEVICE_MARGIN = HOST_MARGIN = DISK_MARGIN = 0.10  # allocator fragmentation, spikes
 
@@ -108,6 +114,7 @@ class PlanRequest:
     ema: bool = False  # an fp32 EMA copy on the host
     max_sequence_length: int | None = None  # the T5 tokens a flow family's cached caption holds
     frames: int = 1  # a video family's clip length (ZT_VIDEO_FRAMES); 1 for the image families
+    base_precision: str = "auto"  # how a LoRA's frozen base is stored (ZT_BASE_PRECISION)
     # where the pins came from (a raw DeepSpeed key instead of the ZT_* name), for messages
     pin_names: dict[str, str] = field(default_factory=dict)
     resolution_name: str = "ZT_RESOLUTION"  # what sets `resolution`, for messages
@@ -141,6 +148,33 @@ class PlanInputs:
     frames: int | None = None
     latent_frames: int | None = None
     tokens: int | None = None
+    base_precision: str = "auto"  # a LoRA's frozen base as planned: auto, fp8 or int8
+
+
+@dataclass(frozen=True)
+class LowBase:
+    """What a LoRA base stored at `precision` would let fit where the run's precision needs
+    parameter offload or does not fit: its rows that fit (stages 0-2) and the one the planner
+    would choose. Shown, never chosen: `auto` keeps the numerics the user asked for."""
+
+    precision: str
+    rows: tuple[Estimate, ...]  # in order of preference
+    base: BaseBytes
+
+    @property
+    def choice(self) -> Estimate:
+        return self.rows[0]
+
+    @property
+    def setting(self) -> str:
+        return f"{env_name('base_precision')}={self.precision}"
+
+    def text(self) -> str:
+        c = self.choice
+        return (
+            f"{self.setting} ({c.label()}: device {gib(c.device_bytes)} GiB, host "
+            f"{gib(c.host_bytes)} GiB)"
+        )
 
 
 @dataclass(frozen=True)
@@ -151,6 +185,7 @@ class Plan:
     inputs: PlanInputs
     load: LoadPeak
     unfit: str | None = None  # why the hardware planned for cannot run it; None: it can
+    low_base: tuple[LowBase, ...] = ()  # what a base in 8 bits would let fit (auto: shown only)
 
     @property
     def load_fits(self) -> bool:
@@ -193,6 +228,16 @@ class Plan:
                 "per_node": dict(self.load.per_node),
                 "phases": self.phases(),
             },
+            "low_precision_base": [
+                {
+                    "precision": low.precision,
+                    "setting": low.setting,
+                    "choice": low.choice.choice(),
+                    "frozen_base_bytes": low.base.after,
+                    "rows": [asdict(r) | {"short": [], "label": r.label()} for r in low.rows],
+                }
+                for low in self.low_base
+            ],
         }
 
 
@@ -285,16 +330,19 @@ def make_plan(
         raise ConfigError(
             f"world size {request.world_size} and micro batch {request.micro_batch} must be >= 1"
         )
+    training = training or full_unet(shape)
     sizing = _Sizing(
         shape=shape,
         request=request,
-        training=training or full_unet(shape),
+        training=training,
         precision=resolve_precision(request.mixed_precision, hardware),
         on_cpu=hardware.accelerator == "cpu",
         cap=capacity(hardware, offload_disk_free),
         nvme_ok=hardware.nvme_offload_possible,
+        base_precision=request.base_precision if training.type == "lora" else "auto",
     )
     check_pins(request.zero_stage, request.offload_optimizer, request.offload_param, names)
+    _check_low_base_pins(sizing, names)
     rows = sizing.rows()
     if not rows:
         raise ConfigError(
@@ -312,6 +360,7 @@ def make_plan(
         # `zerotuner config` on a laptop: show the config for the closest option, and why.
         reasons = (f"the hardware planned for cannot run it: {unfit}",)
         plan = Plan(tuple(rows), closest, reasons, inputs, sizing.load_for(closest), unfit)
+    plan = _with_low_base(sizing, plan)
     if require_fit and plan.unfit:  # at preflight: before a rank starts, so before a download
         raise EnvironmentUnfit(plan.unfit)
     return plan
@@ -329,10 +378,24 @@ class _Sizing:
     on_cpu: bool
     cap: Capacity
     nvme_ok: bool | None  # whether NVMe offload can run here (None: not known)
+    base_precision: str = "auto"  # how a LoRA's frozen base is stored (ZT_BASE_PRECISION)
 
     @property
     def ranks_per_node(self) -> int:
         return self.request.ranks_per_node or self.request.world_size
+
+    @property
+    def low_base(self) -> bool:
+        """A LoRA base stored in 8 bits: never partitioned, so no ZeRO-3."""
+        return base_precision.is_low(self.base_precision)
+
+    @property
+    def base(self) -> BaseBytes | None:
+        """The frozen denoiser's bytes as stored, where it is stored in 8 bits."""
+        stored = self.training.stored_base
+        if stored is None or not self.low_base:
+            return None
+        return stored.at(self.base_precision, 4 if self.precision == "no" else 2)
 
     def preference(self, row: Estimate) -> tuple[int, ...]:
         return _preference_for(self.training)(row)
@@ -341,6 +404,7 @@ class _Sizing:
         """Every option the pins leave, estimated, in the table's order."""
         request = self.request
         stages = [0, 1, 2, 3] if request.zero_stage == "auto" else [int(request.zero_stage)]
+        stages = [s for s in stages if not (self.low_base and s == 3)]
         asked = request.gradient_checkpointing
         ckpts = [False, True] if asked == "auto" else [bool(asked)]
         rows = []
@@ -362,7 +426,7 @@ class _Sizing:
             gradient_checkpointing=ckpt, resolution=request.resolution,
             micro_batch=request.micro_batch, world_size=request.world_size,
             ranks_per_node=self.ranks_per_node, precision=self.precision, on_cpu=self.on_cpu,
-            ema=request.ema, training=self.training, frames=request.frames,
+            ema=request.ema, training=self.training, frames=request.frames, base=self.base,
         )  # fmt: skip
         short = _shortfalls(device, host, disk, self.cap, self.on_cpu, self.nvme_ok)
         return Estimate(stage, opt, param, ckpt, device, host, disk, not short, short, parts)
@@ -390,6 +454,7 @@ class _Sizing:
             ema=request.ema,
             caption_cache_bytes=caption_cache_bytes(shape, request.max_sequence_length),
             **_clip(shape, request),
+            base_precision=self.base_precision,
         )
 
     def load_for(self, row: Estimate, stage: int | None = None) -> LoadPeak:
@@ -416,7 +481,7 @@ def _choose(
     if pick:
         reasons.insert(1, _load_reason(fitting[0], loads[0], cap))
     if sizing.training.type == "lora":
-        reasons.insert(1, _lora_reason(choice, rows, sizing.training, sizing.precision))
+        reasons.insert(1, _lora_reason(choice, rows, sizing))
     unfit = None
     if load.peak_bytes > cap.host:
         zero3 = choice.zero_stage != 3 and sizing.load_for(choice, 3).peak_bytes <= cap.host
@@ -595,21 +660,105 @@ def _reasons(
     return out
 
 
-def _lora_reason(choice: Estimate, rows: list[Estimate], training: Training, precision: str) -> str:
+def _lora_reason(choice: Estimate, rows: list[Estimate], sizing: _Sizing) -> str:
     """Why this stage for LoRA: what the frozen base and the adapter cost."""
-    p_bytes = 4 if precision == "no" else 2
-    base = (
+    training, base = sizing.training, sizing.base
+    p_bytes = 4 if sizing.precision == "no" else 2
+    kind = "fp32" if p_bytes == 4 else "16-bit"
+    frozen = p_bytes * training.frozen_params - (base.saved if base else 0)
+    weights = f"{kind} weights"
+    if base is not None:
+        weights = (
+            f"weights as stored ({env_name('base_precision')}={base.precision}: {base.layers} "
+            f"Linear layers in 8 bits, the rest {kind}) and a {gib(base.largest_upcast)} GiB "
+            "upcast copy of its largest layer for each matmul"
+        )
+    text = (
         f"LoRA: {training.trainable_params / 1e6:.1f}M adapter parameters train (grads, fp32 "
         f"master and Adam moments); the {training.frozen_params / 1e9:.2f}B-parameter base is "
-        f"frozen, {gib(p_bytes * training.frozen_params)} GiB of "
-        f"{'fp32' if p_bytes == 4 else '16-bit'} weights with no grads or optimizer state"
+        f"frozen, {gib(frozen)} GiB of {weights} with no grads or optimizer state"
     )
+    if sizing.low_base:
+        return text + (
+            ", whole on every rank (ZeRO-3 is not offered: DeepSpeed cannot partition a base "
+            f"stored at {sizing.base_precision})"
+        )
     if choice.zero_stage < 3:
-        return base + ", whole on every rank below ZeRO-3"
+        return text + ", whole on every rank below ZeRO-3"
     where = {"none": "", "cpu": " and keeps it on the host", "nvme": " and keeps it on NVMe"}
-    text = f"{base}; ZeRO-3 partitions it over the ranks{where[choice.offload_param]}"
+    text = f"{text}; ZeRO-3 partitions it over the ranks{where[choice.offload_param]}"
     lower = [r for r in rows if r.zero_stage < 3 and not r.fits]
     if lower:  # not pinned: nothing below ZeRO-3 fits
         best = min(lower, key=lambda r: r.device_bytes)
         text += f", as no lower stage fits (best: {best.label()}, {best.short[0]})"
     return text
+
+
+def _check_low_base_pins(sizing: _Sizing, names: dict[str, str]) -> None:
+    """A stage or a parameter offload pinned (a DeepSpeed config's; the ZT_* pins are refused
+    with the settings) that a base stored in 8 bits cannot run: one line naming both."""
+    if not sizing.low_base:
+        return
+    request, precision = sizing.request, sizing.base_precision
+    if str(request.zero_stage) == "3":
+        raise ConfigError(base_precision.stage_problem(precision, f"{names['zero_stage']}=3"))
+    if request.offload_param in ("cpu", "nvme"):
+        pin = f"{names['offload_param']}={request.offload_param}"
+        raise ConfigError(base_precision.offload_problem(precision, pin))
+
+
+def _with_low_base(sizing: _Sizing, plan: Plan) -> Plan:
+    """`plan` and what a LoRA base stored in 8 bits would let fit where, at the run's
+    precision (ZT_BASE_PRECISION=auto), it needs parameter offload or does not fit: each
+    precision whose rows fit (stages 0-2, the same pins) and whose load the host holds, said
+    in the reasons (and in why nothing fits) with the setting to set. Never chosen. With a base
+    in 8 bits that fits nowhere, why nothing fits says whether `auto` would (ZeRO-3)."""
+    if sizing.training.stored_base is None:
+        return plan
+    if sizing.low_base:
+        return _unless_auto(sizing, plan) if plan.unfit else plan
+    if not plan.unfit and plan.choice.offload_param == "none":
+        return plan
+    options = []
+    for precision in base_precision.LOW_PRECISIONS:
+        low = replace(sizing, base_precision=precision)
+        if (chosen := _fitting(low)) and low.base:
+            options.append(LowBase(precision, chosen, low.base))
+    if not options:
+        return plan
+    said = " or ".join(o.text() for o in options)
+    auto = f"{env_name('base_precision')}=auto keeps the base at the run's precision"
+    if plan.unfit:
+        unfit = f"{plan.unfit}; or store the LoRA base in 8 bits, which fits: {said} ({auto})"
+        return _unfit_as(plan, unfit, low_base=tuple(options))
+    reason = (
+        f"a LoRA base stored in 8 bits would fit without parameter offload: {said}; {auto} "
+        "(8-bit storage changes the numerics slightly: set it to use it)"
+    )
+    return replace(plan, reasons=(*plan.reasons, reason), low_base=tuple(options))
+
+
+def _unless_auto(sizing: _Sizing, plan: Plan) -> Plan:
+    """A base in 8 bits that fits nowhere: whether the run's precision would, at ZeRO-3."""
+    chosen = _fitting(replace(sizing, base_precision="auto"))
+    if not chosen:
+        return plan
+    c = chosen[0]
+    return _unfit_as(plan, (
+        f"{plan.unfit}; or {env_name('base_precision')}=auto, whose ZeRO-3 fits ({c.label()}: "
+        f"device {gib(c.device_bytes)} GiB, host {gib(c.host_bytes)} GiB)"
+    ))  # fmt: skip
+
+
+def _fitting(sizing: _Sizing) -> tuple[Estimate, ...]:
+    """`sizing`'s rows that fit, in order of preference, where the host holds the first's
+    load; none otherwise."""
+    fitting = sorted((r for r in sizing.rows() if r.fits), key=sizing.preference)
+    if not fitting or sizing.load_for(fitting[0]).peak_bytes > sizing.cap.host:
+        return ()
+    return tuple(fitting)
+
+
+def _unfit_as(plan: Plan, unfit: str, **changes: Any) -> Plan:
+    reasons = (f"the hardware planned for cannot run it: {unfit}", *plan.reasons[1:])
+    return replace(plan, unfit=unfit, reasons=reasons, **changes)

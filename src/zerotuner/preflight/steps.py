@@ -426,6 +426,7 @@ def plan_for(
         ema=settings.ema,
         max_sequence_length=settings.max_sequence_length,
         frames=settings.video_frames if shape.video is not None else 1,
+        base_precision=settings.base_precision,
         pin_names=user.names,
         resolution_name=(
             env_name("resolution")

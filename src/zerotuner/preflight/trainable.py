@@ -10,7 +10,7 @@ downloaded.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
@@ -18,6 +18,7 @@ from zerotuner.families import ModelShape
 
 if TYPE_CHECKING:
     from zerotuner.settings.schema import Settings
+    from zerotuner.weights.base_precision import StoredLayers
 
 
 @dataclass(frozen=True)
@@ -27,6 +28,9 @@ class Training:
     largest_trainable: int  # elements of the biggest trained tensor (offload staging buffers)
     frozen_params: int  # base weights in the engine (UNet; text encoders with their LoRA)
     text_encoders: bool = False  # LoRA on the text encoders: they run in every step
+    # the denoiser's layers a base stored in 8 bits keeps so (ZT_BASE_PRECISION); None where
+    # the base cannot be stored so (full training, an init that rewrites the base)
+    stored_base: StoredLayers | None = None
 
     @property
     def total_params(self) -> int:
@@ -49,17 +53,20 @@ def lora_adapter(
     """The adapter on this UNet (its own config when `model_dir` has one, else its family's
     built-in config) with the base frozen."""
     from zerotuner.families import meta_model
+    from zerotuner.weights.base_precision import stored_layers
     from zerotuner.weights.lora import adapter_size
 
     unet = meta_model(shape.family, model_dir)
     params, largest = adapter_size(unet, targets, rank, dora=dora)
-    return Training("lora", params, largest, shape.denoiser_params)
+    stored = stored_layers(unet)
+    return Training("lora", params, largest, shape.denoiser_params, stored_base=stored)
 
 
 def for_settings(settings: Settings, shape: ModelShape, model_dir: Path | None = None) -> Training:
     """What ZT_TRAINING_TYPE and the LoRA settings train on this UNet."""
     if settings.training_type != "lora":
         return full_unet(shape)
+    from zerotuner.weights.base_precision import INITS_REWRITING_BASE
     from zerotuner.weights.lora import parse_targets
 
     targets = parse_targets(settings.lora_targets)
@@ -67,6 +74,8 @@ def for_settings(settings: Settings, shape: ModelShape, model_dir: Path | None =
         shape, rank=settings.lora_rank, targets=targets, model_dir=model_dir,
         dora=settings.lora_dora,  # a magnitude per output feature
     )  # fmt: skip
+    if settings.lora_init in INITS_REWRITING_BASE:  # the base must stay writable
+        unet = replace(unet, stored_base=None)
     if not settings.lora_text_encoder:
         return unet
     from zerotuner.weights import lora_text
@@ -81,4 +90,5 @@ def for_settings(settings: Settings, shape: ModelShape, model_dir: Path | None =
         "lora", unet.trainable_params + sum(params for params, _ in sizes),
         max(unet.largest_trainable, *(largest for _, largest in sizes)),
         unet.frozen_params + lora_text.text_params(shape.family, model_dir), text_encoders=True,
+        stored_base=unet.stored_base,  # the denoiser's: the text encoders stay as they are
     )  # fmt: skip

@@ -75,6 +75,11 @@ class BaseBytes:
     after: int
     largest_upcast: int  # bytes of the largest stored weight upcast for its matmul
 
+    @property
+    def saved(self) -> int:
+        """Bytes the low storage saves against the run's precision."""
+        return self.quantized_before - self.quantized_after
+
     def line(self) -> str:
         return (
             f"frozen base stored at {self.precision}: {self.layers} Linear layers "
@@ -105,27 +110,55 @@ def stored_low(name: str, module: torch.nn.Module) -> bool:
     )
 
 
+@dataclass(frozen=True)
+class StoredLayers:
+    """The layers a low base stores (`stored_low`), from the module's shapes alone (a
+    meta-device model will do): what the planner counts at each precision."""
+
+    layers: int  # Linear layers stored low
+    linears: int  # every plain Linear layer of the module
+    params: int  # elements of the stored layers' weights
+    rows: int  # their output channels: a scale each
+    largest: int  # elements of the largest stored weight
+    total: int  # elements of every parameter and buffer of the module
+
+    def at(self, precision: str, run_bytes: int) -> BaseBytes:
+        """The base's bytes stored at `precision` (`run_bytes`: bytes per element of the run's
+        precision, what every other parameter and buffer keeps; `auto` stores nothing low)."""
+        if not is_low(precision):
+            whole = self.total * run_bytes
+            return BaseBytes(precision, 0, self.linears, 0, 0, 0, whole, whole, 0)
+        storage = STORAGE[precision]
+        stored = self.params * storage.per_parameter + self.rows * storage.per_row
+        return BaseBytes(
+            precision=precision,
+            layers=self.layers,
+            kept_layers=self.linears - self.layers,
+            quantized_params=self.params,
+            quantized_before=self.params * run_bytes,
+            quantized_after=stored,
+            before=self.total * run_bytes,
+            after=(self.total - self.params) * run_bytes + stored,
+            largest_upcast=self.largest * run_bytes,
+        )
+
+
+def stored_layers(module: torch.nn.Module) -> StoredLayers:
+    low = [m for n, m in module.named_modules() if stored_low(n, m)]
+    return StoredLayers(
+        layers=len(low),
+        linears=sum(1 for m in module.modules() if type(m) is torch.nn.Linear),
+        params=sum(m.weight.numel() for m in low),
+        rows=sum(m.out_features for m in low),
+        largest=max((m.weight.numel() for m in low), default=0),
+        total=sum(t.numel() for t in (*module.parameters(), *module.buffers())),
+    )
+
+
 def planned_bytes(module: torch.nn.Module, precision: str, run_bytes: int) -> BaseBytes:
     """The base's bytes at `precision` from the shapes alone (`run_bytes`: bytes per parameter
     of the run's precision, what every other parameter and buffer keeps)."""
-    low = [(n, m) for n, m in module.named_modules() if is_low(precision) and stored_low(n, m)]
-    linears = sum(1 for m in module.modules() if type(m) is torch.nn.Linear)
-    total = sum(t.numel() for t in (*module.parameters(), *module.buffers()))
-    params = sum(m.weight.numel() for _, m in low)
-    storage = STORAGE.get(precision, Storage(run_bytes, 0))
-    stored = params * storage.per_parameter
-    scales = sum(m.out_features for _, m in low) * storage.per_row
-    return BaseBytes(
-        precision=precision,
-        layers=len(low),
-        kept_layers=linears - len(low),
-        quantized_params=params,
-        quantized_before=params * run_bytes,
-        quantized_after=stored + scales,
-        before=total * run_bytes,
-        after=(total - params) * run_bytes + stored + scales,
-        largest_upcast=max((m.weight.numel() for _, m in low), default=0) * run_bytes,
-    )
+    return stored_layers(module).at(precision, run_bytes)
 
 
 def quantize_frozen_base(module: torch.nn.Module, precision: str) -> BaseBytes:
@@ -256,6 +289,9 @@ def settings_problems(settings: Settings) -> list[str]:
     problems = []
     if settings.zero_stage == 3:
         problems.append(stage_problem(precision, f"{env_name('zero_stage')}=3"))
+    if settings.offload_param in ("cpu", "nvme"):
+        pin = f"{env_name('offload_param')}={settings.offload_param}"
+        problems.append(offload_problem(precision, pin))
     if settings.lora_init in INITS_REWRITING_BASE:
         problems.append(
             f"{name} with {env_name('lora_init')}={settings.lora_init}: it moves part of each "
@@ -271,6 +307,15 @@ def stage_problem(precision: str, stage: str) -> str:
         f"weights, and DeepSpeed cannot partition a base stored at {precision}; set "
         f"{env_name('zero_stage')} to 0-2 (with {env_name('offload_optimizer')} if it must "
         f"fit) or {env_name('base_precision')}=auto"
+    )
+
+
+def offload_problem(precision: str, pin: str) -> str:
+    return (
+        f"{env_name('base_precision')}={precision} with {pin}: parameter offload is ZeRO-3's, "
+        f"and DeepSpeed cannot partition a base stored at {precision}; set "
+        f"{env_name('offload_param')}=none (the optimizer may still be offloaded) or "
+        f"{env_name('base_precision')}=auto"
     )
 
 
