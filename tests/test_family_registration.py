@@ -110,7 +110,8 @@ def test_without_its_package_the_family_is_refused_in_one_line(tmp_path):
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.strip().splitlines() == [
         "zerotuner: error: ZT_MODEL_FAMILY=toy: expected one of auto, "
-        "sdxl, sd1, sd2, sd3, flux, chroma, zimage, qwenimage, flux2, flux2klein, wan"
+        "sdxl, sd1, sd2, sd3, flux, fluxkontext, chroma, zimage, qwenimage, flux2, flux2klein, "
+        "wan"
     ]
 
 

@@ -28,7 +28,8 @@ RANK, ALPHA = 4, 2  # alpha != rank: a file without diffusers' scale is off by 2
 UNET_TARGETS = "attention+ff,proj_in,proj_out,conv1,conv2,conv_in,conv_out,time_emb_proj"
 TARGETS = {
     "sdxl": UNET_TARGETS, "sd1": UNET_TARGETS, "sd2": UNET_TARGETS,
-    "sd3": "attention+ff", "flux": "attention+ff", "chroma": "attention,proj_mlp,proj_out",
+    "sd3": "attention+ff", "flux": "attention+ff", "fluxkontext": "attention+ff",
+    "chroma": "attention,proj_mlp,proj_out",
     "zimage": "attention", "qwenimage": "attention,img_mlp.net.2",
     "flux2": "attention,to_qkv_mlp_proj,single_transformer_blocks.0.attn.to_out",
     "flux2klein": "attention,to_qkv_mlp_proj",

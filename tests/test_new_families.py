@@ -86,7 +86,7 @@ def test_demo_generates_in_its_pipeline_and_is_detected(family, family_demo_dir,
 @pytest.mark.parametrize(
     ("name", "index"),
     [("Qwen/Qwen-Image-Edit-2509", "QwenImageEditPlusPipeline"),
-     ("black-forest-labs/FLUX.1-Kontext-dev", "FluxKontextPipeline")],
+     ("Qwen/Qwen-Image-Edit", "QwenImageEditPipeline")],
 )  # fmt: skip
 def test_image_edit_models_are_refused_in_one_line(name, index, tmp_path, monkeypatch, capsys):
     """An image-edit model needs paired images: by hub id (offline) or by its model_index, one

@@ -1,7 +1,7 @@
 """Which family a model is: read from a pipeline's files (model_index.json, the denoiser's
 config), from ZT_MODEL_FAMILY, or guessed from a hub id's name; and the models zerotuner does
-not train, refused in one line (image-edit models here, Wan's conditioned variants in
-wan_variants).
+not train, refused in one line (image-edit models that are no edit family here, Wan's
+conditioned variants in wan_variants).
 """
 
 from __future__ import annotations
@@ -38,7 +38,8 @@ def detect_family(model_dir: Path, expert: str | None = None) -> Family:
     if index.is_file():
         components = model_json(index)
         pipeline = str(components.get("_class_name", ""))
-        refuse_edit_model(model_dir, pipeline)
+        if pipeline not in PIPELINES:  # an edit model zerotuner trains is a family of its own
+            refuse_edit_model(model_dir, pipeline)
         refuse_wan_variant(model_dir, pipeline, components, expert)
         if pipeline in PIPELINES:
             return PIPELINES[pipeline]
@@ -103,8 +104,9 @@ EDIT_MARKERS = ("edit", "kontext")
 
 
 def refuse_edit_model(model: Any, name: str) -> None:
-    """An image-edit model (Qwen-Image-Edit, FLUX.1 Kontext: a pipeline or hub name that says
-    so; FLUX.2 with reference images) is one line, exit 2, naming what zerotuner trains."""
+    """An image-edit model that is no family here (Qwen-Image-Edit: a pipeline or hub name
+    that says so; FLUX.2 with reference images) is one line, exit 2, naming what zerotuner
+    trains (FLUX.1 Kontext is a family: detected before this is asked)."""
     import re
 
     is_flux2 = any(m in name.lower() for m in REGISTRY["flux2"].hub_markers)
@@ -113,10 +115,12 @@ def refuse_edit_model(model: Any, name: str) -> None:
                  f"{', '.join(FAMILIES)}")  # fmt: skip
     # words of a class or hub name: QwenImageEditPipeline, Qwen-Image-Edit-2509 (not "credit")
     words = {w.lower() for w in re.findall(r"[A-Z]?[a-z]+|[A-Z]+(?![a-z])|\d+", name)}
+    edit = [family for family, spec in REGISTRY.items() if spec.controls]
     if words & set(EDIT_MARKERS):
         raise ConfigError(
             f"ZT_MODEL={model}: {name} is an image-edit model, trained on paired (source, "
-            f"edited) images, which zerotuner does not take{flux2}; {supported}"
+            f"edited) images, which zerotuner takes for {', '.join(edit)} alone{flux2}; "
+            f"{supported}"
         )
 
 
@@ -124,10 +128,13 @@ def guess_family(hub_id: str, expert: str | None = None) -> Family | None:
     """The family a hub id's name says (when its configs cannot be read), or None; an
     image-edit model's name is refused (refuse_edit_model), as a Wan variant's
     (refuse_wan_variant; `expert`: ZT_EXPERT)."""
-    refuse_edit_model(hub_id, hub_id.rsplit("/", 1)[-1])
-    refuse_wan_variant(hub_id, hub_id, expert=expert)
     name = hub_id.lower()
     for family, spec in sorted(REGISTRY.items(), key=lambda item: item[1].guess_order):
         if any(marker in name for marker in spec.hub_markers):
+            if not spec.controls:  # an edit family's name says edit: it is no refusal
+                refuse_edit_model(hub_id, hub_id.rsplit("/", 1)[-1])
+            refuse_wan_variant(hub_id, hub_id, expert=expert)
             return family
+    refuse_edit_model(hub_id, hub_id.rsplit("/", 1)[-1])
+    refuse_wan_variant(hub_id, hub_id, expert=expert)
     return None

@@ -96,7 +96,8 @@ VAE_SCALE = 8  # pixels per latent cell in every family's VAE
 # scripts/convert_flux2_to_diffusers.py writes them, dev's Flux2Transformer2DModel's defaults:
 # 32.22B and 3.88B, the cards' "32B" and "4B"; Mistral Small 3.x 24B and Qwen3-4B),
 # Wan-AI/Wan2.1-T2V-1.3B-Diffusers (the transformer config diffusers'
-# scripts/convert_wan_to_diffusers.py writes for Wan-T2V-1.3B: 1.42B, the card's "1.3B"; UMT5-XXL).
+# scripts/convert_wan_to_diffusers.py writes for Wan-T2V-1.3B: 1.42B, the card's "1.3B"; UMT5-XXL),
+# black-forest-labs/FLUX.1-Kontext-dev (FLUX.1-dev's transformer config, encoders and VAE).
 ENTRY_POINTS = "zerotuner.families"  # the group an installed family's package names its Spec in
 
 
@@ -169,6 +170,17 @@ BUILTIN: dict[str, Spec] = {
         flow=True, pipeline="FluxPipeline", transformer="FluxTransformer2DModel",
         hub_markers=("flux",), guess_order=0, clip_tokens=0, t5_tokens=512,
         layer_keys=("num_layers", "num_single_layers"),
+    ),
+    "fluxkontext": Spec(
+        "flux_kontext", "FluxKontext",
+        {"patch_size": 1, "in_channels": 64, "num_layers": 19, "num_single_layers": 38,
+         "attention_head_dim": 128, "num_attention_heads": 24, "joint_attention_dim": 4096,
+         "pooled_projection_dim": 768, "guidance_embeds": True, "axes_dims_rope": [16, 56, 56]},
+        (11_901_408_320, 56_623_104), CLIP_L + T5_XXL_PARAMS, VAE16_PARAMS,
+        flow=True, pipeline="FluxKontextPipeline", transformer="FluxTransformer2DModel",
+        hub_markers=("kontext",), guess_order=-4, clip_tokens=0, t5_tokens=512,
+        layer_keys=("num_layers", "num_single_layers"),
+        demo="flux_kontext:write_model", controls=1,
     ),
     "chroma": Spec(
         "chroma", "Chroma",

@@ -1,0 +1,184 @@
+"""FLUX.1 Kontext [dev] (issue 43): the tiny demo (real diffusers/transformers classes, edit
+pairs: a shape and the same shape recoloured) is a FluxKontextPipeline that edits an input
+image, told apart by model_index.json and its hub id; on 2 CPU ranks it trains in full at
+ZeRO-3 (CPU offload) and resumes on 1 rank, and as LoRA at ZeRO-3: the held-out edit loss
+falls, the export and the adapter edit an input image through FluxKontextPipeline. A target
+without its control image is listed with the skipped files by the real `zerotuner check`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import trainkit as tk
+from PIL import Image
+from test_flow_training import PROMPT, SAVED, STEPS, TOKENS, resumes_on_one_rank_at_zero_2, run
+
+from zerotuner import families
+from zerotuner.data.loading import load_example
+from zerotuner.data.scan import scan
+from zerotuner.settings.schema import Settings
+from zerotuner.train import model
+
+FAMILY, PIPELINE = "fluxkontext", "FluxKontextPipeline"
+FULL = {"stage": 3, "offload_optimizer": "cpu", "offload_param": "cpu"}
+LORA = {"stage": 3, "offload_optimizer": "none", "offload_param": "none",
+        "training_type": "lora", "lora_rank": 4, "lora_alpha": 4, "lr": 3e-2}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def demo(family_demo_dir) -> Path:
+    return family_demo_dir(FAMILY)
+
+
+def edit(pipe, control: Image.Image) -> np.ndarray:
+    """The pipeline's edit of `control` as PROMPT asks, at the demo's size."""
+    pipe.set_progress_bar_config(disable=True)
+    return pipe(
+        image=control, prompt=PROMPT, num_inference_steps=2, height=64, width=64,
+        output_type="np", max_sequence_length=TOKENS, max_area=64 * 64, _auto_resize=False,
+        generator=torch.Generator().manual_seed(0),
+    ).images[0]  # fmt: skip
+
+
+def edit_loss(demo: Path, transformer, draws: int = 4) -> float:
+    """The family's training loss of `transformer` on 16 demo pairs with fixed draws: the
+    controls' latents beside the noisy targets', as the cache and the objective see them."""
+    from diffusers import DiffusionPipeline
+
+    pipe = DiffusionPipeline.from_pretrained(demo / "model")
+    kind = dataclasses.replace(families.get(FAMILY), max_sequence_length=TOKENS)
+    items = scan(demo / "data", log_skipped=False, control_count=1).items[:16]
+    examples = [load_example(item, (64, 64)) for item in items]
+    pixels = torch.stack([torch.from_numpy(e.pixels) for e in examples])
+    controls = torch.stack([torch.from_numpy(e.controls) for e in examples])  # type: ignore[arg-type]
+    parts = model.Components(
+        family=FAMILY, source=Path(), denoiser=None, scheduler=None,
+        text_encoders=[pipe.text_encoder, pipe.text_encoder_2],
+        tokenizers=[pipe.tokenizer, pipe.tokenizer_2],
+    )  # fmt: skip
+    batch = kind.encode_text(parts, [item.caption for item in items])
+    batch["control_latents"] = model.encode_images(pipe.vae, controls.flatten(0, 1)).unflatten(
+        0, controls.shape[:2]
+    )
+    kwargs = kind.model_kwargs(batch, torch.float32)
+    objective = kind.objective(Settings(), pipe.scheduler, transformer.config)
+    latents = model.encode_images(pipe.vae, pixels)
+    with torch.no_grad():
+        losses = [
+            objective.loss(transformer.eval(), latents, kwargs,
+                           generator=torch.Generator().manual_seed(d), dtype=torch.float32)
+            for d in range(draws)
+        ]  # fmt: skip
+    return float(sum(losses)) / draws
+
+
+def a_control(demo: Path) -> Image.Image:
+    (path,) = sorted((demo / "data").glob("000-*.control.png"))
+    return Image.open(path).convert("RGB").resize((64, 64))
+
+
+def test_the_demo_is_a_kontext_pipeline_that_edits_and_is_detected(demo, tmp_path) -> None:
+    from diffusers import DiffusionPipeline
+
+    pipe = DiffusionPipeline.from_pretrained(demo / "model")
+    assert type(pipe).__name__ == PIPELINE
+    out = edit(pipe, a_control(demo))
+    assert out.shape == (64, 64, 3) and np.isfinite(out).all()
+    assert families.detect_family(demo / "model") == FAMILY
+    assert families.resolve_family("black-forest-labs/FLUX.1-Kontext-dev") == FAMILY
+    # a bare transformer is FLUX.1's class and config: it reads as Flux.1
+    shutil.copytree(demo / "model" / "transformer", tmp_path / "bare" / "transformer")
+    assert families.detect_family(tmp_path / "bare") == "flux"
+    kind = families.get(FAMILY)
+    assert type(kind.objective(Settings(), pipe.scheduler, pipe.transformer.config)).__name__ == (
+        "KontextObjective"
+    )
+    # every demo target has its control: the shape repainted, nothing else
+    pairs = scan(demo / "data", log_skipped=False, control_count=1)
+    assert len(pairs) == 64 and not pairs.skipped
+
+
+def test_check_lists_a_target_without_its_control(demo, monkeypatch, tmp_path, capsys) -> None:
+    from zerotuner.cli import main
+
+    data = tmp_path / "data"
+    shutil.copytree(demo / "data", data)
+    (lonely,) = data.glob("000-*.control.png")
+    lonely.unlink()
+    for key, value in {"ZT_MODEL": str(demo / "model"), "ZT_DATA_DIR": str(data),
+                       "ZT_OUTPUT_DIR": str(tmp_path / "output"), "ZT_DEVICE": "cpu",
+                       "ZT_CACHE_DIR": str(tmp_path / "cache"), "ZT_RESOLUTION": "64",
+                       "ZT_OFFLOAD_DIR": str(tmp_path / "offload"),
+                       "ZT_NUM_PROCESSES": "1"}.items():  # fmt: skip
+        monkeypatch.setenv(key, value)
+    assert main(["check"]) == 0
+    out = capsys.readouterr().out
+    assert "63 images with 1 control image each" in out
+    (line,) = [x for x in out.splitlines() if "without its control image" in x]
+    assert "skipped 1 file, without its control image: 000-" in line
+
+
+@pytest.fixture(scope="module")
+def full_run(demo, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("full-kontext") / "run"
+    tmp.mkdir()
+    log = run(
+        tmp, demo, FAMILY, output=tmp / "output", checkpoint_every_steps=SAVED,
+        validation_prompts=[PROMPT], validation_inference_steps=2, **FULL,
+    )  # fmt: skip
+    return tmp / "output", log
+
+
+@pytest.mark.slow
+def test_full_fine_tuning_at_zero_3_learns_the_edit_and_exports(demo, full_run) -> None:
+    """ZeRO-3, optimizer and parameters on the CPU: every step logged, the held-out edit loss
+    falls, final/ is a FluxKontextPipeline that edits an input image."""
+    from diffusers import DiffusionPipeline
+
+    output, log = full_run
+    assert [s["step"] for s in tk.read_steps(output)] == list(range(1, STEPS + 1))
+    assert "64 images with 1 control image each" in log and "reference tokens" in log
+    base = DiffusionPipeline.from_pretrained(demo / "model")
+    final = DiffusionPipeline.from_pretrained(output / "final")
+    assert type(final).__name__ == PIPELINE
+    assert edit_loss(demo, final.transformer) < 0.97 * edit_loss(demo, base.transformer)
+    control = a_control(demo)
+    assert np.abs(edit(final, control) - edit(base, control)).max() > 1e-3
+    (sample,) = (output / "samples" / f"step-{STEPS}").glob("*.png")
+    assert sample.stat().st_size > 0
+
+
+@pytest.mark.slow
+def test_full_checkpoint_resumes_on_one_rank(demo, full_run, tmp_path) -> None:
+    output, _ = full_run
+    resumes_on_one_rank_at_zero_2(tmp_path, demo, FAMILY, output, PIPELINE)
+
+
+@pytest.mark.slow
+def test_lora_at_zero_3_edits_through_the_pipeline(demo, tmp_path) -> None:
+    """A LoRA adapter at ZeRO-3: `transformer.` keys that FluxKontextPipeline loads with
+    `load_lora_weights`, lowering the held-out edit loss and changing its edit."""
+    from diffusers import DiffusionPipeline
+    from safetensors.torch import load_file
+
+    from zerotuner.weights import lora_files
+
+    output = tmp_path / "output"
+    run(tmp_path, demo, FAMILY, output=output, checkpoint_every_steps=STEPS, **LORA)
+    adapter = load_file(output / "final" / lora_files.ADAPTER_FILE)
+    assert adapter and all(k.startswith("transformer.") for k in adapter)
+    manifest = json.loads((output / "checkpoints" / f"step-{STEPS}" / "zerotuner.json").read_text())
+    assert manifest["family"] == FAMILY
+    pipe = DiffusionPipeline.from_pretrained(demo / "model")
+    control = a_control(demo)
+    before, loss_before = edit(pipe, control), edit_loss(demo, pipe.transformer)
+    pipe.load_lora_weights(output / "final")
+    assert edit_loss(demo, pipe.transformer) < 0.97 * loss_before
+    assert np.abs(edit(pipe, control) - before).max() > 1e-3
