@@ -1,6 +1,6 @@
 """Notifications (ZT_NOTIFY_URL, issue 46): a real run's start, checkpoints, samples and finish
 reach a webhook through apprise, while a hanging endpoint and one answering 500 change neither
-the exit code nor the other's events (the same run writes its TensorBoard events: ZT_REPORT_TO);
+the exit code nor the other's events (the same run is tracked: TensorBoard and W&B offline);
 a bad URL is one line, exit 2, not shown; the URL never reaches the log. (Failures: exit 4 in
 test_nonfinite, exit 143 in test_entrypoint_train.)"""
 
@@ -16,6 +16,7 @@ import pytest
 from receiver import Receiver
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from trainkit import ENTRYPOINT, entrypoint_env
+from wandbkit import wandb_history
 
 from zerotuner.errors import ConfigError
 from zerotuner.monitor.logs import setup_logging
@@ -74,7 +75,7 @@ def test_a_run_tells_and_tracks_its_start_checkpoints_samples_and_finish(demo_di
             demo_dir, tmp_path, ZT_MAX_STEPS="2", ZT_CHECKPOINT_EVERY_STEPS="1",
             ZT_VALIDATION_PROMPTS='["a red square"]', ZT_VALIDATION_INFERENCE_STEPS="2",
             ZT_NOTIFY_URL=f"{good.url} {hang.url} {bad.url}", ZT_NOTIFY_TIMEOUT_SECONDS="2",
-            ZT_REPORT_TO="tensorboard",
+            ZT_REPORT_TO="tensorboard,wandb", ZT_WANDB_MODE="offline",
         )  # fmt: skip
         done = subprocess.run([ENTRYPOINT, "train"], env=env, capture_output=True, text=True,
                               timeout=600)  # fmt: skip
@@ -93,12 +94,15 @@ def test_a_run_tells_and_tracks_its_start_checkpoints_samples_and_finish(demo_di
         assert finish["type"] == "success" and "final" in finish["message"]
         assert hang.requests >= 1 and bad.requests >= 1
     assert "notifications to JSON #1, JSON #2, JSON #3" in out
-    # the same run, tracked (ZT_REPORT_TO=tensorboard): TensorBoard's reader finds the curve
-    # and the sample (test_trackers reads every tag)
+    # the same run, tracked (ZT_REPORT_TO): TensorBoard's reader and W&B's records hold the
+    # curve and the sample (test_trackers reads every name)
     events = EventAccumulator(str(tmp_path / "output" / "run" / "tensorboard"))
     events.Reload()
     assert [e.step for e in events.Scalars("train/loss")] == [1, 2]
     assert [e.step for e in events.Images("samples/00-a-red-square")] == [2]
+    rows, _ = wandb_history(tmp_path / "output")
+    assert [r["step"] for r in rows if "train/loss" in r] == [1, 2], rows
+    assert [r["step"] for r in rows if "samples/00-a-red-square/path" in r] == [2], rows
     records = [p for p in (tmp_path / "output").rglob("*") if p.suffix in (".json", ".jsonl")]
     for url in (good.url, hang.url, bad.url):
         assert url not in out

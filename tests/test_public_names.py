@@ -38,8 +38,8 @@ SETTINGS = [
     "ZT_HANG_TIMEOUT_SECONDS", "ZT_COLLECTIVE_TIMEOUT_SECONDS", "ZT_PEER_TIMEOUT_SECONDS",
     "ZT_LOG_FORMAT", "ZT_LOG_LEVEL",
     "ZT_LOG_EVERY_STEPS", "ZT_NOTIFY_URL", "ZT_NOTIFY_TIMEOUT_SECONDS", "ZT_REPORT_TO",
-    "ZT_CONFIG_FILE",
-    "ZT_SECRETS_DIR", "ZT_HF_TOKEN",
+    "ZT_WANDB_PROJECT", "ZT_WANDB_MODE", "ZT_CONFIG_FILE",
+    "ZT_SECRETS_DIR", "ZT_HF_TOKEN", "ZT_WANDB_API_KEY",
 ]  # fmt: skip
 
 # The metric names of the public interface (the catalog's `contract` ones); the catalog may add

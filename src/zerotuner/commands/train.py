@@ -51,6 +51,10 @@ def run(args: argparse.Namespace) -> int:
     with ExitStack() as stack:
         server = _start_metrics(settings, stack)
         news = _notifier(settings, notify_url)  # a URL no notifier takes: exit 2, here
+        if "wandb" in settings.report_to:
+            from zerotuner.monitor.trackers import wandb_mode
+
+            wandb_mode(settings)  # online without a key: exit 2 before the ranks start
         code, line = 1, ""
         try:
             code, line = _train(effective, server, stack, news)

@@ -390,11 +390,18 @@ class Settings(BaseSettings):
     notify_timeout_seconds: float = Field(
         10, gt=0, le=300, description="Bound of one notification's delivery try (3 tries)."
     )
-    report_to: Annotated[list[Literal["tensorboard"]], NoDecode] = Field(
+    report_to: Annotated[list[Literal["tensorboard", "wandb"]], NoDecode] = Field(
         default_factory=list,
         description="Experiment trackers mirroring rank 0's step log, learning rate, memory and "
-        "samples: `tensorboard` (event files in ZT_OUTPUT_DIR/run/tensorboard/); "
-        "comma-separated; empty or `none`: none.",
+        "samples: `tensorboard` (event files in ZT_OUTPUT_DIR/run/tensorboard/), `wandb` "
+        "(Weights & Biases; ZT_WANDB_MODE); comma-separated; empty or `none`: none.",
+    )
+    wandb_project: str = Field("zerotuner", min_length=1, description="W&B project of the run.")
+    wandb_mode: Literal["auto", "online", "offline"] = Field(
+        "auto",
+        description="W&B: `online` needs an API key (WANDB_API_KEY or the secret file "
+        "`wandb_api_key`); `offline` writes ZT_OUTPUT_DIR/run/wandb/ for `wandb sync`; `auto`: "
+        "online with a key, offline without.",
     )
 
     # --- files and secrets ---------------------------------------------------------------------
@@ -408,6 +415,11 @@ class Settings(BaseSettings):
         None,
         validation_alias=AliasChoices("zt_hf_token", "hf_token"),
         description="Hugging Face token (env `HF_TOKEN` or a secret file `hf_token`).",
+    )
+    wandb_api_key: SecretStr | None = Field(
+        None,
+        validation_alias=AliasChoices("zt_wandb_api_key", "wandb_api_key"),
+        description="W&B API key (env `WANDB_API_KEY` or a secret file `wandb_api_key`).",
     )
 
     @field_validator("*")

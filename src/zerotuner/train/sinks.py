@@ -41,12 +41,16 @@ def build_sinks(
     ]
     if rank == 0:
         sinks.append(StepsJsonlSink(settings.output_dir / "run" / "steps.jsonl"))
-        if "tensorboard" in settings.report_to:
+        if settings.report_to:
+            from zerotuner.monitor import trackers
             from zerotuner.monitor.metrics import memory_probe
-            from zerotuner.monitor.trackers import TENSORBOARD_DIR, TensorBoardSink
 
-            folder = settings.output_dir / "run" / TENSORBOARD_DIR
-            sinks.append(TensorBoardSink(folder, probe=memory_probe(device), resumed_step=start))
+            probe = memory_probe(device)
+        if "tensorboard" in settings.report_to:
+            folder = settings.output_dir / "run" / trackers.TENSORBOARD_DIR
+            sinks.append(trackers.TensorBoardSink(folder, probe=probe, resumed_step=start))
+        if "wandb" in settings.report_to:
+            sinks.append(trackers.WandbSink(settings, probe=probe))
     return sinks
 
 
