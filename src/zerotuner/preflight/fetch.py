@@ -145,8 +145,7 @@ def fetch_adapter(settings: Settings, *, offline: bool = False) -> Path | None:
 
 def _fetch_s3_file(found: lora_from.Remote, where: str, settings: Settings) -> Path:
     folder, name = found.key.rpartition("/")[::2]
-    token = settings.hf_token.get_secret_value() if settings.hf_token else None
-    store = open_store(f"s3://{found.where}/{folder}", hf_token=token,
+    store = open_store(f"s3://{found.where}/{folder}", hf_token=None,
                        secrets_dir=settings.secrets_dir)  # fmt: skip
     assert isinstance(store, S3Store)  # an s3:// location
     listed = store.objects(name).get(name)  # the keys that begin with it: this one exactly
