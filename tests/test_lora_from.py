@@ -67,7 +67,7 @@ def source(demo_dir: Path, tmp_path_factory) -> tuple[Path, torch.Tensor]:
 
 def _sgm(module: str, layers_per_block: int) -> str:
     """A diffusers UNet module's name in the original SGM/LDM UNet, as ComfyUI's
-    comfy/utils.py `unet_to_diffusers` maps them (read backwards; ComfyUI 41444b52): the names
+    comfy/utils.py `unet_to_diffusers` maps them (read backwards; ComfyUI 00728eb2): the names
     kohya's sd-scripts gives SDXL's layers. Resnets, attentions and the middle block: what the
     source adapter's targets reach."""
     inner = {"conv1": "in_layers.2", "conv2": "out_layers.3", "time_emb_proj": "emb_layers.1",
