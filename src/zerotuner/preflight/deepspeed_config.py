@@ -18,10 +18,12 @@ from zerotuner.families import ModelShape
 from zerotuner.machine.hardware import Hardware
 from zerotuner.preflight.memory import SUB_GROUP_NVME
 from zerotuner.preflight.optimizers import (
+    KNOBS,
     ONE_BIT,
     REFUSED,
     canonical_optimizer,
     canonical_scheduler,
+    is_client,
     valid_optimizer_names,
 )
 from zerotuner.preflight.pins import config_precision, illegal_at
@@ -89,6 +91,7 @@ def normalize(
     precision = _precision(ctx, hardware)
     _zero(ctx, decisions, hardware, shape)
     _optimizer_runs_here(ctx, hardware)
+    _client_optimizer_fits(ctx)
     ctx.take(("gradient_clipping",), "gradient_clipping")
     # zerotuner's own progress log replaces DeepSpeed's periodic step print.
     cfg.setdefault("steps_per_print", settings.max_steps + 1)
@@ -191,7 +194,13 @@ OPTIMIZER_DEFAULTS: dict[str, dict[str, Any]] = {
     "Lion": {"betas": [0.9, 0.99]},
     "Adagrad": {"eps": 1e-8},
     "Muon": {},
+    # client optimizers (train/optimizer.py builds them): their published defaults
+    "prodigy": {"betas": [0.9, 0.999], "eps": 1e-8},
+    "adamw_schedulefree": {"betas": [0.9, 0.999], "eps": 1e-8},
+    "adamw8bit": {"betas": [0.9, 0.999], "eps": 1e-8},
+    "adafactor": {"clip_threshold": 1.0, "decay_rate": -0.8},
 }
+PRODIGY_LR = 1.0  # Prodigy's lr multiplies the step size it estimates: 1.0 is its default
 
 
 def _optimizer(ctx: _Context) -> None:
@@ -222,11 +231,32 @@ def _optimizer(ctx: _Context) -> None:
             "moved to gradient_clipping"
         )
     cfg["optimizer"] = {"type": name, "params": params}
+    prodigy_lr = name == "prodigy" and "learning_rate" not in ctx.explicit
+    if prodigy_lr and params.get("lr") in (None, "auto"):
+        params["lr"] = PRODIGY_LR
+        n.info(f"optimizer.params.lr={PRODIGY_LR} (Prodigy estimates its step size; "
+               f"{env_name('learning_rate')} scales it)")  # fmt: skip
     ctx.take(("optimizer", "params", "lr"), "learning_rate")
     ctx.take(("optimizer", "params", "weight_decay"), "weight_decay")
     for key, value in OPTIMIZER_DEFAULTS[name].items():
         if params.get(key) in (None, "auto"):
             params[key] = value
+    _client_params(ctx, name)
+
+
+def _client_params(ctx: _Context, name: str) -> None:
+    """A client optimizer's knobs from their settings; a knob set for another one refused."""
+    n, s = ctx.n, ctx.settings
+    for field, owner in KNOBS.items():
+        if owner == name:
+            ctx.take(("optimizer", "params", field.removeprefix(f"{owner}_")), field)
+    for field in sorted((set(KNOBS) & ctx.explicit) - {f for f, o in KNOBS.items() if o == name}):
+        n.error(
+            f"{env_name(field)} is a {KNOBS[field]} setting, but {env_name('optimizer')}="
+            f"{s.optimizer}: set {env_name('optimizer')}={KNOBS[field]} or unset {env_name(field)}"
+        )
+    if name == "adamw_schedulefree":
+        ctx.take(("optimizer", "params", "warmup_steps"), "lr_warmup_steps")
 
 
 def _optimizer_runs_here(ctx: _Context, hardware: Hardware) -> None:
@@ -247,6 +277,43 @@ def _optimizer_runs_here(ctx: _Context, hardware: Hardware) -> None:
         )
 
 
+def _client_optimizer_fits(ctx: _Context) -> None:
+    """What DeepSpeed 0.19 runs with an optimizer it did not build (engine._configure_optimizer,
+    zero/stage3.py), decided before the ranks start."""
+    cfg, n = ctx.cfg, ctx.n
+    name = cfg.get("optimizer", {}).get("type")
+    if not is_client(str(name)):
+        return
+    zero = cfg["zero_optimization"]
+    stage = zero.get("stage", 0)
+    offload = zero.get("offload_optimizer", {}).get("device", "none")
+    opt, off, stage_name = (env_name(k) for k in ("optimizer", "offload_optimizer", "zero_stage"))
+    if stage >= 1:  # ZeRO asserts on an optimizer outside its own list without this
+        cfg["zero_allow_untested_optimizer"] = True
+    if offload == "nvme":
+        n.error(
+            f"{opt}={name} with {off}=nvme: DeepSpeed swaps only its own optimizers' state to "
+            f"NVMe; use {off}=cpu or none, or {opt}=AdamW"
+        )
+    elif offload == "cpu":
+        if cfg.get("zero_force_ds_cpu_optimizer") is True:
+            n.error(
+                f"{opt}={name} with {off}=cpu needs zero_force_ds_cpu_optimizer: false, but "
+                f"{ctx.source} sets it true: remove it, or use {opt}=AdamW (DeepSpeed's CPU Adam)"
+            )
+        else:
+            cfg["zero_force_ds_cpu_optimizer"] = False
+            n.info(
+                f"{name} steps the offloaded state on the CPU in PyTorch "
+                "(zero_force_ds_cpu_optimizer: false): slower than DeepSpeed's CPU Adam"
+            )
+    if name == "adamw_schedulefree" and stage == 3:
+        n.error(
+            f"{opt}={name} with {stage_name}=3: its evaluation weights cannot be written back "
+            f"into ZeRO-3's partitioned module for samples and export; use {stage_name}=1 or 2"
+        )
+
+
 # ZT_LR_SCHEDULER -> the DeepSpeed scheduler that gives that shape after the warm-up.
 SCHEDULER_TYPES = {"constant": "WarmupLR", "linear": "WarmupDecayLR", "cosine": "WarmupCosineLR"}
 
@@ -255,6 +322,9 @@ def _scheduler(ctx: _Context) -> None:
     cfg, s, n = ctx.cfg, ctx.settings, ctx.n
     section = cfg.get("scheduler")
     lr = cfg.get("optimizer", {}).get("params", {}).get("lr", s.learning_rate)
+    if cfg.get("optimizer", {}).get("type") == "adamw_schedulefree":
+        _schedule_free_lr(ctx, lr)
+        return
     if not isinstance(section, dict) or "lr_scheduler" in ctx.explicit:
         section = {"type": SCHEDULER_TYPES[s.lr_scheduler], "params": {}}
         n.info(f"scheduler {section['type']} from {env_name('lr_scheduler')}={s.lr_scheduler}")
@@ -288,6 +358,28 @@ def _scheduler(ctx: _Context) -> None:
     if name == "WarmupCosineLR":
         params.setdefault("warmup_min_ratio", 0.0)
         params.setdefault("cos_min_ratio", 0.01)
+
+
+def _schedule_free_lr(ctx: _Context, lr: Any) -> None:
+    """Schedule-free replaces the schedule (its warm-up is the optimizer's warmup_steps):
+    DeepSpeed's LR stays at the peak from the first step."""
+    s, n = ctx.settings, ctx.n
+    if "lr_scheduler" in ctx.explicit and s.lr_scheduler != "constant":
+        n.error(
+            f"{env_name('lr_scheduler')}={s.lr_scheduler} with {env_name('optimizer')}="
+            f"adamw_schedulefree: schedule-free needs no schedule; use "
+            f"{env_name('lr_scheduler')}=constant (warm-up: {env_name('lr_warmup_steps')})"
+        )
+    if isinstance(ctx.cfg.get("scheduler"), dict):
+        n.change("scheduler replaced: adamw_schedulefree keeps the learning rate flat")
+    ctx.cfg["scheduler"] = {
+        "type": "WarmupLR",
+        "params": {"warmup_min_lr": lr, "warmup_max_lr": lr, "warmup_num_steps": 1,
+                   "warmup_type": "linear"},
+    }  # fmt: skip
+    n.info(
+        f"schedule-free: flat LR {lr}, warm-up of {s.lr_warmup_steps} step(s) in the optimizer"
+    )
 
 
 def _precision(ctx: _Context, hardware: Hardware) -> str:

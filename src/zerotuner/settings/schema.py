@@ -123,9 +123,23 @@ class Settings(BaseSettings):
         "constant", description="Shape after warm-up (DeepSpeed WarmupLR/WarmupDecayLR/Cosine)."
     )
     optimizer: str = Field(
-        "AdamW", description="DeepSpeed optimizer name (AdamW, Adam, Lion, Lamb, ...)."
+        "AdamW",
+        description="DeepSpeed's own (AdamW, Adam, Adagrad, Lion, Lamb, Muon) or a client "
+        "optimizer: `prodigy` (finds its step size: ZT_LEARNING_RATE=1.0), "
+        "`adamw_schedulefree` (no schedule; warm-up from ZT_LR_WARMUP_STEPS), `adamw8bit` "
+        "(bitsandbytes: 2 bytes of state per parameter), `adafactor` (no first moment).",
     )
     weight_decay: float = Field(1e-2, ge=0, description="Optimizer weight decay.")
+    prodigy_d_coef: float = Field(
+        1.0, gt=0, description="Prodigy only: scales its estimated step size d (0.5-2 typical)."
+    )
+    prodigy_safeguard_warmup: bool = Field(
+        False, description="Prodigy only: keep the LR warm-up out of d's estimate (set it "
+        "with ZT_LR_WARMUP_STEPS).",
+    )  # fmt: skip
+    prodigy_use_bias_correction: bool = Field(
+        False, description="Prodigy only: Adam's bias correction (smaller early steps)."
+    )
     gradient_clipping: float = Field(1.0, ge=0, description="Max gradient norm; 0 disables.")
     max_nonfinite_steps: int = Field(
         5, ge=1, description="Steps in a row with a non-finite loss or gradient norm (each "

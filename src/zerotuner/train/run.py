@@ -31,6 +31,7 @@ from zerotuner.launch.records import Sink, StepRecord, write_rank_armed
 from zerotuner.settings import datasets
 from zerotuner.settings.schema import Settings
 from zerotuner.train import caching, feature_cache, loop, model, nonfinite, samples, speed
+from zerotuner.train import optimizer as client_optimizer
 from zerotuner.train.stop import Stopped, StopRequest
 from zerotuner.weights import checkpoint, lora_text
 from zerotuner.weights.ema import EMA
@@ -117,7 +118,6 @@ class Run:
             write_index=self.place.node_leader, min_image_size=s.min_image_size,
             video=self.video,
             datasets_file=s.datasets_file,
-            control_count=families.REGISTRY[job.family].controls,
         )  # fmt: skip
         # one bucket rule, the one `check` reports (families.bucket_step)
         multiple = families.bucket_step(
@@ -213,17 +213,25 @@ class Run:
             denoiser, s, accelerator=job.device, zero_stage=job.zero_stage,
             shapes=len(self.buckets),
         )  # fmt: skip
+        # prodigy, schedule-free, 8-bit AdamW, Adafactor: built here, its section taken out
+        kind = str(config.get("optimizer", {}).get("type"))
+        if self.resume:
+            client_optimizer.check_resume(
+                self.resume, kind, world=self.world, zero_stage=job.zero_stage
+            )
+        built = client_optimizer.take(config, params, zero_stage=job.zero_stage)
         self.engine_, _, _, _ = deepspeed.initialize(
-            model=trained, model_parameters=params, config=config
+            model=trained, model_parameters=params, optimizer=built, config=config
         )
         log.info("DeepSpeed engine ready (ZeRO-%d)", self.engine_.zero_optimization_stage())
         speed.skip_lone_allreduce(self.engine_)
         speed.foreach_clip(self.engine_)
         self.guard = nonfinite.guard_plain_optimizer(self.engine_)
         if self.rank == 0:  # the entrypoint logs it; the run folder keeps it
-            _write_json(self.run_dir / "deepspeed.json", config)
+            _write_json(self.run_dir / "deepspeed.json", job.deepspeed)  # optimizer included
         resumed = checkpoint.load(self.engine_, self.resume) if self.resume else None
         if resumed:
+            client_optimizer.resume_training_weights(self.engine_)  # saved as evaluated
             self.start_step = resumed.step
             self.position = Position(**(resumed.position or {}))
             log.info("resumed from %s at step %d", resumed.path, resumed.step)
@@ -341,10 +349,19 @@ class Run:
             "world_size": self.world,
             "mixed_precision": job.mixed_precision,
             "position": asdict(self.position),
+            "optimizer": str(job.deepspeed.get("optimizer", {}).get("type", s.optimizer)),
             **self.weights.manifest_entries(),
             **({"expert": s.expert, "denoiser": self.part} if self.part else {}),
         }
-        seconds = checkpoint.save(
+        with client_optimizer.eval_weights(self.engine_, "the checkpoint"):
+            seconds = self._save(step, meta)
+        for sink in self.sinks:
+            sink.on_checkpoint(step, seconds)
+        self.phase("training")
+
+    def _save(self, step: int, meta: dict[str, Any]) -> float:
+        s = self.settings
+        return checkpoint.save(
             self.engine_,
             output_dir=s.output_dir,
             step=step,
@@ -354,18 +371,18 @@ class Run:
             keep=s.checkpoints_keep,
             rank=self.rank,
         )
-        for sink in self.sinks:
-            sink.on_checkpoint(step, seconds)
-        self.phase("training")
 
     def validate(self, step: int) -> None:
         self.require_finite_weights(step, "sampling")
         self.due.discard("validate")
         self.phase("validating")
         s = self.settings
-        with self.weights.to_render(
-            self.engine_.module, rank=self.rank, source=self.source, part=self.part
-        ) as trained:
+        with (
+            client_optimizer.eval_weights(self.engine_, "samples"),
+            self.weights.to_render(
+                self.engine_.module, rank=self.rank, source=self.source, part=self.part
+            ) as trained,
+        ):
             if trained is not None:  # the ranks that render
                 samples.render(
                     self.source,
@@ -400,9 +417,11 @@ class Run:
             self.validate(step)
         self.require_finite_weights(step, "exporting")  # a resume at the last step saves none
         self.phase("exporting")
-        exported = self.weights.export(
-            self.engine_.module, rank=self.rank, ema=self.ema, source=self.source, part=self.part
-        )
+        with client_optimizer.eval_weights(self.engine_, "the export"):
+            exported = self.weights.export(
+                self.engine_.module, rank=self.rank, ema=self.ema, source=self.source,
+                part=self.part,
+            )  # fmt: skip
         if exported is not None:  # rank 0 wrote them
             self._loss_curve()
             log.info("exported %s", exported.files)
