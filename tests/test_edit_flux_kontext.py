@@ -27,8 +27,9 @@ from zerotuner.settings.schema import Settings
 from zerotuner.train import model
 
 FAMILY, PIPELINE = "fluxkontext", "FluxKontextPipeline"
-FULL = {"stage": 3, "offload_optimizer": "cpu", "offload_param": "cpu"}
-LORA = {"stage": 3, "offload_optimizer": "none", "offload_param": "none",
+# ZT_RESOLUTION as the job's: Kontext's samples are sized by area (max_area), 1024^2 without it
+FULL = {"stage": 3, "offload_optimizer": "cpu", "offload_param": "cpu", "resolution": 64}
+LORA = {"stage": 3, "offload_optimizer": "none", "offload_param": "none", "resolution": 64,
         "training_type": "lora", "lora_rank": 4, "lora_alpha": 4, "lr": 3e-2}  # fmt: skip
 
 
@@ -152,7 +153,7 @@ def test_full_fine_tuning_at_zero_3_learns_the_edit_and_exports(demo, full_run) 
     control = a_control(demo)
     assert np.abs(edit(final, control) - edit(base, control)).max() > 1e-3
     (sample,) = (output / "samples" / f"step-{STEPS}").glob("*.png")
-    assert sample.stat().st_size > 0
+    assert Image.open(sample).size == (64, 64)  # max_area: the run's resolution
 
 
 @pytest.mark.slow
