@@ -17,7 +17,7 @@ from bench.benchmodel import unet_parameters, write_bench_model
 
 SUITES = (
     "overhead", "planner", "lora_vs_full", "nvme", "scaling", "stops", "gpu_paper", "load_peak",
-    "load_peak_sdxl", "speed",
+    "load_peak_sdxl", "speed", "base_precision",
 )  # fmt: skip
 log = logging.getLogger("bench")
 
@@ -108,6 +108,11 @@ def main(argv: list[str] | None = None) -> int:
             tiny = write_demo(root / "tiny-speed", seed=0, family="sdxl")
             models = {"tiny": (tiny.model, tiny.data), "bench": (b.model, b.data)}
             results["speed"] = speed(b, models, 1 if args.smoke else 3)
+        if "base_precision" in wanted:
+            log.info("base precision: the frozen base's host bytes, full precision and 8 bits")
+            from bench.base_precision import base_precision
+
+            results["base_precision"] = base_precision(b)
         if "gpu_paper" in wanted:
             from bench.paper import headline
 

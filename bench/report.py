@@ -301,6 +301,10 @@ def markdown(r: dict[str, Any]) -> str:
                 "weight gradients for the frozen base; no CPU Adam, no PCIe traffic).",
                 "",
             ]
+    if r.get("base_precision"):
+        from bench.base_precision import markdown as base_precision_markdown
+
+        out += base_precision_markdown(r["base_precision"])
     return "\n".join(out) + "\n"
 
 

@@ -346,3 +346,28 @@ def test_a_resume_keeps_the_base_precision(tmp_path: Path):
     base_precision.check_resume(older, Settings(training_type="lora"), tmp_path)
     with pytest.raises(ConfigError, match="a base stored at auto"):
         base_precision.check_resume(older, fp8, tmp_path)
+
+
+def test_the_bench_row_measures_what_the_planner_counts(demo_dir):
+    """bench/base_precision.py's row on the demo UNet: a process that loads it and stores it at
+    fp8 holds the tensor bytes the planner counts for the base (the RSS beside them is the
+    bench's to report: a ~1M-parameter UNet is below its noise)."""
+    import json
+    import subprocess
+    import sys
+
+    repo = Path(__file__).resolve().parents[1]
+    sys.path.insert(0, str(repo))  # bench/ is a top-level package beside src/
+    from bench import runs
+    from bench.base_precision import planned
+
+    model = demo_dir / "model"
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.base_precision", str(model), "bf16", "fp8"],
+        cwd=repo, env=runs.base_env(), capture_output=True, text=True, timeout=300, check=True,
+    )  # fmt: skip
+    measured = json.loads(proc.stdout.strip().splitlines()[-1])
+    counted = planned(model, "bf16", "fp8")
+    assert measured["tensor_bytes"] == counted["planned_bytes"]
+    assert counted["planned_bytes"] < planned(model, "bf16", "auto")["planned_bytes"]
+    assert measured["host_bytes"] == measured["anon_bytes"] + measured["file_bytes"]
