@@ -183,3 +183,21 @@ def test_lora_at_zero_3_edits_through_the_pipeline(demo, tmp_path) -> None:
     pipe.load_lora_weights(output / "final")
     assert edit_loss(demo, pipe.transformer) < 0.97 * loss_before
     assert np.abs(edit(pipe, control) - before).max() > 1e-3
+
+
+def test_the_planner_counts_the_reference_tokens_and_latents() -> None:
+    """The reference's tokens lengthen every attention (activations), and its latents sit
+    beside the target's in the cache (`check`'s estimate)."""
+    from zerotuner.families.registry import REGISTRY
+    from zerotuner.families.shapes import transformer_activations
+    from zerotuner.train.feature_cache import latent_cache_bytes
+
+    flux, kontext = (transformer_activations(f, REGISTRY[f].builtin_config)
+                     for f in ("flux", FAMILY))  # fmt: skip
+    image, text = (1024 // 16) ** 2, 512  # 2x2 patches of a 1024 px image's latents; T5
+    for plain, edit_model in zip(flux, kontext, strict=True):
+        assert edit_model / plain == pytest.approx((2 * image + text) / (image + text), rel=1e-3)
+    buckets = {(64, 64): [0, 1, 2], (96, 64): [3]}
+    plain = latent_cache_bytes(buckets, channels=16, scale=8, frame_step=None, flip=True)
+    assert latent_cache_bytes(buckets, channels=16, scale=8, frame_step=None, flip=True,
+                              controls=1) == 2 * plain  # fmt: skip

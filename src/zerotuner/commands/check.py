@@ -247,7 +247,7 @@ def _latent_cache(c: Checks) -> str:
     need = latent_cache_bytes(
         buckets, channels=families.vae_latent_channels(model.local_dir),
         scale=families.vae_scale(model.local_dir), frame_step=video.step if video else None,
-        flip=s.random_flip,
+        flip=s.random_flip, controls=families.REGISTRY[model.family].controls,
     )  # fmt: skip
     clip_buckets = sorted({b[2] for b in buckets if len(b) == 3})
     frames = f"; clips of {', '.join(map(str, clip_buckets))} frames" if clip_buckets else ""

@@ -229,7 +229,9 @@ def meta_model(family: str, model_dir: Path | None = None, denoiser: str | None 
     cls = get(family).denoiser_class()
     path = unet_config_path(model_dir, denoiser) if model_dir else None
     config = cls.load_config(str(path.parent)) if path else REGISTRY[family].builtin_config
-    with init_empty_weights():
+    # include_buffers: buffers on the meta device too, so none is computed (SD3's positional
+    # table took 3.5 s of every plan; Wan's rotary tables 0.5 s)
+    with init_empty_weights(include_buffers=True):
         return cls.from_config(config)
 
 
@@ -348,11 +350,14 @@ def transformer_activations(family: str, config: dict[str, Any]) -> tuple[int, i
     image in 16-bit: per layer 34 x tokens x width without checkpointing (Korthikanti et al.,
     arXiv 2205.05198, with fused attention: no tokens^2 term), and with it the layer inputs
     (2 x tokens x width each) plus one layer recomputed. Tokens: the image's patches (2x2
-    latent cells) and the text's (SD3: CLIP 77 + T5 256; Flux, Chroma: T5 512; Z-Image: Qwen3
-    512). Layers: the family's `layer_keys` (Z-Image: its 30 main layers and the noise refiner's
-    2, which see the image; the context refiner's, on the text alone, are left out)."""
+    latent cells), once more per control image an edit family packs beside them (FLUX.1
+    Kontext: its reference, at the target's size), and the text's (SD3: CLIP 77 + T5 256; Flux,
+    Chroma: T5 512; Z-Image: Qwen3 512). Layers: the family's `layer_keys` (Z-Image: its 30
+    main layers and the noise refiner's 2, which see the image; the context refiner's, on the
+    text alone, are left out)."""
     spec = REGISTRY[family]
-    tokens = (1024 // VAE_SCALE // 2) ** 2 + spec.clip_tokens + spec.t5_tokens
+    image = (1024 // VAE_SCALE // 2) ** 2 * (1 + spec.controls)
+    tokens = image + spec.clip_tokens + spec.t5_tokens
     width = math.prod(int(config[key]) for key in spec.width_keys)
     layers = sum(int(config[key]) for key in spec.layer_keys)
     per_layer = 34 * tokens * width

@@ -202,16 +202,18 @@ def latent_cache_bytes(
     scale: int,
     frame_step: int | None,
     flip: bool,
+    controls: int = 0,
 ) -> int:
     """What the cached latents of these buckets take on disk (fp32, as `encode_latents` writes
     them; a mirror image each with ZT_RANDOM_FLIP): each item once however often it repeats,
-    a clip's frames folded by the VAE's temporal step."""
+    a clip's frames folded by the VAE's temporal step, an edit family's `controls` beside each
+    image at its size."""
     total = 0
     for bucket, indices in buckets.items():
         w, h, frames = (*bucket, 1) if len(bucket) == 2 else bucket
         latent_frames = (frames - 1) // frame_step + 1 if frame_step else 1
         total += len(set(indices)) * channels * latent_frames * (h // scale) * (w // scale) * 4
-    return total * (2 if flip else 1)
+    return total * (2 if flip else 1) * (1 + controls)
 
 
 def _encode_controls(
