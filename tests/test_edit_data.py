@@ -78,6 +78,9 @@ def test_controls_are_found_beside_in_metadata_and_in_a_control_dir(tmp_path: Pa
                                              control_dir=inputs).items}  # fmt: skip
     assert after["a.png"] != before["a.png"] and after["b.png"] == before["b.png"]
     assert before["a.png"].startswith(dataset.items[0].digest + "|")
+    # a control_dir inside the data folder: its images are controls, not targets
+    inside = scan(data, log_skipped=False, control_count=1, control_dir=data / "sources")
+    assert "sources/b-before.png" not in {item.name for item in inside.items}
 
 
 def test_a_control_is_refused_as_a_target_is(tmp_path: Path, monkeypatch) -> None:

@@ -124,8 +124,8 @@ def find(
     for path, why in skipped:  # a control the walk left out: its picture is left out with it
         if (found := controlled(path)) is not None:
             unusable[found[0]] = why
-    if control_dir is not None:
-        _control_folder(data_dir, control_dir, beside, unusable, skipped)
+    if control_dir is not None:  # (inside the data folder, its files are no targets either)
+        controls |= _control_folder(data_dir, control_dir, beside, unusable, skipped)
     roots = [data_dir] + ([control_dir] if control_dir else [])
     lexical: dict[Path, list[Path]] = {}
     for image, names in named.items():
@@ -143,10 +143,10 @@ def _control_folder(
     beside: dict[Path, dict[int, Path]],
     unusable: dict[Path, str],
     skipped: list[tuple[Path, str]],
-) -> None:
+) -> set[Path]:
     """`control_dir`'s images by the picture they stand for: `sub/foo.png` or
     `sub/foo.control.png` is `data_dir/sub/foo`'s first, `sub/foo.control_1.png` its second;
-    a control beside its picture takes precedence."""
+    a control beside its picture takes precedence. Returns its files, resolved."""
     files, left_out = walk(control_dir)
     for path in files:
         relative = path.relative_to(control_dir)
@@ -161,6 +161,7 @@ def _control_folder(
             relative = path.relative_to(control_dir)
             picture, _ = controlled(relative) or (relative.with_suffix(""), 0)
             unusable[data_dir / picture] = why
+    return {path.resolve() for path in files}
 
 
 def _under(real: Path, roots: Sequence[Path]) -> Path | None:

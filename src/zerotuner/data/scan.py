@@ -73,7 +73,8 @@ def scan(
     metadata, named_controls = read_metadata([p for p in files if p.name == METADATA_FILE])
     sidecars = {p for p in files if p.suffix == caption_extension}
     found = controls.find(data_dir, files, skipped, named_controls, control_dir)
-    others = [p for p in files if p.resolve() not in found.files]  # controls are no targets
+    # controls are no targets (a metadata row's or control_dir's may have any name)
+    others = [p for p in files if p.resolve() not in found.files] if found.files else files
     candidates, masks = _classify(others, sidecars, skipped, video)
     paired, broken_masks = _pair_masks(candidates, masks, skipped)
     attached = found.attach(candidates, skipped)
