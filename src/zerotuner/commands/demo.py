@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from zerotuner.families import FAMILIES, FLOW_FAMILIES
+from zerotuner.families import FAMILIES, FLOW_FAMILIES, REGISTRY
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -28,7 +28,9 @@ def run(args: argparse.Namespace) -> int:
     paths = write_demo(args.dir, seed=args.seed, family=args.family)
     root, model, data = paths.root.resolve(), paths.model.resolve(), paths.data.resolve()
     print(f"demo model ({paths.family}, {DEMO_RESOLUTION} px): {model}")
-    print(f"demo data ({paths.images} images with captions): {data}")
+    # an edit family's demo images each have a control image beside them (foo.control.png)
+    pairs = " and control images" if REGISTRY[paths.family].controls else ""
+    print(f"demo data ({paths.images} images with captions{pairs}): {data}")
     flow = paths.family in FLOW_FAMILIES  # flow matching: no DDPM settings in its config
     job = (
         f"ZT_DEVICE=cpu ZT_MODEL={model} ZT_DATA_DIR={data} ZT_CACHE_DIR={root / 'cache'} "
