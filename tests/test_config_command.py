@@ -56,7 +56,7 @@ def test_invalid_settings_exit_2_with_one_line_and_nothing_on_stdout(monkeypatch
     assert code == 2 and out == ""
     assert err.strip().splitlines() == [
         "zerotuner: error: optimizer 'sgd' is unknown; valid: AdamW, Adam, Adagrad, Lamb, "
-        "Lion, Muon"
+        "Lion, Muon, prodigy, adamw_schedulefree, adamw8bit, adafactor"
     ]
 
 

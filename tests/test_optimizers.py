@@ -188,3 +188,62 @@ def test_schedule_free_evaluation_weights_reach_the_module_on_2_ranks() -> None:
     assert result["module_is_eval_x"] and result["module_equals_fp32_master"]
     assert result["eval_differs_from_train"] > 1e-3
     assert result["train_weights_back"] < 1e-6
+
+
+# --- the planner counts them --------------------------------------------------------------
+
+PLAN = ["plan", "--model-family", "sdxl", "--resolution", "1024", "--train-batch-size", "1",
+        "--gpus", "2", "--gpu-memory", "80GiB", "--host-memory", "512GiB", "--json"]  # fmt: skip
+
+
+def planned(monkeypatch, capsys, optimizer: str) -> dict:
+    from zerotuner.cli import main
+
+    monkeypatch.setenv("ZT_OPTIMIZER", optimizer)
+    assert main(PLAN) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def device_bytes(data: dict, stage: int, offload: str) -> int:
+    key = ("zero_stage", "offload_optimizer", "offload_param", "gradient_checkpointing")
+    row = next(
+        r for r in data["rows"] if tuple(r[k] for k in key) == (stage, offload, "none", True)
+    )
+    return row["device_bytes"]
+
+
+def test_plan_counts_each_optimizers_state_and_leaves_out_what_deepspeed_refuses(
+    monkeypatch, capsys
+) -> None:
+    """SDXL's 2.6B UNet at ZeRO-2 on 2 GPUs: each optimizer's device bytes differ from
+    AdamW's by its state bytes x the rank's half of the parameters; no client optimizer gets
+    an NVMe optimizer row, schedule-free no ZeRO-3 row; `plan` names the bytes."""
+    adamw = planned(monkeypatch, capsys, "AdamW")
+    params = adamw["inputs"]["trainable_params"]
+    for name in CLIENT:
+        data = planned(monkeypatch, capsys, name)
+        assert data["inputs"]["optimizer"] == name
+        assert data["inputs"]["optimizer_state_bytes"] == state_bytes(name, zero_stage=1)
+        extra = device_bytes(data, 2, "none") - device_bytes(adamw, 2, "none")
+        expected = (state_bytes(name, zero_stage=2) - 8) * params / 2
+        assert math.isclose(extra, expected, rel_tol=1e-3, abs_tol=16), (name, extra, expected)
+        assert all(r["offload_optimizer"] != "nvme" for r in data["rows"])
+        if name == "adamw_schedulefree":
+            assert all(r["zero_stage"] != 3 for r in data["rows"])
+    from zerotuner.cli import main
+
+    monkeypatch.setenv("ZT_OPTIMIZER", "prodigy")
+    assert main([p for p in PLAN if p != "--json"]) == 0
+    out = capsys.readouterr().out
+    assert "optimizer: prodigy, 16 bytes of state per trained parameter" in out
+
+
+def test_the_builder_offers_the_client_optimizers_and_their_knobs() -> None:
+    from zerotuner.builder import form
+
+    fields = {f["name"]: f for s in form.form_fields() for f in s["fields"]}
+    assert set(CLIENT) <= set(fields["ZT_OPTIMIZER"]["choices"])
+    assert {"ZT_PRODIGY_D_COEF", "ZT_PRODIGY_SAFEGUARD_WARMUP"} <= form.shown_settings()
+    composed = form.compose({"settings": {"ZT_OPTIMIZER": "adafactor"},
+                             "deepspeed": {"betas": "[0.9, 0.99]"}})  # fmt: skip
+    assert composed.notes == ["betas left out: optimizer adafactor has no such parameter"]

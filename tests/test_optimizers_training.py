@@ -14,9 +14,8 @@ from typing import Any
 
 import pytest
 import torch
-from safetensors.torch import load_file
-
 import trainkit as tk
+from safetensors.torch import load_file
 
 pytestmark = pytest.mark.slow
 

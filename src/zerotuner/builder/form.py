@@ -19,6 +19,7 @@ from zerotuner.docs import bounds_text, default_value, setting_type, type_text
 from zerotuner.errors import ConfigError
 from zerotuner.preflight.deepspeed_config import OPTIMIZER_DEFAULTS, SCHEDULER_TYPES
 from zerotuner.preflight.optimizers import (
+    CLIENT,
     REFUSED,
     REPLACED_BY_ADAMW,
     TRAINABLE,
@@ -41,7 +42,8 @@ SECTIONS = tuple(
         ("ZeRO and offload", "zero_stage offload_optimizer offload_param offload_dir "
          "gradient_checkpointing ds.gather_16bit_weights ds.quantized_weights "
          "ds.quantized_gradients ds.hpz_partition_size"),
-        ("Optimizer", "optimizer learning_rate ds.betas ds.eps weight_decay"),
+        ("Optimizer", "optimizer learning_rate ds.betas ds.eps weight_decay prodigy_d_coef "
+         "prodigy_safeguard_warmup prodigy_use_bias_correction"),
         ("Scheduler", "lr_scheduler lr_warmup_steps ds.warmup_type ds.warmup_min_lr "
          "ds.cos_min_ratio"),
         ("Precision and clipping", "mixed_precision gradient_clipping"),
@@ -127,7 +129,7 @@ HARDWARE = {
     "offload_disk": ("Offload disk", "Free NVMe offload space per node, e.g. 2TB."),
     "bf16": ("GPUs have bf16", "Compute capability 8.0+ (A100, H100, RTX 30xx and newer)."),
 }
-OPTIMIZER_NAMES = (*TRAINABLE, *REPLACED_BY_ADAMW, *REFUSED)
+OPTIMIZER_NAMES = (*TRAINABLE, *CLIENT, *REPLACED_BY_ADAMW, *REFUSED)
 DEEPSPEED = env_name("deepspeed_config")
 PARTS = ("settings", "deepspeed", "hardware")  # what a form holds
 # What `compose` lets into the environment it evaluates in: ZT_* names, never a secret. The

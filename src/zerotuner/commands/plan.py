@@ -41,6 +41,14 @@ def training_text(inputs: PlanInputs) -> str:
     return f"lora, {trainable:.1f}M trainable (adapter), {frozen:.1f}M frozen (base UNet{stored})"
 
 
+def optimizer_text(inputs: PlanInputs) -> str:
+    """`optimizer: prodigy, 16 bytes of state per trained parameter (AdamW: 8) ...`."""
+    return (
+        f"optimizer: {inputs.optimizer}, {inputs.optimizer_state_bytes:g} bytes of state per "
+        "trained parameter (AdamW: 8), beside the fp32 master (4) and the gradient"
+    )
+
+
 def clip_text(inputs: PlanInputs) -> str:
     """A video family's clip as planned: ` x 81 frames (21 latent frames, 32760 tokens)`."""
     if inputs.frames is None:
@@ -58,6 +66,7 @@ def render(plan: Plan, hardware: Hardware) -> str:
         f"micro batch {i.micro_batch}, world size {i.world_size}, "
         f"{precision_name(i.precision)}",
         f"training: {training_text(i)}",
+        optimizer_text(i),
         "",
         f"{'stage':>5}  {'optimizer':<9}  {'params':<6}  {'ckpt':<4}  "
         f"{'device GiB':>10}  {'host GiB':>8}  {'disk GiB':>8}  fits",

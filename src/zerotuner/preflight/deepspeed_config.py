@@ -23,6 +23,7 @@ from zerotuner.preflight.optimizers import (
     REFUSED,
     canonical_optimizer,
     canonical_scheduler,
+    client_problem,
     is_client,
     valid_optimizer_names,
 )
@@ -290,12 +291,10 @@ def _client_optimizer_fits(ctx: _Context) -> None:
     opt, off, stage_name = (env_name(k) for k in ("optimizer", "offload_optimizer", "zero_stage"))
     if stage >= 1:  # ZeRO asserts on an optimizer outside its own list without this
         cfg["zero_allow_untested_optimizer"] = True
-    if offload == "nvme":
-        n.error(
-            f"{opt}={name} with {off}=nvme: DeepSpeed swaps only its own optimizers' state to "
-            f"NVMe; use {off}=cpu or none, or {opt}=AdamW"
-        )
-    elif offload == "cpu":
+    names = {"optimizer": opt, "offload_optimizer": off, "zero_stage": stage_name}
+    if why := client_problem(str(name), stage, offload, names=names):
+        n.error(why)
+    if offload == "cpu":
         if cfg.get("zero_force_ds_cpu_optimizer") is True:
             n.error(
                 f"{opt}={name} with {off}=cpu needs zero_force_ds_cpu_optimizer: false, but "
@@ -307,11 +306,6 @@ def _client_optimizer_fits(ctx: _Context) -> None:
                 f"{name} steps the offloaded state on the CPU in PyTorch "
                 "(zero_force_ds_cpu_optimizer: false): slower than DeepSpeed's CPU Adam"
             )
-    if name == "adamw_schedulefree" and stage == 3:
-        n.error(
-            f"{opt}={name} with {stage_name}=3: its evaluation weights cannot be written back "
-            f"into ZeRO-3's partitioned module for samples and export; use {stage_name}=1 or 2"
-        )
 
 
 # ZT_LR_SCHEDULER -> the DeepSpeed scheduler that gives that shape after the warm-up.
@@ -377,9 +371,7 @@ def _schedule_free_lr(ctx: _Context, lr: Any) -> None:
         "params": {"warmup_min_lr": lr, "warmup_max_lr": lr, "warmup_num_steps": 1,
                    "warmup_type": "linear"},
     }  # fmt: skip
-    n.info(
-        f"schedule-free: flat LR {lr}, warm-up of {s.lr_warmup_steps} step(s) in the optimizer"
-    )
+    n.info(f"schedule-free: flat LR {lr}, warm-up of {s.lr_warmup_steps} step(s) in the optimizer")
 
 
 def _precision(ctx: _Context, hardware: Hardware) -> str:

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 from zerotuner.families import REGISTRY, ModelShape
 from zerotuner.machine.hardware import GiB
+from zerotuner.preflight.optimizers import state_bytes
 from zerotuner.preflight.trainable import Training, full_unet
 
 if TYPE_CHECKING:
@@ -71,6 +72,7 @@ def estimate(
     training: Training | None = None,
     frames: int = 1,
     base: BaseBytes | None = None,
+    optimizer: str = "AdamW",
 ) -> tuple[int, int, int, dict[str, int]]:
     """(device bytes per rank, host bytes per node, disk bytes per node, named parts).
 
@@ -92,6 +94,9 @@ def estimate(
 
     `base`: a LoRA's frozen denoiser stored in 8 bits (ZT_BASE_PRECISION; below ZeRO-3 only),
     as `base_precision.StoredLayers.at` plans it at this run's bytes per parameter.
+
+    `optimizer`: ZT_OPTIMIZER's canonical name; its state bytes per trained parameter come
+    from `optimizers.state_bytes` (AdamW's two moments: 8).
     """
     training = training or full_unet(shape)
     p_bytes = 4 if precision == "no" else 2
@@ -101,7 +106,7 @@ def estimate(
     if base is not None and base.layers:
         _stored_base(parts, base, stage=stage)
     _optimizer_states(parts, training, stage=stage, offload_optimizer=offload_optimizer,
-                      world_size=world_size, p_bytes=p_bytes)  # fmt: skip
+                      world_size=world_size, p_bytes=p_bytes, optimizer=optimizer)  # fmt: skip
     if offload_param == "nvme":  # buffer_size as normalize sets it (holds the largest tensor)
         size = max(shape.largest_param, min(PARAM_BUFFER_MAX, shape.denoiser_params // 8))
         parts.host["param_swap_buffers"] = PARAM_BUFFERS * size * p_bytes
@@ -198,16 +203,18 @@ def _optimizer_states(
     offload_optimizer: str,
     world_size: int,
     p_bytes: int,
+    optimizer: str = "AdamW",
 ) -> None:
     """The gradients and the optimizer's states of what trains, and the buffers the step
     passes them through: on the device, or (offloaded) on the host or the disk."""
     t, t_largest, n = training.trainable_params, training.largest_trainable, world_size
     # DeepSpeed keeps an fp32 master partition at stage >= 1 even without mixed precision.
-    o_bytes = 8 if p_bytes == 4 and stage == 0 else 12
+    master = 0 if p_bytes == 4 and stage == 0 else 4
+    o_bytes = master + state_bytes(optimizer, zero_stage=stage)
     dev, host = parts.device, parts.host
     if offload_optimizer == "none":
         dev["grads"] = p_bytes * t // (n if stage >= 2 else 1)
-        dev["optimizer"] = o_bytes * t // (n if stage >= 1 else 1)
+        dev["optimizer"] = int(o_bytes * t) // (n if stage >= 1 else 1)
         if stage in (1, 2):
             # The step flattens this rank's gradient partition into a new buffer (stage 1 at
             # its end-of-backward reduce) and casts it to the fp32 master's dtype: a 16-bit
@@ -217,7 +224,7 @@ def _optimizer_states(
     if stage == 1:
         dev["grads"] = p_bytes * t  # reduced at the step, then copied to the host
     target = parts.on(offload_optimizer)
-    target["optimizer"] = o_bytes * t // n
+    target["optimizer"] = int(o_bytes * t) // n
     target["fp32_grads"] = 4 * t // n  # the fp32 grads the offloaded optimizer steps with
     if stage in (1, 2):
         # stage_1_and_2.py with cpu_offload: a 16-bit copy of the partition on the host

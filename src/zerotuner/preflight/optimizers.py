@@ -104,3 +104,40 @@ def state_bytes(name: str, *, zero_stage: int) -> float:
     if name == "adafactor" and zero_stage == 0:
         return ADAFACTOR_FACTORED_BYTES
     return STATE_BYTES.get(name, STATE_BYTES["AdamW"])
+
+
+def client_problem(
+    name: str, stage: int | None, offload_optimizer: str, *, names: dict[str, str]
+) -> str | None:
+    """Why DeepSpeed 0.19 cannot run this client optimizer at this stage and optimizer offload
+    (None: it can; `stage` None: not decided yet). NVMe offload swaps only DeepSpeed's own
+    optimizers' state; schedule-free's evaluation weights cannot be written into ZeRO-3's
+    partitioned module. `names`: what set optimizer, zero_stage and offload_optimizer."""
+    if not is_client(name):
+        return None
+    opt, off, zero = names["optimizer"], names["offload_optimizer"], names["zero_stage"]
+    if offload_optimizer == "nvme":
+        return (
+            f"{opt}={name} with {off}=nvme: DeepSpeed swaps only its own optimizers' state to "
+            f"NVMe; use {off}=cpu or none, or {opt}=AdamW"
+        )
+    if name == "adamw_schedulefree" and stage == 3:
+        return (
+            f"{opt}={name} with {zero}=3: its evaluation weights cannot be written back into "
+            f"ZeRO-3's partitioned module for samples and export; use {zero}=1 or 2"
+        )
+    return None
+
+
+def client_refuses(name: str, stage: int, offload_optimizer: str) -> bool:
+    """Whether the planner must leave this option out for this optimizer."""
+    names = dict.fromkeys(("optimizer", "offload_optimizer", "zero_stage"), "")
+    return client_problem(name, stage, offload_optimizer, names=names) is not None
+
+
+def planned_optimizer(setting: str, *, explicit: bool, config_type: object) -> str:
+    """The canonical optimizer a run will have, for the planner: ZT_OPTIMIZER when set, else
+    the raw DeepSpeed config's optimizer.type, else the default (unknown names: AdamW's
+    bytes; normalize refuses them)."""
+    given = setting if explicit or config_type in (None, "auto") else str(config_type)
+    return canonical_optimizer(given)[0] or "AdamW"

@@ -27,6 +27,7 @@ from zerotuner.families import ModelShape, caption_cache_bytes
 from zerotuner.machine.hardware import GiB, Hardware, auto_precision
 from zerotuner.preflight.memory import TRAINED_PARTS, LoadPeak, estimate, load_peak
 from zerotuner.preflight.memory import bucket as bucket  # deepspeed_config sizes buckets with it
+from zerotuner.preflight.optimizers import client_problem, client_refuses, state_bytes
 from zerotuner.preflight.pins import check_pins, legal, pin_text
 from zerotuner.preflight.trainable import Training, full_unet
 from zerotuner.settings.notes import Notes
@@ -115,6 +116,7 @@ class PlanRequest:
     max_sequence_length: int | None = None  # the T5 tokens a flow family's cached caption holds
     frames: int = 1  # a video family's clip length (ZT_VIDEO_FRAMES); 1 for the image families
     base_precision: str = "auto"  # how a LoRA's frozen base is stored (ZT_BASE_PRECISION)
+    optimizer: str = "AdamW"  # ZT_OPTIMIZER, canonical: its state bytes (optimizers.STATE_BYTES)
     # where the pins came from (a raw DeepSpeed key instead of the ZT_* name), for messages
     pin_names: dict[str, str] = field(default_factory=dict)
     resolution_name: str = "ZT_RESOLUTION"  # what sets `resolution`, for messages
@@ -149,6 +151,8 @@ class PlanInputs:
     latent_frames: int | None = None
     tokens: int | None = None
     base_precision: str = "auto"  # a LoRA's frozen base as planned: auto, fp8 or int8
+    optimizer: str = "AdamW"  # ZT_OPTIMIZER, canonical
+    optimizer_state_bytes: float = 8.0  # its state per trained parameter, sharded (ZeRO >= 1)
 
 
 @dataclass(frozen=True)
@@ -342,6 +346,12 @@ def make_plan(
         base_precision=request.base_precision if training.type == "lora" else "auto",
     )
     check_pins(request.zero_stage, request.offload_optimizer, request.offload_param, names)
+    stage_pin = None if request.zero_stage == "auto" else int(request.zero_stage)
+    names_opt = {**names, "optimizer": "ZT_OPTIMIZER"}
+    if why := client_problem(
+        request.optimizer, stage_pin, request.offload_optimizer, names=names_opt
+    ):
+        raise ConfigError(why)
     _check_low_base_pins(sizing, names)
     rows = sizing.rows()
     if not rows:
@@ -414,7 +424,7 @@ class _Sizing:
             if request.offload_param not in ("auto", param):
                 continue
             for stage in stages:
-                if legal(stage, opt, param):
+                if legal(stage, opt, param) or client_refuses(request.optimizer, stage, opt):
                     continue
                 rows += [self.estimate(stage, opt, param, ckpt) for ckpt in ckpts]
         return sorted(rows, key=_table_order)
@@ -427,6 +437,7 @@ class _Sizing:
             micro_batch=request.micro_batch, world_size=request.world_size,
             ranks_per_node=self.ranks_per_node, precision=self.precision, on_cpu=self.on_cpu,
             ema=request.ema, training=self.training, frames=request.frames, base=self.base,
+            optimizer=request.optimizer,
         )  # fmt: skip
         short = _shortfalls(device, host, disk, self.cap, self.on_cpu, self.nvme_ok)
         return Estimate(stage, opt, param, ckpt, device, host, disk, not short, short, parts)
@@ -455,6 +466,8 @@ class _Sizing:
             caption_cache_bytes=caption_cache_bytes(shape, request.max_sequence_length),
             **_clip(shape, request),
             base_precision=self.base_precision,
+            optimizer=request.optimizer,
+            optimizer_state_bytes=state_bytes(request.optimizer, zero_stage=1),
         )
 
     def load_for(self, row: Estimate, stage: int | None = None) -> LoadPeak:

@@ -35,6 +35,7 @@ from zerotuner.machine.offload_volume import free_bytes_at
 from zerotuner.preflight import trainable
 from zerotuner.preflight.deepspeed_config import Decisions, Normalized, normalize
 from zerotuner.preflight.fetch import fetch_adapter
+from zerotuner.preflight.optimizers import planned_optimizer
 from zerotuner.preflight.pins import pins
 from zerotuner.preflight.plan import Plan, PlanRequest, gib, make_plan
 from zerotuner.settings.datasets import sources
@@ -427,6 +428,11 @@ def plan_for(
         max_sequence_length=settings.max_sequence_length,
         frames=settings.video_frames if shape.video is not None else 1,
         base_precision=settings.base_precision,
+        optimizer=planned_optimizer(
+            settings.optimizer,
+            explicit="optimizer" in settings.model_fields_set,
+            config_type=(base.get("optimizer") or {}).get("type"),
+        ),  # fmt: skip
         pin_names=user.names,
         resolution_name=(
             env_name("resolution")
