@@ -118,6 +118,7 @@ class Run:
             write_index=self.place.node_leader, min_image_size=s.min_image_size,
             video=self.video,
             datasets_file=s.datasets_file,
+            control_count=families.REGISTRY[job.family].controls,
         )  # fmt: skip
         # one bucket rule, the one `check` reports (families.bucket_step)
         multiple = families.bucket_step(
