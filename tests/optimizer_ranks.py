@@ -3,7 +3,8 @@ ZeRO-2 with the client optimizers zerotuner builds (zerotuner.train.optimizer.ta
 rank on its share of one global batch, so that 1 and 2 ranks step the same averaged gradient.
 Rank 0 prints `RESULT <json>`.
 
-    prodigy [--unreduced]   d and the loss at each step (--unreduced: each rank's own d)
+    prodigy [--unreduced] [--zero3]   d and the loss at each step (--unreduced: each rank's
+                            own d; --zero3: ZeRO-3 instead of ZeRO-2)
     reference               prodigyopt's own Prodigy, unsharded, no DeepSpeed, on the batch
     schedulefree            the module's weights in and out of eval_weights, and z, y, x
 """
@@ -37,17 +38,18 @@ def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x, (x[:, :4] * 2).sin()
 
 
-def engine(kind: str, params: dict, world: int) -> tuple[object, torch.nn.Module]:
+def engine(kind: str, params: dict, world: int, stage: int = 2) -> tuple[object, torch.nn.Module]:
     net = model()
     trainable = list(net.parameters())
     config = {
         "train_micro_batch_size_per_gpu": GLOBAL_BATCH // world,
         "gradient_accumulation_steps": 1,
-        "zero_optimization": {"stage": 2},
+        # ZeRO-3 as normalize writes it for Prodigy: one sub-group per rank
+        "zero_optimization": {"stage": stage, **({"sub_group_size": 10**12} if stage == 3 else {})},
         "zero_allow_untested_optimizer": True,
         "optimizer": {"type": kind, "params": params},
     }
-    built = client.take(config, trainable, zero_stage=2)
+    built = client.take(config, trainable, zero_stage=stage)
     ds, _, _, _ = deepspeed.initialize(model=net, model_parameters=trainable, optimizer=built,
                                        config=config)  # fmt: skip
     return ds, net
@@ -72,8 +74,8 @@ PRODIGY = {"lr": 1.0, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.0, "
            "safeguard_warmup": False, "use_bias_correction": False}  # fmt: skip
 
 
-def prodigy(world: int, rank: int, unreduced: bool) -> dict:
-    ds, _ = engine("prodigy", PRODIGY, world)
+def prodigy(world: int, rank: int, unreduced: bool, stage: int) -> dict:
+    ds, _ = engine("prodigy", PRODIGY, world, stage)
     base = ds.basic_optimizer
     if unreduced:
         base.reduce_device = None  # what each rank would estimate from its shard alone
@@ -152,7 +154,7 @@ def main() -> None:
     world, rank = dist.get_world_size(), dist.get_rank()
     mode = sys.argv[1]
     if mode == "prodigy":
-        result = prodigy(world, rank, "--unreduced" in sys.argv)
+        result = prodigy(world, rank, "--unreduced" in sys.argv, 3 if "--zero3" in sys.argv else 2)
     elif mode == "reference":
         result = reference()
     else:

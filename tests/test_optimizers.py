@@ -74,6 +74,17 @@ def test_client_optimizer_config_is_what_the_rank_builds(demo_job_env, capsys) -
     assert isinstance(built, client.ShardedProdigy) and built.param_groups[0]["d_coef"] == 0.5
 
 
+def test_prodigy_at_zero3_steps_each_partition_once(demo_job_env, capsys) -> None:
+    """ZeRO-3 steps the optimizer once per sub-group: one sub-group per rank for Prodigy."""
+    from zerotuner.cli import main
+
+    demo_job_env.setenv("ZT_OPTIMIZER", "prodigy")
+    demo_job_env.setenv("ZT_ZERO_STAGE", "3")
+    assert main(["config"]) == 0
+    config = json.loads(capsys.readouterr().out)
+    assert config["zero_optimization"]["sub_group_size"] == 10**12
+
+
 def test_schedule_free_keeps_deepspeed_lr_flat_and_warms_up_itself(demo_job_env, capsys):
     from zerotuner.cli import main
 
@@ -166,11 +177,13 @@ def ranks(world: int, *args: str) -> dict:
 
 @pytest.mark.slow
 def test_prodigy_d_and_loss_agree_on_1_and_2_zero2_ranks() -> None:
-    """The same global batch on 1 and 2 ranks: d (equal on both ranks) and the loss curve
-    match prodigyopt's unsharded Prodigy; each rank's d from its own shard alone would not."""
+    """The same global batch on 1 and 2 ranks (ZeRO-2, and ZeRO-3 with the one sub-group
+    normalize sets): d (equal on both ranks) and the loss curve match prodigyopt's unsharded
+    Prodigy; each rank's d from its own shard alone would not."""
     reference, one, two = ranks(1, "reference"), ranks(1, "prodigy"), ranks(2, "prodigy")
+    two_zero3 = ranks(2, "prodigy", "--zero3")
     assert reference["d"][-1] > 2 * reference["d"][0]  # d grew: there is something to agree on
-    for run in (one, two):
+    for run in (one, two, two_zero3):
         assert all(len(set(d)) == 1 for d in run["d"])  # every rank steps with the same d
         d = [per_rank[0] for per_rank in run["d"]]
         assert all(math.isclose(x, y, rel_tol=1e-5) for x, y in zip(d, reference["d"], strict=True))

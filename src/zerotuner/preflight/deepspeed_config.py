@@ -291,6 +291,8 @@ def _client_optimizer_fits(ctx: _Context) -> None:
     opt, off, stage_name = (env_name(k) for k in ("optimizer", "offload_optimizer", "zero_stage"))
     if stage >= 1:  # ZeRO asserts on an optimizer outside its own list without this
         cfg["zero_allow_untested_optimizer"] = True
+    if name == "prodigy" and stage == 3:
+        _one_sub_group(ctx, zero)
     names = {"optimizer": opt, "offload_optimizer": off, "zero_stage": stage_name}
     if why := client_problem(str(name), stage, offload, names=names):
         n.error(why)
@@ -306,6 +308,23 @@ def _client_optimizer_fits(ctx: _Context) -> None:
                 f"{name} steps the offloaded state on the CPU in PyTorch "
                 "(zero_force_ds_cpu_optimizer: false): slower than DeepSpeed's CPU Adam"
             )
+
+
+ONE_SUB_GROUP = 10**12  # elements: every rank's ZeRO-3 partition in one optimizer step
+
+
+def _one_sub_group(ctx: _Context, zero: dict[str, Any]) -> None:
+    """ZeRO-3 steps the optimizer once per sub-group of a rank's partition (stage3.py
+    _optimizer_step): Prodigy would estimate d from one sub-group at a time and count each call
+    as a step. One sub-group per rank keeps it one step over the whole partition."""
+    given = zero.get("sub_group_size", "auto")
+    if given not in (None, "auto") and int(given) < ONE_SUB_GROUP:
+        ctx.n.change(
+            f"zero_optimization.sub_group_size {given} -> {ONE_SUB_GROUP}: Prodigy steps a "
+            "rank's whole ZeRO-3 partition at once (its d sums over all of it)"
+        )
+    zero["sub_group_size"] = ONE_SUB_GROUP
+    ctx.n.info(f"zero_optimization.sub_group_size={ONE_SUB_GROUP} (Prodigy: one sub-group)")
 
 
 # ZT_LR_SCHEDULER -> the DeepSpeed scheduler that gives that shape after the warm-up.
