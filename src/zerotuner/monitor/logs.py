@@ -81,6 +81,9 @@ KNOWN_NOISE: dict[str, tuple[str, ...]] = {
     "torchao.kernel.intmm": ("Detected no triton",),
     "torch.utils._pytree": ("is an Enum subclass and is now natively supported",),
     "diffusers.quantizers.torchao.torchao_quantizer": ("Unable to import `torchao` Tensor",),
+    # bitsandbytes (ZT_OPTIMIZER=adamw8bit), imported by diffusers whenever installed: its 4-bit
+    # CPU matmul kernel comes from the hub's `kernels` package, which 8-bit AdamW does not use
+    "bitsandbytes.backends.cpu.ops": ("Failed to load CPU gemm_4bit_forward",),
 }
 # Libraries whose DEBUG lines are per-file internals (PNG chunks, font scoring): INFO at most.
 CHATTY_LOGGERS = ("PIL", "matplotlib")
