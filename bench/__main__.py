@@ -17,7 +17,7 @@ from bench.benchmodel import unet_parameters, write_bench_model
 
 SUITES = (
     "overhead", "planner", "lora_vs_full", "nvme", "scaling", "stops", "gpu_paper", "load_peak",
-    "load_peak_sdxl", "speed", "base_precision",
+    "load_peak_sdxl", "speed", "base_precision", "optimizers",
 )  # fmt: skip
 log = logging.getLogger("bench")
 
@@ -113,6 +113,11 @@ def main(argv: list[str] | None = None) -> int:
             from bench.base_precision import base_precision
 
             results["base_precision"] = base_precision(b)
+        if "optimizers" in wanted:
+            log.info("optimizers: state bytes per parameter and step time vs AdamW")
+            from bench.optimizers import optimizers
+
+            results["optimizers"] = optimizers(b, rounds=1 if args.smoke else 2)
         if "gpu_paper" in wanted:
             from bench.paper import headline
 

@@ -21,6 +21,7 @@ import resource
 import time
 import warnings
 from pathlib import Path
+from typing import Any
 
 STARTED = time.time()
 
@@ -94,10 +95,15 @@ def main() -> None:
         }))  # fmt: skip
     scheduler = EulerDiscreteScheduler.from_pretrained(args.model, subfolder="scheduler")
     times["model_loaded"] = time.time()
+    trainable = [p for p in unet.parameters() if p.requires_grad]
+    # a client optimizer (prodigy, ...) built as the product builds it, its section taken out
+    from zerotuner.train.optimizer import take
+
+    stage = config.get("zero_optimization", {}).get("stage", 0)
+    client = take(config, trainable, zero_stage=stage)
     engine, _, _, _ = deepspeed.initialize(
-        model=unet, model_parameters=[p for p in unet.parameters() if p.requires_grad],
-        config=config,
-    )  # fmt: skip
+        model=unet, model_parameters=trainable, optimizer=client, config=config
+    )
     times["engine_ready"] = time.time()
     # The load peak: this process's RSS high-water mark from its start until the engine is ready
     engine_ready_peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
@@ -174,11 +180,25 @@ def main() -> None:
         "offload_files_bytes": _swap_bytes(config),
         "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "engine_ready_peak_rss_bytes": engine_ready_peak_rss,
+        "optimizer_state_bytes": _optimizer_state_bytes(engine),
     }
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"rank-{rank}.json").write_text(json.dumps(result, indent=2))
     dist.barrier()
     dist.destroy_process_group()  # gloo left to interpreter teardown can abort the exit
+
+
+def _optimizer_state_bytes(engine: Any) -> int:
+    """Bytes of the tensors in this rank's torch optimizer's state (its shard at ZeRO >= 1)."""
+    import torch
+
+    base = getattr(engine, "basic_optimizer", None) or engine.optimizer
+    return sum(
+        t.numel() * t.element_size()
+        for state in base.state.values()
+        for t in state.values()
+        if torch.is_tensor(t) and t.dim() > 0  # not step counters
+    )
 
 
 def _swap_bytes(config: dict) -> int | None:

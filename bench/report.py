@@ -305,6 +305,10 @@ def markdown(r: dict[str, Any]) -> str:
         from bench.base_precision import markdown as base_precision_markdown
 
         out += base_precision_markdown(r["base_precision"])
+    if r.get("optimizers"):
+        from bench.optimizers import markdown as optimizers_markdown
+
+        out += optimizers_markdown(r["optimizers"])
     return "\n".join(out) + "\n"
 
 
@@ -352,7 +356,7 @@ def merged(new: dict[str, Any], folder: Path) -> dict[str, Any]:
     old = json.loads(path.read_text())
     suites = (
         "overhead", "first_step", "planner", "lora_vs_full", "nvme", "scaling", "stops",
-        "gpu_paper", "load_peak", "load_peak_sdxl", "speed",
+        "gpu_paper", "load_peak", "load_peak_sdxl", "speed", "base_precision", "optimizers",
     )  # fmt: skip
     for key in suites:
         if key in new:
