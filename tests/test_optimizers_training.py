@@ -86,6 +86,25 @@ def test_client_optimizer_trains_and_resumes_bit_exact(name, demo_dir, tmp_path)
     assert all(torch.equal(final[k], final_again[k]) for k in final)
     if name == "adamw_schedulefree":
         evaluation_weights_saved_and_exported(output, final)
+    resumes_only_as_saved(output / "checkpoints" / f"step-{SAVED}", name)
+
+
+def resumes_only_as_saved(saved: Path, name: str) -> None:
+    """The manifest names the optimizer; another optimizer, world size or stage is one line
+    (the universal checkpoint carries Adam's moments only), checked before DeepSpeed loads."""
+    from zerotuner.errors import ConfigError
+    from zerotuner.train.optimizer import check_resume
+    from zerotuner.weights.checkpoint import read_manifest
+
+    assert (read_manifest(saved) or {})["optimizer"] == name
+    check_resume(saved, name, world=2, zero_stage=1)  # ZeRO-1 and 2 share a layout
+    other = "AdamW" if name != "AdamW" else "prodigy"
+    for kind, world, stage, says in ((other, 2, 2, f"holds {name}'s optimizer state"),
+                                     (name, 1, 2, "resumes only on that layout"),
+                                     (name, 2, 3, "resumes only on that layout")):  # fmt: skip
+        with pytest.raises(ConfigError, match=says) as refused:
+            check_resume(saved, kind, world=world, zero_stage=stage)
+        assert "\n" not in str(refused.value)
 
 
 def evaluation_weights_saved_and_exported(output: Path, final: dict[str, torch.Tensor]) -> None:
