@@ -146,7 +146,7 @@ def _train(
         _say_where_outputs_are(settings)
     if pusher is not None:
         _finish_pushing(pusher, settings, code)
-    return code, ranks.failure_line()
+    return code, ranks.failure_line() if code != EXIT_OK else ""
 
 
 # After a successful run the final export may be tens of GB: it gets up to an hour to upload.
