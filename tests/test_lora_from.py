@@ -428,11 +428,16 @@ def test_bad_s3_urls_and_keys_are_one_line_and_write_nothing_outside_the_cache(
     from zerotuner.errors import EnvironmentUnfit
     from zerotuner.preflight.fetch import fetch_adapter
 
-    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{tk.free_port()}")
+    nowhere = f"http://127.0.0.1:{tk.free_port()}"
+    monkeypatch.setenv("AWS_ENDPOINT_URL", nowhere)
     url = f"s3://{BUCKET}/x.safetensors"
     with pytest.raises(EnvironmentUnfit, match=rf"^ZT_LORA_FROM={url}: cannot fetch it: ") as info:
         fetch_adapter(Settings(training_type="lora", lora_from=url, cache_dir=tmp_path))
     assert info.value.exit_code == 3 and "\n" not in str(info.value)
+    # through `config`: exit 2, without the hint to describe other hardware (the machine is fine)
+    line = _refused(monkeypatch, capsys, tmp_path, **base | {"AWS_ENDPOINT_URL": nowhere},
+                    ZT_LORA_FROM=url)  # fmt: skip
+    assert f"ZT_LORA_FROM={url}: cannot fetch it: " in line and "--gpus N" not in line, line
 
 
 def test_a_hub_file_is_fetched_into_the_hub_cache_with_the_token(

@@ -159,7 +159,10 @@ class WhatIfAnswer:
         GPU for ZT_DEVICE=cuda, ROCm, MPS) is no verdict on the config: exit 2, with the way to
         check it anyway when this machine was probed."""
         if isinstance(self.error, EnvironmentUnfit):
-            hint = "" if is_described(self.what) else f"; {DESCRIBE}"
+            # the hint is for a machine that refused the job; a store that could not be reached
+            # refuses once the machine was described (run.hardware), and other hardware is no fix
+            machine = self.run is None or self.run.hardware is None
+            hint = f"; {DESCRIBE}" if machine and not is_described(self.what) else ""
             raise ConfigError(f"{self.error}{hint}") from None
         if self.error is not None:
             raise self.error
