@@ -33,6 +33,7 @@ class Item:
     mask_digest: str = ""
     frames: int = 1  # a clip's frames trained (clips.trained_frames); an image is one
     fps: float = 0.0  # the rate a clip's frames are sampled at; 0 for an image
+    start: int = 0  # a clip's window: its first sampled frame (ZT_VIDEO_WINDOWS)
     # an edit model's input images (foo.control.png, ...), cropped and flipped with this one
     controls: tuple[Path, ...] = ()
     control_digests: tuple[str, ...] = ()
@@ -40,9 +41,10 @@ class Item:
     @property
     def content(self) -> str:
         """What the cached latents depend on besides the bucket: the image, its mask and its
-        control images, or the clip and the rate its frames are sampled at."""
+        control images, or the clip, the rate its frames are sampled at and its window."""
         if self.fps:
-            return f"{self.digest}@{self.fps:g}fps"
+            window = f"+{self.start}" if self.start else ""  # the head's key as before windows
+            return f"{self.digest}@{self.fps:g}fps{window}"
         image = f"{self.digest}+{self.mask_digest}" if self.mask else self.digest
         return f"{image}|{','.join(self.control_digests)}" if self.controls else image
 
@@ -112,15 +114,22 @@ class Dataset:
 
 def _contents(items: Sequence[Item]) -> str:
     """`12 images`, `12 images with their control images`, or with clips `10 images and 4
-    clips (2.5 s)`: the seconds they train."""
-    clips_in = [item for item in items if item.clip]
-    images = count(len(items) - len(clips_in), "image")
+    clips (2.5 s)`: the seconds they train; `... and 4 clips in 12 windows (30.0 s)` when
+    clips are cut into windows (seconds that overlapping windows share count once)."""
+    windows = [item for item in items if item.clip]
+    images = count(len(items) - len(windows), "image")
     if items and items[0].controls:  # an edit family's: every item has as many
         images += f" with {count(len(items[0].controls), 'control image')} each"
-    if not clips_in:
+    if not windows:
         return images
-    seconds = sum((item.frames - 1) / item.fps for item in clips_in if item.fps)
-    return f"{images} and {count(len(clips_in), 'clip')} ({seconds:.1f} s)"
+    spans: dict[Path, set[int]] = {}  # each clip's sampled intervals its windows train
+    rates: dict[Path, float] = {}
+    for item in windows:
+        spans.setdefault(item.path, set()).update(range(item.start, item.start + item.frames - 1))
+        rates[item.path] = item.fps
+    seconds = sum(len(spans[path]) / rates[path] for path in spans if rates[path])
+    cut = f" in {count(len(windows), 'window')}" if len(windows) > len(spans) else ""
+    return f"{images} and {count(len(spans), 'clip')}{cut} ({seconds:.1f} s)"
 
 
 def skip_summary(root: Path, skipped: Sequence[tuple[Path, str]]) -> list[str]:

@@ -51,7 +51,9 @@ def load_example(item: Item, bucket_size: Bucket, *, flip: bool = False) -> Exam
         return picture.transpose(Image.Transpose.FLIP_LEFT_RIGHT) if flip else picture
 
     if item.clip:  # each frame fitted as it is decoded
-        fitted = clips.load_clip(item.path, fps=item.fps, frames=item.frames, fit=fit)
+        fitted = clips.load_clip(
+            item.path, fps=item.fps, frames=item.frames, fit=fit, start=item.start
+        )
     else:
         with Image.open(item.path) as raw:
             fitted = [fit(_to_rgb(ImageOps.exif_transpose(raw)))]

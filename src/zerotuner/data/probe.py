@@ -22,6 +22,7 @@ from PIL import Image, UnidentifiedImageError
 
 from zerotuner.data import clips
 from zerotuner.data.files import open_regular
+from zerotuner.settings.video_windows import HEAD
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +40,8 @@ class Probe:
     size: tuple[int, int] | None  # (w, h) after EXIF orientation; None when skipped
     digest: str = ""
     reason: str = ""
-    frames: int = 1  # a clip's frames trained
+    frames: int = 1  # a clip's frames trained per window
+    available: int = 1  # a clip's sampled frames, as far as it was read (its windows lie there)
 
 
 def probe_files(
@@ -82,9 +84,11 @@ def probe(path: Path, video: clips.Video | None) -> Probe:
     """A clip's probe when `video` samples clips, else an image's; never raises for a bad
     file."""
     if video and path.suffix.lower() in clips.CLIP_SUFFIXES:
-        found = clips.probe(path, fps=video.fps, frames=video.frames, step=video.step)
+        found = clips.probe(
+            path, fps=video.fps, frames=video.frames, step=video.step, windows=video.windows
+        )
         return Probe(found.file_size, found.mtime_ns, found.size, found.digest,
-                     found.reason, found.frames)  # fmt: skip
+                     found.reason, found.frames, found.available)  # fmt: skip
     return _probe_image(path)
 
 
@@ -130,26 +134,28 @@ def _read_index(index: Path, root: Path, video: clips.Video | None) -> dict[str,
         if content.get("video") != _sampling(video):
             return {}
         return {
-            key: Probe(e[0], e[1], tuple(e[2]) if e[2] else None, e[3], e[4], *e[5:6])
+            key: Probe(e[0], e[1], tuple(e[2]) if e[2] else None, e[3], e[4], *e[5:7])
             for key, e in content["files"].items()
         }
     except (OSError, ValueError, KeyError, TypeError, IndexError):
         return {}
 
 
-def _sampling(video: clips.Video | None) -> list[float] | None:
-    """What a clip's probe depends on besides the file: a scan index of other sampling, or
-    of another bound on a whole clip, is not reused."""
+def _sampling(video: clips.Video | None) -> list[float | str] | None:
+    """What a clip's probe depends on besides the file: a scan index of other sampling, of
+    other windows (read to the clip's end or not), or of another bound on a clip, is not
+    reused."""
     if video is None:
         return None
-    return [video.fps, video.frames, video.step, clips.MAX_CLIP_PIXELS]
+    read = "head" if video.windows == HEAD else f"to {clips.MAX_SAMPLED_FRAMES}"
+    return [video.fps, video.frames, video.step, clips.MAX_CLIP_PIXELS, read]
 
 
 def _write_index(
     index: Path, root: Path, probes: dict[str, Probe], video: clips.Video | None
 ) -> None:
     files = {
-        k: [p.file_size, p.mtime_ns, p.size, p.digest, p.reason, p.frames]
+        k: [p.file_size, p.mtime_ns, p.size, p.digest, p.reason, p.frames, p.available]
         for k, p in probes.items()
     }
     content = {"root": str(root.resolve()), "video": _sampling(video), "files": files}

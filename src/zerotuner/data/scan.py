@@ -24,6 +24,7 @@ from zerotuner.data.files import IMAGE_SUFFIXES, controlled, masked, walk
 from zerotuner.data.probe import Probe, index_path, probe_files
 from zerotuner.errors import ConfigError
 from zerotuner.settings.datasets import DatasetSource, local_folder
+from zerotuner.settings.video_windows import parse_windows
 
 log = logging.getLogger(__name__)
 
@@ -116,7 +117,7 @@ def scan(
         if own:
             digests = tuple(control_probes[c].digest for c in own)
             item = replace(item, controls=tuple(own), control_digests=digests)
-        items.append(item)
+        items += _windows(item, probe, video)
     skipped.sort()
     dataset = Dataset(data_dir, tuple(items), tuple(skipped), tuple(sorted(cut)))
     if not items:
@@ -208,6 +209,16 @@ def _item(
     )  # fmt: skip
 
 
+def _windows(item: Item, probe: Probe, video: clips.Video | None) -> list[Item]:
+    """A clip's windows (ZT_VIDEO_WINDOWS), each an item of its own; an image, or a clip
+    trained from its start alone, as it is. A window after the first is named `clip.mp4#N`
+    (N: its first sampled frame), so each has its own latents in the cache."""
+    if not item.clip or video is None:
+        return [item]
+    starts = video.windows.starts(probe.available, item.frames)
+    return [replace(item, start=s, name=f"{item.name}#{s}" if s else item.name) for s in starts]
+
+
 def _nothing_usable(dataset: Dataset) -> ConfigError:
     found = f"; {len(dataset.skipped)} file(s) skipped, listed below" if dataset.skipped else ""
     return ConfigError(
@@ -243,9 +254,12 @@ def scan_sources(
     read from its fetched copy (settings.datasets.local_folder); `preflight.fetch` made it.
     `datasets_file` (ZT_DATASETS_FILE): what an error names instead of ZT_DATA_DIR.
     `control_count`: the control images the model's family trains each target with (0: a
-    text-to-image family; a `control_dir` or control images are refused in one line)."""
+    text-to-image family; a `control_dir` or control images are refused in one line). A
+    dataset's `video_windows` cuts its clips instead of `video`'s (ZT_VIDEO_WINDOWS)."""
     scanned = []
     for number, source in enumerate(sources):
+        windows = parse_windows(source.video_windows) if source.video_windows else None
+        sampling = replace(video, windows=windows) if video and windows else video
         control_dir = controls.control_folder(source, number, datasets_file, control_count)
         folder = local_folder(source, cache_dir)
         if source.location.remote and not (folder / FETCHED).is_file():
@@ -264,7 +278,7 @@ def scan_sources(
                 caption_extension=source.caption_extension,
                 setting=setting,
                 index=index_path(cache_dir, folder),
-                video=video,
+                video=sampling,
                 control_count=control_count,
                 control_dir=control_dir,
                 control_index=index_path(cache_dir, control_dir) if control_dir else None,

@@ -16,8 +16,10 @@ answer on every rank. The datasets file (YAML, JSON or TOML, mounted like the co
         caption_column: prompt        # parquet shards: which column holds the caption
       - path: /data/edits
         control_dir: /data/edit-inputs  # an edit model's control images, named as the targets
+      - path: /data/long-clips
+        video_windows: uniform:4      # a video family: 4 windows spread over each clip
 
-Fields left out take the job's settings (ZT_CAPTION_TEMPLATE, ZT_RESOLUTION).
+Fields left out take the job's settings (ZT_CAPTION_TEMPLATE, ZT_RESOLUTION, ZT_VIDEO_WINDOWS).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from zerotuner.errors import ConfigError
 from zerotuner.settings.files import load_mapping, short_repr
 from zerotuner.settings.schema import MAX_RESOLUTION, MIN_RESOLUTION, Settings, env_name
 from zerotuner.settings.urls import hide_credentials, refuse_credentials
+from zerotuner.settings.video_windows import parse_windows
 
 FILE_SETTING = env_name("datasets_file")
 DIR_SETTING = env_name("data_dir")
@@ -104,6 +107,12 @@ class DatasetSource(BaseModel):
     # A local folder of control images (an edit family's inputs) named as their targets
     # (data/controls.py); refused in one line for a family that takes none or a missing folder.
     control_dir: str | None = Field(None, min_length=1)
+    video_windows: str | None = None  # a video family's windows per clip: ZT_VIDEO_WINDOWS's
+
+    @field_validator("video_windows")
+    @classmethod
+    def _windows(cls, value: str | None) -> str | None:
+        return None if value is None else str(parse_windows(value))
 
     @field_validator("path")
     @classmethod
@@ -148,7 +157,7 @@ def sources(settings: Settings) -> list[DatasetSource]:
         raise ConfigError(
             f"{where}: expected `datasets:` with a list of entries (path, repeats, "
             "caption_template, resolution, caption_extension, image_column, caption_column, "
-            "control_dir)" + (f"; unknown key {extra[0]!r}" if extra else "")
+            "control_dir, video_windows)" + (f"; unknown key {extra[0]!r}" if extra else "")
         )
     found, problems = [], []
     for number, entry in enumerate(entries):

@@ -30,6 +30,7 @@ from pydantic_settings.sources.utils import parse_env_vars
 
 from zerotuner.errors import ConfigError
 from zerotuner.settings.files import MAX_INT, load_mapping, parse_json, read_text, short_repr
+from zerotuner.settings.video_windows import Windows, parse_windows
 
 ENV_PREFIX = "ZT_"
 DEFAULT_CONFIG_FILE = Path("/config/zerotuner.yaml")
@@ -225,6 +226,13 @@ class Settings(BaseSettings):
         le=240,
         description="Video families: the rate frames are sampled from a clip at (Wan 2.1 was "
         "trained at 16 fps, Wan 2.2 5B at 24).",
+    )
+    video_windows: str = Field(
+        "head",
+        description="Video families: which parts of a long clip train, each window "
+        "ZT_VIDEO_FRAMES frames and an example of its own: `head` (one from the start), "
+        "`uniform:N` (N spread over the clip) or `slide:S` (one every S sampled frames); a "
+        "dataset's `video_windows` in ZT_DATASETS_FILE overrides it.",
     )
     expert: Literal["high", "low"] | None = Field(
         None,
@@ -502,6 +510,11 @@ class Settings(BaseSettings):
         names); empty is unset."""
         text = os.fspath(value).strip() if isinstance(value, (str, os.PathLike)) else value
         return text or None
+
+    @field_validator("video_windows")
+    @classmethod
+    def _windows(cls, value: str) -> str:
+        return str(_windows(value))
 
     @field_validator("resume")
     @classmethod
@@ -800,3 +813,11 @@ def masked_dump(settings: Settings) -> dict[str, Any]:
         if field.annotation == SecretStr | None and data.get(name) is not None:
             data[name] = "***"
     return data
+
+
+def _windows(text: str) -> Windows:
+    """ZT_VIDEO_WINDOWS (or a dataset's) parsed; pydantic's one-line error otherwise."""
+    try:
+        return parse_windows(text)
+    except ValueError as error:
+        raise PydanticCustomError("video_windows", "{why}", {"why": str(error)}) from None
