@@ -40,14 +40,16 @@ OTHER = {
 
 def run(tmp: Path, demo: Path, family: str, *, stage: int, world: int = 2, output: Path,
         lr: float = 3e-3, offload_optimizer="none", offload_param="none",
-        gradient_checkpointing=False, **settings) -> str:  # fmt: skip
-    """`family`'s demo trained on `world` CPU ranks at `stage`; the ranks' log."""
+        gradient_checkpointing=False, offload_activations="none", **settings) -> str:  # fmt: skip
+    """`family`'s demo trained on `world` CPU ranks at `stage`; the ranks' log.
+    `offload_activations`: the job's (the plan's ZT_OFFLOAD_ACTIVATIONS)."""
     config = tk.ds_config(
         stage, world=world, steps=STEPS, lr=lr, offload_optimizer=offload_optimizer,
         offload_param=offload_param, nvme_dir=tmp / "nvme",
     )  # fmt: skip
     job = tk.write_job(tmp / "job.json", model=demo / "model", deepspeed=config, family=family,
-                       world=world, gradient_checkpointing=gradient_checkpointing)  # fmt: skip
+                       world=world, gradient_checkpointing=gradient_checkpointing,
+                       offload_activations=offload_activations)  # fmt: skip
     env = tk.settings_env(
         model=demo / "model", data=demo / "data", output=output, cache=tmp.parent / "cache",
         max_steps=STEPS, log_every_steps=1, max_sequence_length=TOKENS, **settings,

@@ -247,6 +247,7 @@ def test_plan_cli_what_if_json(capsys):
         "offload_optimizer": "cpu",
         "offload_param": "none",
         "gradient_checkpointing": True,
+        "offload_activations": "none",  # an image family's stay on the device
     }
     assert len(data["rows"]) > 10 and data["reasons"]
 

@@ -90,9 +90,16 @@ def render(plan: Plan, hardware: Hardware) -> str:
 def row_line(r: Estimate, mark: str) -> str:
     return (
         f"{r.zero_stage:>5}  {r.offload_optimizer:<9}  {r.offload_param:<6}  "
-        f"{'on' if r.gradient_checkpointing else 'off':<4}  {gib(r.device_bytes):>10}  "
+        f"{_checkpointing(r):<4}  {gib(r.device_bytes):>10}  "
         f"{gib(r.host_bytes):>8}  {gib(r.disk_bytes):>8}  {'yes' if r.fits else 'no ':<4}{mark}"
     )
+
+
+def _checkpointing(r: Estimate) -> str:
+    """The table's ckpt column: off, on, or `cpu` (checkpointed, activations in host memory)."""
+    if not r.gradient_checkpointing:
+        return "off"
+    return "on" if r.offload_activations == "none" else r.offload_activations
 
 
 def low_base_lines(plan: Plan) -> list[str]:

@@ -133,6 +133,7 @@ def job_from(pre: Preflight) -> Job:
         offload_optimizer=d.offload_optimizer,
         offload_param=d.offload_param,
         gradient_checkpointing=d.gradient_checkpointing,
+        offload_activations=d.offload_activations,
         mixed_precision=pre.normalized.mixed_precision,
         device="cpu" if pre.hardware.accelerator == "cpu" else "cuda",
         world_size=t.world_size,

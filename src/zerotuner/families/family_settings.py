@@ -19,7 +19,7 @@ FLOW_SETTINGS = (
 )  # fmt: skip
 
 
-VIDEO_SETTINGS = ("video_frames", "video_fps")
+VIDEO_SETTINGS = ("video_frames", "video_fps", "video_windows")
 
 
 def check_family_settings(settings: Any, family: str, shape: ModelShape | None = None) -> None:
@@ -38,6 +38,12 @@ def check_family_settings(settings: Any, family: str, shape: ModelShape | None =
             for name in VIDEO_SETTINGS
             if name in settings.model_fields_set
         ]
+        if settings.offload_activations == "cpu":
+            problems.append(
+                f"{env_name('offload_activations')}=cpu: {family}'s activations are not counted "
+                f"per block, so the planner cannot place them (the video families': {videos}); "
+                f"set it to auto or none"
+            )
     else:
         video = shape.video if shape is not None else None
         step = video.temporal if video is not None else video_scales(None)[0]
@@ -58,6 +64,13 @@ def check_family_settings(settings: Any, family: str, shape: ModelShape | None =
         for name in foreign
         if name in settings.model_fields_set
     ]
+    if settings.offload_activations == "cpu" and settings.gradient_checkpointing is False:
+        problems.append(
+            f"{env_name('offload_activations')}=cpu with {env_name('gradient_checkpointing')}="
+            "false: only checkpointed activations (each block's input) go to host memory; set "
+            f"{env_name('gradient_checkpointing')}=true or auto, or "
+            f"{env_name('offload_activations')}=none"
+        )
     problems += expert_problems(settings, family, shape)
     if flow and settings.training_type == "lora" and settings.lora_text_encoder:
         problems.append(

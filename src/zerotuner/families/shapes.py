@@ -58,16 +58,19 @@ class VideoShape:
         cell = self.spatial * self.spatial * self.patch[1] * self.patch[2]
         return -(-self.latent_frames(frames) // self.patch[0]) * (resolution * resolution // cell)
 
-    def activations(self, tokens: int, checkpointing: bool) -> int:
-        """16-bit bytes for `tokens`: every layer's saved tensors, or with checkpointing each
-        block's input (its hidden states: 2 x width per token) plus one block recomputed."""
+    def activations(self, tokens: int, checkpointing: bool, *, offloaded: bool = False) -> int:
+        """16-bit device bytes for `tokens`: every layer's saved tensors, or with checkpointing
+        each block's input (its hidden states: 2 x width per token; in host memory when
+        `offloaded`, `saved_inputs`) plus one block recomputed."""
         layer = self.token_bytes * tokens + self.text_bytes
-        kept = (
-            self.layers * self.input_bytes * tokens + layer
-            if checkpointing
-            else self.layers * layer
-        )
-        return kept + self.rope_bytes * tokens
+        if not checkpointing:
+            return self.layers * layer + self.rope_bytes * tokens
+        inputs = 0 if offloaded else self.saved_inputs(tokens)
+        return inputs + layer + self.rope_bytes * tokens
+
+    def saved_inputs(self, tokens: int) -> int:
+        """16-bit bytes of the blocks' inputs gradient checkpointing keeps for the backward."""
+        return self.layers * self.input_bytes * tokens
 
 
 @dataclass(frozen=True)

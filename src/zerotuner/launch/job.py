@@ -42,6 +42,8 @@ class Job:
     # the trained network's parameter count: checkpoint manifests record it, so a resume onto
     # a model of other shapes is refused before any rank loads (checkpoint.check_model)
     denoiser_params: int | None = None
+    # `cpu`: the checkpointed blocks' inputs wait in host memory (ZT_OFFLOAD_ACTIVATIONS)
+    offload_activations: str = "none"
     deepspeed: dict[str, Any] = field(default_factory=dict)
     notes: tuple[str, ...] = ()  # what was decided and why, for the log
 

@@ -61,6 +61,7 @@ class Decisions:
     offload_optimizer: str = "none"  # none | cpu | nvme
     offload_param: str = "none"
     gradient_checkpointing: bool = False
+    offload_activations: str = "none"  # none | cpu: checkpointed block inputs in host memory
 
 
 @dataclass(frozen=True)

@@ -73,6 +73,7 @@ def estimate(
     frames: int = 1,
     base: BaseBytes | None = None,
     optimizer: str = "AdamW",
+    offload_activations: str = "none",
 ) -> tuple[int, int, int, dict[str, int]]:
     """(device bytes per rank, host bytes per node, disk bytes per node, named parts).
 
@@ -97,6 +98,9 @@ def estimate(
 
     `optimizer`: ZT_OPTIMIZER's canonical name; its state bytes per trained parameter come
     from `optimizers.state_bytes` (AdamW's two moments: 8).
+
+    `offload_activations` `cpu` (ZT_OFFLOAD_ACTIVATIONS, a video family with checkpointing):
+    the blocks' saved inputs are in host memory (`activation_checkpoints`), not on the device.
     """
     training = training or full_unet(shape)
     p_bytes = 4 if precision == "no" else 2
@@ -111,10 +115,14 @@ def estimate(
         size = max(shape.largest_param, min(PARAM_BUFFER_MAX, shape.denoiser_params // 8))
         parts.host["param_swap_buffers"] = PARAM_BUFFERS * size * p_bytes
     parts.device["buckets"] = _buckets(shape, training, stage=stage, p_bytes=p_bytes)
+    offloaded = offload_activations == "cpu"
     parts.device["activations"] = _activations(
         shape, gradient_checkpointing, resolution=resolution, micro_batch=micro_batch,
-        frames=frames, p_bytes=p_bytes,
+        frames=frames, p_bytes=p_bytes, offloaded=offloaded,
     )  # fmt: skip
+    if offloaded and shape.video is not None:
+        inputs = shape.video.saved_inputs(shape.video.tokens(frames, resolution))
+        parts.host["activation_checkpoints"] = int(inputs * (p_bytes / 2) * micro_batch)
     if not on_cpu:
         parts.device["framework"] = CUDA_CONTEXT
     caching = _caching(shape, resolution=resolution, frames=frames, p_bytes=p_bytes)
@@ -264,13 +272,15 @@ def _activations(
     micro_batch: int,
     frames: int,
     p_bytes: int,
+    offloaded: bool = False,
 ) -> int:
-    """The activations of a micro batch. The same for LoRA: every layer still passes
-    gradients to its input, and the frozen layers' inputs a LoRA layer does not also read are
-    the only tensors autograd skips (an upper bound, then)."""
+    """The activations of a micro batch on the device (`offloaded`: a clip's checkpointed
+    block inputs in host memory). The same for LoRA: every layer still passes gradients to its
+    input, and the frozen layers' inputs a LoRA layer does not also read are the only tensors
+    autograd skips (an upper bound, then)."""
     if shape.video is not None:  # a clip: frames x tokens (VideoShape), linear in tokens
         tokens = shape.video.tokens(frames, resolution)
-        clip = shape.video.activations(tokens, gradient_checkpointing)
+        clip = shape.video.activations(tokens, gradient_checkpointing, offloaded=offloaded)
         return int(clip * (p_bytes / 2) * micro_batch)
     per_image = ACT_BYTES_PER_IMAGE_CHECKPOINTED if gradient_checkpointing else ACT_BYTES_PER_IMAGE
     width = shape.base_channels / REFERENCE_CHANNELS

@@ -63,6 +63,8 @@ class Estimate:
     fits: bool
     short: tuple[str, ...] = ()  # which resource is short, e.g. "device 31.2 > 21.6 GiB"
     parts: dict[str, int] = field(default_factory=dict, compare=False)
+    # `cpu`: checkpointed block inputs kept in host memory (ZT_OFFLOAD_ACTIVATIONS)
+    offload_activations: str = "none"
 
     @property
     def offload_rank(self) -> int:
@@ -75,6 +77,8 @@ class Estimate:
         if self.offload_param != "none":
             offload.append(f"params->{self.offload_param}")
         ckpt = "checkpointing" if self.gradient_checkpointing else "no checkpointing"
+        if self.offload_activations != "none":
+            ckpt += f", activations->{self.offload_activations}"
         return f"ZeRO-{self.zero_stage}, {', '.join(offload) or 'no offload'}, {ckpt}"
 
     def choice(self) -> dict[str, Any]:
@@ -83,6 +87,7 @@ class Estimate:
             "offload_optimizer": self.offload_optimizer,
             "offload_param": self.offload_param,
             "gradient_checkpointing": self.gradient_checkpointing,
+            "offload_activations": self.offload_activations,
         }
 
 
@@ -111,6 +116,7 @@ class PlanRequest:
     zero_stage: str | int = "auto"
     offload_optimizer: str = "auto"  # auto | none | cpu | nvme
     offload_param: str = "auto"  # auto | none | cpu | nvme
+    offload_activations: str = "auto"  # auto | none | cpu (a video family's, checkpointed)
     mixed_precision: str = "auto"  # auto | no | fp16 | bf16, as asked (resolve_precision)
     ema: bool = False  # an fp32 EMA copy on the host
     max_sequence_length: int | None = None  # the T5 tokens a flow family's cached caption holds
@@ -417,6 +423,11 @@ class _Sizing:
         stages = [s for s in stages if not (self.low_base and s == 3)]
         asked = request.gradient_checkpointing
         ckpts = [False, True] if asked == "auto" else [bool(asked)]
+        # (checkpointing, activations) pairs: activations leave the device only checkpointed
+        # (the saved block inputs), and only a video family's are counted per block
+        acts = {"auto": ["none", "cpu"], "none": ["none"], "cpu": ["cpu"]}
+        wanted = acts[request.offload_activations] if self.shape.video else ["none"]
+        kinds = [(c, a) for c in ckpts for a in wanted if c or a == "none"]
         rows = []
         for opt, param in OFFLOADS:
             if request.offload_optimizer not in ("auto", opt):
@@ -426,10 +437,12 @@ class _Sizing:
             for stage in stages:
                 if legal(stage, opt, param) or client_refuses(request.optimizer, stage, opt):
                     continue
-                rows += [self.estimate(stage, opt, param, ckpt) for ckpt in ckpts]
+                rows += [self.estimate(stage, opt, param, c, a) for c, a in kinds]
         return sorted(rows, key=_table_order)
 
-    def estimate(self, stage: int, opt: str, param: str, ckpt: bool) -> Estimate:
+    def estimate(
+        self, stage: int, opt: str, param: str, ckpt: bool, acts: str = "none"
+    ) -> Estimate:
         request = self.request
         device, host, disk, parts = estimate(
             self.shape, stage=stage, offload_optimizer=opt, offload_param=param,
@@ -437,10 +450,11 @@ class _Sizing:
             micro_batch=request.micro_batch, world_size=request.world_size,
             ranks_per_node=self.ranks_per_node, precision=self.precision, on_cpu=self.on_cpu,
             ema=request.ema, training=self.training, frames=request.frames, base=self.base,
-            optimizer=request.optimizer,
+            optimizer=request.optimizer, offload_activations=acts,
         )  # fmt: skip
         short = _shortfalls(device, host, disk, self.cap, self.on_cpu, self.nvme_ok)
-        return Estimate(stage, opt, param, ckpt, device, host, disk, not short, short, parts)
+        return Estimate(stage, opt, param, ckpt, device, host, disk, not short, short, parts,
+                        offload_activations=acts)  # fmt: skip
 
     def inputs(self, hardware: Hardware, offload_disk_free: int | None) -> PlanInputs:
         shape, request, training, cap = self.shape, self.request, self.training, self.cap
@@ -593,11 +607,14 @@ def _stage_preference(row: Estimate) -> int:
     return row.zero_stage
 
 
-def _preference(row: Estimate) -> tuple[int, int, int]:
-    return (row.offload_rank, int(row.gradient_checkpointing), _stage_preference(row))
+def _preference(row: Estimate) -> tuple[int, int, int, int]:
+    # Activations to the host copy each block's input out and back once a step: less traffic
+    # than any parameter offload (every weight, every step), more than checkpointing alone.
+    acts = int(row.offload_activations != "none")
+    return (row.offload_rank, int(row.gradient_checkpointing), acts, _stage_preference(row))
 
 
-def _lora_preference(row: Estimate) -> tuple[int, int, int, int]:
+def _lora_preference(row: Estimate) -> tuple[int, int, int, int, int]:
     return (int(row.zero_stage == 3), *_preference(row))
 
 
@@ -605,8 +622,9 @@ def _preference_for(training: Training) -> Callable[[Estimate], tuple[int, ...]]
     return _lora_preference if training.type == "lora" else _preference
 
 
-def _table_order(row: Estimate) -> tuple[int, int, int]:
-    return (row.offload_rank, row.zero_stage, int(row.gradient_checkpointing))
+def _table_order(row: Estimate) -> tuple[int, int, int, int]:
+    acts = int(row.offload_activations != "none")
+    return (row.offload_rank, row.zero_stage, int(row.gradient_checkpointing), acts)
 
 
 def _overshoot(row: Estimate, cap: Capacity, on_cpu: bool) -> float:
@@ -653,6 +671,18 @@ def _reasons(
         if same and not same[0].fits:
             out.append(
                 f"gradient checkpointing is what makes it fit: without it {same[0].short[0]}"
+            )
+    if choice.offload_activations != "none":
+        kept = [
+            r
+            for r in rows
+            if r.gradient_checkpointing and r.offload_activations == "none"
+            and r.offload_rank == choice.offload_rank and r.zero_stage == choice.zero_stage
+        ]  # fmt: skip
+        if kept and not kept[0].fits:
+            out.append(
+                "the checkpointed activations in host memory are what makes it fit: on the "
+                f"device {kept[0].short[0]}"
             )
     if choice.offload_optimizer != "none" and choice.zero_stage == 2:
         out.append(

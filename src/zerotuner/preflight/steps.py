@@ -423,6 +423,7 @@ def plan_for(
         zero_stage="auto" if user.zero_stage is None else user.zero_stage,
         offload_optimizer=user.offload_optimizer or "auto",
         offload_param=user.offload_param or "auto",
+        offload_activations=settings.offload_activations,
         mixed_precision=user.mixed_precision,
         ema=settings.ema,
         max_sequence_length=settings.max_sequence_length,
@@ -457,4 +458,5 @@ def decisions_from(plan: Plan) -> Decisions:
         offload_optimizer=choice.offload_optimizer,
         offload_param=choice.offload_param,
         gradient_checkpointing=bool(choice.gradient_checkpointing),
+        offload_activations=choice.offload_activations,
     )

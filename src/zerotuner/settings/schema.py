@@ -317,6 +317,12 @@ class Settings(BaseSettings):
     offload_param: OffloadTarget = Field(
         "auto", description="Parameter offload (stage 3 only): none, cpu or nvme."
     )
+    offload_activations: Literal["auto", "none", "cpu"] = Field(
+        "auto",
+        description="Video families (Wan): with gradient checkpointing, keep each block's "
+        "saved input in host memory, not on the GPU, copied back when the backward recomputes "
+        "the block; `auto` turns it on where the plan needs it to fit.",
+    )
     deepspeed_config: Annotated[str | dict[str, Any] | None, NoDecode] = Field(
         None, description="A DeepSpeed JSON (inline text or a file path) to start from."
     )

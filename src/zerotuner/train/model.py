@@ -9,6 +9,7 @@ flags. This module knows nothing about distribution: deepspeed.initialize is in 
 from __future__ import annotations
 
 import gc
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,8 @@ from zerotuner import families
 from zerotuner.errors import ConfigError
 from zerotuner.families import hub_cache_dir
 from zerotuner.weights import zero_init
+
+log = logging.getLogger(__name__)
 
 # A diffusers pipeline's own files only: hub repos also hold single-file checkpoints and fp16
 # variants (SDXL base: ~20 GB more) that diffusers does not read here.
@@ -111,6 +114,7 @@ def load_denoiser(
     deepspeed_config: dict[str, Any] | None = None,
     dtype: torch.dtype = torch.float32,
     denoiser: str | None = None,
+    offload_activations: str = "none",
 ) -> Any:
     """The trainable denoiser (the family's UNet or transformer; `denoiser`: the pipeline
     folder it is in when not the family's own, Wan 2.2 A14B's expert). At ZeRO-3 (`deepspeed_config`
@@ -120,19 +124,52 @@ def load_denoiser(
     anyway and which has no masters."""
     kind = families.get(family)
     part = denoiser or kind.denoiser
+    model = None
     if zero_init.wanted(deepspeed_config):
         assert deepspeed_config is not None
-        built = zero_init.build(
-            kind.denoiser_class(), source / part, deepspeed_config,
-            gradient_checkpointing=gradient_checkpointing,
-        )  # fmt: skip
-        if built is not None:
-            return built
-    model = kind.denoiser_class().from_pretrained(source, subfolder=part, dtype=dtype)
+        model = zero_init.build(kind.denoiser_class(), source / part, deepspeed_config)
+    if model is None:
+        model = kind.denoiser_class().from_pretrained(source, subfolder=part, dtype=dtype)
     if gradient_checkpointing:
-        model.enable_gradient_checkpointing()
+        model.enable_gradient_checkpointing(checkpoint_function(offload_activations))
+        if offload_activations == "cpu":
+            log.info("gradient checkpointing: each block's input waits in host memory until "
+                     "the backward recomputes the block (ZT_OFFLOAD_ACTIVATIONS=cpu)")  # fmt: skip
     model.train()
     return model
+
+
+def checkpoint_function(offload_activations: str) -> Any:
+    """What a checkpointed block runs through: diffusers' default (None: torch's
+    non-reentrant checkpoint), or with ZT_OFFLOAD_ACTIVATIONS=cpu the same checkpoint of a block
+    whose input waits in host memory (pinned, copied without blocking on CUDA) until the
+    backward recomputes the block; the device copy is freed as soon as the next block no longer
+    needs it, so only one block's input at a time is on the device.
+
+    Not DeepSpeed's `cpu_checkpointing`: it empties each checkpointed tensor in place once the
+    block has run, which breaks blocks that share tensors (Wan's text states, timestep
+    projection and RoPE go to every block), and on the CPU accelerator its saved copy is the
+    emptied tensor itself (DeepSpeed 0.18: `arg.saved_data = inp.data` after `arg.data` was
+    emptied, `inp` aliasing `arg`), so its recompute fails."""
+    if offload_activations != "cpu":
+        return None
+    from torch.utils.checkpoint import checkpoint
+
+    def offloaded(block: Any, hidden_states: torch.Tensor, *shared: Any, **named: Any) -> Any:
+        device = hidden_states.device
+        pinned = device.type == "cuda"
+        host = hidden_states.to("cpu", non_blocking=pinned)
+        return checkpoint(_on_device, block, device, host, shared, named, use_reentrant=False)
+
+    return offloaded
+
+
+def _on_device(
+    block: Any, device: torch.device, host: torch.Tensor, shared: tuple[Any, ...],
+    named: dict[str, Any],
+) -> Any:  # fmt: skip
+    """A block run on its input brought back from host memory (the recompute does it again)."""
+    return block(host.to(device, non_blocking=True), *shared, **named)
 
 
 def load_frozen(components: Components, *, device: torch.device, text_dtype: torch.dtype) -> None:
@@ -171,14 +208,17 @@ def load_components(
     deepspeed_config: dict[str, Any] | None = None,
     dtype: torch.dtype = torch.float32,
     denoiser: str | None = None,
+    offload_activations: str = "none",
 ) -> Components:
     """`deepspeed_config`: the run's effective DeepSpeed config (None outside a training rank);
-    `dtype`: the denoiser's below ZeRO-3, `denoiser` its folder (see load_denoiser)."""
+    `dtype`: the denoiser's below ZeRO-3, `denoiser` its folder, `offload_activations` where
+    its checkpointed blocks' inputs wait (see load_denoiser)."""
     kind = families.get(family)
     scheduler = kind.scheduler_class().from_pretrained(source, subfolder="scheduler")
     trained = load_denoiser(
         source, gradient_checkpointing=gradient_checkpointing, family=family,
         deepspeed_config=deepspeed_config, dtype=dtype, denoiser=denoiser,
+        offload_activations=offload_activations,
     )  # fmt: skip
     components = Components(family=family, source=source, denoiser=trained, scheduler=scheduler)
     if with_frozen:

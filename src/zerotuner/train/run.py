@@ -108,6 +108,7 @@ class Run:
             deepspeed_config=job.deepspeed,
             dtype=self.weights.load_dtype(self.dtype),
             denoiser=self.part,
+            offload_activations=job.offload_activations,
         )
         self.objective = objective = conditioning.objective(
             s, components.scheduler, components.denoiser.config

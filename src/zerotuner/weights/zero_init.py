@@ -105,9 +105,7 @@ def _readers(files: list[Path]) -> Iterator[dict[str, Reader]]:
             r.close()
 
 
-def build(
-    cls: type[Any], folder: Path, deepspeed_config: dict[str, Any], *, gradient_checkpointing: bool
-) -> Any | None:
+def build(cls: type[Any], folder: Path, deepspeed_config: dict[str, Any]) -> Any | None:
     """The denoiser of `folder` (a diffusers model folder) partitioned by ZeRO-3 with its
     weights in; None when the folder has no safetensors weights."""
     files = weight_files(folder, stems=(DIFFUSERS_STEM,))  # a diffusers model's, as it loads
@@ -123,8 +121,6 @@ def build(
     with _readers(files) as readers:
         _check(model, readers, folder)
         _fill(model, readers)
-    if gradient_checkpointing:
-        model.enable_gradient_checkpointing()
     model.train()
     parts = sum(p.ds_tensor.ds_numel for p in model.parameters())
     log.info(
