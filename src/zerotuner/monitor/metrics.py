@@ -43,7 +43,7 @@ from typing import Any, Protocol
 import psutil
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from zerotuner.launch.records import StepRecord
+from zerotuner.launch.records import Sink, StepRecord
 
 log = logging.getLogger(__name__)
 
@@ -293,7 +293,7 @@ def multiprocess_mode_active() -> bool:
     return bool(getattr(values.ValueClass, "_multiprocess", False))
 
 
-class PrometheusSink:
+class PrometheusSink(Sink):
     """A `records.Sink` for one rank: step, loss, memory, checkpoint metrics.
 
     In a launched rank leave `registry` None: values go to the multiprocess directory and the

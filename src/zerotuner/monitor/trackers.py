@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from zerotuner.errors import ConfigError
-from zerotuner.launch.records import StepRecord
+from zerotuner.launch.records import Sink, StepRecord
 from zerotuner.monitor.metrics import MemoryProbe
 from zerotuner.settings.schema import Settings, env_name, masked_dump
 
@@ -68,7 +68,7 @@ def _sample_images(folder: Path) -> list[tuple[str, Any]]:
     return images
 
 
-class TensorBoardSink:
+class TensorBoardSink(Sink):
     """A step-record sink (launch.records.Sink) writing TensorBoard event files (rank 0)."""
 
     def __init__(self, log_dir: Path, *, probe: MemoryProbe | None, resumed_step: int) -> None:
@@ -117,7 +117,7 @@ def wandb_mode(settings: Settings) -> Literal["online", "offline"]:
     return settings.wandb_mode
 
 
-class WandbSink:
+class WandbSink(Sink):
     """A step-record sink (launch.records.Sink) logging to a W&B run (rank 0)."""
 
     def __init__(self, settings: Settings, *, probe: MemoryProbe | None) -> None:

@@ -153,8 +153,7 @@ class Run:
         """run/dataset.json and the dataset's log lines (rank 0)."""
         s, resolution = self.settings, self.job.resolution
         for sink in self.sinks:
-            if hasattr(sink, "on_dataset_skipped"):
-                sink.on_dataset_skipped(len(dataset.skipped))
+            sink.on_dataset_skipped(len(dataset.skipped))
         _write_json(
             self.run_dir / "dataset.json",
             {
@@ -404,8 +403,7 @@ class Run:
                 )
         distributed.barrier()
         for sink in self.sinks:  # the trackers (ZT_REPORT_TO) show the images
-            if hasattr(sink, "on_samples"):
-                sink.on_samples(step, s.output_dir / "samples" / f"step-{step}")
+            sink.on_samples(step, s.output_dir / "samples" / f"step-{step}")
         self.phase("training")
 
     # --- the end --------------------------------------------------------------------------

@@ -54,7 +54,7 @@ def build_sinks(
     return sinks
 
 
-class StepsJsonlSink:
+class StepsJsonlSink(Sink):
     """OUTPUT/run/steps.jsonl: one line per optimizer step (rank 0). At the first record, lines
     from that step on are dropped (left by a run that went further than its last checkpoint),
     so after a resume the file continues with the next step."""

@@ -83,7 +83,7 @@ def train(settings: Settings, job: Job, *, sinks: Sequence[Sink] | None = None) 
         if watch is not None:
             watch.settle()
         for sink in opened:
-            if code != EXIT_OK and hasattr(sink, "unfinished"):
+            if code != EXIT_OK:
                 sink.unfinished()  # the progress summary must not read as a finished run
             sink.close()
         write_rank_status(rank, code, message)
