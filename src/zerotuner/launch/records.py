@@ -44,6 +44,11 @@ class Sink(Protocol):
     def on_checkpoint(self, step: int, seconds: float) -> None:
         return None
 
+    def on_eval(self, step: int, loss: float) -> None:
+        """The held-out loss after `step` (the same on every rank), heard before the step's
+        own record (on_step)."""
+        return None
+
     def on_dataset_skipped(self, count: int) -> None:
         """Dataset files the scan left out (rank 0 reports them once)."""
         return None

@@ -336,6 +336,10 @@ class ProgressSink(Sink):
         if self.enabled:
             self._log.info("checkpoint at step %d committed in %.1f s", step, seconds)
 
+    def on_eval(self, step: int, loss: float) -> None:
+        if self.enabled:
+            self._log.info("held-out loss at step %d: %.6g", step, loss)
+
     def unfinished(self) -> None:
         """The run ends without finishing (a failure, a stop): the summary says so."""
         if self.enabled:

@@ -88,6 +88,9 @@ class TensorBoardSink(Sink):
         for tag, value in _scalars(record, self.probe).items():
             self.writer.add_scalar(tag, value, record.step)
 
+    def on_eval(self, step: int, loss: float) -> None:
+        self.writer.add_scalar("eval/loss", loss, step)
+
     def on_checkpoint(self, step: int, seconds: float) -> None:
         self.writer.add_scalar("checkpoint/seconds", seconds, step)
         self.writer.flush()  # a checkpoint's step is on disk in the curve too
@@ -149,6 +152,9 @@ class WandbSink(Sink):
 
     def on_step(self, record: StepRecord) -> None:
         self.run.log({"step": record.step, **_scalars(record, self.probe)})
+
+    def on_eval(self, step: int, loss: float) -> None:
+        self.run.log({"step": step, "eval/loss": loss})
 
     def on_checkpoint(self, step: int, seconds: float) -> None:
         self.run.log({"step": step, "checkpoint/seconds": seconds})

@@ -75,8 +75,7 @@ def train(settings: Settings, job: Job, *, sinks: Sequence[Sink] | None = None) 
             raise Stopped(None, run.stop.name)
         run.engine()
         run.train()
-        run.finish()
-        code, message = EXIT_OK, f"finished at step {settings.max_steps}"
+        code, message = EXIT_OK, run.finish()
     except Exception as error:  # noqa: BLE001 - the status must be written whatever happened
         code, message = _exit_status(error, rank=rank, watch=watch, where=where, settings=settings)
     finally:
