@@ -22,6 +22,7 @@ from trainkit import (
 )
 
 from zerotuner.errors import ConfigError
+from zerotuner.launch.records import StepRecord
 
 
 def _evals(output: Path) -> dict[int, float]:
@@ -99,6 +100,22 @@ def test_early_stop_on_a_plateau_at_zero3(demo_dir: Path, tmp_path: Path) -> Non
     one, one_out = _run_lr0(tmp_path / "one", demo_dir, cache, world=1, **settings)
     assert_ok(one, tmp_path / "one", world=1)
     assert _evals(one_out) == pytest.approx(figures, rel=1e-6)
+
+
+def test_the_run_page_draws_the_held_out_loss(tmp_path: Path) -> None:
+    """The run page's loss chart gets the evaluated steps' figures beside the training loss."""
+    from zerotuner.monitor.run_page import RunView
+    from zerotuner.train.sinks import StepsJsonlSink
+
+    sink = StepsJsonlSink(tmp_path / "run" / "steps.jsonl")
+    for step in (1, 2, 3, 4):
+        if step % 2 == 0:
+            sink.on_eval(step, 1.0 / step)  # heard before its step's record
+        sink.on_step(StepRecord(step, 2.0 / step, 1e-3, 1.0, 0.5, 4, 100.0 + step))
+    sink.close()
+    assert [r.get("eval_loss") for r in read_steps(tmp_path)] == [None, 0.5, None, 0.25]
+    state = RunView(tmp_path).state([], "training")
+    assert state["eval_loss"] == [[2, 0.5], [4, 0.25]] and len(state["loss"]) == 4
 
 
 @pytest.mark.parametrize(
