@@ -23,6 +23,8 @@ from trainkit import (
 
 from zerotuner.errors import ConfigError
 from zerotuner.launch.records import StepRecord
+from zerotuner.publish.model_card import model_card
+from zerotuner.settings.schema import Settings
 
 
 def _evals(output: Path) -> dict[int, float]:
@@ -97,6 +99,8 @@ def test_early_stop_on_a_plateau_at_zero3(demo_dir: Path, tmp_path: Path) -> Non
     record = read_json(out / "run" / "eval.json")
     assert record["exported_step"] == 2 and record["stopped_early_at"] == 4
     assert record["best_step"] == 2 and record["held_out_images"] == 3
+    card = model_card(Settings(model="demo"), out)
+    assert "at step 2; stopped early at step 4, the export is step 2." in card
     one, one_out = _run_lr0(tmp_path / "one", demo_dir, cache, world=1, **settings)
     assert_ok(one, tmp_path / "one", world=1)
     assert _evals(one_out) == pytest.approx(figures, rel=1e-6)
