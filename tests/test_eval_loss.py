@@ -45,10 +45,14 @@ def _run_lr0(tmp: Path, demo: Path, cache: Path, *, world: int, **settings: obje
 
 @pytest.mark.slow
 def test_held_out_loss_is_the_same_after_a_resume(demo_dir: Path, tmp_path: Path) -> None:
-    """ZT_EVAL_FRACTION on 2 ranks at ZeRO-2: a run resumed at step 4 reports the held-out
-    loss of the uninterrupted run at every step, and steps.jsonl carries it."""
+    """ZT_EVAL_FRACTION on 2 ranks at ZeRO-2, training a LoRA: a run resumed at step 4
+    reports the held-out loss of the uninterrupted run at every step, and steps.jsonl carries
+    it. (The plateau test below trains the full model.)"""
     cache = tmp_path / "cache"
-    held = {"eval_fraction": 0.1, "eval_every_steps": 2, "checkpoint_every_steps": 2}
+    held = {
+        "eval_fraction": 0.1, "eval_every_steps": 2, "checkpoint_every_steps": 2,
+        "training_type": "lora", "lora_rank": 4,
+    }  # fmt: skip
     whole, whole_out = train(tmp_path / "whole", demo_dir, cache, stage=2, steps=6, **held)
     assert_ok(whole, tmp_path / "whole")
     first, out = train(tmp_path / "parts", demo_dir, cache, stage=2, steps=4, **held)
@@ -65,6 +69,13 @@ def test_held_out_loss_is_the_same_after_a_resume(demo_dir: Path, tmp_path: Path
     assert record["held_out_images"] == 6 and record["evaluations"] == 3  # 0.1 of 64 images
     best = min(expected, key=lambda step: expected[step])
     assert record["best_step"] == best
+    # the best and the count of evaluations came back from step-4's manifest
+    resumed = read_json(out / "run" / "eval.json")
+    assert {k: resumed[k] for k in ("best_step", "evaluations", "last_step")} == {
+        "best_step": best,
+        "evaluations": 3,
+        "last_step": 6,
+    }
 
 
 @pytest.mark.slow
