@@ -474,6 +474,8 @@ class Run:
             **self.weights.manifest_entries(),
             **({"expert": s.expert, "denoiser": self.part} if self.part else {}),
             **({"eval": self.early.state()} if self.early is not None else {}),
+            # the best evaluated step: kept by the local and the remote rotation
+            **({"keep_step": pinned} if (pinned := self._kept_step()) is not None else {}),
         }
         with client_optimizer.eval_weights(self.engine_, "the checkpoint"):
             seconds = self._save(step, meta)
@@ -492,9 +494,12 @@ class Run:
             ema_updates=self.ema.updates if self.ema else 0,
             keep=s.checkpoints_keep,
             rank=self.rank,
-            # the best evaluated step, which an early stop exports, outlives the rotation
-            keep_step=self.early.best_step if self.early and self.early.patience else None,
+            keep_step=self._kept_step(),
         )
+
+    def _kept_step(self) -> int | None:
+        """The best evaluated step, which an early stop exports: it outlives the rotation."""
+        return self.early.best_step if self.early and self.early.patience else None
 
     def validate(self, step: int) -> None:
         self.require_finite_weights(step, "sampling")
