@@ -112,6 +112,10 @@ def test_early_stop_on_a_plateau_at_zero3(demo_dir: Path, tmp_path: Path) -> Non
     assert record["best_step"] == 2 and record["held_out_images"] == 3
     card = model_card(Settings(model="demo"), out)
     assert "at step 2; stopped early at step 4, the export is step 2." in card
+    again, out = _run_lr0(tmp_path / "two", demo_dir, cache, world=2, **settings)
+    assert_ok(again, tmp_path / "two")  # a restart finds the stop's checkpoint: trains nothing
+    assert line in again.stderr and sorted(_evals(out)) == [2, 4]
+    assert read_json(out / "run" / "eval.json")["exported_step"] == 2
     one, one_out = _run_lr0(tmp_path / "one", demo_dir, cache, world=1, **settings)
     assert_ok(one, tmp_path / "one", world=1)
     assert _evals(one_out) == pytest.approx(figures, rel=1e-6)

@@ -74,10 +74,13 @@ class EarlyStop:
     best_loss: float | None = None
     since_best: int = 0  # evaluations without an improvement by more than min_delta
     evaluations: int = 0
+    last_step: int | None = None
+    last_loss: float | None = None
 
     def update(self, step: int, loss: float) -> bool:
         """Record an evaluation; True when it is the new best."""
         self.evaluations += 1
+        self.last_step, self.last_loss = step, loss
         if self.best_loss is None or loss < self.best_loss - self.min_delta:
             self.best_step, self.best_loss, self.since_best = step, loss, 0
             return True

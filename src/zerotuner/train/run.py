@@ -103,7 +103,6 @@ class Run:
             else None
         )
         self.stopped_early: int | None = None  # the step an early stop committed
-        self.last_eval: tuple[int, float] | None = None  # (step, held-out loss)
 
     def phase(self, name: str) -> None:
         for sink in self.sinks:
@@ -318,6 +317,9 @@ class Run:
 
     def train(self) -> None:
         s = self.settings
+        if self.early is not None and self.early.exhausted:  # resumed from its early stop
+            self.stopped_early = self.start_step
+            return
         self.phase("training")
         texts = not self.weights.texts_trained  # else batches carry token ids
         streak = nonfinite.Streak(
@@ -386,7 +388,6 @@ class Run:
                 self.engine_, [held_out.identity(self.dataset_item(i)) for i in self.held],
                 seed=self.settings.seed, rank=self.rank, world=self.world, loss_of=loss_of,
             )  # fmt: skip
-        self.last_eval = (step, loss)
         if self.early.update(step, loss) and self.early.patience:
             self.due.add("best")
         for sink in self.sinks:
@@ -401,13 +402,11 @@ class Run:
     def _write_eval_record(self, exported: int | None = None) -> None:
         """run/eval.json: the last and the best held-out loss (the model card names the best),
         and after an early stop the step exported."""
-        assert self.early is not None and self.last_eval is not None
+        assert self.early is not None
         _write_json(
             self.run_dir / "eval.json",
             {
                 "held_out_images": len(self.held),
-                "last_step": self.last_eval[0],
-                "last_loss": self.last_eval[1],
                 **self.early.state(),
                 "stopped_early_at": self.stopped_early,
                 "exported_step": exported,
