@@ -385,7 +385,7 @@ class Run:
 
         with client_optimizer.eval_weights(self.engine_, "the held-out loss"):
             loss = evaluation.held_out_loss(
-                self.engine_, [held_out.identity(self.dataset_item(i)) for i in self.held],
+                self.engine_, [held_out.identity(self._scanned_item(i)) for i in self.held],
                 seed=self.settings.seed, rank=self.rank, world=self.world, loss_of=loss_of,
             )  # fmt: skip
         if self.early.update(step, loss) and self.early.patience:
@@ -395,7 +395,7 @@ class Run:
         if self.rank == 0:
             self._write_eval_record()
 
-    def dataset_item(self, index: int) -> Any:
+    def _scanned_item(self, index: int) -> Any:
         """The scanned item behind cache item `index` (training images, then held-out ones)."""
         return self.cached[0].items[index]
 
