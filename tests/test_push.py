@@ -63,15 +63,19 @@ def where(request) -> remote.Store:
     return store(f"hf://me/{request.node.name.split('[')[0][5:40].replace('_', '-')}")
 
 
-def commit(output: Path, step: int, *, keep: int = 2, size: int = 300_000) -> Path:
-    """A committed checkpoint: shards as DeepSpeed lays them out, then the real commit."""
+def commit(
+    output: Path, step: int, *, keep: int = 2, size: int = 300_000, keep_step: int | None = None
+) -> Path:
+    """A committed checkpoint: shards as DeepSpeed lays them out, then the real commit
+    (`keep_step`: the best evaluated step an early stop would export)."""
     root = checkpoint.checkpoints_dir(output)
     folder = root / f"step-{step}"
     folder.mkdir(parents=True)
     (folder / "mp_rank_00_model_states.pt").write_bytes(os.urandom(size))
     (folder / "zero_pp_rank_0_mp_rank_00_optim_states.pt").write_bytes(os.urandom(size // 3))
-    checkpoint._commit(root, step, {"zero_stage": 2, "world_size": 1}, ema=None,
-                       ema_updates=0, keep=keep)  # fmt: skip
+    meta = {"zero_stage": 2, "world_size": 1, **({"keep_step": keep_step} if keep_step else {})}
+    checkpoint._commit(root, step, meta, ema=None, ema_updates=0, keep=keep,
+                       keep_step=keep_step)  # fmt: skip
     return folder
 
 
@@ -124,6 +128,20 @@ def test_pusher_uploads_each_commit_moves_latest_and_keeps_n(where, tmp_path) ->
     assert list(push.remote_checkpoints(where)) == ["step-4"]  # keep=1, after the pointer moved
     assert pusher.stats.last_step == 4 and pusher.stats.failures == 0
     assert pusher.stats.bytes > 2 * 400_000
+
+
+def test_the_best_evaluated_step_outlives_both_rotations(where, tmp_path) -> None:
+    """ZT_EARLY_STOP_PATIENCE: the best step (the manifest's keep_step) stays, locally and on
+    the remote, whatever ZT_CHECKPOINTS_KEEP says, until a later step is the best."""
+    output = tmp_path / "output"
+    pusher = push.Pusher(where, output, keep=1)
+    for step, best in ((2, 2), (4, 2), (6, 6)):
+        commit(output, step, keep=1, keep_step=best, size=1000)
+        assert pusher.push_latest_checkpoint()
+        kept = ["step-2", "step-4"] if step == 4 else [f"step-{step}"]
+        assert sorted(push.remote_checkpoints(where)) == kept
+        local = checkpoint.committed_checkpoints(checkpoint.checkpoints_dir(output))
+        assert sorted(p.name for p in local) == kept
 
 
 class TornAfterFirstFile:

@@ -32,6 +32,7 @@ def test_the_step_log_memory_and_samples_read_back(tmp_path):
     sink = TensorBoardSink(tmp_path / "tb", probe=CpuMemoryProbe(), resumed_step=0)
     for step in (1, 2, 3):
         sink.on_step(_record(step, 1.0 / step, skipped=step == 2))
+    sink.on_eval(3, 0.75)  # the held-out loss (ZT_EVAL_*)
     sink.on_checkpoint(3, 1.5)
     folder = tmp_path / "samples" / "step-3"
     folder.mkdir(parents=True)
@@ -46,6 +47,7 @@ def test_the_step_log_memory_and_samples_read_back(tmp_path):
     assert events.Scalars("train/samples_per_second")[0].value == 32.0
     assert events.Scalars("memory/allocated_gib")[0].value > 0
     assert [(e.step, e.value) for e in events.Scalars("checkpoint/seconds")] == [(3, 1.5)]
+    assert [(e.step, e.value) for e in events.Scalars("eval/loss")] == [(3, 0.75)]
     (image,) = events.Images("samples/00-a-red-square")
     assert (image.step, image.width, image.height) == (3, 16, 8)
 
@@ -70,6 +72,7 @@ def test_a_wandb_run_offline_holds_the_steps_samples_and_masked_settings(tmp_pat
     sink = WandbSink(settings, probe=CpuMemoryProbe())
     for step in (1, 2):
         sink.on_step(_record(step, 1.0 / step, skipped=step == 2))
+    sink.on_eval(2, 0.5)
     folder = tmp_path / "samples" / "step-2"
     folder.mkdir(parents=True)
     Image.new("RGB", (16, 8), (255, 0, 0)).save(folder / "00-a-red-square.png")
@@ -85,6 +88,7 @@ def test_a_wandb_run_offline_holds_the_steps_samples_and_masked_settings(tmp_pat
     assert steps == [(1, 1.0), (2, None), (3, 0.25)], rows
     (image,) = [r for r in rows if "samples/00-a-red-square/path" in r]
     assert image["step"] == 2 and image["samples/00-a-red-square/width"] == 16
+    assert [(r["step"], r["eval/loss"]) for r in rows if "eval/loss" in r] == [(2, 0.5)]
     assert "memory/allocated_gib" in rows[0]
     files = [p for p in (tmp_path / "out").rglob("*") if p.is_file()]
     assert not [p for p in files if b"k3y-0123456789abcdef" in p.read_bytes()]

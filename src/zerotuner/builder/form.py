@@ -50,6 +50,8 @@ SECTIONS = tuple(
         ("Checkpoints", "checkpoint_every_steps checkpoints_keep resume"),
         ("Validation", "validation_prompts validation_every_steps validation_inference_steps "
          "validation_guidance_scale"),
+        ("Held-out loss and early stop", "eval_data_dir eval_fraction eval_every_steps "
+         "early_stop_patience early_stop_min_delta"),
         ("Recipes", "caption_template caption_dropout min_image_size upscale timestep_range"),
         ("Video", "video_frames video_fps expert"),
         ("More", "seed ema ema_decay noise_offset snr_gamma prediction_type random_flip "

@@ -15,12 +15,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from zerotuner.commands.plan import render
+from zerotuner.data.held_out import check_fraction
+from zerotuner.data.scan import listed_samples
 from zerotuner.launch.job import Job
 from zerotuner.machine.offload_volume import mounted_offload_device, prepare_offload_dir
 from zerotuner.preflight.fetch import fetch_all
 from zerotuner.preflight.steps import Preflight, preflight
 from zerotuner.preflight.what_if import plan_json
-from zerotuner.settings.datasets import sources
+from zerotuner.settings.datasets import eval_sources, sources
 from zerotuner.settings.schema import Settings
 from zerotuner.weights.checkpoint import REMOTE_LATEST, checkpoints_dir
 
@@ -69,7 +71,8 @@ def prepare(
         for warning in report.warnings:
             log.warning("%s", warning)
     # Once per node, after the plan held: remote datasets into the cache (preflight.fetch).
-    fetch_all(sources(settings), settings)
+    fetch_all(sources(settings) + eval_sources(settings), settings)
+    _check_held_out(settings)
     job = job_from(pre)
     if server is not None:
         server.set_job(job)
@@ -92,6 +95,17 @@ def prepare(
         news.send(Event("start", _plan_line(pre)))
     job.write(job_file)  # the waiting ranks go on from here
     return pusher
+
+
+def _check_held_out(settings: Settings) -> None:
+    """ZT_EVAL_FRACTION leaves an image to train on (counted from the file names, each once):
+    one line before the ranks load anything; the ranks check the scanned images again."""
+    if settings.eval_fraction is None:
+        return
+    once = [source.model_copy(update={"repeats": 1}) for source in sources(settings)]
+    total = listed_samples(once, settings.cache_dir, video=True)  # clips too: never too few
+    if total:
+        check_fraction(total, settings.eval_fraction)
 
 
 def _plan_line(pre: Preflight) -> str:

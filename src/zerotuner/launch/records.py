@@ -32,15 +32,37 @@ class StepRecord:
 
 
 class Sink(Protocol):
-    """Anything that consumes the loop's reports. Every method is optional to act on."""
+    """Anything that consumes the loop's reports. A sink subclasses this and overrides what it
+    acts on; every hook's default does nothing, so callers call each one directly."""
 
-    def on_phase(self, phase: str) -> None: ...
+    def on_phase(self, phase: str) -> None:
+        return None
 
-    def on_step(self, record: StepRecord) -> None: ...
+    def on_step(self, record: StepRecord) -> None:
+        return None
 
-    def on_checkpoint(self, step: int, seconds: float) -> None: ...
+    def on_checkpoint(self, step: int, seconds: float) -> None:
+        return None
 
-    def close(self) -> None: ...
+    def on_eval(self, step: int, loss: float) -> None:
+        """The held-out loss after `step` (the same on every rank), heard before the step's
+        own record (on_step)."""
+        return None
+
+    def on_dataset_skipped(self, count: int) -> None:
+        """Dataset files the scan left out (rank 0 reports them once)."""
+        return None
+
+    def on_samples(self, step: int, folder: Path) -> None:
+        """The validation samples of `step`, rendered into `folder`."""
+        return None
+
+    def unfinished(self) -> None:
+        """The run ends without finishing (a failure, a stop), before close."""
+        return None
+
+    def close(self) -> None:
+        return None
 
 
 @dataclass(frozen=True)

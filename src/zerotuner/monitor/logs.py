@@ -29,7 +29,7 @@ from typing import Any, TextIO
 
 from tqdm import tqdm
 
-from zerotuner.launch.records import StepRecord
+from zerotuner.launch.records import Sink, StepRecord
 from zerotuner.monitor.metrics import MemoryProbe, memory_probe
 from zerotuner.settings.urls import hide_credentials
 
@@ -240,7 +240,7 @@ def format_memory(probe: MemoryProbe) -> str:
     return f"{name} {mem.allocated / 2**30:.1f}{total} GiB (peak {mem.peak / 2**30:.1f})"
 
 
-class ProgressSink:
+class ProgressSink(Sink):
     """Training progress for people: a bar on a terminal, periodic lines in a log file.
 
     Active on rank 0 only (other ranks get a silent sink). s/step is the mean step time over the
@@ -335,6 +335,10 @@ class ProgressSink:
     def on_checkpoint(self, step: int, seconds: float) -> None:
         if self.enabled:
             self._log.info("checkpoint at step %d committed in %.1f s", step, seconds)
+
+    def on_eval(self, step: int, loss: float) -> None:
+        if self.enabled:
+            self._log.info("held-out loss at step %d: %.6g", step, loss)
 
     def unfinished(self) -> None:
         """The run ends without finishing (a failure, a stop): the summary says so."""

@@ -43,7 +43,7 @@ from typing import Any, Protocol
 import psutil
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from zerotuner.launch.records import StepRecord
+from zerotuner.launch.records import Sink, StepRecord
 
 log = logging.getLogger(__name__)
 
@@ -123,6 +123,9 @@ CATALOG: tuple[MetricSpec, ...] = (
     _node("zerotuner_info", "gauge", "The run's configuration (value 1).",
           labels=("version", "zero_stage", "offload_optimizer", "offload_param", "world_size",
                   "model_family", "precision"), contract=True),
+    _rank("zerotuner_eval_loss", "gauge",
+          "Held-out loss of the last evaluation (ZT_EVAL_*): the same on every rank.",
+          "eval_loss"),
     _rank("zerotuner_gradient_norm", "gauge", "Gradient norm before clipping.", "grad_norm"),
     _rank("zerotuner_throughput_samples_per_second", "gauge",
           "This rank's samples per second over the last step; sum over ranks for the job.",
@@ -293,7 +296,7 @@ def multiprocess_mode_active() -> bool:
     return bool(getattr(values.ValueClass, "_multiprocess", False))
 
 
-class PrometheusSink:
+class PrometheusSink(Sink):
     """A `records.Sink` for one rank: step, loss, memory, checkpoint metrics.
 
     In a launched rank leave `registry` None: values go to the multiprocess directory and the
@@ -372,6 +375,10 @@ class PrometheusSink:
         self._m.last_checkpoint_step.labels(r).set(step)
         self._m.last_checkpoint_time.labels(r).set(time.time())
 
+    def on_eval(self, step: int, loss: float) -> None:
+        if self.enabled:
+            self._m.eval_loss.labels(self._rank).set(loss)
+
     def on_dataset_skipped(self, count: int) -> None:
         """Dataset files this rank's scanner skipped (unreadable, no caption, too small)."""
         if self.enabled and count:
@@ -408,6 +415,7 @@ class _RankMetrics:
     skipped: Counter
     nonfinite: Counter
     loss: Gauge
+    eval_loss: Gauge
     lr: Gauge
     grad_norm: Gauge
     throughput: Gauge

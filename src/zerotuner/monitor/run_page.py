@@ -155,6 +155,8 @@ class RunView:
             "max_steps": max_steps,
             "eta_seconds": _eta(records, max_steps),
             "loss": thin([[r["step"], r["loss"]] for r in records]),
+            # the held-out loss (ZT_EVAL_*), at the evaluated steps only
+            "eval_loss": thin([[r["step"], r["eval_loss"]] for r in records if "eval_loss" in r]),
             "step_seconds": thin([[r["step"], r["step_seconds"]] for r in records]),
             "ranks": {
                 rank: {key: thin(values) for key, values in series.items()}

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from zerotuner.errors import ConfigError
-from zerotuner.launch.records import StepRecord
+from zerotuner.launch.records import Sink, StepRecord
 from zerotuner.monitor.metrics import MemoryProbe
 from zerotuner.settings.schema import Settings, env_name, masked_dump
 
@@ -68,7 +68,7 @@ def _sample_images(folder: Path) -> list[tuple[str, Any]]:
     return images
 
 
-class TensorBoardSink:
+class TensorBoardSink(Sink):
     """A step-record sink (launch.records.Sink) writing TensorBoard event files (rank 0)."""
 
     def __init__(self, log_dir: Path, *, probe: MemoryProbe | None, resumed_step: int) -> None:
@@ -87,6 +87,9 @@ class TensorBoardSink:
     def on_step(self, record: StepRecord) -> None:
         for tag, value in _scalars(record, self.probe).items():
             self.writer.add_scalar(tag, value, record.step)
+
+    def on_eval(self, step: int, loss: float) -> None:
+        self.writer.add_scalar("eval/loss", loss, step)
 
     def on_checkpoint(self, step: int, seconds: float) -> None:
         self.writer.add_scalar("checkpoint/seconds", seconds, step)
@@ -117,7 +120,7 @@ def wandb_mode(settings: Settings) -> Literal["online", "offline"]:
     return settings.wandb_mode
 
 
-class WandbSink:
+class WandbSink(Sink):
     """A step-record sink (launch.records.Sink) logging to a W&B run (rank 0)."""
 
     def __init__(self, settings: Settings, *, probe: MemoryProbe | None) -> None:
@@ -149,6 +152,9 @@ class WandbSink:
 
     def on_step(self, record: StepRecord) -> None:
         self.run.log({"step": record.step, **_scalars(record, self.probe)})
+
+    def on_eval(self, step: int, loss: float) -> None:
+        self.run.log({"step": step, "eval/loss": loss})
 
     def on_checkpoint(self, step: int, seconds: float) -> None:
         self.run.log({"step": step, "checkpoint/seconds": seconds})

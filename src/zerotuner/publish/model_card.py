@@ -26,6 +26,28 @@ def _last_step(output_dir: Path) -> dict[str, Any] | None:
     return json.loads(lines[-1]) if lines else None
 
 
+def _held_out(output_dir: Path) -> list[str]:
+    """The held-out loss's line (run/eval.json, ZT_EVAL_*): its best step, and the step an
+    early stop exported."""
+    path = output_dir / "run" / "eval.json"
+    try:
+        record = json.loads(path.read_text()) if path.is_file() else None
+    except ValueError:
+        return []
+    if not record or record.get("best_step") is None:
+        return []
+    line = (
+        f"Held-out loss ({record['held_out_images']} images): best {record['best_loss']:.4f} "
+        f"at step {record['best_step']}"
+    )
+    if record.get("exported_step") is not None:
+        line += (
+            f"; stopped early at step {record['stopped_early_at']}, the export is step "
+            f"{record['exported_step']}"
+        )
+    return ["", line + "."]
+
+
 def _latest_samples(output_dir: Path) -> list[str]:
     folders = sorted((output_dir / "samples").glob("step-*"), key=lambda p: int(p.name[5:]))
     if not folders:
@@ -57,6 +79,7 @@ def model_card(settings: Settings, output_dir: Path) -> str:
     lines += [f"# {kind} for {settings.model}", "", "Trained with zerotuner (DeepSpeed ZeRO)."]
     if last is not None:
         lines += ["", f"Steps: {last['step']}; last logged loss {last['loss']:.4f}."]
+    lines += _held_out(output_dir)
     if lora:  # Wan 2.2 A14B's low-noise expert: the adapter goes onto transformer_2
         into = ", load_into_transformer_2=True" if settings.expert == "low" else ""
         lines += ["", "```python",

@@ -182,6 +182,10 @@ class Pusher:
             return
         tags = sorted(remote_checkpoints(self.store), key=_step, reverse=True)
         keep = set(tags[: self.keep]) | {current}
+        # the best evaluated step an early stop exports stays, as it does locally
+        local = checkpoint.checkpoints_dir(self.output_dir) / current
+        if (pinned := (checkpoint.read_manifest(local) or {}).get("keep_step")) is not None:
+            keep.add(f"step-{pinned}")
         for tag in tags:
             if tag not in keep and _step(tag) < _step(current):
                 self.store.delete(f"{CHECKPOINTS}{tag}/")

@@ -41,6 +41,7 @@ from zerotuner.settings.video_windows import parse_windows
 
 FILE_SETTING = env_name("datasets_file")
 DIR_SETTING = env_name("data_dir")
+EVAL_DIR_SETTING = env_name("eval_data_dir")
 REMOTE_FOLDER = "datasets"  # under ZT_CACHE_DIR: the fetched copies
 _S3 = re.compile(r"^s3://(?P<bucket>[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9])(?:/(?P<prefix>.*))?$")
 _HF = re.compile(
@@ -184,6 +185,15 @@ def sources(settings: Settings) -> list[DatasetSource]:
             "(an epoch lists each image once per repeat): lower them, keeping their ratios"
         )
     return found
+
+
+def eval_sources(settings: Settings) -> list[DatasetSource]:
+    """ZT_EVAL_DATA_DIR as a dataset (the job's caption template), else none: the held-out
+    images, read as ZT_DATA_DIR's (fetched likewise when remote)."""
+    if settings.eval_data_dir is None:
+        return []
+    parse_location(settings.eval_data_dir, setting=EVAL_DIR_SETTING)
+    return [DatasetSource(path=settings.eval_data_dir, caption_template=settings.caption_template)]
 
 
 def _message(error: ErrorDetails) -> str:

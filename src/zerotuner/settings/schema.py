@@ -17,7 +17,14 @@ from contextvars import ContextVar
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import AliasChoices, Field, SecretStr, ValidationError, field_validator
+from pydantic import (
+    AliasChoices,
+    Field,
+    SecretStr,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+)
 from pydantic_core import PydanticCustomError
 from pydantic_settings import (
     BaseSettings,
@@ -369,6 +376,34 @@ class Settings(BaseSettings):
     validation_guidance_scale: float | None = Field(
         None, ge=0, description="Classifier-free guidance of the samples; empty = the pipeline's."
     )
+    eval_data_dir: str | None = Field(
+        None,
+        description="Held-out images for an evaluation loss, never trained on: a folder or a URL "
+        "as ZT_DATA_DIR takes (captions likewise).",
+    )
+    eval_fraction: float | None = Field(
+        None,
+        gt=0,
+        lt=1,
+        description="Instead of ZT_EVAL_DATA_DIR: this share of the training images held out "
+        "for the evaluation loss (chosen by ZT_SEED) and never trained on.",
+    )
+    eval_every_steps: int = Field(
+        0,
+        ge=0,
+        description="Held-out loss interval (fixed noise and timestep per image: comparable "
+        "from one evaluation to the next); 0 = end only.",
+    )
+    early_stop_patience: int = Field(
+        0,
+        ge=0,
+        description="Stop after this many evaluations without a held-out loss lower than the "
+        "best by more than ZT_EARLY_STOP_MIN_DELTA, exporting the best evaluated step (each new "
+        "best is checkpointed and kept); 0 disables.",
+    )
+    early_stop_min_delta: float = Field(
+        0.0, ge=0, description="How much lower the held-out loss must be to count as better."
+    )
 
     # --- observability ----------------------------------------------------------------------------
     metrics_host: str = Field("0.0.0.0", description="Address the metrics endpoint binds.")
@@ -483,12 +518,35 @@ class Settings(BaseSettings):
             return [p.strip() for p in text.split("|") if p.strip()]
         return value
 
-    @field_validator("data_dir", mode="before")
+    @field_validator("data_dir", "eval_data_dir", mode="before")
     @classmethod
     def _folder_or_url(cls, value: Any) -> Any:
         """A folder (a Path is fine) or an s3:// / hf://datasets/ URL, kept as text: a Path
         would fold the URL's `//`."""
         return os.fspath(value) if isinstance(value, os.PathLike) else value
+
+    @field_validator("eval_fraction")
+    @classmethod
+    def _one_eval_source(cls, value: float | None, info: ValidationInfo) -> float | None:
+        if value is not None and info.data.get("eval_data_dir"):
+            raise PydanticCustomError(
+                "eval_source",
+                "no fraction while ZT_EVAL_DATA_DIR is set: the held-out images are one or the "
+                "other (unset one of them)",
+            )
+        return value
+
+    @field_validator("early_stop_patience")
+    @classmethod
+    def _patience_needs_eval(cls, value: int, info: ValidationInfo) -> int:
+        held_out = info.data.get("eval_data_dir") or info.data.get("eval_fraction")
+        if value and not (held_out and info.data.get("eval_every_steps")):
+            raise PydanticCustomError(
+                "early_stop",
+                "0 (off) unless held-out images are evaluated during the run: set "
+                "ZT_EVAL_DATA_DIR or ZT_EVAL_FRACTION, and ZT_EVAL_EVERY_STEPS above 0",
+            )
+        return value
 
     @field_validator("zero_stage", mode="before")
     @classmethod

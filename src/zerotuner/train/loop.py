@@ -39,6 +39,9 @@ class LoopContext:
     load_batch: Callable[[Any, torch.Generator], dict[str, torch.Tensor]]
     guard: PlainStepGuard | None = None  # ZeRO-0 fp32: the skip DeepSpeed lacks there
     streak: Streak | None = None  # non-finite steps in a row: exit 4 past the limit
+    # the held-out loss after a step, when one is due (train.evaluate): its sinks hear it
+    # (on_eval) before the step's record
+    evaluate: Callable[[int], None] | None = None
 
 
 def forward_backward(
@@ -46,12 +49,20 @@ def forward_backward(
 ) -> Any:
     """One micro-batch: loss, then engine.backward (DeepSpeed scales for accumulation). A
     non-finite loss gets NaN gradients, so the step is skipped on every rank (nonfinite)."""
-    kwargs = ctx.conditioning.model_kwargs(batch, ctx.dtype)
-    loss = ctx.objective.loss(
-        engine, batch["latents"], kwargs, generator=gen, dtype=ctx.dtype, mask=batch.get("mask")
-    )
+    loss = batch_loss(engine, batch, ctx, gen)
     engine.backward(poison(loss))
     return loss.detach()
+
+
+def batch_loss(
+    engine: Any, batch: dict[str, torch.Tensor], ctx: LoopContext, gen: torch.Generator
+) -> torch.Tensor:
+    """The objective's loss of one cached batch (noise and timesteps from `gen`): what a step
+    trains on and what the held-out evaluation (train.evaluate) measures."""
+    kwargs = ctx.conditioning.model_kwargs(batch, ctx.dtype)
+    return ctx.objective.loss(
+        engine, batch["latents"], kwargs, generator=gen, dtype=ctx.dtype, mask=batch.get("mask")
+    )
 
 
 def train_step(engine: Any, micro_batches: list[Any], step: int, ctx: LoopContext) -> torch.Tensor:
@@ -114,12 +125,15 @@ def train(
                 f"DeepSpeed's minimum loss scale. {_resume_hint(ctx)}"
             ) from None
         loss, norm = step_scalars(mean, engine, ctx.guard)
+        seconds = time.perf_counter() - started
+        if ctx.evaluate is not None:
+            ctx.evaluate(step)
         record = StepRecord(
             step=step,
             loss=loss,
             lr=lr,
             grad_norm=norm,
-            step_seconds=time.perf_counter() - started,
+            step_seconds=seconds,
             samples=ctx.samples_per_step,
             timestamp=time.time(),
             skipped=engine.skipped_steps > skipped_before,

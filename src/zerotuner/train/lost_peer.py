@@ -15,12 +15,12 @@ import threading
 
 from zerotuner.errors import EXIT_PEER_LOST, PeerLost
 from zerotuner.launch import distributed, peers
-from zerotuner.launch.records import StepRecord, write_rank_status
+from zerotuner.launch.records import Sink, StepRecord, write_rank_status
 from zerotuner.settings.schema import Settings
 from zerotuner.weights import checkpoint
 
 
-class Whereabouts:
+class Whereabouts(Sink):
     """A sink that remembers where the run is (the last finished step, the phase), for the
     line a lost node ends this rank with."""
 

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from zerotuner import families
+from zerotuner.data import held_out
 from zerotuner.data.buckets import Bucket, bucket_name, dataset_buckets
 from zerotuner.data.clips import Video, video_sampling
 from zerotuner.data.dataset import Dataset
@@ -31,6 +32,7 @@ from zerotuner.launch.records import Sink, StepRecord, write_rank_armed
 from zerotuner.settings import datasets
 from zerotuner.settings.schema import Settings
 from zerotuner.train import caching, feature_cache, loop, model, nonfinite, samples, speed
+from zerotuner.train import evaluate as evaluation
 from zerotuner.train import optimizer as client_optimizer
 from zerotuner.train.stop import Stopped, StopRequest
 from zerotuner.weights import checkpoint, lora_text
@@ -78,7 +80,10 @@ class Run:
         self.objective: Objective
         self.video: Video | None = None  # None: the dataset is images
         self.dataset: Dataset
-        self.buckets: dict[Bucket, list[int]]
+        self.buckets: dict[Bucket, list[int]]  # the training images'
+        # the held-out images (ZT_EVAL_*): cached with the training ones, never trained on
+        self.cached: tuple[Dataset, dict[Bucket, list[int]]]  # what caching encodes
+        self.held: list[int] = []  # the held-out images' indices in self.items
         # cache(): the feature cache and the items it holds
         self.features: feature_cache.FeatureCache
         self.items: list[feature_cache.CacheItem]
@@ -89,6 +94,15 @@ class Run:
         self.position = Position()  # the data order's, followed step by step
         self.ema: EMA | None = None
         self.due: set[str] = set()  # "save", "validate": due at a skipped step, done at the next
+        # train(): the loop's context; the held-out loss's best and the early stop
+        self.ctx: loop.LoopContext
+        held = settings.eval_data_dir is not None or settings.eval_fraction is not None
+        self.early = (
+            evaluation.EarlyStop(settings.early_stop_patience, settings.early_stop_min_delta)
+            if held
+            else None
+        )
+        self.stopped_early: int | None = None  # the step an early stop committed
 
     def phase(self, name: str) -> None:
         for sink in self.sinks:
@@ -128,9 +142,45 @@ class Run:
         self.buckets = dataset_buckets(
             dataset, job.resolution, multiple=multiple, upscale=s.upscale
         )
+        self._hold_out(multiple)
         if self.rank == 0:  # every rank scanned the same files: count them once
             self._report_dataset(dataset, objective, multiple)
         self.weights.check_base(source, self.resume, rank=self.rank)  # a LoRA's own base only
+
+    def _hold_out(self, multiple: int) -> None:
+        """The held-out images: ZT_EVAL_FRACTION's taken out of the training buckets, or
+        ZT_EVAL_DATA_DIR's scanned and cached beside the training images."""
+        s = self.settings
+        self.cached = (self.dataset, self.buckets)
+        if s.eval_fraction is not None:
+            self.held = held_out.held_out(self.dataset.items, s.eval_fraction, s.seed)
+            out, kept = set(self.held), {}
+            for bucket, indices in self.buckets.items():
+                if training := [i for i in indices if i not in out]:
+                    kept[bucket] = training
+            self.buckets = kept
+        elif s.eval_data_dir is not None:
+            extra = scan_sources(
+                datasets.eval_sources(s), s.cache_dir, log_skipped=self.rank == 0,
+                write_index=self.place.node_leader, min_image_size=s.min_image_size,
+                video=self.video, control_count=families.REGISTRY[self.job.family].controls,
+            )  # fmt: skip
+            offset = len(self.dataset)
+            joined = dict(self.buckets)
+            for bucket, indices in dataset_buckets(
+                extra, self.job.resolution, multiple=multiple, upscale=s.upscale
+            ).items():
+                joined[bucket] = joined.get(bucket, []) + [offset + i for i in indices]
+            items = self.dataset.items + extra.items
+            self.cached = (Dataset(self.dataset.root, items, self.dataset.skipped), joined)
+            self.held = list(range(offset, len(items)))
+        if self.held and self.rank == 0:
+            source = s.eval_data_dir or f"{s.eval_fraction:g} of the training images"
+            every = f"every {s.eval_every_steps} steps and " if s.eval_every_steps else ""
+            log.info(
+                "held-out loss: %d image(s) (%s), evaluated %sat the end",
+                len(self.held), source, every,
+            )  # fmt: skip
 
     def _fetch(self) -> Path:
         """The base pipeline's folder: a hub id is downloaded (or found in the cache) once per
@@ -154,8 +204,7 @@ class Run:
         """run/dataset.json and the dataset's log lines (rank 0)."""
         s, resolution = self.settings, self.job.resolution
         for sink in self.sinks:
-            if hasattr(sink, "on_dataset_skipped"):
-                sink.on_dataset_skipped(len(dataset.skipped))
+            sink.on_dataset_skipped(len(dataset.skipped))
         _write_json(
             self.run_dir / "dataset.json",
             {
@@ -186,8 +235,8 @@ class Run:
     def cache(self) -> None:
         self.phase("caching")
         self.features, self.items, stats = caching.fill(
-            self.settings, self.source, self.components, self.conditioning, self.dataset,
-            self.buckets, rank=self.rank, world=self.world, device=torch.device(self.device),
+            self.settings, self.source, self.components, self.conditioning, *self.cached,
+            rank=self.rank, world=self.world, device=torch.device(self.device),
             dtype=self.dtype, texts=not self.weights.texts_trained,
         )  # fmt: skip
         if self.rank == 0:
@@ -237,6 +286,8 @@ class Run:
             self.start_step = resumed.step
             self.position = Position(**(resumed.position or {}))
             log.info("resumed from %s at step %d", resumed.path, resumed.step)
+            if self.early is not None:  # the best so far, and the evaluations since it
+                self.early.restore((checkpoint.read_manifest(resumed.path) or {}).get("eval"))
         if s.ema:
             self.ema = EMA(
                 self.engine_.module, decay=s.ema_decay, rank=self.rank,
@@ -267,6 +318,9 @@ class Run:
 
     def train(self) -> None:
         s = self.settings
+        if self.early is not None and self.early.exhausted:  # resumed from its early stop
+            self.stopped_early = self.start_step
+            return
         self.phase("training")
         texts = not self.weights.texts_trained  # else batches carry token ids
         streak = nonfinite.Streak(
@@ -274,7 +328,7 @@ class Run:
             counts=not self.engine_.fp16_enabled(),  # fp16: the loss scaler's skips
             last_checkpoint=lambda: checkpoint.last_committed(s.output_dir),
         )  # fmt: skip
-        ctx = loop.LoopContext(
+        self.ctx = ctx = loop.LoopContext(
             conditioning=self.conditioning if texts else lora_text.TrainedText(self.conditioning),
             objective=self.objective,
             dtype=self.dtype,
@@ -285,8 +339,14 @@ class Run:
             load_batch=functools.partial(self._load_batch, texts=texts),
             guard=self.guard,
             streak=streak,
+            evaluate=self.evaluate_due if self.held else None,
         )
-        loop.train(self.engine_, self.steps(), ctx, sinks=self.sinks, after_step=self.after_step)
+        try:
+            loop.train(
+                self.engine_, self.steps(), ctx, sinks=self.sinks, after_step=self.after_step
+            )
+        except evaluation.EarlyStopped as stopped:
+            self.stopped_early = stopped.step
         streak.summary()
         if graphs := speed.graphs_built():
             log.info("speed: %d graphs compiled in this rank (blocks x bucket shapes)", graphs)
@@ -297,11 +357,62 @@ class Run:
         items = caching.batch_items(
             self.items, keys, seed=self.settings.seed, caption_dropout=self.settings.caption_dropout
         )
+        return self._load_items(items, gen, texts=texts)
+
+    def _load_items(
+        self, items: list[feature_cache.CacheItem], gen: torch.Generator, *, texts: bool
+    ) -> dict[str, Any]:
         batch: dict[str, Any] = self.features.load_batch(items, gen, texts=texts)
         if not texts:
             captions = [item.caption for item in items]
             batch["input_ids"] = self.conditioning.tokens(self.weights.tokenizers, captions)
         return batch
+
+    # --- the held-out loss ------------------------------------------------------------------
+    def evaluate_due(self, step: int) -> None:
+        every = self.settings.eval_every_steps
+        if step == self.settings.max_steps or (every and step % every == 0):
+            self.evaluate(step)
+
+    def evaluate(self, step: int) -> None:
+        """The held-out loss of the weights after `step` (every rank), told to the sinks; a
+        new best is due to be checkpointed when an early stop may export it."""
+        assert self.early is not None
+        texts = not self.weights.texts_trained
+
+        def loss_of(slot: int, gen: torch.Generator) -> torch.Tensor:
+            batch = self._load_items([self.items[self.held[slot]]], gen, texts=texts)
+            return loop.batch_loss(self.engine_, batch, self.ctx, gen)
+
+        with client_optimizer.eval_weights(self.engine_, "the held-out loss"):
+            loss = evaluation.held_out_loss(
+                self.engine_, [held_out.identity(self._scanned_item(i)) for i in self.held],
+                seed=self.settings.seed, rank=self.rank, world=self.world, loss_of=loss_of,
+            )  # fmt: skip
+        if self.early.update(step, loss) and self.early.patience:
+            self.due.add("best")
+        for sink in self.sinks:
+            sink.on_eval(step, loss)
+        if self.rank == 0:
+            self._write_eval_record()
+
+    def _scanned_item(self, index: int) -> Any:
+        """The scanned item behind cache item `index` (training images, then held-out ones)."""
+        return self.cached[0].items[index]
+
+    def _write_eval_record(self, exported: int | None = None) -> None:
+        """run/eval.json: the last and the best held-out loss (the model card names the best),
+        and after an early stop the step exported."""
+        assert self.early is not None
+        _write_json(
+            self.run_dir / "eval.json",
+            {
+                "held_out_images": len(self.held),
+                **self.early.state(),
+                "stopped_early_at": self.stopped_early,
+                "exported_step": exported,
+            },
+        )
 
     def after_step(self, record: StepRecord) -> None:
         s, step = self.settings, record.step
@@ -316,14 +427,22 @@ class Run:
         # at a skipped (non-finite) step wait for the next step that applies, so no checkpoint
         # lands inside a run of them
         act = step != s.max_steps and not record.skipped
+        # a new best held-out loss is checkpointed at once (whatever the step): an early stop
+        # exports it
+        best = "best" in self.due and step != s.max_steps
+        self.due.discard("best")
         saved = False
-        if act and "save" in self.due:
+        if (act and "save" in self.due) or best:
             self.save(step)
             saved = True
         if self.stop.agreed():
             if not saved:
                 self.save(step)  # the weights of the last step that applied
             raise Stopped(step, self.stop.name)
+        if self.early is not None and self.early.exhausted:
+            if not saved:
+                self.save(step)
+            raise evaluation.EarlyStopped(step)
         if act and "validate" in self.due:
             self.validate(step)
 
@@ -354,6 +473,9 @@ class Run:
             "optimizer": str(job.deepspeed.get("optimizer", {}).get("type", s.optimizer)),
             **self.weights.manifest_entries(),
             **({"expert": s.expert, "denoiser": self.part} if self.part else {}),
+            **({"eval": self.early.state()} if self.early is not None else {}),
+            # the best evaluated step: kept by the local and the remote rotation
+            **({"keep_step": pinned} if (pinned := self._kept_step()) is not None else {}),
         }
         with client_optimizer.eval_weights(self.engine_, "the checkpoint"):
             seconds = self._save(step, meta)
@@ -372,7 +494,12 @@ class Run:
             ema_updates=self.ema.updates if self.ema else 0,
             keep=s.checkpoints_keep,
             rank=self.rank,
+            keep_step=self._kept_step(),
         )
+
+    def _kept_step(self) -> int | None:
+        """The best evaluated step, which an early stop exports: it outlives the rotation."""
+        return self.early.best_step if self.early and self.early.patience else None
 
     def validate(self, step: int) -> None:
         self.require_finite_weights(step, "sampling")
@@ -405,19 +532,43 @@ class Run:
                 )
         distributed.barrier()
         for sink in self.sinks:  # the trackers (ZT_REPORT_TO) show the images
-            if hasattr(sink, "on_samples"):
-                sink.on_samples(step, s.output_dir / "samples" / f"step-{step}")
+            sink.on_samples(step, s.output_dir / "samples" / f"step-{step}")
         self.phase("training")
 
     # --- the end --------------------------------------------------------------------------
-    def finish(self) -> None:
+    def finish(self) -> str:
+        """The last checkpoint, samples and the export; returns the run's one line."""
         s = self.settings
+        if self.stopped_early is not None:
+            return self._finish_early(self.stopped_early)
         step = s.max_steps
         if self.start_step < step:
             self.save(step)
         if s.validation_prompts:
             self.validate(step)
         self.require_finite_weights(step, "exporting")  # a resume at the last step saves none
+        self._export()
+        return f"finished at step {step}"
+
+    def _finish_early(self, step: int) -> str:
+        """An early stop: `step` is committed; the best evaluated step's weights are exported."""
+        assert self.early is not None and self.early.best_step is not None
+        best = self.early.best_step
+        if best != step:
+            path = checkpoint.checkpoints_dir(self.settings.output_dir) / f"step-{best}"
+            resumed = checkpoint.load(self.engine_, path)
+            client_optimizer.resume_training_weights(self.engine_)
+            if self.ema is not None and resumed.ema is not None:
+                self.ema.load(resumed.ema, resumed.ema_updates)
+        self.require_finite_weights(best, "exporting")
+        self._export()
+        line = self.early.why(step)
+        if self.rank == 0:
+            self._write_eval_record(exported=best)
+            log.info("%s", line)
+        return line
+
+    def _export(self) -> None:
         self.phase("exporting")
         with client_optimizer.eval_weights(self.engine_, "the export"):
             exported = self.weights.export(

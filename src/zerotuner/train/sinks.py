@@ -54,7 +54,7 @@ def build_sinks(
     return sinks
 
 
-class StepsJsonlSink:
+class StepsJsonlSink(Sink):
     """OUTPUT/run/steps.jsonl: one line per optimizer step (rank 0). At the first record, lines
     from that step on are dropped (left by a run that went further than its last checkpoint),
     so after a resume the file continues with the next step."""
@@ -62,6 +62,7 @@ class StepsJsonlSink:
     def __init__(self, path: Path) -> None:
         self.path = path
         self._file: Any = None
+        self._eval: tuple[int, float] | None = None  # heard before its step's record
 
     def _open(self, first_step: int) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -76,8 +77,8 @@ class StepsJsonlSink:
         self.path.write_text("".join(f"{line}\n" for line in kept))
         self._file = self.path.open("a", buffering=1)
 
-    def on_phase(self, phase: str) -> None:
-        pass
+    def on_eval(self, step: int, loss: float) -> None:
+        self._eval = (step, loss)
 
     def on_step(self, record: StepRecord) -> None:
         if self._file is None:
@@ -92,6 +93,9 @@ class StepsJsonlSink:
             "timestamp": record.timestamp,
             "skipped": record.skipped,  # non-finite: the weights did not change (nonfinite)
         }
+        if self._eval is not None and self._eval[0] == record.step:
+            line["eval_loss"] = _finite_or_none(self._eval[1])  # the held-out loss (evaluate)
+            self._eval = None
         self._file.write(json.dumps(line) + "\n")
 
     def on_checkpoint(self, step: int, seconds: float) -> None:

@@ -75,15 +75,14 @@ def train(settings: Settings, job: Job, *, sinks: Sequence[Sink] | None = None) 
             raise Stopped(None, run.stop.name)
         run.engine()
         run.train()
-        run.finish()
-        code, message = EXIT_OK, f"finished at step {settings.max_steps}"
+        code, message = EXIT_OK, run.finish()
     except Exception as error:  # noqa: BLE001 - the status must be written whatever happened
         code, message = _exit_status(error, rank=rank, watch=watch, where=where, settings=settings)
     finally:
         if watch is not None:
             watch.settle()
         for sink in opened:
-            if code != EXIT_OK and hasattr(sink, "unfinished"):
+            if code != EXIT_OK:
                 sink.unfinished()  # the progress summary must not read as a finished run
             sink.close()
         write_rank_status(rank, code, message)

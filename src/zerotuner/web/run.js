@@ -94,7 +94,8 @@ function show(run) {
   $("#last-loss").textContent = loss === null ? "-" : loss.toPrecision(4);
   const job = run.job || {};
   $("#job").textContent = job.family ? `${job.family} ZeRO-${job.zero_stage}, world size ${job.world_size}, ${job.mixed_precision === "no" ? "fp32" : job.mixed_precision}` : "";
-  lineChart($("#loss-chart"), [{ name: "loss", points: run.loss }], { xLabel: "step" });
+  const held = run.eval_loss && run.eval_loss.length ? [{ name: "held-out loss", points: run.eval_loss }] : [];
+  lineChart($("#loss-chart"), [{ name: "loss", points: run.loss }, ...held], { xLabel: "step" });
   const ranks = Object.entries(run.ranks);
   const start = ranks.length ? Math.min(...ranks.map(([, s]) => s.t[0] ?? run.now)) : run.now;
   const over = (key, scale) => ranks.map(([rank, s]) => ({

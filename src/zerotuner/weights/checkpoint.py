@@ -108,8 +108,11 @@ def save(
     ema_updates: int,
     keep: int,
     rank: int,
+    keep_step: int | None = None,
 ) -> float:
-    """Save and commit step-N on every rank (a collective). Returns the seconds it took."""
+    """Save and commit step-N on every rank (a collective). Returns the seconds it took.
+    `keep_step`: a committed step the rotation keeps besides the last `keep` (the best
+    evaluated one, which an early stop exports)."""
     started = time.perf_counter()
     root = checkpoints_dir(output_dir)
     tag = f"step-{step}"
@@ -124,8 +127,9 @@ def save(
         _test_hook("ZT_TEST_SLEEP_IN_SAVE")
         barrier()  # every shard is written
         commit = functools.partial(
-            _commit, root, step, meta, ema=ema, ema_updates=ema_updates, keep=keep
-        )
+            _commit, root, step, meta, ema=ema, ema_updates=ema_updates, keep=keep,
+            keep_step=keep_step,
+        )  # fmt: skip
         on_rank0(rank, commit)
     except Exception as error:
         if not (_disk_full(error) or _nearly_full(root)):
@@ -155,6 +159,7 @@ def _commit(
     ema: dict[str, torch.Tensor] | None,
     ema_updates: int,
     keep: int,
+    keep_step: int | None = None,
 ) -> None:
     """EMA weights, the manifest, the pointer, then rotation: what makes a saved step
     resumable (rank 0, after every rank saved its shards)."""
@@ -173,7 +178,7 @@ def _commit(
     write_atomic(root / tag / MANIFEST, json.dumps(manifest, indent=2, sort_keys=True))
     write_atomic(root / LATEST, tag)
     shutil.rmtree(_aside(root, tag), ignore_errors=True)  # replaced: the new step-N is safe
-    _rotate(root, keep=keep, current=tag)
+    _rotate(root, keep=keep, current=tag, keep_step=keep_step)
 
 
 def _aside(root: Path, tag: str) -> Path:
@@ -254,12 +259,12 @@ def _sha256(path: Path) -> str:
 REMOTE_LATEST = ".remote-latest"
 
 
-def _rotate(root: Path, *, keep: int, current: str) -> None:
+def _rotate(root: Path, *, keep: int, current: str, keep_step: int | None = None) -> None:
     committed = sorted(committed_checkpoints(root), key=lambda p: _step_of(p))
     marker = root / REMOTE_LATEST
     remote = marker.read_text().strip() if marker.is_file() else None
     for old in committed[:-keep]:
-        if old.name == current:
+        if old.name == current or _step_of(old) == keep_step:
             continue
         if remote is not None and _step_of(old) > _step_of(root / remote):
             continue  # not yet safe on the remote (its upload is late or failing)
