@@ -1,16 +1,18 @@
 """`./entrypoint train` as the image runs it: real processes, real DeepSpeed on the CPU.
 
 Two entrypoints on 127.0.0.1 train together as node 0 and node 1; SIGTERM to the entrypoint
-reaches the ranks, which commit a checkpoint and exit 143; bad settings exit 2 and an unfit
-environment exits 3, each with one line and no traceback.
+reaches the ranks, which commit a checkpoint and exit 143; a rank SIGKILLed is exit 1 naming
+it; bad settings exit 2 and an unfit environment exits 3, each with one line and no traceback.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import signal
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -120,3 +122,38 @@ def test_an_unfit_environment_exits_3(demo_dir, tmp_path):
     assert result.returncode == 3, result.stderr[-2000:]
     assert "Traceback" not in result.stderr
     assert any(line.startswith("zerotuner: error: ") for line in result.stderr.splitlines())
+
+
+@pytest.mark.slow
+def test_a_rank_the_oom_killer_ends_is_exit_1_and_named(demo_dir, tmp_path):
+    """SIGKILL to one rank while it trains (what the kernel's out-of-memory killer sends):
+    exit 1 (a retry may help), and the run's one line, the one the notification tells, names
+    that rank and the signal, not its peer's broken connection."""
+    from test_metrics_training import rank_processes
+
+    with Receiver() as webhook:
+        env = entrypoint_env(demo_dir, tmp_path, ZT_MAX_STEPS="10000",
+                             ZT_CHECKPOINT_EVERY_STEPS="0", ZT_NOTIFY_URL=webhook.url)  # fmt: skip
+        proc = subprocess.Popen(
+            [ENTRYPOINT, "train"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            text=True, start_new_session=True,
+        )  # fmt: skip
+        try:
+            deadline = time.monotonic() + 600
+            while len(steps_done(tmp_path)) < 2:
+                assert proc.poll() is None and time.monotonic() < deadline
+                time.sleep(0.2)
+            ranks = rank_processes(proc)
+            assert len(ranks) == 2
+            ranks[1].send_signal(signal.SIGKILL)
+            out = proc.communicate(timeout=300)[0]
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 1, out[-3000:]
+    told = webhook.bodies[-1]
+    assert told["type"] == "failure", told
+    assert told["message"].startswith(
+        "exit 1: failed unexpectedly (a retry may help): rank 1 was killed by SIGKILL without "
+        "a stop request: most often the kernel's out-of-memory killer"
+    ), told

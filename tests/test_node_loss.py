@@ -27,6 +27,7 @@ import psutil
 import pytest
 import torch
 import torch.distributed as dist
+from receiver import Receiver
 from trainkit import ENTRYPOINT, entrypoint_env, steps_done
 
 from zerotuner.errors import (
@@ -344,20 +345,26 @@ def test_node_1_killed_whole_node_0_says_so_and_a_restart_resumes(demo_dir, tmp_
     seed = random.randrange(1 << 30)
     kill_at = random.Random(seed).randint(INTERVAL + 2, 3 * INTERVAL)
     why = f"(seed {seed}, kill at step {kill_at})"
-    nodes = _start_nodes(demo_dir, tmp_path, free_port(), tmp_path)
-    try:
-        deadline = time.monotonic() + 600
-        while len(steps_done(tmp_path)) < kill_at:
-            assert all(n.poll() is None for n in nodes), (tmp_path / "node0.log").read_text()
-            assert time.monotonic() < deadline, why
-            time.sleep(0.05)
-        _kill_tree(nodes[1])
-        killed = time.monotonic()
-        code = nodes[0].wait(timeout=EXIT_BOUND + 60)
-        took = time.monotonic() - killed
-    finally:
-        for node in nodes:
-            _kill_tree(node)
+    with Receiver() as webhook:  # ZT_NOTIFY_URL (issue 46): node 0 tells the loss, with its line
+        nodes = _start_nodes(demo_dir, tmp_path, free_port(), tmp_path,
+                             ZT_NOTIFY_URL=webhook.url)  # fmt: skip
+        try:
+            deadline = time.monotonic() + 600
+            while len(steps_done(tmp_path)) < kill_at:
+                assert all(n.poll() is None for n in nodes), (tmp_path / "node0.log").read_text()
+                assert time.monotonic() < deadline, why
+                time.sleep(0.05)
+            _kill_tree(nodes[1])
+            killed = time.monotonic()
+            code = nodes[0].wait(timeout=EXIT_BOUND + 60)
+            took = time.monotonic() - killed
+        finally:
+            for node in nodes:
+                _kill_tree(node)
+    starts = [b for b in webhook.bodies if b["title"] == "zerotuner: start"]
+    assert len(starts) == 1, webhook.bodies  # node 0's entrypoint alone tells
+    told = webhook.bodies[-1]
+    assert told["type"] == "failure" and told["message"].startswith("exit 200: "), told
     log = (tmp_path / "node0.log").read_text()
     assert code == EXIT_PEER_LOST, f"{why} exit {code}\n{log[-4000:]}"
     assert took < EXIT_BOUND, f"{why} node 0 took {took:.1f} s"
@@ -372,6 +379,7 @@ def test_node_1_killed_whole_node_0_says_so_and_a_restart_resumes(demo_dir, tmp_
     assert last - saved <= INTERVAL, why  # at most one interval lost
     assert f"lost node 1 (host {socket.gethostname()}, rank 1) after step {last}:" in line, line
     assert f"resumes from {checkpoint}" in line and "exit 200" in line, line
+    assert line.removeprefix("zerotuner: error: ") in told["message"], told
     # no traceback (the rank's gloo error, torchrun's ChildFailedError), no line of success
     assert "Traceback" not in log and "ChildFailedError" not in log, log[-4000:]
     assert not re.search(r"zerotuner.progress: \d+ steps in", log), log[-4000:]

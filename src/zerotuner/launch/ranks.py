@@ -376,9 +376,10 @@ class Ranks:
         return self._exit_code(code)
 
     def failure_line(self) -> str:
-        """The one line of the first rank that failed with one ("" when none said why)."""
+        """The one line of the first rank that failed with one ("" when none said why): a
+        rank killed by a signal first, the cause of its peers' broken connections."""
         failed = [s for s in read_rank_statuses(self.status_dir) if s.exit_code and s.message]
-        return min(failed, key=lambda s: s.rank).message if failed else ""
+        return min(failed, key=lambda s: (not s.killed, s.rank)).message if failed else ""
 
     def _exit_code(self, code: int) -> int:
         statuses = read_rank_statuses(self.status_dir)

@@ -70,16 +70,27 @@ class RankStatus:
     rank: int
     exit_code: int
     message: str = ""
+    # ended by a signal it could not handle (SIGKILL): torchrun's agent wrote it for the rank.
+    # Its line is the cause of the others' (a peer's broken connection), so it is told first.
+    killed: bool = False
 
 
-def write_rank_status(rank: int, exit_code: int, message: str = "") -> None:
+def write_rank_status(rank: int, exit_code: int, message: str = "", killed: bool = False) -> None:
     folder = os.environ.get(STATUS_DIR_ENV)
     if not folder:
         return
     path = Path(folder) / f"rank-{rank}.json"
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(asdict(RankStatus(rank, exit_code, message))))
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(asdict(RankStatus(rank, exit_code, message, killed))))
     os.replace(tmp, path)
+
+
+def killed_line(rank: int, signal_name: str) -> str:
+    """A rank's one line when a signal it cannot handle ended it."""
+    why = (" without a stop request: most often the kernel's out-of-memory killer (see the "
+           "node's memory, `dmesg`); `zerotuner plan` says what the run needs"
+           if signal_name == "SIGKILL" else "")  # fmt: skip
+    return f"rank {rank} was killed by {signal_name}{why}"
 
 
 def write_rank_armed(rank: int) -> None:

@@ -7,8 +7,10 @@ for the caller to handle: here it ends the process with the shell's code for tha
 (128 + signum), and the ranks' own statuses say whether they saved. Ranks that all exited
 with a code they explain in one line of their own (2, 3, 4, and 200 for a lost node:
 errors.py) end it with torchrun's exit 1 and no traceback on top. Every other failure
-propagates untouched. The ranks learn this process's pid (`ZT_AGENT_PID`): each asks to die
-with it (`peers.die_with_parent`), so an agent killed leaves no rank training on alone.
+propagates untouched; a rank a signal ended (SIGKILL: the out-of-memory killer) gets the status
+it could not write, naming the signal, so the run's one line is its. The ranks learn this
+process's pid (`ZT_AGENT_PID`): each asks to die with it (`peers.die_with_parent`), so an agent
+killed leaves no rank training on alone.
 """
 
 from __future__ import annotations
@@ -21,8 +23,15 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import main as torchrun_main
 
-from zerotuner.errors import EXIT_CONFIG, EXIT_DIVERGED, EXIT_ENVIRONMENT, EXIT_PEER_LOST
+from zerotuner.errors import (
+    EXIT_CONFIG,
+    EXIT_DIVERGED,
+    EXIT_ENVIRONMENT,
+    EXIT_FAILURE,
+    EXIT_PEER_LOST,
+)
 from zerotuner.launch.peers import AGENT_PID_ENV
+from zerotuner.launch.records import killed_line, write_rank_status
 
 EXPLAINED = {EXIT_CONFIG, EXIT_ENVIRONMENT, EXIT_DIVERGED, EXIT_PEER_LOST}
 
@@ -45,6 +54,10 @@ def main(argv: list[str] | None = None) -> int:
     except SignalException as stop:
         return 128 + int(stop.sigval)
     except ChildFailedError as failed:
+        for rank, failure in failed.failures.items():
+            if failure.exitcode < 0:  # a signal ended it: it could say nothing itself
+                line = killed_line(rank, failure.signal_name())
+                write_rank_status(rank, EXIT_FAILURE, line, killed=True)
         if not all(f.exitcode in EXPLAINED for f in failed.failures.values()):
             raise
         return 1
