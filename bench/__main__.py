@@ -17,7 +17,7 @@ from bench.benchmodel import unet_parameters, write_bench_model
 
 SUITES = (
     "overhead", "planner", "lora_vs_full", "nvme", "scaling", "stops", "gpu_paper", "load_peak",
-    "load_peak_sdxl", "speed", "base_precision", "optimizers",
+    "load_peak_sdxl", "speed", "base_precision", "optimizers", "notify",
 )  # fmt: skip
 log = logging.getLogger("bench")
 
@@ -118,6 +118,11 @@ def main(argv: list[str] | None = None) -> int:
             from bench.optimizers import optimizers
 
             results["optimizers"] = optimizers(b, rounds=1 if args.smoke else 2)
+        if "notify" in wanted:
+            log.info("notify: step time with a webhook that answers, fails or hangs")
+            from bench.notify import notify
+
+            results["notify"] = notify(b, rounds=1 if args.smoke else 2)
         if "gpu_paper" in wanted:
             from bench.paper import headline
 

@@ -309,6 +309,10 @@ def markdown(r: dict[str, Any]) -> str:
         from bench.optimizers import markdown as optimizers_markdown
 
         out += optimizers_markdown(r["optimizers"])
+    if r.get("notify"):
+        from bench.notify import markdown as notify_markdown
+
+        out += notify_markdown(r["notify"])
     return "\n".join(out) + "\n"
 
 
@@ -357,6 +361,7 @@ def merged(new: dict[str, Any], folder: Path) -> dict[str, Any]:
     suites = (
         "overhead", "first_step", "planner", "lora_vs_full", "nvme", "scaling", "stops",
         "gpu_paper", "load_peak", "load_peak_sdxl", "speed", "base_precision", "optimizers",
+        "notify",
     )  # fmt: skip
     for key in suites:
         if key in new:

@@ -1,0 +1,72 @@
+"""Notifications off the training path (ZT_NOTIFY_URL, issue 46): the step time of a run whose
+webhook answers at once, answers 500, or hangs, on the bench UNet, ZeRO-2 on 2 CPU ranks.
+
+Every run commits a checkpoint every 2 steps, so a checkpoint event is sent every other step
+(the start's too) while it trains; the sender is node 0's entrypoint, not a rank, so a bad
+endpoint should cost the ranks nothing. Rounds interleave the three receivers; per round, each
+run's median steady s/step (steps.jsonl intervals, so the sinks and per-step checks count) over
+the answering receiver's, and the medians of those ratios over rounds. The receiver is the
+tests' (tests/receiver.py: answers, answers 500, or holds each request until it is stopped).
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+from bench import runs
+from bench.suites import Bench, intervals, median, steady
+
+MODES = ("ok", "error", "hang")
+
+
+def notify(b: Bench, rounds: int = 2) -> dict[str, Any]:
+    sys.path.insert(0, str(runs.REPO / "tests"))
+    from receiver import Receiver
+
+    seconds: dict[str, list[float]] = {m: [] for m in MODES}
+    ratios: dict[str, list[float]] = {m: [] for m in MODES}
+    codes: dict[str, list[int]] = {m: [] for m in MODES}
+    for i in range(rounds):
+        this_round = {}
+        for mode in MODES:
+            work = b.work(f"notify-{mode}-{i}")
+            with Receiver(mode) as webhook:
+                env = runs.zt_env(work, b.model, b.data, steps=b.steps, zero_stage=2,
+                                  offload_optimizer="none", checkpoint_every_steps=2,
+                                  checkpoints_keep=1, notify_url=webhook.url,
+                                  notify_timeout_seconds=2)  # fmt: skip
+                run = runs.run_product(work, env, check=False)
+            codes[mode].append(run.code)
+            this_round[mode] = median(steady(intervals(run.steps), b.warmup))
+            seconds[mode].append(this_round[mode])
+        for mode in MODES:
+            ratios[mode].append(this_round[mode] / this_round["ok"])
+    return {
+        "setup": "ZeRO-2, 2 ranks, fp32, micro-batch 2, a checkpoint (and its event) every 2 "
+        "steps, ZT_NOTIFY_TIMEOUT_SECONDS=2",
+        "rounds": rounds,
+        "exit_codes": codes,
+        "step_seconds": {m: median(seconds[m]) for m in MODES},
+        "step_time_vs_answering": {m: median(ratios[m]) for m in MODES},
+        "step_time_vs_answering_rounds": ratios,
+    }
+
+
+def markdown(r: dict[str, Any]) -> list[str]:
+    """The report's section (bench/report.py)."""
+    out = [
+        "## Notifications (ZT_NOTIFY_URL): step time with a webhook that answers, fails or hangs",
+        "",
+        f"{r['setup']}; {r['rounds']} interleaved rounds.",
+        "",
+        "| receiver | exit codes | s/step (median) | vs answering (median of rounds) | rounds |",
+        "|---|---|---:|---:|---|",
+    ]
+    for mode in MODES:
+        rounds = ", ".join(f"{x:.3f}" for x in r["step_time_vs_answering_rounds"][mode])
+        out.append(
+            f"| {mode} | {r['exit_codes'][mode]} | {r['step_seconds'][mode]:.3f} | "
+            f"{r['step_time_vs_answering'][mode]:.3f} | {rounds} |"
+        )
+    return [*out, ""]
