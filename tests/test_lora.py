@@ -190,8 +190,8 @@ def test_zero3_validation_samples_use_the_adapter(zero3, demo_dir: Path, tmp_pat
     [
         {"stage": 0},
         {"stage": 1},
-        {"stage": 2, "lora_rslora": True},
-        {"stage": 2, "offload_optimizer": "cpu", "precision": "bf16"},
+        # rsLoRA's scale and bf16 with the optimizer on the CPU: details of one ZeRO-2 run
+        {"stage": 2, "offload_optimizer": "cpu", "precision": "bf16", "lora_rslora": True},
         {
             "stage": 3,
             "offload_optimizer": "nvme",
@@ -203,8 +203,7 @@ def test_zero3_validation_samples_use_the_adapter(zero3, demo_dir: Path, tmp_pat
     ids=[
         "zero0",
         "zero1",
-        "zero2-rslora",
-        "zero2-cpu-offload-bf16",
+        "zero2-cpu-offload-bf16-rslora",
         "zero3-nvme-dora-checkpointing",
     ],
 )

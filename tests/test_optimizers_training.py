@@ -69,9 +69,15 @@ def final_weights(output: Path) -> dict[str, torch.Tensor]:
     return load_file(output / "final" / "unet" / "diffusion_pytorch_model.safetensors")
 
 
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory) -> Path:
+    """The demo's latents and text states, encoded by the first run and reused by the rest
+    (every optimizer trains on the same model, data and resolution)."""
+    return tmp_path_factory.mktemp("features")
+
+
 @pytest.mark.parametrize("name", list(SECTIONS))
-def test_client_optimizer_trains_and_resumes_bit_exact(name, demo_dir, tmp_path) -> None:
-    cache = tmp_path / "cache"
+def test_client_optimizer_trains_and_resumes_bit_exact(name, demo_dir, cache, tmp_path) -> None:
     output = run(tmp_path / "first", demo_dir, cache, name)
     log = (tmp_path / "first" / "log.txt").read_text()
     assert f"optimizer: {name}" in log and "steps one shard of it per rank (ZeRO-2)" in log
