@@ -90,6 +90,12 @@ function schedule() {
   timer = setTimeout(() => { timer = null; evaluate(); }, 250);
 }
 
+// The plan's ckpt column, as `zerotuner plan` prints it: off, on, or where its inputs wait.
+function checkpointing(row) {
+  if (!row.gradient_checkpointing) return "off";
+  return row.offload_activations === "none" ? "on" : row.offload_activations;
+}
+
 async function post(path, body, method = "POST") {
   const response = await fetch(path, {
     method, headers: { "Content-Type": "application/json" }, body: JSON.stringify(body),
@@ -166,11 +172,12 @@ function showPlan(answer) {
     const choice = JSON.stringify({
       zero_stage: row.zero_stage, offload_optimizer: row.offload_optimizer,
       offload_param: row.offload_param, gradient_checkpointing: row.gradient_checkpointing,
+      offload_activations: row.offload_activations,
     });
     if (choice === chosen) tr.className = "choice";
     if (!row.fits) tr.classList.add("unfit");
     const cells = [row.zero_stage, row.offload_optimizer, row.offload_param,
-      row.gradient_checkpointing ? "on" : "off", gib(row.device_bytes), gib(row.host_bytes),
+      checkpointing(row), gib(row.device_bytes), gib(row.host_bytes),
       gib(row.disk_bytes), row.fits ? "yes" : "no"];
     for (const cell of cells) tr.append(element("td", {}, String(cell)));
     tr.title = row.short.join("; ");
@@ -179,7 +186,8 @@ function showPlan(answer) {
   const label = plan.rows.find((r) => r.zero_stage === plan.choice.zero_stage
     && r.offload_optimizer === plan.choice.offload_optimizer
     && r.offload_param === plan.choice.offload_param
-    && r.gradient_checkpointing === plan.choice.gradient_checkpointing);
+    && r.gradient_checkpointing === plan.choice.gradient_checkpointing
+    && r.offload_activations === plan.choice.offload_activations);
   $("#plan-choice").textContent = "choice: " + (label ? label.label : JSON.stringify(plan.choice));
   for (const reason of plan.reasons) $("#plan-reasons").append(element("li", {}, reason));
   for (const warning of plan.warnings) $("#plan-reasons").append(element("li", { class: "warning" }, "warning: " + warning));
