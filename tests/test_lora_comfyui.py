@@ -39,6 +39,12 @@ TARGETS = {
 TOLERANCE = {"rtol": 1e-5, "atol": 1e-6}  # fp32; folding the scale into lora_B rounds once
 
 
+def test_every_registered_family_has_its_targets():
+    """The round trip below runs for each family in the registry: a new one needs its targets
+    here, and this names it rather than a KeyError in the middle of the run."""
+    assert set(TARGETS) == set(REGISTRY), set(REGISTRY) ^ set(TARGETS)
+
+
 def adapted(demo: Path, family: str, **variant):
     """The family's demo denoiser with an adapter whose every weight matters (B moved off 0)."""
     kind = families.get(family)

@@ -107,3 +107,15 @@ def test_a_run_tells_and_tracks_its_start_checkpoints_samples_and_finish(demo_di
     for url in (good.url, hang.url, bad.url):
         assert url not in out
         assert not [p for p in records if url in p.read_text()]
+
+
+@pytest.mark.parametrize("command", ["check", "config"])
+def test_check_and_config_refuse_a_url_no_notifier_takes(demo_job_env, capsys, command):
+    from zerotuner.cli import main
+
+    url = "nope://secret-token@example.invalid"
+    demo_job_env.setenv("ZT_NOTIFY_URL", url)
+    assert main([command]) == 2
+    out = capsys.readouterr()
+    assert "ZT_NOTIFY_URL: the value is no URL a notifier takes" in out.out + out.err
+    assert "secret-token" not in out.out + out.err

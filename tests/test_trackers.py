@@ -101,3 +101,15 @@ def test_wandb_online_needs_a_key_and_auto_follows_it():
     assert wandb_mode(load_settings({"ZT_REPORT_TO": "wandb"})) == "offline"
     keyed = load_settings({"ZT_REPORT_TO": "wandb", "WANDB_API_KEY": "0123456789abcdef"})
     assert wandb_mode(keyed) == "online"
+
+
+@pytest.mark.parametrize("command", ["check", "config"])
+def test_check_and_config_refuse_wandb_online_without_a_key(demo_job_env, capsys, command):
+    from zerotuner.cli import main
+
+    demo_job_env.delenv("WANDB_API_KEY", raising=False)
+    demo_job_env.setenv("ZT_REPORT_TO", "wandb")
+    demo_job_env.setenv("ZT_WANDB_MODE", "online")
+    assert main([command]) == 2
+    out = capsys.readouterr()
+    assert "ZT_WANDB_MODE=online needs a W&B API key" in out.out + out.err

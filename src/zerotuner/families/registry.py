@@ -7,7 +7,7 @@ torch.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from zerotuner.errors import ConfigError
@@ -118,6 +118,17 @@ def installed_families(builtin: dict[str, Spec]) -> dict[str, Spec]:
     return found
 
 
+FLUX = Spec(
+    "flow", "Flux",
+    {"patch_size": 1, "in_channels": 64, "num_layers": 19, "num_single_layers": 38,
+     "attention_head_dim": 128, "num_attention_heads": 24, "joint_attention_dim": 4096,
+     "pooled_projection_dim": 768, "guidance_embeds": True, "axes_dims_rope": [16, 56, 56]},
+    (11_901_408_320, 56_623_104), CLIP_L + T5_XXL_PARAMS, VAE16_PARAMS,
+    flow=True, pipeline="FluxPipeline", transformer="FluxTransformer2DModel",
+    hub_markers=("flux",), guess_order=0, clip_tokens=0, t5_tokens=512,
+    layer_keys=("num_layers", "num_single_layers"),
+)  # fmt: skip
+
 BUILTIN: dict[str, Spec] = {
     "sdxl": Spec(
         "unet", "SDXL",
@@ -161,26 +172,11 @@ BUILTIN: dict[str, Spec] = {
         hub_markers=("stable-diffusion-3", "sd3"), guess_order=1, t5_tokens=256,
         layer_keys=("num_layers",),
     ),
-    "flux": Spec(
-        "flow", "Flux",
-        {"patch_size": 1, "in_channels": 64, "num_layers": 19, "num_single_layers": 38,
-         "attention_head_dim": 128, "num_attention_heads": 24, "joint_attention_dim": 4096,
-         "pooled_projection_dim": 768, "guidance_embeds": True, "axes_dims_rope": [16, 56, 56]},
-        (11_901_408_320, 56_623_104), CLIP_L + T5_XXL_PARAMS, VAE16_PARAMS,
-        flow=True, pipeline="FluxPipeline", transformer="FluxTransformer2DModel",
-        hub_markers=("flux",), guess_order=0, clip_tokens=0, t5_tokens=512,
-        layer_keys=("num_layers", "num_single_layers"),
-    ),
-    "fluxkontext": Spec(
-        "flux_kontext", "FluxKontext",
-        {"patch_size": 1, "in_channels": 64, "num_layers": 19, "num_single_layers": 38,
-         "attention_head_dim": 128, "num_attention_heads": 24, "joint_attention_dim": 4096,
-         "pooled_projection_dim": 768, "guidance_embeds": True, "axes_dims_rope": [16, 56, 56]},
-        (11_901_408_320, 56_623_104), CLIP_L + T5_XXL_PARAMS, VAE16_PARAMS,
-        flow=True, pipeline="FluxKontextPipeline", transformer="FluxTransformer2DModel",
-        hub_markers=("kontext",), guess_order=-4, clip_tokens=0, t5_tokens=512,
-        layer_keys=("num_layers", "num_single_layers"),
-        demo="flux_kontext:write_model", controls=1,
+    "flux": FLUX,
+    # FLUX.1 Kontext is FLUX.1's network: only its trainer, pipeline and one control image differ
+    "fluxkontext": replace(
+        FLUX, module="flux_kontext", cls="FluxKontext", pipeline="FluxKontextPipeline",
+        hub_markers=("kontext",), guess_order=-4, demo="flux_kontext:write_model", controls=1,
     ),
     "chroma": Spec(
         "chroma", "Chroma",

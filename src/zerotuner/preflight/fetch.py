@@ -170,6 +170,26 @@ def _fetch_s3_file(found: lora_from.Remote, where: str, settings: Settings) -> P
 
 def _fetch_hub_file(found: lora_from.Remote, where: str, settings: Settings, offline: bool) -> Path:
     from huggingface_hub import hf_hub_download
+
+    token = settings.hf_token.get_secret_value() if settings.hf_token else None
+    readable = "not a file of a repository (or revision) this token can read"
+    with _hub_errors(where, readable, hint=f"; check the URL and {env_name('hf_token')}"):
+        path = hf_hub_download(
+            found.where, found.key, revision=found.revision, token=token,
+            repo_type="dataset" if found.dataset else None, local_files_only=offline,
+            cache_dir=hub_cache_dir(settings.cache_dir),
+        )  # fmt: skip
+    log.info("%s: in the hub cache at %s", where, path)
+    return Path(path)
+
+
+@contextmanager
+def _hub_errors(
+    where: str, refused: str, *, hint: str = "", name_error: bool = True
+) -> Iterator[None]:
+    """The hub's errors as zerotuner's one line: a repository, revision or file this token
+    cannot read is ConfigError (`where: refused`); not cached while offline or unreachable,
+    or any other failure to fetch, EnvironmentUnfit."""
     from huggingface_hub.errors import (
         EntryNotFoundError,
         GatedRepoError,
@@ -179,27 +199,18 @@ def _fetch_hub_file(found: lora_from.Remote, where: str, settings: Settings, off
         RevisionNotFoundError,
     )
 
-    token = settings.hf_token.get_secret_value() if settings.hf_token else None
     try:
-        path = hf_hub_download(
-            found.where, found.key, revision=found.revision, token=token,
-            repo_type="dataset" if found.dataset else None, local_files_only=offline,
-            cache_dir=hub_cache_dir(settings.cache_dir),
-        )  # fmt: skip
+        yield
     except LocalEntryNotFoundError:  # before EntryNotFoundError, its base
         raise EnvironmentUnfit(
             f"{where}: not in the hub cache and the hub is unreachable or HF_HUB_OFFLINE is set"
         ) from None
     except (RepositoryNotFoundError, GatedRepoError, RevisionNotFoundError, HFValidationError,
             EntryNotFoundError) as error:  # fmt: skip
-        raise ConfigError(
-            f"{where}: not a file of a repository (or revision) this token can read "
-            f"({type(error).__name__}); check the URL and {env_name('hf_token')}"
-        ) from None
+        named = f" ({type(error).__name__})" if name_error else ""
+        raise ConfigError(f"{where}: {refused}{named}{hint}") from None
     except OSError as error:  # the hub answered with an error, or not at all
         raise EnvironmentUnfit(f"{where}: cannot fetch it ({type(error).__name__})") from None
-    log.info("%s: in the hub cache at %s", where, path)
-    return Path(path)
 
 
 # --- S3 -------------------------------------------------------------------------------------
@@ -341,37 +352,29 @@ def _fetch_hub(
     source: DatasetSource, location: Location, folder: Path, settings: Settings, listing: bool
 ) -> Fetched:
     from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import (
-        GatedRepoError,
-        HFValidationError,
-        LocalEntryNotFoundError,
-        RepositoryNotFoundError,
-        RevisionNotFoundError,
-    )
+    from huggingface_hub.errors import LocalEntryNotFoundError
 
     token = settings.hf_token.get_secret_value() if settings.hf_token else None
-    try:
-        snapshot = Path(
-            snapshot_download(
-                location.where,
-                repo_type="dataset",
-                revision=location.revision,
-                token=token,
-                cache_dir=hub_cache_dir(settings.cache_dir),
-                local_files_only=listing,
-            )  # fmt: skip
-        )
-    except (RepositoryNotFoundError, GatedRepoError, HFValidationError, RevisionNotFoundError):
-        raise ConfigError(
-            f"{source.path}: not a dataset repository (or revision) this token can read"
-        ) from None
-    except LocalEntryNotFoundError:
-        if listing:
-            return _list_hub(source, location, folder, token)
-        raise EnvironmentUnfit(
-            f"{source.path}: not in the hub cache and the hub is unreachable or HF_HUB_OFFLINE "
-            "is set"
-        ) from None
+    readable = "not a dataset repository (or revision) this token can read"
+    snapshot: Path | None = None
+    with _hub_errors(source.path, readable, name_error=False):
+        try:
+            snapshot = Path(
+                snapshot_download(
+                    location.where,
+                    repo_type="dataset",
+                    revision=location.revision,
+                    token=token,
+                    cache_dir=hub_cache_dir(settings.cache_dir),
+                    local_files_only=listing,
+                )  # fmt: skip
+            )
+        except LocalEntryNotFoundError:
+            if not listing:
+                raise
+            snapshot = None  # listed below, outside the mapping
+    if snapshot is None:
+        return _list_hub(source, location, folder, token)
     found = {p.relative_to(snapshot).as_posix(): p for p in snapshot.rglob("*") if p.is_file()}
     names, skipped = _writable(found)
     files = [found[name] for name in names]

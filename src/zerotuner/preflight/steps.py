@@ -318,12 +318,28 @@ class PreflightRun:
         precision = precision_name(result.mixed_precision)
         return f"valid (train_batch_size {batch}, {precision})", warnings
 
+    def check_reporting(self) -> tuple[str, list[str]]:
+        """ZT_NOTIFY_URL and ZT_REPORT_TO refused here, so every command refuses them as train
+        does (the URL is a secret: `targets` names an entry by its position only)."""
+        from zerotuner.monitor.trackers import wandb_mode
+        from zerotuner.publish.notify import targets
+
+        settings, found = self.settings, []
+        if settings.notify_url:
+            url = settings.notify_url.get_secret_value()
+            timeout = settings.notify_timeout_seconds
+            found.append(f"{len(targets(url, timeout_seconds=timeout))} notification target(s)")
+        if "wandb" in settings.report_to:
+            found.append(f"W&B {wandb_mode(settings)}")
+        return "; ".join(found) or "no notifications, no W&B", []
+
     STEPS: tuple[tuple[str, Callable[[PreflightRun], tuple[str, list[str]]]], ...] = (
         ("hardware", check_hardware),
         ("topology", place),
         ("model", read_model),
         ("plan", make_plan),
         ("deepspeed config", normalize),
+        ("notifications", check_reporting),
     )
 
     def run(self) -> Preflight:

@@ -275,19 +275,15 @@ class Notifier:
     def _committed_steps(self) -> set[int]:
         # imported here, not at the top: weights.checkpoint imports torch, and the entrypoint
         # validates ZT_NOTIFY_URL (targets) before it starts the ranks
-        from zerotuner.weights.checkpoint import checkpoints_dir, committed_checkpoints
+        from zerotuner.weights.checkpoint import checkpoints_dir, committed_checkpoints, step_of
 
-        return {_step(p) for p in committed_checkpoints(checkpoints_dir(self.output_dir))}
+        return {step_of(p) for p in committed_checkpoints(checkpoints_dir(self.output_dir))}
 
     def _sample_folders(self) -> list[Path]:
-        from zerotuner.weights.checkpoint import STEP_DIR  # samples/step-N, as checkpoints
+        from zerotuner.weights.checkpoint import STEP_DIR, step_of  # samples/step-N, as checkpoints
 
         root = self.output_dir / "samples"
         if not root.is_dir():
             return []
         return sorted((p for p in root.iterdir() if p.is_dir() and STEP_DIR.match(p.name)),
-                      key=_step)  # fmt: skip
-
-
-def _step(path: Path) -> int:
-    return int(path.name.removeprefix("step-"))  # a step-N folder (STEP_DIR matched)
+                      key=step_of)  # fmt: skip

@@ -260,18 +260,19 @@ REMOTE_LATEST = ".remote-latest"
 
 
 def _rotate(root: Path, *, keep: int, current: str, keep_step: int | None = None) -> None:
-    committed = sorted(committed_checkpoints(root), key=lambda p: _step_of(p))
+    committed = sorted(committed_checkpoints(root), key=lambda p: step_of(p))
     marker = root / REMOTE_LATEST
     remote = marker.read_text().strip() if marker.is_file() else None
     for old in committed[:-keep]:
-        if old.name == current or _step_of(old) == keep_step:
+        if old.name == current or step_of(old) == keep_step:
             continue
-        if remote is not None and _step_of(old) > _step_of(root / remote):
+        if remote is not None and step_of(old) > step_of(root / remote):
             continue  # not yet safe on the remote (its upload is late or failing)
         shutil.rmtree(old, ignore_errors=True)
 
 
-def _step_of(path: Path) -> int:
+def step_of(path: Path) -> int:
+    """The step a step-N folder names (a checkpoint's or a sample's); -1 for any other name."""
     match = STEP_DIR.match(path.name)
     return int(match.group(1)) if match else -1
 
@@ -315,7 +316,7 @@ def last_committed(output_dir: Path) -> Path | None:
     tag = pointer.read_text().strip() if pointer.is_file() else None
     if tag and read_manifest(root / tag) is not None:
         return root / tag
-    return max(committed_checkpoints(root), key=_step_of, default=None)
+    return max(committed_checkpoints(root), key=step_of, default=None)
 
 
 def find_resume(resume: str, output_dir: Path) -> Path | None:
@@ -337,10 +338,10 @@ def find_resume(resume: str, output_dir: Path) -> Path | None:
         log.warning("checkpoints/latest names %r, which is not committed: looking further", tag)
     # the pointer's checkpoint first, then older ones newest first (an explicit ZT_RESUME of
     # an old step makes newer leftovers of the earlier run stale: they come last)
-    newest_first = sorted(committed_checkpoints(root), key=_step_of, reverse=True)
-    limit = _step_of(root / tag) if tag and read_manifest(root / tag) else None
+    newest_first = sorted(committed_checkpoints(root), key=step_of, reverse=True)
+    limit = step_of(root / tag) if tag and read_manifest(root / tag) else None
     if limit is not None:
-        newest_first.sort(key=lambda p: (_step_of(p) > limit, -_step_of(p)))
+        newest_first.sort(key=lambda p: (step_of(p) > limit, -step_of(p)))
     for path in newest_first:
         problem = _verified(path)
         if problem is None:
@@ -513,4 +514,4 @@ def resume_candidate(resume: str, output_dir: Path) -> Path | None:
     if tag and STEP_DIR.match(tag) and read_manifest(root / tag) is not None:
         return root / tag
     committed = committed_checkpoints(root)
-    return max(committed, key=_step_of) if committed else None
+    return max(committed, key=step_of) if committed else None
