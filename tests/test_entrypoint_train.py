@@ -151,6 +151,7 @@ def test_a_rank_the_oom_killer_ends_is_exit_1_and_named(demo_dir, tmp_path):
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 1, out[-3000:]
+    assert "ERROR zerotuner.train: rank 1 was killed by SIGKILL" in out, out[-3000:]
     told = webhook.bodies[-1]
     assert told["type"] == "failure", told
     assert told["message"].startswith(

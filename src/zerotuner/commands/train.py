@@ -16,7 +16,7 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from zerotuner.errors import EXIT_OK, ZeroTunerError
+from zerotuner.errors import EXIT_FAILURE, EXIT_OK, ZeroTunerError
 from zerotuner.launch.ranks import resolve_topology, start_ranks
 from zerotuner.machine.hardware import describe
 from zerotuner.machine.ops import clear_stale_locks
@@ -58,6 +58,8 @@ def run(args: argparse.Namespace) -> int:
         code, line = 1, ""
         try:
             code, line = _train(effective, server, stack, news)
+            if code == EXIT_FAILURE and line:  # the ranks' own words for an unexpected end
+                log.error("%s", line)
         except ZeroTunerError as error:
             code, line = error.exit_code, str(error)
             raise
