@@ -78,7 +78,13 @@ class Target:
 def _plugin(url: str) -> Any:
     import apprise
 
-    plugin = apprise.Apprise.instantiate(url)
+    own = logging.getLogger("apprise")
+    level = own.level
+    own.setLevel(logging.CRITICAL)  # its "Unparseable URL" for a plain http(s) webhook: tried next
+    try:
+        plugin = apprise.Apprise.instantiate(url)
+    finally:
+        own.setLevel(level)
     if plugin is None and url.lower().startswith(("http://", "https://")):
         parts = urlsplit(url)
         if parts.hostname:  # a webhook of one's own: a JSON POST to it
