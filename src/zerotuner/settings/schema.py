@@ -313,6 +313,14 @@ class Settings(BaseSettings):
         "layers keep the run's precision). The adapter trains at the run's precision; ZeRO "
         "0-2.",
     )
+    text_encoder_precision: Literal["auto", "fp8", "int8"] = Field(
+        "auto",
+        description="How the text encoders that cache the captions are stored: `auto` at the "
+        "run's precision; `fp8` or `int8` as `ZT_BASE_PRECISION` stores the base (their "
+        "repeated blocks' Linear layers in 8 bits, upcast per matmul). It changes the cached "
+        "captions, so they are cached apart from the full-precision ones. Samples encode their "
+        "prompts at the run's precision; not with `ZT_LORA_TEXT_ENCODER` (encoders that train).",
+    )
 
     # --- DeepSpeed ------------------------------------------------------------------------
     zero_stage: Auto | Literal[0, 1, 2, 3] = Field(

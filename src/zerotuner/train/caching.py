@@ -54,7 +54,7 @@ def fill(
     features = feature_cache.FeatureCache(
         settings.cache_dir,
         vae_key=feature_cache.component_key(source, ["vae"]),
-        text_key=feature_cache.component_key(source, text_dirs) + conditioning.text_cache_tag(),
+        text_key=text_key(settings, source, text_dirs, conditioning),
         flip=settings.random_flip,
     )
     bucket_of = {i: size for size, indices in buckets.items() for i in indices}
@@ -84,7 +84,10 @@ def fill(
                 "node and encodes %d images and %d captions (node %d of %d)",
                 len(my_latents), len(my_texts), *leader,
             )  # fmt: skip
-            model.load_frozen(components, device=device, text_dtype=dtype)
+            model.load_frozen(
+                components, device=device, text_dtype=dtype,
+                text_precision=settings.text_encoder_precision,
+            )  # fmt: skip
             progress = Progress(len(my_latents), len(my_texts), enabled=rank == 0)
             features.encode_latents(
                 [items[i] for i in my_latents],
@@ -108,6 +111,15 @@ def fill(
         texts_reused=unique - encoded_t,
     )
     return features, items, stats
+
+
+def text_key(settings: Settings, source: Path, text_dirs: list[str], conditioning: Any) -> str:
+    """The captions' cache key: the encoders' files, the family's tag, and their storage when
+    it is not the run's (ZT_TEXT_ENCODER_PRECISION: captions encoded in 8 bits are cached
+    apart, and the full-precision ones stay valid)."""
+    key = feature_cache.component_key(source, text_dirs) + conditioning.text_cache_tag()
+    precision = settings.text_encoder_precision
+    return key if precision == "auto" else f"{key}:text-{precision}"
 
 
 class Progress:

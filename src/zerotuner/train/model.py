@@ -19,7 +19,7 @@ import torch
 from zerotuner import families
 from zerotuner.errors import ConfigError
 from zerotuner.families import hub_cache_dir
-from zerotuner.weights import zero_init
+from zerotuner.weights import base_precision, zero_init
 
 log = logging.getLogger(__name__)
 
@@ -172,14 +172,28 @@ def _on_device(
     return block(host.to(device, non_blocking=True), *shared, **named)
 
 
-def load_frozen(components: Components, *, device: torch.device, text_dtype: torch.dtype) -> None:
-    """VAE (fp32: the SDXL VAE overflows in fp16) and the family's text encoders, eval mode."""
+def load_frozen(
+    components: Components,
+    *,
+    device: torch.device,
+    text_dtype: torch.dtype,
+    text_precision: str = "auto",
+) -> None:
+    """VAE (fp32: the SDXL VAE overflows in fp16) and the family's text encoders, eval mode;
+    `text_precision` fp8 or int8 stores the encoders' blocks' Linear layers so
+    (ZT_TEXT_ENCODER_PRECISION, base_precision), before a streamed one leaves for the host."""
     vae = vae_class(components.source).from_pretrained(
         components.source, subfolder="vae", dtype=torch.float32
     )
     components.vae = vae.to(device).eval().requires_grad_(False)
     family = families.get(components.family)
     encoders, tokenizers = family.load_text(components.source, dtype=text_dtype)
+    if base_precision.is_low(text_precision):
+        for i, encoder in enumerate(encoders):
+            stored = base_precision.quantize_frozen_base(
+                encoder, text_precision, setting="text_encoder_precision"
+            )
+            log.info("%s", stored.line(f"text encoder {i + 1} ({type(encoder).__name__})"))
     stream = device.type != "cpu" and families.REGISTRY[components.family].text_stream_params
     components.text_encoders = [
         streamed(e, device) if stream else e.to(device) for e in encoders

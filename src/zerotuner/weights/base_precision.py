@@ -80,9 +80,9 @@ class BaseBytes:
         """Bytes the low storage saves against the run's precision."""
         return self.quantized_before - self.quantized_after
 
-    def line(self) -> str:
+    def line(self, subject: str = "frozen base") -> str:
         return (
-            f"frozen base stored at {self.precision}: {self.layers} Linear layers "
+            f"{subject} stored at {self.precision}: {self.layers} Linear layers "
             f"({self.quantized_params / 1e6:.1f}M parameters; {self.kept_layers} kept at the "
             f"run's precision), {_size(self.before)} -> {_size(self.after)}"
         )
@@ -161,15 +161,18 @@ def planned_bytes(module: torch.nn.Module, precision: str, run_bytes: int) -> Ba
     return stored_layers(module).at(precision, run_bytes)
 
 
-def quantize_frozen_base(module: torch.nn.Module, precision: str) -> BaseBytes:
+def quantize_frozen_base(
+    module: torch.nn.Module, precision: str, *, setting: str = "base_precision"
+) -> BaseBytes:
     """Store `module`'s blocks' Linear weights at `precision` (in place) and say what it
     measured. Call it on the loaded model, at the run's dtype (each layer computes in its
-    weight's dtype), before the LoRA adapter is added and before deepspeed.initialize."""
+    weight's dtype), before the LoRA adapter is added and before deepspeed.initialize.
+    `setting`: the one that asked for it (ZT_TEXT_ENCODER_PRECISION's text encoders too)."""
     if not is_low(precision):
         raise ValueError(f"not a low precision: {precision}")
     if zero_init.partitioned(module):
         raise ConfigError(
-            f"{env_name('base_precision')}={precision}: the model was built partitioned "
+            f"{env_name(setting)}={precision}: the model was built partitioned "
             f"(ZeRO-3), and its weights cannot be quantized so; set {env_name('zero_stage')} "
             "to 0-2"
         )
@@ -274,7 +277,24 @@ def _bytes(module: torch.nn.Module) -> int:
 
 
 def settings_problems(settings: Settings) -> list[str]:
-    """ZT_BASE_PRECISION against the other settings, one line each (lora.check_settings)."""
+    """ZT_BASE_PRECISION and ZT_TEXT_ENCODER_PRECISION against the other settings, one line
+    each (lora.check_settings)."""
+    return _text_problems(settings) + _base_problems(settings)
+
+
+def _text_problems(settings: Settings) -> list[str]:
+    """Text encoders stored low only to encode: a LoRA on them writes through their weights."""
+    precision = settings.text_encoder_precision
+    if not is_low(precision) or not settings.lora_text_encoder:
+        return []
+    name, train = env_name("text_encoder_precision"), env_name("lora_text_encoder")
+    return [
+        f"{name}={precision} with {train}=true: text encoders that train are kept at the run's "
+        f"precision; set {name}=auto or unset {train}"
+    ]
+
+
+def _base_problems(settings: Settings) -> list[str]:
     precision = settings.base_precision
     if not is_low(precision):
         return []
