@@ -9,15 +9,14 @@ from pathlib import Path
 
 import pytest
 import torch
+import trainkit as tk
 from safetensors.torch import load_file
 
 from zerotuner import families
 from zerotuner.data.buckets import assign_buckets
 from zerotuner.data.scan import scan
-from zerotuner.errors import ConfigError
 from zerotuner.settings.schema import Settings
 from zerotuner.train import caching, model
-from zerotuner.weights import lora
 
 
 def _fill(demo_dir: Path, cache: Path, precision: str):
@@ -66,14 +65,30 @@ def test_fp8_encoders_cache_close_captions_apart(
     assert before == {p: (p.stat().st_mtime_ns, p.read_bytes()) for p in full_paths.values()}
 
 
-def test_text_encoders_that_train_refuse_a_low_precision(demo_dir: Path) -> None:
-    s = Settings(
-        model=str(demo_dir / "model"), data_dir=demo_dir / "data", training_type="lora",
-        lora_text_encoder=True, text_encoder_precision="int8",
-    )  # fmt: skip
-    with pytest.raises(ConfigError) as refused:
-        lora.check_settings(s)
-    message = str(refused.value)
-    assert "\n" not in message
-    assert "ZT_TEXT_ENCODER_PRECISION=int8 with ZT_LORA_TEXT_ENCODER=true" in message
-    lora.check_settings(s.model_copy(update={"text_encoder_precision": "auto"}))
+@pytest.mark.parametrize(
+    ("env", "expected"),
+    [
+        ({"ZT_TEXT_ENCODER_PRECISION": "int8", "ZT_LORA_TEXT_ENCODER": "true"},
+         "ZT_TEXT_ENCODER_PRECISION=int8 with ZT_LORA_TEXT_ENCODER=true: text encoders that "
+         "train are kept at the run's precision; set ZT_TEXT_ENCODER_PRECISION=auto or unset "
+         "ZT_LORA_TEXT_ENCODER"),
+        ({"ZT_TEXT_ENCODER_PRECISION": "nf4"},
+         "ZT_TEXT_ENCODER_PRECISION='nf4': expected 'auto', 'fp8' or 'int8'"),
+    ],
+)  # fmt: skip
+def test_refusals_are_one_line_and_exit_2(monkeypatch, capsys, tmp_path, env, expected) -> None:
+    code, out, err = tk.config_explain(
+        monkeypatch, capsys, tmp_path, ZT_TRAINING_TYPE="lora", **env
+    )
+    assert code == 2 and out == "", err
+    assert [line for line in err.splitlines() if line.startswith("zerotuner: error")] == [
+        f"zerotuner: error: {expected}"
+    ], err
+    assert "Traceback" not in err
+
+
+def test_encoders_that_only_encode_may_be_stored_low(monkeypatch, capsys, tmp_path) -> None:
+    code, _, err = tk.config_explain(
+        monkeypatch, capsys, tmp_path, ZT_TRAINING_TYPE="lora", ZT_TEXT_ENCODER_PRECISION="fp8"
+    )
+    assert code == 0, err
