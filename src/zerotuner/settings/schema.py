@@ -319,7 +319,7 @@ class Settings(BaseSettings):
         "run's precision; `fp8` or `int8` as `ZT_BASE_PRECISION` stores the base (their "
         "repeated blocks' Linear layers in 8 bits, upcast per matmul). It changes the cached "
         "captions, so they are cached apart from the full-precision ones. Samples encode their "
-        "prompts at the run's precision; not with `ZT_LORA_TEXT_ENCODER` (encoders that train).",
+        "prompts at full precision; not with `ZT_LORA_TEXT_ENCODER` (encoders that train).",
     )
 
     # --- DeepSpeed ------------------------------------------------------------------------
