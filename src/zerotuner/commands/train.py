@@ -22,6 +22,7 @@ from zerotuner.machine.hardware import describe
 from zerotuner.machine.ops import clear_stale_locks
 from zerotuner.machine.probe import probe_facts, with_ops
 from zerotuner.monitor.logs import rank_level, setup_logging
+from zerotuner.preflight.steps import check_reporting
 from zerotuner.publish.notify import secret_parts as notify_secret_parts
 from zerotuner.settings.effective import Effective, effective_settings
 from zerotuner.settings.folders import require_writable
@@ -50,11 +51,8 @@ def run(args: argparse.Namespace) -> int:
                   secrets=[token, *notify_secret_parts(notify_url)])  # fmt: skip
     with ExitStack() as stack:
         server = _start_metrics(settings, stack)
-        news = _notifier(settings, notify_url)  # a URL no notifier takes: exit 2, here
-        if "wandb" in settings.report_to:
-            from zerotuner.monitor.trackers import wandb_mode
-
-            wandb_mode(settings)  # online without a key: exit 2 before the ranks start
+        log.info("reporting: %s", check_reporting(settings))  # exit 2 before the ranks start
+        news = _notifier(settings, notify_url)
         code, line = 1, ""
         try:
             code, line = _train(effective, server, stack, news)

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from PIL import Image
 
-from zerotuner.settings.video_windows import HEAD, Windows, parse_windows
+from zerotuner.settings.video_windows import HEAD, Windows
 
 if TYPE_CHECKING:
     import av
@@ -71,8 +71,7 @@ def video_sampling(settings: Settings, family: ModelFamily, source: Path) -> Vid
     step = family.frame_step(Path(source))
     if not step:
         return None
-    windows = parse_windows(settings.video_windows)
-    return Video(settings.video_fps, settings.video_frames, step, windows)
+    return Video(settings.video_fps, settings.video_frames, step, settings.windows)
 
 
 @dataclass(frozen=True)

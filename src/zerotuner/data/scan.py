@@ -24,7 +24,6 @@ from zerotuner.data.files import IMAGE_SUFFIXES, controlled, masked, walk
 from zerotuner.data.probe import Probe, index_path, probe_files
 from zerotuner.errors import ConfigError
 from zerotuner.settings.datasets import DatasetSource, local_folder
-from zerotuner.settings.video_windows import parse_windows
 
 log = logging.getLogger(__name__)
 
@@ -258,8 +257,7 @@ def scan_sources(
     dataset's `video_windows` cuts its clips instead of `video`'s (ZT_VIDEO_WINDOWS)."""
     scanned = []
     for number, source in enumerate(sources):
-        windows = parse_windows(source.video_windows) if source.video_windows else None
-        sampling = replace(video, windows=windows) if video and windows else video
+        sampling = replace(video, windows=source.windows) if video and source.windows else video
         control_dir = controls.control_folder(source, number, datasets_file, control_count)
         folder = local_folder(source, cache_dir)
         if source.location.remote and not (folder / FETCHED).is_file():

@@ -319,19 +319,7 @@ class PreflightRun:
         return f"valid (train_batch_size {batch}, {precision})", warnings
 
     def check_reporting(self) -> tuple[str, list[str]]:
-        """ZT_NOTIFY_URL and ZT_REPORT_TO refused here, so every command refuses them as train
-        does (the URL is a secret: `targets` names an entry by its position only)."""
-        from zerotuner.monitor.trackers import wandb_mode
-        from zerotuner.publish.notify import targets
-
-        settings, found = self.settings, []
-        if settings.notify_url:
-            url = settings.notify_url.get_secret_value()
-            timeout = settings.notify_timeout_seconds
-            found.append(f"{len(targets(url, timeout_seconds=timeout))} notification target(s)")
-        if "wandb" in settings.report_to:
-            found.append(f"W&B {wandb_mode(settings)}")
-        return "; ".join(found) or "no notifications, no W&B", []
+        return check_reporting(self.settings), []
 
     STEPS: tuple[tuple[str, Callable[[PreflightRun], tuple[str, list[str]]]], ...] = (
         ("hardware", check_hardware),
@@ -476,3 +464,20 @@ def decisions_from(plan: Plan) -> Decisions:
         gradient_checkpointing=bool(choice.gradient_checkpointing),
         offload_activations=choice.offload_activations,
     )
+
+
+def check_reporting(settings: Settings) -> str:
+    """ZT_NOTIFY_URL and ZT_REPORT_TO refused here (exit 2), so every command refuses them as
+    train does, and train before its ranks start (the URL is a secret: `targets` names an
+    entry by its position only)."""
+    from zerotuner.monitor.trackers import wandb_mode
+    from zerotuner.publish.notify import targets
+
+    found = []
+    if settings.notify_url:
+        url = settings.notify_url.get_secret_value()
+        timeout = settings.notify_timeout_seconds
+        found.append(f"{len(targets(url, timeout_seconds=timeout))} notification target(s)")
+    if "wandb" in settings.report_to:
+        found.append(f"W&B {wandb_mode(settings)}")
+    return "; ".join(found) or "no notifications, no W&B"

@@ -37,7 +37,7 @@ from zerotuner.errors import ConfigError
 from zerotuner.settings.files import load_mapping, short_repr
 from zerotuner.settings.schema import MAX_RESOLUTION, MIN_RESOLUTION, Settings, env_name
 from zerotuner.settings.urls import hide_credentials, refuse_credentials
-from zerotuner.settings.video_windows import parse_windows
+from zerotuner.settings.video_windows import Windows, parse_windows
 
 FILE_SETTING = env_name("datasets_file")
 DIR_SETTING = env_name("data_dir")
@@ -114,6 +114,11 @@ class DatasetSource(BaseModel):
     @classmethod
     def _windows(cls, value: str | None) -> str | None:
         return None if value is None else str(parse_windows(value))
+
+    @property
+    def windows(self) -> Windows | None:
+        """`video_windows` parsed (validated when the file was read); None: the job's."""
+        return None if self.video_windows is None else parse_windows(self.video_windows)
 
     @field_validator("path")
     @classmethod

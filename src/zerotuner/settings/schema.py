@@ -600,6 +600,11 @@ class Settings(BaseSettings):
         `model_copy(update=...)` cannot leave it stale)."""
         return (_fractions(self.timestep_range) if self.timestep_range else None) or (0.0, 1.0)
 
+    @property
+    def windows(self) -> Windows:
+        """ZT_VIDEO_WINDOWS parsed (validated when the settings were read)."""
+        return parse_windows(self.video_windows)
+
     @field_validator("timestep_range")
     @classmethod
     def _fraction_range(cls, value: str | None) -> str | None:
