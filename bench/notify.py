@@ -6,24 +6,22 @@ Every run commits a checkpoint every 2 steps, so a checkpoint event is sent ever
 endpoint should cost the ranks nothing. Rounds interleave the three receivers; per round, each
 run's median steady s/step (steps.jsonl intervals, so the sinks and per-step checks count) over
 the answering receiver's, and the medians of those ratios over rounds. The receiver is the
-tests' (tests/receiver.py: answers, answers 500, or holds each request until it is stopped).
+tests' too (bench/receiver.py: answers, answers 500, or holds each request until it is
+stopped).
 """
 
 from __future__ import annotations
 
-import sys
 from typing import Any
 
 from bench import runs
+from bench.receiver import Receiver
 from bench.suites import Bench, intervals, median, steady
 
 MODES = ("ok", "error", "hang")
 
 
 def notify(b: Bench, rounds: int = 2) -> dict[str, Any]:
-    sys.path.insert(0, str(runs.REPO / "tests"))
-    from receiver import Receiver
-
     seconds: dict[str, list[float]] = {m: [] for m in MODES}
     ratios: dict[str, list[float]] = {m: [] for m in MODES}
     codes: dict[str, list[int]] = {m: [] for m in MODES}

@@ -8,8 +8,6 @@ ZeRO-3 on 2 ranks."""
 from __future__ import annotations
 
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -24,8 +22,6 @@ from zerotuner.settings.schema import Settings
 from zerotuner.train.model import checkpoint_function
 from zerotuner.weights.lora import parse_targets
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))  # bench/ is a top-level package beside src/
 GPU24 = Hardware("cuda", (GPU(0, "RTX 4090", 24 * GiB, 24 * GiB, (8, 9)),),
                  host_memory=128 * GiB)  # fmt: skip
 

@@ -357,7 +357,6 @@ def test_the_bench_row_measures_what_the_planner_counts(demo_dir):
     import sys
 
     repo = Path(__file__).resolve().parents[1]
-    sys.path.insert(0, str(repo))  # bench/ is a top-level package beside src/
     from bench import runs
     from bench.base_precision import planned
 

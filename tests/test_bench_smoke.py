@@ -16,7 +16,6 @@ import pytest
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))  # bench/ is a top-level package beside src/, not installed
 
 from bench import disk, runs  # noqa: E402
 from bench.bare import held_tensor_bytes  # noqa: E402

@@ -78,7 +78,6 @@ def test_deepspeed_initializes_and_steps_with_every_normalized_config(world, tmp
 def test_the_readmes_flow_plans_are_among_the_accepted_cases():
     """Each choice of docs/models.md's SD3.5 Large / FLUX.1-dev table is a stage and offload
     that a case above runs through DeepSpeed."""
-    sys.path.insert(0, str(HERE.parent))  # bench/ is a top-level package beside src/
     from bench.paper import FLOW_HARDWARE, FLOW_MODELS, flow_plan
 
     accepted = {

@@ -16,9 +16,9 @@ import time
 from pathlib import Path
 
 import pytest
-from receiver import Receiver
 from trainkit import ENTRYPOINT, entrypoint_env, sigterm_after_steps, steps_done
 
+from bench.receiver import Receiver
 from zerotuner.launch.ranks import free_port
 
 

@@ -89,10 +89,8 @@ def test_demo_command_writes_a_flow_demo_and_its_config_passes(monkeypatch, caps
 def test_models_page_table_of_flow_plans_is_what_the_planner_says():
     """docs/models.md's SD3.5 Large / FLUX.1-dev table (bench/paper.py) cannot drift from the
     planner."""
-    import sys
 
     repo = Path(__file__).resolve().parents[1]
-    sys.path.insert(0, str(repo))  # bench/ is a top-level package beside src/
     from bench.paper import flow_plans_markdown
 
     page = (repo / "docs/models.md").read_text()

@@ -256,10 +256,8 @@ def test_lora_at_zero_3_loads_in_the_pipeline(family, family_demo_dir, tmp_path)
 def test_models_page_table_of_the_newer_families_is_what_the_planner_says():
     """docs/models.md's Chroma1-HD / Z-Image-Turbo table (bench/paper.py: full and LoRA on
     1 x 24 GB, 1 x 80 GB, 8 x 80 GB) cannot drift from the planner."""
-    import sys
 
     repo = Path(__file__).resolve().parents[1]
-    sys.path.insert(0, str(repo))  # bench/ is a top-level package beside src/
     from bench.paper import family_plans_markdown
 
     page = (repo / "docs/models.md").read_text()
@@ -344,9 +342,7 @@ def test_published_sizes_recount_and_the_text_encoder_is_counted_for_caching(fam
     width = {"chroma": 4096, "zimage": 2560, "qwenimage": 3584, "flux2": 15360,
              "flux2klein": 7680}[family]  # fmt: skip
     assert caption_cache_bytes(shape) == 512 * width * 2
-    import sys
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/ beside src/
     from bench.paper import flow_plan
 
     phases = flow_plan(family, 1, 24, 128)["load_peak"]

@@ -27,9 +27,9 @@ import psutil
 import pytest
 import torch
 import torch.distributed as dist
-from receiver import Receiver
 from trainkit import ENTRYPOINT, entrypoint_env, steps_done
 
+from bench.receiver import Receiver
 from zerotuner.errors import (
     EXIT_FAILURE,
     EXIT_PEER_LOST,

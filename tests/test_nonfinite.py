@@ -12,9 +12,9 @@ import time
 import pytest
 import torch
 from prometheus_client import CollectorRegistry
-from receiver import Receiver
 from trainkit import ENTRYPOINT, entrypoint_env, lone_rank_result
 
+from bench.receiver import Receiver
 from zerotuner.errors import EXIT_DIVERGED, Diverged
 from zerotuner.launch.records import StepRecord
 from zerotuner.monitor.metrics import PrometheusSink

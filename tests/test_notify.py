@@ -13,11 +13,11 @@ import subprocess
 import time
 
 import pytest
-from receiver import Receiver
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from trainkit import ENTRYPOINT, entrypoint_env
 from wandbkit import wandb_history
 
+from bench.receiver import Receiver
 from zerotuner.errors import ConfigError
 from zerotuner.monitor.logs import setup_logging
 from zerotuner.publish.notify import Event, Notifier, secret_parts, targets

@@ -199,11 +199,9 @@ def test_the_nvme_optimizer_config_uses_the_sub_group_the_planner_counts():
 
 
 def test_benchmarks_page_node_table_is_what_the_planner_says():
-    import sys
     from pathlib import Path
 
     repo = Path(__file__).resolve().parents[1]
-    sys.path.insert(0, str(repo))  # bench/ is a top-level package beside src/
     from bench.paper import node_load_markdown
 
     table = node_load_markdown()

@@ -4,7 +4,6 @@ adapter's size from the trainer's own target rule, and the stage it picks."""
 from __future__ import annotations
 
 import json
-import sys
 from dataclasses import asdict
 from pathlib import Path
 
@@ -203,7 +202,6 @@ def test_benchmarks_headline_on_paper_is_what_the_planner_says():
     """docs/benchmarks.md's 'GPU picture on paper' (bench/paper.py's hardware: one 24 GB GPU,
     64 GiB host) states the planner's choice and memory for the full and the LoRA job: they
     cannot drift."""
-    sys.path.insert(0, str(REPO))  # bench/ is a top-level package beside src/, not installed
     from bench.paper import LORA_RANK, headline_hardware
 
     readme = (REPO / "docs/benchmarks.md").read_text()

@@ -5,7 +5,6 @@ families, and docs/models.md's table of Wan's clip plans."""
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,7 +16,6 @@ from zerotuner.machine.hardware import GPU, GiB, Hardware
 from zerotuner.preflight.plan import PlanRequest, make_plan
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))  # bench/ is a top-level package beside src/
 # the transformers of Wan2.1-T2V-1.3B, Wan2.2-TI2V-5B, Wan2.1-T2V-14B (convert_wan_to_diffusers.py)
 WIDTHS = ((12, 8960), (24, 14336), (40, 13824))  # (heads of 128, ffn_dim)
 GPU80 = Hardware("cuda", (GPU(0, "H100", 80 * GiB, 80 * GiB, (9, 0)),), host_memory=256 * GiB)
