@@ -3,7 +3,6 @@
 "use strict";
 
 const $ = (selector) => document.querySelector(selector);
-const GIB = 1024 ** 3;
 let sequence = 0; // answers to older requests are dropped
 let timer = null;
 let last = null;
@@ -90,12 +89,6 @@ function schedule() {
   timer = setTimeout(() => { timer = null; evaluate(); }, 250);
 }
 
-// The plan's ckpt column, as `zerotuner plan` prints it: off, on, or where its inputs wait.
-function checkpointing(row) {
-  if (!row.gradient_checkpointing) return "off";
-  return row.offload_activations === "none" ? "on" : row.offload_activations;
-}
-
 async function post(path, body, method = "POST") {
   const response = await fetch(path, {
     method, headers: { "Content-Type": "application/json" }, body: JSON.stringify(body),
@@ -151,10 +144,6 @@ function showNotes(notes) {
   }
 }
 
-function gib(bytes) {
-  return (bytes / GIB).toFixed(1);
-}
-
 function showPlan(answer) {
   const body = $("#plan-table tbody");
   body.replaceChildren();
@@ -166,29 +155,8 @@ function showPlan(answer) {
   $("#plan-reasons").replaceChildren();
   $("#plan-hardware").textContent = plan ? plan.hardware : "";
   if (!plan) return;
-  const chosen = JSON.stringify(plan.choice);
-  for (const row of plan.rows) {
-    const tr = element("tr");
-    const choice = JSON.stringify({
-      zero_stage: row.zero_stage, offload_optimizer: row.offload_optimizer,
-      offload_param: row.offload_param, gradient_checkpointing: row.gradient_checkpointing,
-      offload_activations: row.offload_activations,
-    });
-    if (choice === chosen) tr.className = "choice";
-    if (!row.fits) tr.classList.add("unfit");
-    const cells = [row.zero_stage, row.offload_optimizer, row.offload_param,
-      checkpointing(row), gib(row.device_bytes), gib(row.host_bytes),
-      gib(row.disk_bytes), row.fits ? "yes" : "no"];
-    for (const cell of cells) tr.append(element("td", {}, String(cell)));
-    tr.title = row.short.join("; ");
-    body.append(tr);
-  }
-  const label = plan.rows.find((r) => r.zero_stage === plan.choice.zero_stage
-    && r.offload_optimizer === plan.choice.offload_optimizer
-    && r.offload_param === plan.choice.offload_param
-    && r.gradient_checkpointing === plan.choice.gradient_checkpointing
-    && r.offload_activations === plan.choice.offload_activations);
-  $("#plan-choice").textContent = "choice: " + (label ? label.label : JSON.stringify(plan.choice));
+  const chosen = fillPlanTable(body, plan);
+  $("#plan-choice").textContent = "choice: " + (chosen ? chosen.label : JSON.stringify(plan.choice));
   for (const reason of plan.reasons) $("#plan-reasons").append(element("li", {}, reason));
   for (const warning of plan.warnings) $("#plan-reasons").append(element("li", { class: "warning" }, "warning: " + warning));
 }

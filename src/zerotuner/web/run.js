@@ -11,39 +11,13 @@ function duration(seconds) {
   return h ? `${h}h ${m}m` : m ? `${m}m ${s % 60}s` : `${s}s`;
 }
 
-function cell(row, text) {
-  const td = document.createElement("td");
-  td.textContent = text;
-  row.append(td);
-}
-
-// The ckpt column, as `zerotuner plan` prints it: off, on, or where its inputs wait (cpu).
-function checkpointing(r) {
-  if (!r.gradient_checkpointing) return "off";
-  return r.offload_activations === "none" ? "on" : r.offload_activations;
-}
-
 function showPlan(plan) {
   const body = $("#plan-table tbody");
   body.replaceChildren();
   $("#plan-reasons").replaceChildren();
   if (!plan) return;
   $("#plan-hardware").textContent = plan.hardware;
-  const chosen = JSON.stringify(plan.choice);
-  for (const r of plan.rows) {
-    const tr = document.createElement("tr");
-    const key = JSON.stringify({ zero_stage: r.zero_stage, offload_optimizer: r.offload_optimizer,
-      offload_param: r.offload_param, gradient_checkpointing: r.gradient_checkpointing,
-      offload_activations: r.offload_activations });
-    if (key === chosen) tr.className = "choice";
-    if (!r.fits) tr.classList.add("unfit");
-    for (const v of [r.zero_stage, r.offload_optimizer, r.offload_param,
-      checkpointing(r), (r.device_bytes / GIB).toFixed(1),
-      (r.host_bytes / GIB).toFixed(1), (r.disk_bytes / GIB).toFixed(1), r.fits ? "yes" : "no"]) {
-      cell(tr, String(v));
-    }
-    body.append(tr);
-  }
+  fillPlanTable(body, plan);
   for (const reason of plan.reasons) {
     const li = document.createElement("li");
     li.textContent = reason;
