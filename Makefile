@@ -46,7 +46,7 @@ run-lora: setup
 
 test: setup
 	$(BIN)/mypy
-	$(BIN)/pytest -q tests
+	$(BIN)/pytest -q --durations=30 tests  # the slowest 30: where the suite's time goes
 
 test-fast: setup
 	$(BIN)/pytest -q -m "not slow" tests
