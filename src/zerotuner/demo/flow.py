@@ -109,11 +109,10 @@ def write_flow_model(
     from diffusers import (
         FlowMatchEulerDiscreteScheduler,
         FluxPipeline,
-        FluxTransformer2DModel,
         SD3Transformer2DModel,
         StableDiffusion3Pipeline,
     )
-    from transformers import CLIPTextModel, CLIPTextModelWithProjection
+    from transformers import CLIPTextModelWithProjection
 
     work = Path(tempfile.mkdtemp(prefix="zerotuner-tokenizers-"))
     clip_tokenizer = write_tokenizer(work / "clip", corpus)
@@ -139,21 +138,42 @@ def write_flow_model(
         )  # fmt: skip
         clip_folders: tuple[str, ...] = ("tokenizer", "tokenizer_2")
     else:
-        torch.manual_seed(seed + 1)
-        clip = CLIPTextModel(text_config(len(clip_tokenizer), 32))
-        torch.manual_seed(seed + 3)
-        transformer = FluxTransformer2DModel(
-            patch_size=1, in_channels=LATENT_CHANNELS * 4, num_layers=1, num_single_layers=1,
-            attention_head_dim=16, num_attention_heads=2, joint_attention_dim=T5_WIDTH,
-            pooled_projection_dim=32, guidance_embeds=True, axes_dims_rope=(4, 6, 6),
-        )  # fmt: skip
-        pipe = FluxPipeline(
-            transformer=transformer, scheduler=dynamic_scheduler(), vae=vae, text_encoder=clip,
-            tokenizer=clip_tokenizer, text_encoder_2=t5, tokenizer_2=t5_tokenizer,
-        )  # fmt: skip
+        pipe = FluxPipeline(**flux1_parts(seed, clip_tokenizer, t5_tokenizer, vae=vae, t5=t5))
         clip_folders = ("tokenizer",)
     pipe.save_pretrained(model_dir, safe_serialization=True)
-    for sub in clip_folders:  # as demo.write_model: the slow CLIPTokenizer's two files
+    return copy_clip_tokenizer(work, model_dir, clip_folders)
+
+
+def flux1_parts(
+    seed: int, clip_tokenizer: Any, t5_tokenizer: Any, *, vae: AutoencoderKL,
+    t5: T5EncoderModel,
+) -> dict[str, Any]:  # fmt: skip
+    """FLUX.1's parts at the demo's sizes, as FluxPipeline and FluxKontextPipeline take them:
+    a transformer of one double- and one single-stream block with the guidance embedding,
+    CLIP-L (pooled) and T5, the dynamic-shifting scheduler."""
+    import torch
+    from diffusers import FluxTransformer2DModel
+    from transformers import CLIPTextModel
+
+    torch.manual_seed(seed + 1)
+    clip = CLIPTextModel(text_config(len(clip_tokenizer), 32))
+    torch.manual_seed(seed + 3)
+    transformer = FluxTransformer2DModel(
+        patch_size=1, in_channels=LATENT_CHANNELS * 4, num_layers=1, num_single_layers=1,
+        attention_head_dim=16, num_attention_heads=2, joint_attention_dim=T5_WIDTH,
+        pooled_projection_dim=32, guidance_embeds=True, axes_dims_rope=(4, 6, 6),
+    )  # fmt: skip
+    return {
+        "transformer": transformer, "scheduler": dynamic_scheduler(), "vae": vae,
+        "text_encoder": clip, "tokenizer": clip_tokenizer, "text_encoder_2": t5,
+        "tokenizer_2": t5_tokenizer,
+    }  # fmt: skip
+
+
+def copy_clip_tokenizer(work: Path, model_dir: Path, folders: tuple[str, ...]) -> Path:
+    """The slow CLIPTokenizer's two files (as demo.write_model) into each of the saved
+    pipeline's tokenizer `folders`; the tokenizers' scratch folder `work` removed."""
+    for sub in folders:
         for name in ("vocab.json", "merges.txt"):
             shutil.copyfile(work / "clip" / name, model_dir / sub / name)
     shutil.rmtree(work, ignore_errors=True)

@@ -13,7 +13,6 @@ the shape, its place and the background are the control's.
 
 from __future__ import annotations
 
-import shutil
 import tempfile
 from pathlib import Path
 
@@ -27,41 +26,25 @@ RECOLOUR = {"blue": "red", "red": "green", "green": "yellow", "yellow": "blue"}
 def write_model(model_dir: Path, *, seed: int, corpus: list[str],
                 data_dir: Path | None = None) -> Path:  # fmt: skip
     """The tiny pipeline in `model_dir` and, with `data_dir`, each demo image's control."""
-    import torch
-    from diffusers import FluxKontextPipeline, FluxTransformer2DModel
-    from transformers import CLIPTextModel
+    from diffusers import FluxKontextPipeline
 
     from zerotuner.demo.flow import (
-        LATENT_CHANNELS,
-        T5_WIDTH,
         _t5,
         _vae,
-        dynamic_scheduler,
+        copy_clip_tokenizer,
+        flux1_parts,
         write_t5_tokenizer,
     )  # fmt: skip
-    from zerotuner.demo.parts import text_config, write_tokenizer
+    from zerotuner.demo.parts import write_tokenizer
 
     work = Path(tempfile.mkdtemp(prefix="zerotuner-tokenizers-"))
     clip_tokenizer = write_tokenizer(work / "clip", corpus)
     t5_tokenizer = write_t5_tokenizer(work / "t5", corpus)
     vae = _vae(seed, data_dir)  # measured on the targets, before the controls are written
-    torch.manual_seed(seed + 1)
-    clip = CLIPTextModel(text_config(len(clip_tokenizer), 32))
-    torch.manual_seed(seed + 3)
-    transformer = FluxTransformer2DModel(
-        patch_size=1, in_channels=LATENT_CHANNELS * 4, num_layers=1, num_single_layers=1,
-        attention_head_dim=16, num_attention_heads=2, joint_attention_dim=T5_WIDTH,
-        pooled_projection_dim=32, guidance_embeds=True, axes_dims_rope=(4, 6, 6),
-    )  # fmt: skip
-    pipe = FluxKontextPipeline(
-        transformer=transformer, scheduler=dynamic_scheduler(), vae=vae, text_encoder=clip,
-        tokenizer=clip_tokenizer, text_encoder_2=_t5(len(t5_tokenizer), seed + 4),
-        tokenizer_2=t5_tokenizer,
-    )  # fmt: skip
+    t5 = _t5(len(t5_tokenizer), seed + 4)
+    pipe = FluxKontextPipeline(**flux1_parts(seed, clip_tokenizer, t5_tokenizer, vae=vae, t5=t5))
     pipe.save_pretrained(model_dir, safe_serialization=True)
-    for name in ("vocab.json", "merges.txt"):  # as flow.py: the slow CLIPTokenizer's files
-        shutil.copyfile(work / "clip" / name, model_dir / "tokenizer" / name)
-    shutil.rmtree(work, ignore_errors=True)
+    copy_clip_tokenizer(work, model_dir, ("tokenizer",))
     if data_dir is not None:
         write_controls(data_dir)
     return model_dir
