@@ -56,18 +56,7 @@ def engine(kind: str, params: dict, world: int, stage: int = 2) -> tuple[object,
 
 
 def train_steps(ds, world: int, rank: int, steps: int = STEPS) -> list[float]:
-    losses = []
-    share = GLOBAL_BATCH // world
-    for step in range(steps):
-        x, y = batch(step)
-        x, y = x[rank * share : (rank + 1) * share], y[rank * share : (rank + 1) * share]
-        loss = torch.nn.functional.mse_loss(ds(x), y)
-        ds.backward(loss)
-        ds.step()
-        mean = loss.detach().clone()
-        dist.all_reduce(mean)
-        losses.append(mean.item() / world)  # the global batch's loss
-    return losses
+    return [train_step(ds, world, rank, step) for step in range(steps)]
 
 
 PRODIGY = {"lr": 1.0, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.0, "d_coef": 1.0,
@@ -81,7 +70,7 @@ def prodigy(world: int, rank: int, unreduced: bool, stage: int) -> dict:
         base.reduce_device = None  # what each rank would estimate from its shard alone
     ds_per_step, losses = [], []
     for step in range(STEPS):
-        losses += train_steps_one(ds, world, rank, step)
+        losses.append(train_step(ds, world, rank, step))
         d = torch.tensor([base.param_groups[0]["d"]], dtype=torch.float64)
         gathered = [torch.zeros_like(d) for _ in range(world)]
         dist.all_gather(gathered, d)
@@ -89,7 +78,8 @@ def prodigy(world: int, rank: int, unreduced: bool, stage: int) -> dict:
     return {"d": ds_per_step, "loss": losses}
 
 
-def train_steps_one(ds, world: int, rank: int, step: int) -> list[float]:
+def train_step(ds, world: int, rank: int, step: int) -> float:
+    """One step on this rank's share of the global batch; the global batch's loss."""
     share = GLOBAL_BATCH // world
     x, y = batch(step)
     x, y = x[rank * share : (rank + 1) * share], y[rank * share : (rank + 1) * share]
@@ -98,7 +88,7 @@ def train_steps_one(ds, world: int, rank: int, step: int) -> list[float]:
     ds.step()
     mean = loss.detach().clone()
     dist.all_reduce(mean)
-    return [mean.item() / world]
+    return mean.item() / world
 
 
 def reference() -> dict:
