@@ -165,3 +165,119 @@ def test_why_nothing_fits_names_the_precision_that_would(monkeypatch, capsys):
     monkeypatch.setenv("ZT_BASE_PRECISION", "auto")
     assert cli.main(qwen) == 0
     assert "choice: ZeRO-3" in capsys.readouterr().out
+
+
+# --- text encoders stored in 8 bits while caching (ZT_TEXT_ENCODER_PRECISION) ---------------
+
+
+def text_plan(family: str, precision: str, hardware: Hardware):
+    shape = model_shape(family)
+    request = PlanRequest(
+        resolution=512, micro_batch=1, world_size=1, mixed_precision="bf16",
+        text_encoder_precision=precision,
+        text_encoders=base_precision.stored_text(family) if precision != "auto" else None,
+    )  # fmt: skip
+    training = trainable.lora_adapter(shape, rank=16, targets=lora.PRESETS["attention"])
+    return make_plan(shape=shape, hardware=hardware, request=request, training=training,
+                     offload_disk_free=2 * 10**12, require_fit=False)  # fmt: skip
+
+
+@pytest.mark.parametrize(("family", "streamed"), [("flux", False), ("flux2", True)])
+def test_text_encoders_count_at_their_stored_bytes_while_caching(family, streamed):
+    """FLUX.1's CLIP-L and T5-XXL, FLUX.2 [dev]'s 24B Mistral: stored at fp8, the node's
+    caching phase holds one byte (instead of bf16's two) per stored weight, the embeddings and
+    heads kept; the device's caching bytes drop as much, except where the encoder streams from
+    the host layer by layer (FLUX.2: its largest layer on the device is the kept embedding)."""
+    from zerotuner.families.registry import REGISTRY
+
+    spec = REGISTRY[family]
+    saved = spec.text_params - spec.text_kept_params  # a byte per stored weight, at bf16
+    hardware = gpus(1, 24, host_gib=512)
+    full, low = (text_plan(family, p, hardware) for p in ("auto", "fp8"))
+    assert full.load.per_node["frozen_parts"] - low.load.per_node["frozen_parts"] == saved
+    assert low.load.peak_bytes < full.load.peak_bytes
+
+    # the row whose device peak is the caching phase (the base in host memory, ZeRO-3, 512 px)
+    def row(plan):
+        return next(
+            r
+            for r in plan.rows
+            if (r.zero_stage, r.offload_optimizer, r.offload_param, r.gradient_checkpointing)
+            == (3, "cpu", "cpu", True)
+        )
+
+    rows = [row(full), row(low)]
+    assert streamed or "device.caching_peak" in rows[0].parts
+    assert rows[0].device_bytes - rows[1].device_bytes == (0 if streamed else saved)
+
+
+def test_without_stored_layers_the_encoders_count_whole():
+    """A family whose encoders' stored part is not known (an installed family's Spec without
+    text_kept_params) keeps the run's bytes for them: never an estimate below the truth."""
+    hardware = gpus(1, 24, host_gib=512)
+    shape = model_shape("flux")
+    request = PlanRequest(resolution=1024, micro_batch=1, world_size=1, mixed_precision="bf16",
+                          text_encoder_precision="fp8", text_encoders=None)  # fmt: skip
+    training = trainable.lora_adapter(shape, rank=16, targets=lora.PRESETS["attention"])
+    plan = make_plan(shape=shape, hardware=hardware, request=request, training=training,
+                     offload_disk_free=2 * 10**12, require_fit=False)  # fmt: skip
+    assert plan.load.per_node["frozen_parts"] == 2 * shape.frozen_params
+
+
+def test_a_local_models_encoders_are_counted_from_their_headers(demo_dir):
+    """The tiny SDXL's two CLIP encoders: the layers their safetensors headers say an 8-bit
+    storage takes are the ones quantize_frozen_base stores, element for element, and the
+    bytes it saves are the planner's."""
+    from transformers import CLIPTextModel, CLIPTextModelWithProjection
+
+    planned = base_precision.stored_text("sdxl", demo_dir / "model")
+    measured = [
+        base_precision.quantize_frozen_base(
+            cls.from_pretrained(demo_dir / "model" / folder), "fp8",
+            setting="text_encoder_precision",
+        )
+        for folder, cls in (("text_encoder", CLIPTextModel),
+                            ("text_encoder_2", CLIPTextModelWithProjection))
+    ]  # fmt: skip
+    assert planned is not None and planned.layers == sum(m.layers for m in measured) > 0
+    assert planned.params == sum(m.quantized_params for m in measured)
+    assert planned.at("fp8", 4).saved == sum(m.saved for m in measured)
+
+
+def published_encoders():
+    """The published encoders' configs (their config.json's shapes), for the KEPT constants."""
+    from transformers import CLIPTextConfig, Qwen3Config, T5Config
+
+    from zerotuner.families import registry as r
+
+    return [
+        ("CLIPTextModel", CLIPTextConfig(
+            vocab_size=49408, hidden_size=768, intermediate_size=3072, num_hidden_layers=12,
+            num_attention_heads=12, max_position_embeddings=77), r.CLIP_L, r.CLIP_L_KEPT),
+        ("T5EncoderModel", T5Config(
+            vocab_size=32128, d_model=4096, d_kv=64, d_ff=10240, num_layers=24, num_heads=64,
+            feed_forward_proj="gated-gelu"), r.T5_XXL_PARAMS, r.T5_XXL_KEPT),
+        ("Qwen3Model", Qwen3Config(
+            vocab_size=151936, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
+            num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+            tie_word_embeddings=True), r.QWEN3_4B_PARAMS, r.QWEN3_4B_KEPT),
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize("encoder", range(3), ids=["clip-l", "t5-xxl", "qwen3-4b"])
+def test_the_published_encoders_kept_parts_are_what_the_rule_keeps(encoder):
+    """CLIP-L, T5-XXL and Qwen3-4B on the meta device: their parameters are the registry's,
+    and what stored_low leaves at the run's precision is the registry's KEPT count (within
+    the biases and norms it counts as stored, under 0.1 %)."""
+    import transformers
+    from accelerate import init_empty_weights
+
+    name, config, params, kept = published_encoders()[encoder]
+    with init_empty_weights():
+        module = getattr(transformers, name)(config)
+    if hasattr(module, "tie_weights"):
+        module.tie_weights()
+    stored = base_precision.stored_layers(module)
+    total = sum(p.numel() for p in module.parameters())
+    assert total == params
+    assert abs((total - stored.params) - kept) <= 0.001 * total, (total - stored.params, kept)

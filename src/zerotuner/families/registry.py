@@ -61,6 +61,9 @@ class Spec:
     # Control images each target trains with (an edit model's inputs: data/controls.py);
     # 0: a text-to-image family, which refuses them
     controls: int = 0
+    # Of text_params, what a low ZT_TEXT_ENCODER_PRECISION keeps at the run's precision (the
+    # published encoders' *_KEPT below); None: not known, the planner counts them all so
+    text_kept_params: int | None = None
 
     @property
     def frozen_params(self) -> int:
@@ -77,6 +80,21 @@ QWEN_VAE_PARAMS = 126_892_531  # AutoencoderKLQwenImage (Qwen-Image's video VAE)
 # scripts/convert_flux2_to_diffusers.py); vision fields the page leaves out at PixtralVisionConfig's
 # defaults. Its largest layer: the token embedding (and lm_head), 131072 x 5120.
 MISTRAL_SMALL_3_PARAMS, MISTRAL_SMALL_3_LAYER = 24_011_361_280, 671_088_640
+# What a text encoder stored in 8 bits (ZT_TEXT_ENCODER_PRECISION) keeps at the run's precision:
+# the layers outside its numbered blocks (weights.base_precision.stored_low), its token (and
+# position) embeddings, an untied output head, a vision tower's patch convolution and projector;
+# the blocks' biases and norms (under 0.1 %) count as stored.
+CLIP_L_KEPT = 38_004_480  # 49408 x 768 tokens + 77 x 768 positions
+CLIP_L_SD3_KEPT = CLIP_L_KEPT + 589_824  # and its 768 x 768 text projection
+CLIP_G_KEPT = 64_979_200  # 49408 x 1280 + 77 x 1280 + its 1280 x 1280 text projection
+OPEN_CLIP_H_KEPT = 50_672_640  # 49408 x 1024 + 77 x 1024
+T5_XXL_KEPT = 131_596_288  # 32128 x 4096
+UMT5_XXL_KEPT = 1_050_148_864  # 256384 x 4096
+QWEN25_VL_7B_KEPT = 1_091_507_712  # 152064 x 3584 twice (untied head), 3 x 1280 x 2 x 14 x 14
+QWEN3_4B_KEPT = 388_956_160  # 151936 x 2560, tied
+# 131072 x 5120 twice (untied head), the 3 x 1024 x 14 x 14 patch convolution, the projector's
+# 4096 x 1024, 1024 x 5120 and 5120 x 5120
+MISTRAL_SMALL_3_KEPT = 1_378_430_976
 FLUX2_VAE_PARAMS = 84_046_115  # AutoencoderKLFlux2's defaults
 # UMT5EncoderModel of google/umt5-xxl's config (Wan's text encoder: d_model 4096, 24 layers,
 # vocabulary 256384), its token embedding counted once (`encoder.embed_tokens` is `shared`)
@@ -127,6 +145,7 @@ FLUX = Spec(
     flow=True, pipeline="FluxPipeline", transformer="FluxTransformer2DModel",
     hub_markers=("flux",), guess_order=0, clip_tokens=0, t5_tokens=512,
     layer_keys=("num_layers", "num_single_layers"),
+    text_kept_params=CLIP_L_KEPT + T5_XXL_KEPT,
 )  # fmt: skip
 
 BUILTIN: dict[str, Spec] = {
@@ -147,12 +166,14 @@ BUILTIN: dict[str, Spec] = {
         },
         (2_567_463_684, 29_491_200), CLIP_L + CLIP_G, VAE_PARAMS,
         hub_markers=("xl",), guess_order=2,
+        text_kept_params=CLIP_L_KEPT + CLIP_G_KEPT,
     ),
     "sd1": Spec(
         "unet", "StableDiffusion",
         {"sample_size": 64, "cross_attention_dim": 768, "attention_head_dim": 8},
         (859_520_964, 29_491_200), CLIP_L, VAE_PARAMS,
         hub_markers=("stable-diffusion-v1", "sd1", "v1"), guess_order=4,
+        text_kept_params=CLIP_L_KEPT,
     ),
     "sd2": Spec(
         "unet", "StableDiffusion",
@@ -160,6 +181,7 @@ BUILTIN: dict[str, Spec] = {
          "use_linear_projection": True},
         (865_910_724, 29_491_200), 340_387_840, VAE_PARAMS,  # OpenCLIP ViT-H
         hub_markers=("stable-diffusion-2", "sd2", "-2", "v2"), guess_order=3,
+        text_kept_params=OPEN_CLIP_H_KEPT,
     ),
     "sd3": Spec(
         "flow", "SD3",
@@ -171,6 +193,7 @@ BUILTIN: dict[str, Spec] = {
         flow=True, pipeline="StableDiffusion3Pipeline", transformer="SD3Transformer2DModel",
         hub_markers=("stable-diffusion-3", "sd3"), guess_order=1, t5_tokens=256,
         layer_keys=("num_layers",),
+        text_kept_params=CLIP_L_SD3_KEPT + CLIP_G_KEPT + T5_XXL_KEPT,
     ),
     "flux": FLUX,
     # FLUX.1 Kontext is FLUX.1's network: only its trainer, pipeline and one control image differ
@@ -189,6 +212,7 @@ BUILTIN: dict[str, Spec] = {
         hub_markers=("chroma",), guess_order=-1, clip_tokens=0, t5_tokens=512,
         layer_keys=("num_layers", "num_single_layers"),
         demo="chroma:write_model",
+        text_kept_params=T5_XXL_KEPT,
     ),
     "zimage": Spec(
         "z_image", "ZImage",
@@ -202,6 +226,7 @@ BUILTIN: dict[str, Spec] = {
         t5_tokens=512, long_encoder="Qwen3", layer_keys=("n_layers", "n_refiner_layers"),
         width_keys=("dim",), text_width_key="cap_feat_dim",
         demo="z_image:write_model",
+        text_kept_params=QWEN3_4B_KEPT,
     ),
     "qwenimage": Spec(
         "qwen_image", "QwenImage",
@@ -213,6 +238,7 @@ BUILTIN: dict[str, Spec] = {
         hub_markers=("qwen-image", "qwen_image", "qwenimage"), guess_order=-1, clip_tokens=0,
         t5_tokens=512, long_encoder="Qwen2.5-VL", layer_keys=("num_layers",),
         demo="qwen_image:write_model",
+        text_kept_params=QWEN25_VL_7B_KEPT,
     ),
     "flux2": Spec(
         "flux2", "Flux2",
@@ -224,6 +250,7 @@ BUILTIN: dict[str, Spec] = {
         t5_tokens=512, long_encoder="Mistral", text_stream_params=MISTRAL_SMALL_3_LAYER,
         layer_keys=("num_layers", "num_single_layers"),
         demo="flux2:write_model",
+        text_kept_params=MISTRAL_SMALL_3_KEPT,
     ),
     "flux2klein": Spec(
         "flux2", "Flux2Klein",
@@ -236,6 +263,7 @@ BUILTIN: dict[str, Spec] = {
         guess_order=-3, clip_tokens=0, t5_tokens=512, long_encoder="Qwen3",
         layer_keys=("num_layers", "num_single_layers"),
         demo="flux2:write_klein_model",
+        text_kept_params=QWEN3_4B_KEPT,
     ),
     "wan": Spec(
         "wan", "Wan",
@@ -249,6 +277,7 @@ BUILTIN: dict[str, Spec] = {
         t5_tokens=512, long_encoder="UMT5", layer_keys=("num_layers",), text_width_key="text_dim",
         video=True, native_resolution=632,
         demo="wan:write_model",
+        text_kept_params=UMT5_XXL_KEPT,
     ),
 }  # fmt: skip
 REGISTRY = BUILTIN | installed_families(BUILTIN)

@@ -74,6 +74,7 @@ def estimate(
     base: BaseBytes | None = None,
     optimizer: str = "AdamW",
     offload_activations: str = "none",
+    text_saved: int = 0,
 ) -> tuple[int, int, int, dict[str, int]]:
     """(device bytes per rank, host bytes per node, disk bytes per node, named parts).
 
@@ -101,6 +102,9 @@ def estimate(
 
     `offload_activations` `cpu` (ZT_OFFLOAD_ACTIVATIONS, a video family with checkpointing):
     the blocks' saved inputs are in host memory (`activation_checkpoints`), not on the device.
+
+    `text_saved`: the bytes the text encoders' 8-bit storage saves while caching
+    (ZT_TEXT_ENCODER_PRECISION; the plan's `_Sizing.text_saved`).
     """
     training = training or full_unet(shape)
     p_bytes = 4 if precision == "no" else 2
@@ -125,7 +129,8 @@ def estimate(
         parts.host["activation_checkpoints"] = int(inputs * (p_bytes / 2) * micro_batch)
     if not on_cpu:
         parts.device["framework"] = CUDA_CONTEXT
-    caching = _caching(shape, resolution=resolution, frames=frames, p_bytes=p_bytes)
+    caching = _caching(shape, resolution=resolution, frames=frames, p_bytes=p_bytes,
+                       text_saved=text_saved)  # fmt: skip
     training_bytes = sum(parts.device.values())
     device = max(training_bytes, caching + (0 if on_cpu else CUDA_CONTEXT))
     if caching > training_bytes:
@@ -290,12 +295,18 @@ def _activations(
     return int(per_image * scale * micro_batch)
 
 
-def _caching(shape: ModelShape, *, resolution: int, frames: int, p_bytes: int) -> int:
+def _caching(
+    shape: ModelShape, *, resolution: int, frames: int, p_bytes: int, text_saved: int = 0
+) -> int:
     """The device bytes of caching latents and embeddings, before training: the frozen
-    encoders and one VAE encode (an encoder that streams from host memory: its largest layer,
-    `caching_params`)."""
+    encoders (less `text_saved`, text encoders stored in 8 bits) and one VAE encode (an
+    encoder that streams from host memory: its largest layer, `caching_params`, which an
+    8-bit storage keeps: an embedding)."""
     vae_width = shape.vae_channels / REFERENCE_VAE_CHANNELS
-    on_device = shape.frozen_params if shape.caching_params is None else shape.caching_params
+    if shape.caching_params is None:
+        on_device = shape.frozen_params * p_bytes - text_saved
+    else:
+        on_device = shape.caching_params * p_bytes
     encode = VAE_ENCODE_BYTES * resolution * resolution / REFERENCE_PIXELS * vae_width
     if shape.video is not None and frames > 1:
         # AutoencoderKLWan encodes a clip causally, its first frame then chunks of 4
@@ -305,7 +316,7 @@ def _caching(shape: ModelShape, *, resolution: int, frames: int, p_bytes: int) -
         latent = shape.video.latent_frames(frames) * resolution * resolution
         latent = latent * shape.video.latent_channels // shape.video.spatial**2
         encode = encode * min(frames, VAE_CHUNK_FRAMES) + 2 * (3 * frames * resolution**2 + latent)
-    return on_device * p_bytes + int(encode * (p_bytes / 2))
+    return on_device + int(encode * (p_bytes / 2))
 
 
 def bucket(shape: ModelShape) -> int:
@@ -390,6 +401,7 @@ def load_peak(
     offload_param: str = "none",
     world_size: int = 1,
     lora: bool = False,
+    text_saved: int = 0,
 ) -> LoadPeak:
     """The load-time host peak per node. Below ZeRO-3 (or `zero_stage` None: the path before
     zero.Init) the UNet is read whole in fp32 (DeepSpeed makes its masters from it), a LoRA base
@@ -400,8 +412,9 @@ def load_peak(
     zero.Init allocates; and one largest tensor twice: read from the file (fp32 assumed) on rank
     0 and gathered in the training dtype on every rank. The frozen parts load once per node (its
     first rank encodes the node's share of the cache) and count at the training dtype, as the
-    device's caching estimate does: the text encoders load in it, the fp32 VAE is
-    the smallest part, and on a GPU each part leaves the host for the device once loaded."""
+    device's caching estimate does: the text encoders load in it (less `text_saved`, stored in
+    8 bits), the fp32 VAE is the smallest part, and on a GPU each part leaves the host for the
+    device once loaded."""
     p_bytes = 4 if precision == "no" else 2
     per_rank = {"process": RANK_PROCESS}
     if not on_cpu:
@@ -421,7 +434,7 @@ def load_peak(
     per_node = {
         "entrypoint": ENTRYPOINT_PROCESS,
         "torchrun_agent": TORCHRUN_AGENT,
-        "frozen_parts": p_bytes * shape.frozen_params,
+        "frozen_parts": p_bytes * shape.frozen_params - text_saved,
     }
     denoiser = "transformer" if REGISTRY[shape.family].flow else "UNet"
     return LoadPeak(ranks_per_node, per_rank, per_node, path, denoiser)

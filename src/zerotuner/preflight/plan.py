@@ -33,7 +33,7 @@ from zerotuner.preflight.trainable import Training, full_unet
 from zerotuner.settings.notes import Notes
 from zerotuner.settings.schema import env_name
 from zerotuner.weights import base_precision
-from zerotuner.weights.base_precision import BaseBytes
+from zerotuner.weights.base_precision import BaseBytes, StoredLayers
 
 DEVICE_MARGIN = HOST_MARGIN = DISK_MARGIN = 0.10  # allocator fragmentation, spikes
 
@@ -122,6 +122,10 @@ class PlanRequest:
     max_sequence_length: int | None = None  # the T5 tokens a flow family's cached caption holds
     frames: int = 1  # a video family's clip length (ZT_VIDEO_FRAMES); 1 for the image families
     base_precision: str = "auto"  # how a LoRA's frozen base is stored (ZT_BASE_PRECISION)
+    # how the text encoders are stored while caching (ZT_TEXT_ENCODER_PRECISION), and what of
+    # them that storage takes (base_precision.stored_text; None: not known, counted whole)
+    text_encoder_precision: str = "auto"
+    text_encoders: StoredLayers | None = None
     optimizer: str = "AdamW"  # ZT_OPTIMIZER, canonical: its state bytes (optimizers.STATE_BYTES)
     # where the pins came from (a raw DeepSpeed key instead of the ZT_* name), for messages
     pin_names: dict[str, str] = field(default_factory=dict)
@@ -413,6 +417,14 @@ class _Sizing:
             return None
         return stored.at(self.base_precision, 4 if self.precision == "no" else 2)
 
+    @property
+    def text_saved(self) -> int:
+        """Bytes the text encoders' low storage saves while caching (ZT_TEXT_ENCODER_PRECISION)."""
+        precision, stored = self.request.text_encoder_precision, self.request.text_encoders
+        if stored is None or not base_precision.is_low(precision):
+            return 0
+        return stored.at(precision, 4 if self.precision == "no" else 2).saved
+
     def preference(self, row: Estimate) -> tuple[int, ...]:
         return _preference_for(self.training)(row)
 
@@ -450,7 +462,7 @@ class _Sizing:
             micro_batch=request.micro_batch, world_size=request.world_size,
             ranks_per_node=self.ranks_per_node, precision=self.precision, on_cpu=self.on_cpu,
             ema=request.ema, training=self.training, frames=request.frames, base=self.base,
-            optimizer=request.optimizer, offload_activations=acts,
+            optimizer=request.optimizer, offload_activations=acts, text_saved=self.text_saved,
         )  # fmt: skip
         short = _shortfalls(device, host, disk, self.cap, self.on_cpu, self.nvme_ok)
         return Estimate(stage, opt, param, ckpt, device, host, disk, not short, short, parts,
@@ -490,7 +502,7 @@ class _Sizing:
             self.shape, ranks_per_node=self.ranks_per_node, precision=self.precision,
             on_cpu=self.on_cpu, zero_stage=row.zero_stage if stage is None else stage,
             offload_param=row.offload_param, world_size=self.request.world_size,
-            lora=self.training.type == "lora",
+            lora=self.training.type == "lora", text_saved=self.text_saved,
         )  # fmt: skip
 
 

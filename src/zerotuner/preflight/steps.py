@@ -45,7 +45,7 @@ from zerotuner.settings.inputs import UserInputs
 from zerotuner.settings.notes import Note
 from zerotuner.settings.schema import Settings, env_name, precision_name
 from zerotuner.train import speed
-from zerotuner.weights import checkpoint, lora, lora_from
+from zerotuner.weights import base_precision, checkpoint, lora, lora_from
 
 log = logging.getLogger(__name__)
 
@@ -433,6 +433,10 @@ def plan_for(
         max_sequence_length=settings.max_sequence_length,
         frames=settings.video_frames if shape.video is not None else 1,
         base_precision=settings.base_precision,
+        text_encoder_precision=settings.text_encoder_precision,
+        text_encoders=base_precision.stored_text(shape.family, model_dir)
+        if base_precision.is_low(settings.text_encoder_precision)
+        else None,
         optimizer=planned_optimizer(
             settings.optimizer,
             explicit="optimizer" in settings.model_fields_set,

@@ -33,6 +33,7 @@ be quantized, and a quantized base would sit whole on every rank anyway.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -101,12 +102,17 @@ def stored_low(name: str, module: torch.nn.Module) -> bool:
     (a numbered part in its path), of no norm, both dimensions multiples of TILE."""
     if type(module) is not torch.nn.Linear:  # a peft wrapper or a subclass of its own
         return False
+    return storable(name, module.out_features, module.in_features)
+
+
+def storable(name: str, out_features: int, in_features: int) -> bool:
+    """stored_low's rule for a Linear layer's name and sides."""
     parts = name.split(".")
     return (
         any(p.isdigit() for p in parts)
         and not any("norm" in p.lower() for p in parts)
-        and module.in_features % TILE == 0
-        and module.out_features % TILE == 0
+        and in_features % TILE == 0
+        and out_features % TILE == 0
     )
 
 
@@ -153,6 +159,51 @@ def stored_layers(module: torch.nn.Module) -> StoredLayers:
         largest=max((m.weight.numel() for m in low), default=0),
         total=sum(t.numel() for t in (*module.parameters(), *module.buffers())),
     )
+
+
+TEXT_FOLDERS = ("text_encoder", "text_encoder_2", "text_encoder_3")
+
+
+def stored_text(family: str, model_dir: Path | None = None) -> StoredLayers | None:
+    """What ZT_TEXT_ENCODER_PRECISION stores low of the family's text encoders, for the
+    planner: from `model_dir`'s safetensors headers (every 2-D `.weight` stored_low's rule
+    takes, headers naming no module types: an embedding inside a numbered block counts too,
+    none of the encoders has a large one), else from the published encoders' counts (their
+    output channels, a scale each, left out: under 0.1 % of the bytes); None where neither is
+    known (the planner counts them at the run's precision)."""
+    from zerotuner.families import REGISTRY
+
+    folders = [model_dir / f for f in TEXT_FOLDERS] if model_dir is not None else []
+    folders = [f for f in folders if (f / "config.json").is_file()]
+    if folders:
+        return _stored_from_headers(folders)
+    spec = REGISTRY[family]
+    if spec.text_kept_params is None:
+        return None
+    stored = spec.text_params - spec.text_kept_params
+    return StoredLayers(0, 0, stored, 0, 0, spec.text_params)
+
+
+def _stored_from_headers(folders: list[Path]) -> StoredLayers | None:
+    from safetensors import safe_open
+
+    from zerotuner.families.stored import weight_files
+
+    shapes: list[tuple[str, list[int]]] = []
+    for folder in folders:
+        files = weight_files(folder)
+        if not files:
+            return None
+        for path in files:
+            with safe_open(str(path), framework="numpy") as weights:
+                shapes += [(k, weights.get_slice(k).get_shape()) for k in weights.keys()]  # noqa: SIM118 - safe_open is no dict
+    linear = [(k, s) for k, s in shapes if k.endswith(".weight") and len(s) == 2]
+    low = [s for k, s in linear if storable(k.removesuffix(".weight"), s[0], s[1])]
+    return StoredLayers(
+        layers=len(low), linears=len(linear), params=sum(o * i for o, i in low),
+        rows=sum(o for o, _ in low), largest=max((o * i for o, i in low), default=0),
+        total=sum(math.prod(s) for _, s in shapes),
+    )  # fmt: skip
 
 
 def planned_bytes(module: torch.nn.Module, precision: str, run_bytes: int) -> BaseBytes:
