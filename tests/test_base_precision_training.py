@@ -209,8 +209,9 @@ def test_a_resume_on_the_same_precision_ends_where_the_run_did(
 
 
 def test_a_flux_transformer_trains_on_an_fp8_base(flow_demo_dirs, tmp_path: Path) -> None:
-    """Flux.1's transformer at ZeRO-2 on 1 rank with an fp8 base: its blocks' Linear layers
-    stored so, the adapter file loads into the unquantized pipeline and changes its images."""
+    """Flux.1's transformer at ZeRO-2 on 1 rank with an fp8 base and its captions cached by
+    CLIP-L and T5 stored in fp8 (ZT_TEXT_ENCODER_PRECISION): its blocks' Linear layers stored
+    so, the adapter file loads into the unquantized pipeline and changes its images."""
     from diffusers import DiffusionPipeline
 
     demo, output, steps = flow_demo_dirs["flux"], tmp_path / "output", 4  # 2 warm up from 0
@@ -220,11 +221,14 @@ def test_a_flux_transformer_trains_on_an_fp8_base(flow_demo_dirs, tmp_path: Path
     env = tk.settings_env(
         model=demo / "model", data=demo / "data", output=output, cache=tmp_path / "cache",
         max_steps=steps, max_sequence_length=16, training_type="lora", lora_rank=4,
-        base_precision="fp8",
+        base_precision="fp8", text_encoder_precision="fp8",
     )  # fmt: skip
     proc = tk.run_ranks(tmp_path, env, job_file=job, world=1)
     tk.assert_ok(proc, tmp_path, world=1)
-    assert "frozen base stored at fp8: " in proc.stdout + proc.stderr
+    log = proc.stdout + proc.stderr
+    assert "frozen base stored at fp8: " in log
+    assert "text encoder 1 (CLIPTextModel) stored at fp8: " in log
+    assert "text encoder 2 (T5EncoderModel) stored at fp8: " in log
     manifest = read_manifest(output / "checkpoints" / f"step-{steps}")
     assert manifest["lora"]["base_precision"] == "fp8"
     adapter = load_file(output / "final" / lora_files.ADAPTER_FILE)
