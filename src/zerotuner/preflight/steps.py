@@ -23,6 +23,7 @@ from zerotuner.families import (
     ModelShape,
     check_family_settings,
     detect_family,
+    distilled_note,
     guess_family,
     hub_cache_dir,
     known_family,
@@ -358,6 +359,8 @@ class PreflightRun:
         notes = (
             *unfit,
             Note("info", f"model family {model.family} ({model.reason}); model {shape.source}"),
+            *[Note("warning", n) for n in [distilled_note(model.family, model.local_dir,
+                                                         settings.model)] if n],
             *lora.notes(settings),
             *speed.notes(settings, accelerator=hardware.accelerator, zero_stage=zero_stage),
             *self.inputs.notes.notes,
