@@ -210,9 +210,12 @@ LORA = {"stage": 3, "offload_optimizer": "nvme", "offload_param": "nvme",
         "lr": 1e-2}  # fmt: skip
 # Qwen-Image's attention adapter moves its tiny model's loss slowly at 1e-2 over 10 steps;
 # FLUX.2's adapters are the example's default: the single-stream block's projections too.
-LORA_LR = {"qwenimage": 3e-2, "flux2": 3e-2, "flux2klein": 5e-2}
+LORA_LR = {"qwenimage": 3e-2, "flux2": 3e-2, "flux2klein": 5e-2, "krea2": 3e-2}
 FLUX2_TARGETS = "attention,to_qkv_mlp_proj,single_transformer_blocks.0.attn.to_out"
-LORA_TARGETS = {"flux2": FLUX2_TARGETS, "flux2klein": FLUX2_TARGETS}
+# Krea 2's: attention and the SwiGLUs, part of its authors' default (every Linear: musubi-tuner's
+# networks/lora_krea2.py); attention alone moves the tiny model's loss slowly
+LORA_TARGETS = {"flux2": FLUX2_TARGETS, "flux2klein": FLUX2_TARGETS,
+                "krea2": "attention,ff.gate,ff.up,ff.down"}  # fmt: skip
 
 
 @pytest.fixture(scope="session", params=FULL_RUNS)

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any, Self
 
 import torch
 
+from zerotuner.families.base import ComfyLora
 from zerotuner.families.flow import FlowFamily
 from zerotuner.families.flow_matching import FlowObjective
 
@@ -93,9 +94,25 @@ class Krea2Objective(FlowObjective):
         return {**kwargs, "position_ids": position_ids(text_tokens, height, width)}
 
 
+# Krea 2's diffusers module names to the original checkpoint's (krea-ai/krea-2 mmdit.py), which
+# ComfyUI's Krea 2 model has: the inverse of diffusers' `_convert_non_diffusers_krea2_lora_to_
+# diffusers` (loaders/lora_conversion_utils.py, diffusers 0.42), for the layers LoRA wraps
+KREA2_ORIGINAL_NAMES = (
+    ("transformer_blocks", "blocks"), ("text_fusion", "txtfusion"),
+    ("attn.to_q", "attn.wq"), ("attn.to_k", "attn.wk"), ("attn.to_v", "attn.wv"),
+    ("attn.to_out.0", "attn.wo"), ("attn.to_gate", "attn.gate"),
+    ("ff.gate", "mlp.gate"), ("ff.up", "mlp.up"), ("ff.down", "mlp.down"),
+    ("img_in", "first"), ("final_layer.linear", "last.linear"),
+    ("time_embed.linear_1", "tmlp.0"), ("time_embed.linear_2", "tmlp.2"),
+    ("time_mod_proj", "tproj.1"), ("txt_in.linear_1", "txtmlp.1"),
+    ("txt_in.linear_2", "txtmlp.3"),
+)  # fmt: skip
+
+
 @dataclass(frozen=True)
 class Krea2(FlowFamily):
     packed: bool = True
+    comfy_lora: ComfyLora = ComfyLora(prefix="diffusion_model.", renames=KREA2_ORIGINAL_NAMES)
     select_layers: tuple[int, ...] = SELECT_LAYERS  # the pipeline's text_encoder_select_layers
     distilled: bool = False  # Turbo: model_index.json's is_distilled
 
