@@ -340,12 +340,13 @@ def _chosen_cells(plan: dict) -> str:
     )
 
 
-# The newer families (issue 30) on the same hosts, full fine-tuning and LoRA (the default
+# The newer families (issues 30 and 47) on the same hosts, full fine-tuning and LoRA (the default
 # adapter: rank 16 on the attention projections), with host memory per node in training and at
 # the load peak (the caching phase's text encoder counted in it).
 FAMILY_MODELS = (
     ("Chroma1-HD", "chroma"), ("Z-Image-Turbo", "zimage"), ("Qwen-Image", "qwenimage"),
     ("FLUX.2-dev", "flux2"), ("FLUX.2-klein-4B", "flux2klein"),
+    ("Krea-2-Raw", "krea2"),
     ("Wan2.1-T2V-1.3B", "wan"), ("Wan2.1-T2V-14B", "wan-14b"),
 )  # fmt: skip
 

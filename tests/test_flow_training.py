@@ -87,7 +87,8 @@ def held_out_loss(demo: Path, family: str, transformer, draws: int = 4) -> float
     from diffusers import DiffusionPipeline
 
     pipe = DiffusionPipeline.from_pretrained(demo / "model")
-    kind = dataclasses.replace(families.get(family), max_sequence_length=TOKENS)
+    kind = families.get(family).configured(Settings(), demo / "model")  # as the ranks read it
+    kind = dataclasses.replace(kind, max_sequence_length=TOKENS)
     items = scan(demo / "data", log_skipped=False).items[:16]
     pixels = torch.stack(
         [torch.from_numpy(load_example(i, (64, 64), flip=False).pixels) for i in items]

@@ -35,6 +35,9 @@ TARGETS = {
     "flux2klein": "attention,to_qkv_mlp_proj",
     # every kind of layer Wan's original names rename
     "wan": "attention,ffn.net.0.proj,ffn.net.2,proj_out,time_proj,linear_1,linear_2",
+    # every kind of layer Krea 2's original names rename
+    "krea2": "attention,to_gate,ff.gate,ff.up,ff.down,img_in,final_layer.linear,linear_1,"
+             "linear_2,time_mod_proj,projector",
 }  # fmt: skip
 TOLERANCE = {"rtol": 1e-5, "atol": 1e-6}  # fp32; folding the scale into lora_B rounds once
 

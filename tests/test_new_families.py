@@ -1,5 +1,5 @@
-"""The newer flow-matching families (issue 30): Chroma, Z-Image, Qwen-Image, FLUX.2 [dev] and
-[klein]. Each family's
+"""The newer flow-matching families (issues 30 and 47): Chroma, Z-Image, Qwen-Image, FLUX.2
+[dev] and [klein], Krea 2. Each family's
 tiny demo (real diffusers/transformers classes) loads and generates through its own pipeline and
 is told apart by its files and its hub id; the cached captions are the pipeline's own
 conditioning; on 2 CPU ranks at ZeRO-3 it trains in full (zero.Init, CPU offload, EMA) and as
@@ -35,20 +35,23 @@ from test_flow_training import held_out_loss as family_held_out_loss
 
 from zerotuner import families
 from zerotuner.errors import ConfigError
+from zerotuner.settings.schema import Settings
 from zerotuner.train import model
 from zerotuner.weights.checkpoint import read_manifest
 
-NEW = ["chroma", "zimage", "qwenimage", "flux2", "flux2klein"]
+NEW = ["chroma", "zimage", "qwenimage", "flux2", "flux2klein", "krea2"]
 FULL_RUNS = NEW  # the full run's fixture (+ resume)
 PIPELINES = {"chroma": "ChromaPipeline", "zimage": "ZImagePipeline",
              "qwenimage": "QwenImagePipeline", "flux2": "Flux2Pipeline",
-             "flux2klein": "Flux2KleinPipeline"}  # fmt: skip
+             "flux2klein": "Flux2KleinPipeline", "krea2": "Krea2Pipeline"}  # fmt: skip
 TRANSFORMERS = {"chroma": "ChromaTransformer2DModel", "zimage": "ZImageTransformer2DModel",
                 "qwenimage": "QwenImageTransformer2DModel", "flux2": "Flux2Transformer2DModel",
-                "flux2klein": "Flux2Transformer2DModel"}  # fmt: skip
+                "flux2klein": "Flux2Transformer2DModel",
+                "krea2": "Krea2Transformer2DModel"}  # fmt: skip
 HUB_IDS = {"chroma": "lodestones/Chroma1-HD", "zimage": "Tongyi-MAI/Z-Image-Turbo",
            "qwenimage": "Qwen/Qwen-Image", "flux2": "black-forest-labs/FLUX.2-dev",
-           "flux2klein": "black-forest-labs/FLUX.2-klein-4B"}  # fmt: skip
+           "flux2klein": "black-forest-labs/FLUX.2-klein-4B",
+           "krea2": "krea/Krea-2-Raw"}  # fmt: skip
 
 
 def image(pipe, prompt: str = PROMPT):
@@ -81,6 +84,31 @@ def test_demo_generates_in_its_pipeline_and_is_detected(family, family_demo_dir,
     config = json.loads((bare / "transformer" / "config.json").read_text())
     assert config["_class_name"] == TRANSFORMERS[family]
     assert families.resolve_family(HUB_IDS[family]) == family
+
+
+def test_krea2_turbo_is_krea2_and_told_to_train_on_raw(family_demo_dir, tmp_path, monkeypatch,
+                                                       capsys):  # fmt: skip
+    """Krea 2 Turbo (model_index.json's `is_distilled`, or its hub name) is Krea 2's network:
+    detected as krea2 and trained with the fixed shift it was distilled at, while `config`
+    warns that adapters are trained on Raw and applied on Turbo; Raw gets no warning."""
+    from diffusers import DiffusionPipeline
+
+    demo = family_demo_dir("krea2")
+    turbo = tmp_path / "turbo"
+    shutil.copytree(demo / "model", turbo)
+    index = json.loads((turbo / "model_index.json").read_text())
+    (turbo / "model_index.json").write_text(json.dumps(index | {"is_distilled": True}))
+    assert families.detect_family(turbo) == families.resolve_family("krea/Krea-2-Turbo") == "krea2"
+    assert families.distilled_note("krea2", demo / "model", str(demo / "model")) is None
+    assert families.distilled_note("krea2", None, "krea/Krea-2-Raw") is None
+    assert "train on krea/Krea-2-Raw" in families.distilled_note("krea2", None, "krea/Krea-2-Turbo")
+    scheduler = DiffusionPipeline.from_pretrained(demo / "model").scheduler
+    for folder, shift in ((demo / "model", "mu 0.5-1.15"), (turbo, "shift exp(1.15), Turbo's")):
+        kind = families.get("krea2").configured(Settings(), folder)
+        assert shift in kind.objective(Settings(), scheduler, {}).describe()
+    code, out, err = tk.config_explain(monkeypatch, capsys, tmp_path, ZT_MODEL=str(turbo),
+                                       ZT_DATA_DIR=str(demo / "data"))  # fmt: skip
+    assert code == 0 and "train on krea/Krea-2-Raw and apply the adapter" in out + err
 
 
 @pytest.mark.parametrize(
@@ -119,11 +147,14 @@ def test_cached_captions_are_the_pipelines_own_conditioning(family, family_demo_
     """What the cache holds for a caption is what the family's pipeline encodes it to (Chroma:
     T5 with the attention mask and its text mask; Z-Image: Qwen3's penultimate states of the
     chat-templated prompt, the real tokens only; Qwen-Image: Qwen2.5-VL's last states after the
-    template's 34 tokens, padded to the batch's longest)."""
+    template's 34 tokens, padded to the batch's longest; Krea 2: the pipeline's tapped Qwen3-VL
+    layers stacked per token, with its mask)."""
     from diffusers import DiffusionPipeline
 
-    pipe = DiffusionPipeline.from_pretrained(family_demo_dir(family) / "model")
-    kind = dataclasses.replace(families.get(family), max_sequence_length=TOKENS)
+    demo = family_demo_dir(family) / "model"
+    pipe = DiffusionPipeline.from_pretrained(demo)
+    kind = families.get(family).configured(Settings(), demo)  # Krea 2: the pipeline's taps
+    kind = dataclasses.replace(kind, max_sequence_length=TOKENS)
     parts = pipeline_parts(pipe, family, kind)
     captions = [PROMPT, "a blue square on a black background", "a green circle"]
     ours = kind.encode_text(parts, captions)
@@ -142,6 +173,14 @@ def test_cached_captions_are_the_pipelines_own_conditioning(family, family_demo_
         )
         assert mask is not None  # the captions differ in length
         assert torch.equal(kwargs["encoder_hidden_states_mask"], mask)
+    elif family == "krea2":  # the tapped layers stacked per token, the padding masked
+        embeds, mask = pipe.encode_prompt(list(captions), max_sequence_length=TOKENS)
+        assert embeds.shape[1:3] == (TOKENS, len(pipe.config.text_encoder_select_layers))
+        torch.testing.assert_close(
+            kwargs["encoder_hidden_states"], embeds.to(torch.bfloat16).float()
+        )
+        assert mask.dtype == torch.bool and not mask.all()
+        assert torch.equal(kwargs["encoder_attention_mask"], mask)
     elif family.startswith("flux2"):  # layers (10, 20, 30) / (9, 18, 27) side by side
         embeds, _ = pipe.encode_prompt(list(captions), max_sequence_length=TOKENS)
         assert embeds.shape[1:] == (TOKENS, pipe.transformer.config.joint_attention_dim)
@@ -171,9 +210,12 @@ LORA = {"stage": 3, "offload_optimizer": "nvme", "offload_param": "nvme",
         "lr": 1e-2}  # fmt: skip
 # Qwen-Image's attention adapter moves its tiny model's loss slowly at 1e-2 over 10 steps;
 # FLUX.2's adapters are the example's default: the single-stream block's projections too.
-LORA_LR = {"qwenimage": 3e-2, "flux2": 3e-2, "flux2klein": 5e-2}
+LORA_LR = {"qwenimage": 3e-2, "flux2": 3e-2, "flux2klein": 5e-2, "krea2": 3e-2}
 FLUX2_TARGETS = "attention,to_qkv_mlp_proj,single_transformer_blocks.0.attn.to_out"
-LORA_TARGETS = {"flux2": FLUX2_TARGETS, "flux2klein": FLUX2_TARGETS}
+# Krea 2's: attention and the SwiGLUs, part of its authors' default (every Linear: musubi-tuner's
+# networks/lora_krea2.py); attention alone moves the tiny model's loss slowly
+LORA_TARGETS = {"flux2": FLUX2_TARGETS, "flux2klein": FLUX2_TARGETS,
+                "krea2": "attention,ff.gate,ff.up,ff.down"}  # fmt: skip
 
 
 @pytest.fixture(scope="session", params=FULL_RUNS)
@@ -305,6 +347,23 @@ def test_published_sizes_recount_and_the_text_encoder_is_counted_for_caching(fam
             vae = AutoencoderKLQwenImage()
         assert sum(p.numel() for p in vl.parameters()) == REGISTRY[family].text_params
         assert sum(p.numel() for p in vae.parameters()) == REGISTRY[family].vae_params
+    if family == "krea2":  # Qwen3VLModel of Qwen3-VL-4B-Instruct's config (no lm_head)
+        from accelerate import init_empty_weights
+        from diffusers import AutoencoderKLQwenImage
+        from transformers import Qwen3VLConfig, Qwen3VLModel
+
+        text = {"vocab_size": 151936, "hidden_size": 2560, "intermediate_size": 9728,
+                "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8,
+                "head_dim": 128, "tie_word_embeddings": True}  # fmt: skip
+        vision = {"depth": 24, "hidden_size": 1024, "intermediate_size": 4096, "num_heads": 16,
+                  "out_hidden_size": 2560, "patch_size": 16,
+                  "deepstack_visual_indexes": [5, 11, 17]}  # fmt: skip
+        with init_empty_weights():
+            vl = Qwen3VLModel(Qwen3VLConfig(text_config=text, vision_config=vision,
+                                            tie_word_embeddings=True))  # fmt: skip
+            vae = AutoencoderKLQwenImage()
+        assert sum(p.numel() for p in vl.parameters()) == REGISTRY[family].text_params
+        assert sum(p.numel() for p in vae.parameters()) == REGISTRY[family].vae_params
     if family == "flux2":  # Mistral Small 3.x streams while caching: its largest layer counts
         from accelerate import init_empty_weights
         from diffusers import AutoencoderKLFlux2
@@ -340,7 +399,7 @@ def test_published_sizes_recount_and_the_text_encoder_is_counted_for_caching(fam
     else:
         assert shape.caching_params is None  # the text encoder loads whole
     width = {"chroma": 4096, "zimage": 2560, "qwenimage": 3584, "flux2": 15360,
-             "flux2klein": 7680}[family]  # fmt: skip
+             "flux2klein": 7680, "krea2": 12 * 2560}[family]  # fmt: skip
     assert caption_cache_bytes(shape) == 512 * width * 2
 
     from bench.paper import flow_plan

@@ -18,6 +18,7 @@ from __future__ import annotations
 from zerotuner.families.detection import (
     HUB_CONFIG_FILES,
     detect_family,
+    distilled_note,
     guess_family,
     hub_cache_dir,
     resolve_family,
@@ -50,7 +51,7 @@ from zerotuner.families.wan_variants import EXPERTS
 __all__ = [
     "EXPERTS", "FAMILIES", "FLOW_FAMILIES", "HUB_CONFIG_FILES", "REGISTRY", "Family",
     "ModelShape", "Spec", "VideoShape", "bucket_step", "caption_cache_bytes",
-    "check_family_settings", "detect_family", "frozen_params", "get", "guess_family",
-    "hub_cache_dir", "known_family", "meta_model", "model_shape", "resolve_family",
+    "check_family_settings", "detect_family", "distilled_note", "frozen_params", "get",
+    "guess_family", "hub_cache_dir", "known_family", "meta_model", "model_shape", "resolve_family",
     "unet_config_path", "vae_latent_channels", "vae_scale", "video_shape",
 ]  # fmt: skip

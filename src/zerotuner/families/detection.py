@@ -138,3 +138,22 @@ def guess_family(hub_id: str, expert: str | None = None) -> Family | None:
     refuse_edit_model(hub_id, hub_id.rsplit("/", 1)[-1])
     refuse_wan_variant(hub_id, hub_id, expert=expert)
     return None
+
+
+def distilled_note(family: Family, model_dir: Path | None, model: str) -> str | None:
+    """A distilled checkpoint of a family whose adapters are trained on its base (Krea 2
+    Turbo: model_index.json's `is_distilled`, or "turbo" in a hub id read by its name alone):
+    what the run is told. None: not one."""
+    base = REGISTRY[family].base_model
+    index = model_dir / "model_index.json" if model_dir is not None else None
+    if index is not None and index.is_file():
+        distilled = bool(model_json(index).get("is_distilled"))
+    else:
+        distilled = "turbo" in model.rsplit("/", 1)[-1].lower()
+    if not base or not distilled:
+        return None
+    return (
+        f"ZT_MODEL={model} is a distilled (few-step) {family} checkpoint: training wears its "
+        f"distillation away; train on {base} and apply the adapter or weights on the "
+        "distilled one, as its makers advise (docs/models.md)"
+    )

@@ -48,6 +48,9 @@ class Spec:
     # the text states it takes
     width_keys: tuple[str, ...] = ("num_attention_heads", "attention_head_dim")
     text_width_key: str = "joint_attention_dim"
+    # a transformer's config field counting the encoder layers whose states a cached caption
+    # stacks per token (Krea 2's num_text_layers: 12 of Qwen3-VL's); "": one
+    text_layers_key: str = ""
     # A video family (Wan) trains clips of ZT_VIDEO_FRAMES frames: the planner counts frames x
     # tokens (`VideoShape`) and the frame rule (`frames = temporal * k + 1`) is checked.
     video: bool = False
@@ -58,6 +61,9 @@ class Spec:
     # path (`zerotuner demo`, the tests' models); "": the UNet families' and SD3's and Flux's,
     # in demo/pipelines.py and demo/flow.py
     demo: str = ""
+    # The undistilled checkpoint a distilled one's adapters are trained on (a pipeline whose
+    # model_index.json says `is_distilled`, or a hub name saying "turbo": preflight notes it)
+    base_model: str = ""
     # Control images each target trains with (an edit model's inputs: data/controls.py);
     # 0: a text-to-image family, which refuses them
     controls: int = 0
@@ -99,6 +105,9 @@ FLUX2_VAE_PARAMS = 84_046_115  # AutoencoderKLFlux2's defaults
 # UMT5EncoderModel of google/umt5-xxl's config (Wan's text encoder: d_model 4096, 24 layers,
 # vocabulary 256384), its token embedding counted once (`encoder.embed_tokens` is `shared`)
 UMT5_XXL_PARAMS = 5_680_910_336
+# Qwen3VLModel of Qwen/Qwen3-VL-4B-Instruct's config.json (text: Qwen3-4B's shapes, embeddings
+# tied; vision: 24 blocks 1024 wide), what Krea2Pipeline loads as its text encoder (no lm_head)
+QWEN3_VL_4B_PARAMS = 4_437_815_808
 WAN_VAE_PARAMS = 126_892_531  # AutoencoderKLWan's defaults, Wan 2.1's VAE (Qwen-Image's network)
 VAE_PARAMS = 83_653_863  # the SD 1.x/2.x/XL VAE
 VAE16_PARAMS = 83_819_683  # SD3's and Flux's 16-channel VAE
@@ -115,7 +124,9 @@ VAE_SCALE = 8  # pixels per latent cell in every family's VAE
 # 32.22B and 3.88B, the cards' "32B" and "4B"; Mistral Small 3.x 24B and Qwen3-4B),
 # Wan-AI/Wan2.1-T2V-1.3B-Diffusers (the transformer config diffusers'
 # scripts/convert_wan_to_diffusers.py writes for Wan-T2V-1.3B: 1.42B, the card's "1.3B"; UMT5-XXL),
-# black-forest-labs/FLUX.1-Kontext-dev (FLUX.1-dev's transformer config, encoders and VAE).
+# black-forest-labs/FLUX.1-Kontext-dev (FLUX.1-dev's transformer config, encoders and VAE),
+# krea/Krea-2-Raw (Krea2Transformer2DModel's defaults, its diffusers checkpoint's config: 12.82B,
+# the card's "12.9B"; Qwen3-VL-4B and Qwen-Image's VAE; krea/Krea-2-Turbo is the same network).
 ENTRY_POINTS = "zerotuner.families"  # the group an installed family's package names its Spec in
 
 
@@ -278,6 +289,18 @@ BUILTIN: dict[str, Spec] = {
         video=True, native_resolution=632,
         demo="wan:write_model",
         text_kept_params=UMT5_XXL_KEPT,
+    ),
+    "krea2": Spec(
+        "krea2", "Krea2",
+        {"in_channels": 64, "num_layers": 28, "attention_head_dim": 128,
+         "num_attention_heads": 48, "num_key_value_heads": 12, "intermediate_size": 16384,
+         "text_hidden_dim": 2560, "num_text_layers": 12, "axes_dims_rope": [32, 48, 48]},
+        (12_820_073_036, 226_492_416), QWEN3_VL_4B_PARAMS, QWEN_VAE_PARAMS,
+        flow=True, pipeline="Krea2Pipeline", transformer="Krea2Transformer2DModel",
+        hub_markers=("krea-2", "krea2", "krea_2"), guess_order=-1, clip_tokens=0,
+        t5_tokens=512, long_encoder="Qwen3-VL", layer_keys=("num_layers",),
+        text_width_key="text_hidden_dim", text_layers_key="num_text_layers",
+        demo="krea2:write_model", base_model="krea/Krea-2-Raw",
     ),
 }  # fmt: skip
 REGISTRY = BUILTIN | installed_families(BUILTIN)

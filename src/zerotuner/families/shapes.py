@@ -287,10 +287,13 @@ def _transformer_shape(
     )
     streamed = spec.vae_params + spec.text_stream_params if spec.text_stream_params else None
     video = video_shape(family, config, model_dir) if spec.video else None
+    # a cached caption token's states: several encoder layers' side by side (Krea 2's)
+    text_layers = int(config[spec.text_layers_key]) if spec.text_layers_key else 1
     return ModelShape(
         family, params, largest, frozen, native, source,
         activations_1024=transformer_activations(family, config),
-        text_width=int(config[spec.text_width_key]), caching_params=streamed, video=video,
+        text_width=int(config[spec.text_width_key]) * text_layers, caching_params=streamed,
+        video=video,
         boundary_ratio=boundary_ratio(model_dir) if model_dir else None,
     )  # fmt: skip
 

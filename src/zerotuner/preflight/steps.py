@@ -23,6 +23,7 @@ from zerotuner.families import (
     ModelShape,
     check_family_settings,
     detect_family,
+    distilled_note,
     guess_family,
     hub_cache_dir,
     known_family,
@@ -343,9 +344,12 @@ class PreflightRun:
         )  # fmt: skip
         unfit = () if self.require_fit or plan.choice.fits else (Note("warning", plan.reasons[0]),)
         zero_stage = self.decisions.zero_stage
+        base = distilled_note(model.family, model.local_dir, settings.model)
+        distilled = (Note("warning", base),) if base else ()  # Krea 2 Turbo: train on Raw
         notes = (
             *unfit,
             Note("info", f"model family {model.family} ({model.reason}); model {shape.source}"),
+            *distilled,
             *lora.notes(settings),
             *speed.notes(settings, accelerator=hardware.accelerator, zero_stage=zero_stage),
             *self.inputs.notes.notes,
