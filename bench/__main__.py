@@ -17,7 +17,7 @@ from bench.benchmodel import unet_parameters, write_bench_model
 
 SUITES = (
     "overhead", "planner", "lora_vs_full", "nvme", "scaling", "stops", "gpu_paper", "load_peak",
-    "load_peak_sdxl", "speed", "base_precision", "optimizers", "notify",
+    "load_peak_sdxl", "speed", "base_precision", "base_precision_speed", "optimizers", "notify",
 )  # fmt: skip
 log = logging.getLogger("bench")
 
@@ -113,6 +113,11 @@ def main(argv: list[str] | None = None) -> int:
             from bench.base_precision import base_precision
 
             results["base_precision"] = base_precision(b)
+        if "base_precision_speed" in wanted:
+            log.info("base precision: step time of a LoRA on a base stored in 8 bits")
+            from bench.base_precision import speed as base_precision_speed
+
+            results["base_precision_speed"] = base_precision_speed(b, 1 if args.smoke else 2)
         if "optimizers" in wanted:
             log.info("optimizers: state bytes per parameter and step time vs AdamW")
             from bench.optimizers import optimizers

@@ -126,6 +126,58 @@ def markdown(rows: list[dict[str, Any]]) -> list[str]:
     return [*out, "", " ".join(__doc__.split("\n\n")[1].split()), ""]
 
 
+def speed(b: Any, rounds: int = 2) -> dict[str, Any]:
+    """Step time of one LoRA run on a base stored at each precision, relative to the run's
+    own precision: the bench UNet, ZeRO-2 on 2 CPU ranks in bf16, rounds interleaving the
+    precisions; per round each one's median steady s/step over `auto`'s, and the medians of
+    those ratios over rounds. On the CPU every stored layer upcasts its weight for each matmul
+    (forward and backward) with no fp8 matmul to gain: the ratio is that cost."""
+    from bench.suites import intervals, median, steady
+
+    seconds: dict[str, list[float]] = {p: [] for p in PRECISIONS}
+    ratios: dict[str, list[float]] = {p: [] for p in PRECISIONS}
+    for i in range(rounds):
+        this_round = {}
+        for precision in PRECISIONS:
+            work = b.work(f"base-precision-{precision}-{i}")
+            env = runs.zt_env(work, b.model, b.data, steps=b.steps, zero_stage=2,
+                              offload_optimizer="none", mixed_precision="bf16",
+                              training_type="lora", lora_rank=LORA_RANK,
+                              base_precision=precision)  # fmt: skip
+            run = runs.run_product(work, env)
+            this_round[precision] = median(steady(intervals(run.steps), b.warmup))
+            seconds[precision].append(this_round[precision])
+        for precision in PRECISIONS:
+            ratios[precision].append(this_round[precision] / this_round["auto"])
+    return {
+        "setup": f"the bench UNet, LoRA rank {LORA_RANK} on attention, ZeRO-2, 2 ranks, bf16, "
+        "micro-batch 2",
+        "rounds": rounds,
+        "step_seconds": {p: median(seconds[p]) for p in PRECISIONS},
+        "step_time_vs_auto": {p: median(ratios[p]) for p in PRECISIONS},
+        "step_time_vs_auto_rounds": ratios,
+    }
+
+
+def speed_markdown(r: dict[str, Any]) -> list[str]:
+    """The report's section (bench/report.py)."""
+    out = [
+        "## A LoRA base stored in 8 bits (ZT_BASE_PRECISION): step time on the CPU",
+        "",
+        f"{r['setup']}; {r['rounds']} interleaved rounds.",
+        "",
+        "| base | s/step (median) | vs auto (median of rounds) | rounds |",
+        "|---|---:|---:|---|",
+    ]
+    for precision in PRECISIONS:
+        rounds = ", ".join(f"{x:.3f}" for x in r["step_time_vs_auto_rounds"][precision])
+        out.append(
+            f"| {precision} | {r['step_seconds'][precision]:.3f} | "
+            f"{r['step_time_vs_auto'][precision]:.3f} | {rounds} |"
+        )
+    return [*out, "", " ".join(speed.__doc__.split("\n\n")[0].split()), ""]  # type: ignore[union-attr]
+
+
 if __name__ == "__main__":
     model, dtype, precision = sys.argv[1:4]
     print(json.dumps(measure(Path(model), dtype, precision)))

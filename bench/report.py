@@ -305,6 +305,10 @@ def markdown(r: dict[str, Any]) -> str:
         from bench.base_precision import markdown as base_precision_markdown
 
         out += base_precision_markdown(r["base_precision"])
+    if r.get("base_precision_speed"):
+        from bench.base_precision import speed_markdown as base_precision_speed_markdown
+
+        out += base_precision_speed_markdown(r["base_precision_speed"])
     if r.get("optimizers"):
         from bench.optimizers import markdown as optimizers_markdown
 
@@ -360,8 +364,8 @@ def merged(new: dict[str, Any], folder: Path) -> dict[str, Any]:
     old = json.loads(path.read_text())
     suites = (
         "overhead", "first_step", "planner", "lora_vs_full", "nvme", "scaling", "stops",
-        "gpu_paper", "load_peak", "load_peak_sdxl", "speed", "base_precision", "optimizers",
-        "notify",
+        "gpu_paper", "load_peak", "load_peak_sdxl", "speed", "base_precision",
+        "base_precision_speed", "optimizers", "notify",
     )  # fmt: skip
     for key in suites:
         if key in new:
