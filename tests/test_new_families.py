@@ -109,6 +109,13 @@ def test_krea2_turbo_is_krea2_and_told_to_train_on_raw(family_demo_dir, tmp_path
     code, out, err = tk.config_explain(monkeypatch, capsys, tmp_path, ZT_MODEL=str(turbo),
                                        ZT_DATA_DIR=str(demo / "data"))  # fmt: skip
     assert code == 0 and "train on krea/Krea-2-Raw and apply the adapter" in out + err
+    monkeypatch.setenv("ZT_OUTPUT_DIR", str(tmp_path / "output"))
+    from zerotuner.cli import main
+
+    main(["check"])  # `check` says it too, as its model step's warning
+    out = capsys.readouterr().out
+    (line,) = [x for x in out.splitlines() if "train on krea/Krea-2-Raw" in x]
+    assert line.startswith("WARN") and "model" in line
 
 
 @pytest.mark.parametrize(

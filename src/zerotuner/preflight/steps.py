@@ -233,6 +233,7 @@ class PreflightRun:
         self.plan: Plan | None = None
         self.decisions: Decisions | None = None
         self.normalized: Normalized | None = None
+        self.model_warnings: list[str] = []  # the model's own (Krea 2 Turbo: train on Raw)
 
     def check_hardware(self) -> tuple[str, list[str]]:
         if self.hardware is None:
@@ -276,6 +277,9 @@ class PreflightRun:
         else:
             where = f"hub id {model.hub_id}" if model.hub_id else f"local folder {model.local_dir}"
             warnings = []
+        distilled = distilled_note(model.family, model.local_dir, settings.model)
+        self.model_warnings = [distilled] if distilled else []
+        warnings += self.model_warnings
         params = f"{shape.denoiser_params / 1e6:.1f}M params"
         return f"{where}; {model.family} ({model.reason}); denoiser {params}", warnings
 
@@ -344,12 +348,10 @@ class PreflightRun:
         )  # fmt: skip
         unfit = () if self.require_fit or plan.choice.fits else (Note("warning", plan.reasons[0]),)
         zero_stage = self.decisions.zero_stage
-        base = distilled_note(model.family, model.local_dir, settings.model)
-        distilled = (Note("warning", base),) if base else ()  # Krea 2 Turbo: train on Raw
         notes = (
             *unfit,
             Note("info", f"model family {model.family} ({model.reason}); model {shape.source}"),
-            *distilled,
+            *(Note("warning", w) for w in self.model_warnings),
             *lora.notes(settings),
             *speed.notes(settings, accelerator=hardware.accelerator, zero_stage=zero_stage),
             *self.inputs.notes.notes,
