@@ -184,7 +184,10 @@ def headline(adam: dict[str, float] | None = None) -> dict[str, Any]:
 
 # SD3.5 Large and FLUX.1-dev full fine-tuning at 1024 px, batch 1 per GPU, bf16, on these hosts.
 FLOW_HARDWARE = (("1 x 24 GB", 1, 24, 128), ("1 x 80 GB", 1, 80, 256), ("8 x 80 GB", 8, 80, 1024))
-FLOW_MODELS = (("SD3.5 Large", "sd3"), ("FLUX.1-dev", "flux"))
+FLOW_MODELS = (
+    ("SD3.5 Large", "sd3"), ("FLUX.1-dev", "flux"),
+    ("FLUX.1-Kontext-dev", "fluxkontext"),  # the reference image's tokens beside the target's
+)  # fmt: skip
 
 
 def flow_plan(
