@@ -387,6 +387,71 @@ def test_a_parquet_shard_without_a_caption_column_says_which_it_has(
         assert [item.caption for item in dataset.items] == ["a caption"]
 
 
+def _edit_repo(folder: Path, demo_dir: Path, control: str) -> dict[bytes, bytes]:
+    """An edit dataset of parquet shards: each row a target, its instruction and its control
+    image in column `control`; one row's control cell is empty. Returns target -> control
+    bytes of the rows that have both."""
+    import io
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    targets = sorted((demo_dir / "data").glob("*.png"))[:4]
+    inputs = []  # each target mirrored: its input, of its own size
+    for path in targets:
+        out = io.BytesIO()
+        Image.open(path).transpose(Image.Transpose.FLIP_LEFT_RIGHT).save(out, format="PNG")
+        inputs.append(out.getvalue())
+    cells = [{"bytes": b, "path": None} for b in inputs[:-1]] + [None]
+    table = pa.table({
+        "edited": [{"bytes": p.read_bytes(), "path": p.name} for p in targets],
+        "instruction": [f"edit {i}" for i in range(len(targets))],
+        control: cells,
+    })  # fmt: skip
+    (folder / "data").mkdir(parents=True)
+    pq.write_table(table, folder / "data" / "train.parquet")
+    return {t.read_bytes(): c for t, c in zip(targets[:-1], inputs[:-1], strict=True)}
+
+
+@pytest.mark.parametrize("named", [True, False], ids=["control_column", "control"])
+def test_parquet_control_columns_become_the_targets_controls(
+    demo_dir, tmp_path, monkeypatch, named
+) -> None:
+    """Issue 43: an edit dataset on the hub, its control image in a column the datasets entry
+    names (`control_column`) or named `control` as metadata.jsonl's: each row's control is
+    written beside its target and paired with it by scan as a local folder's; a row whose
+    control cell is empty is skipped with why; a control column on a text-to-image family is
+    refused as control files are; a column that holds no images is one line."""
+    repo = tmp_path / "repo"
+    pairs = _edit_repo(repo, demo_dir, "input_image" if named else "control")
+    entry = {"path": "hf://datasets/acme/edits", "image_column": "edited",
+             "caption_column": "instruction"}  # fmt: skip
+    entry |= {"control_column": "input_image"} if named else {}
+    with FakeHub({"datasets/acme/edits": repo}) as hub:
+        hub.use_in_this_process(monkeypatch)
+        settings = Settings(datasets_file=_datasets_file(tmp_path, {"datasets": [entry]}),
+                            cache_dir=tmp_path / "cache")  # fmt: skip
+        found = sources(settings)
+        fetch_all(found, settings)
+        dataset = scan_sources(found, settings.cache_dir, log_skipped=False, control_count=1)
+        assert {i.path.read_bytes(): i.controls[0].read_bytes() for i in dataset.items} == pairs
+        assert {i.caption for i in dataset.items} == {"edit 0", "edit 1", "edit 2"}
+        (skipped,) = dataset.skipped
+        assert skipped[0].name == "0000004.png" and "control" in skipped[1]
+        with pytest.raises(ConfigError, match="control"):
+            scan_sources(found, settings.cache_dir, log_skipped=False, control_count=0)
+        if named:
+            wrong = entry | {"control_column": "instruction"}
+            path = _datasets_file(tmp_path, {"datasets": [wrong]})
+            bad = Settings(datasets_file=path, cache_dir=tmp_path / "cache-2")
+            with pytest.raises(ConfigError) as refused:
+                fetch_all(sources(bad), bad)
+            assert (
+                "control_column='instruction' is a column of string, not of images; its "
+                "image columns: input_image" in str(refused.value)
+            )
+
+
 # --- the issue's run --------------------------------------------------------------------------
 
 

@@ -380,9 +380,11 @@ def _fetch_hub(
     files = [found[name] for name in names]
     size = sum(p.stat().st_size for p in files)
     state = Fetched(source, folder, len(files), size, skipped=skipped)
-    # The columns are part of what the copy is: a changed `caption_column` writes it again.
-    marker = {"url": location.url, "commit": snapshot.name,
-              "columns": [source.image_column, source.caption_column]}  # fmt: skip
+    # The columns are part of what the copy is: a changed `caption_column` writes it again
+    # (`control_column` only where set: a copy made before it existed stays valid)
+    columns: list[Any] = [source.image_column, source.caption_column]
+    columns += [source.control_column] if source.control_column else []
+    marker = {"url": location.url, "commit": snapshot.name, "columns": columns}
     if _read_json(folder / FETCHED) == marker:
         state.complete = True
         return state
@@ -470,25 +472,43 @@ def _write_shard(
     written, number = 0, 0
     with (out / "metadata.jsonl").open("w") as metadata:
         for batch in reader.iter_batches(batch_size=ROWS_PER_READ, columns=columns):
-            for image, caption in zip(*(batch.column(c).to_pylist() for c in columns), strict=True):
+            cells = zip(*(batch.column(c).to_pylist() for c in columns), strict=True)
+            for image, caption, *controls in cells:
                 number += 1
                 data, name = _image_bytes(image)
                 if data is None:
                     continue  # an empty cell: nothing to train on
-                suffix = _suffix(data, name)
-                file_name = f"{number:07d}{suffix}"
+                file_name = f"{number:07d}{_suffix(data, name)}"
                 (out / file_name).write_bytes(data)
                 text = "" if caption is None else str(caption)
-                metadata.write(json.dumps({"file_name": file_name, "text": text}) + "\n")
+                row: dict[str, Any] = {"file_name": file_name, "text": text}
+                if controls:  # an empty control cell: the target is skipped with why (scan)
+                    row["control"] = _write_controls(out, number, controls)
+                metadata.write(json.dumps(row) + "\n")
                 written += 1
     _write_json(done, marker)
     return written
 
 
-def _columns(schema: Any, source: DatasetSource, where: str) -> tuple[str, str]:
-    """The image column (the hub's Image feature: a struct with binary `bytes`; or binary) and
-    the caption column (text), as the entry names them or as found; `where` begins an error
-    line (the entry and the shard)."""
+def _write_controls(out: Path, number: int, cells: list[Any]) -> list[str]:
+    """A row's control images beside its target, as metadata.jsonl's `control` names them:
+    `0000007.control.png`, then `0000007.control_1.png`, ... (data/controls.py)."""
+    names = []
+    for place, cell in enumerate(cells):
+        data, name = _image_bytes(cell)
+        if data is None:
+            continue
+        tag = "control" if place == 0 else f"control_{place}"
+        file_name = f"{number:07d}.{tag}{_suffix(data, name)}"
+        (out / file_name).write_bytes(data)
+        names.append(file_name)
+    return names
+
+
+def _columns(schema: Any, source: DatasetSource, where: str) -> tuple[str, ...]:
+    """The image column (the hub's Image feature: a struct with binary `bytes`; or binary),
+    the caption column (text) and the control image columns, as the entry names them or as
+    found; `where` begins an error line (the entry and the shard)."""
     import pyarrow as pa
 
     def binary(kind: Any) -> bool:
@@ -525,7 +545,19 @@ def _columns(schema: Any, source: DatasetSource, where: str) -> tuple[str, str]:
                 + f"; its {what} columns: {', '.join(fitting) or 'none'}"
             )
     assert image is not None and caption is not None  # refused above
-    return image, caption
+    controls = source.control_columns
+    if controls is None:  # metadata.jsonl's names: `control`, then `control_1`, ...
+        controls = [n for n in ("control", *(f"control_{i}" for i in range(1, 10)))
+                    if n in names and is_image(kinds[n])]  # fmt: skip
+    for name in controls:
+        if name not in names or not is_image(kinds[name]):
+            fitting = [n for n in names if is_image(kinds[n]) and n != image]
+            raise ConfigError(
+                f"{where}: control_column={name!r} is "
+                + (f"a column of {kinds[name]}" if name in names else "no column")
+                + f", not of images; its image columns: {', '.join(fitting) or 'none'}"
+            )
+    return image, caption, *controls
 
 
 def _image_bytes(cell: Any) -> tuple[bytes | None, str]:

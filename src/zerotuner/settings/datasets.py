@@ -14,6 +14,7 @@ answer on every rank. The datasets file (YAML, JSON or TOML, mounted like the co
         resolution: 768               # this dataset's buckets
       - path: hf://datasets/owner/name
         caption_column: prompt        # parquet shards: which column holds the caption
+        control_column: input_image   # ... and an edit model's control image (or a list)
       - path: /data/edits
         control_dir: /data/edit-inputs  # an edit model's control images, named as the targets
       - path: /data/long-clips
@@ -105,6 +106,9 @@ class DatasetSource(BaseModel):
     caption_extension: str = ".txt"
     image_column: str | None = None  # parquet shards: defaults to the first image column
     caption_column: str | None = None  # parquet shards: `text`, `caption` or `prompt`
+    # parquet shards: an edit model's control image column(s), in order; default the columns
+    # named as metadata.jsonl's, `control`, `control_1`, ... (data/controls.py)
+    control_column: str | list[str] | None = None
     # A local folder of control images (an edit family's inputs) named as their targets
     # (data/controls.py); refused in one line for a family that takes none or a missing folder.
     control_dir: str | None = Field(None, min_length=1)
@@ -114,6 +118,12 @@ class DatasetSource(BaseModel):
     @classmethod
     def _windows(cls, value: str | None) -> str | None:
         return None if value is None else str(parse_windows(value))
+
+    @property
+    def control_columns(self) -> list[str] | None:
+        """`control_column` as a list; None: the shards' `control`, `control_1`, ... columns."""
+        named = self.control_column
+        return [named] if isinstance(named, str) else named
 
     @property
     def windows(self) -> Windows | None:
@@ -163,7 +173,8 @@ def sources(settings: Settings) -> list[DatasetSource]:
         raise ConfigError(
             f"{where}: expected `datasets:` with a list of entries (path, repeats, "
             "caption_template, resolution, caption_extension, image_column, caption_column, "
-            "control_dir, video_windows)" + (f"; unknown key {extra[0]!r}" if extra else "")
+            "control_column, control_dir, video_windows)"
+            + (f"; unknown key {extra[0]!r}" if extra else "")
         )
     found, problems = [], []
     for number, entry in enumerate(entries):

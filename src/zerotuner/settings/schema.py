@@ -95,7 +95,7 @@ class Settings(BaseSettings):
         description="Several datasets in one run (YAML, JSON or TOML; replaces ZT_DATA_DIR): "
         "each entry a `path` (folder or URL as ZT_DATA_DIR) with its own `repeats`, "
         "`caption_template`, `resolution`, `caption_extension` and, for parquet shards, "
-        "`image_column` / `caption_column`.",
+        "`image_column` / `caption_column` / `control_column`.",
     )
     output_dir: Path = Field(
         Path("/output"), description="Checkpoints, samples, run records and the final export."
