@@ -132,28 +132,22 @@ def speed(b: Any, rounds: int = 2) -> dict[str, Any]:
     precisions; per round each one's median steady s/step over `auto`'s, and the medians of
     those ratios over rounds. On the CPU every stored layer upcasts its weight for each matmul
     (forward and backward) with no fp8 matmul to gain: the ratio is that cost."""
-    from bench.suites import intervals, median, steady
+    from bench.suites import interleaved, intervals, median, steady
 
-    seconds: dict[str, list[float]] = {p: [] for p in PRECISIONS}
-    ratios: dict[str, list[float]] = {p: [] for p in PRECISIONS}
-    for i in range(rounds):
-        this_round = {}
-        for precision in PRECISIONS:
-            work = b.work(f"base-precision-{precision}-{i}")
-            env = runs.zt_env(work, b.model, b.data, steps=b.steps, zero_stage=2,
-                              offload_optimizer="none", mixed_precision="bf16",
-                              training_type="lora", lora_rank=LORA_RANK,
-                              base_precision=precision)  # fmt: skip
-            run = runs.run_product(work, env)
-            this_round[precision] = median(steady(intervals(run.steps), b.warmup))
-            seconds[precision].append(this_round[precision])
-        for precision in PRECISIONS:
-            ratios[precision].append(this_round[precision] / this_round["auto"])
+    def step_seconds(precision: str, i: int) -> float:
+        work = b.work(f"base-precision-{precision}-{i}")
+        env = runs.zt_env(work, b.model, b.data, steps=b.steps, zero_stage=2,
+                          offload_optimizer="none", mixed_precision="bf16",
+                          training_type="lora", lora_rank=LORA_RANK,
+                          base_precision=precision)  # fmt: skip
+        return median(steady(intervals(runs.run_product(work, env).steps), b.warmup))
+
+    seconds, ratios = interleaved(PRECISIONS, rounds, step_seconds)
     return {
         "setup": f"the bench UNet, LoRA rank {LORA_RANK} on attention, ZeRO-2, 2 ranks, bf16, "
         "micro-batch 2",
         "rounds": rounds,
-        "step_seconds": {p: median(seconds[p]) for p in PRECISIONS},
+        "step_seconds": seconds,
         "step_time_vs_auto": {p: median(ratios[p]) for p in PRECISIONS},
         "step_time_vs_auto_rounds": ratios,
     }
@@ -161,6 +155,8 @@ def speed(b: Any, rounds: int = 2) -> dict[str, Any]:
 
 def speed_markdown(r: dict[str, Any]) -> list[str]:
     """The report's section (bench/report.py)."""
+    from bench.suites import ratio_rows
+
     out = [
         "## A LoRA base stored in 8 bits (ZT_BASE_PRECISION): step time on the CPU",
         "",
@@ -168,13 +164,8 @@ def speed_markdown(r: dict[str, Any]) -> list[str]:
         "",
         "| base | s/step (median) | vs auto (median of rounds) | rounds |",
         "|---|---:|---:|---|",
+        *ratio_rows(PRECISIONS, r["step_seconds"], r["step_time_vs_auto_rounds"]),
     ]
-    for precision in PRECISIONS:
-        rounds = ", ".join(f"{x:.3f}" for x in r["step_time_vs_auto_rounds"][precision])
-        out.append(
-            f"| {precision} | {r['step_seconds'][precision]:.3f} | "
-            f"{r['step_time_vs_auto'][precision]:.3f} | {rounds} |"
-        )
     return [*out, "", " ".join(speed.__doc__.split("\n\n")[0].split()), ""]  # type: ignore[union-attr]
 
 

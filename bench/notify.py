@@ -16,36 +16,32 @@ from typing import Any
 
 from bench import runs
 from bench.receiver import Receiver
-from bench.suites import Bench, intervals, median, steady
+from bench.suites import Bench, interleaved, intervals, median, ratio_rows, steady
 
 MODES = ("ok", "error", "hang")
 
 
 def notify(b: Bench, rounds: int = 2) -> dict[str, Any]:
-    seconds: dict[str, list[float]] = {m: [] for m in MODES}
-    ratios: dict[str, list[float]] = {m: [] for m in MODES}
     codes: dict[str, list[int]] = {m: [] for m in MODES}
-    for i in range(rounds):
-        this_round = {}
-        for mode in MODES:
-            work = b.work(f"notify-{mode}-{i}")
-            with Receiver(mode) as webhook:
-                env = runs.zt_env(work, b.model, b.data, steps=b.steps, zero_stage=2,
-                                  offload_optimizer="none", checkpoint_every_steps=2,
-                                  checkpoints_keep=1, notify_url=webhook.url,
-                                  notify_timeout_seconds=2)  # fmt: skip
-                run = runs.run_product(work, env, check=False)
-            codes[mode].append(run.code)
-            this_round[mode] = median(steady(intervals(run.steps), b.warmup))
-            seconds[mode].append(this_round[mode])
-        for mode in MODES:
-            ratios[mode].append(this_round[mode] / this_round["ok"])
+
+    def step_seconds(mode: str, i: int) -> float:
+        work = b.work(f"notify-{mode}-{i}")
+        with Receiver(mode) as webhook:
+            env = runs.zt_env(work, b.model, b.data, steps=b.steps, zero_stage=2,
+                              offload_optimizer="none", checkpoint_every_steps=2,
+                              checkpoints_keep=1, notify_url=webhook.url,
+                              notify_timeout_seconds=2)  # fmt: skip
+            run = runs.run_product(work, env, check=False)
+        codes[mode].append(run.code)
+        return median(steady(intervals(run.steps), b.warmup))
+
+    seconds, ratios = interleaved(MODES, rounds, step_seconds)
     return {
         "setup": "ZeRO-2, 2 ranks, fp32, micro-batch 2, a checkpoint (and its event) every 2 "
         "steps, ZT_NOTIFY_TIMEOUT_SECONDS=2",
         "rounds": rounds,
         "exit_codes": codes,
-        "step_seconds": {m: median(seconds[m]) for m in MODES},
+        "step_seconds": seconds,
         "step_time_vs_answering": {m: median(ratios[m]) for m in MODES},
         "step_time_vs_answering_rounds": ratios,
     }
@@ -61,10 +57,6 @@ def markdown(r: dict[str, Any]) -> list[str]:
         "| receiver | exit codes | s/step (median) | vs answering (median of rounds) | rounds |",
         "|---|---|---:|---:|---|",
     ]
-    for mode in MODES:
-        rounds = ", ".join(f"{x:.3f}" for x in r["step_time_vs_answering_rounds"][mode])
-        out.append(
-            f"| {mode} | {r['exit_codes'][mode]} | {r['step_seconds'][mode]:.3f} | "
-            f"{r['step_time_vs_answering'][mode]:.3f} | {rounds} |"
-        )
+    out += ratio_rows(MODES, r["step_seconds"], r["step_time_vs_answering_rounds"],
+                      extra=lambda mode: str(r["exit_codes"][mode]))  # fmt: skip
     return [*out, ""]

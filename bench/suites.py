@@ -6,6 +6,7 @@ import os
 import random
 import statistics
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -58,6 +59,36 @@ def intervals(steps: list[dict]) -> list[float]:
         return []
     ts = [x["timestamp"] for x in steps]
     return [steps[0]["step_seconds"], *(b - a for a, b in zip(ts, ts[1:], strict=False))]
+
+
+def interleaved(
+    variants: Sequence[str], rounds: int, step_seconds: Callable[[str, int], float]
+) -> tuple[dict[str, float], dict[str, list[float]]]:
+    """`step_seconds(variant, round)` for every variant in every round, the variants taking
+    turns, so load that drifts over the run weighs on all alike: each variant's median over
+    rounds, and per round its s/step over the first variant's (the baseline)."""
+    seconds: dict[str, list[float]] = {v: [] for v in variants}
+    ratios: dict[str, list[float]] = {v: [] for v in variants}
+    for i in range(rounds):
+        this_round = {v: step_seconds(v, i) for v in variants}
+        for v in variants:
+            seconds[v].append(this_round[v])
+            ratios[v].append(this_round[v] / this_round[variants[0]])
+    return {v: median(seconds[v]) for v in variants}, ratios
+
+
+def ratio_rows(
+    variants: Sequence[str], seconds: dict[str, float], ratios: dict[str, list[float]],
+    extra: Callable[[str], str] | None = None,
+) -> list[str]:  # fmt: skip
+    """A report's rows for `interleaved`'s answer: s/step, the median ratio and each round's
+    (`extra`: a cell of the suite's own after the variant's name)."""
+    rows = []
+    for v in variants:
+        rounds = ", ".join(f"{x:.3f}" for x in ratios[v])
+        cell = f" {extra(v)} |" if extra else ""
+        rows.append(f"| {v} |{cell} {seconds[v]:.3f} | {median(ratios[v]):.3f} | {rounds} |")
+    return rows
 
 
 # --- effective configs and plans from zerotuner's own preflight --------------------------------
