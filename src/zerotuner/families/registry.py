@@ -82,6 +82,13 @@ FLUX2_VAE_PARAMS = 84_046_115  # AutoencoderKLFlux2's defaults
 # vocabulary 256384), its token embedding counted once (`encoder.embed_tokens` is `shared`)
 UMT5_XXL_PARAMS = 5_680_910_336
 WAN_VAE_PARAMS = 126_892_531  # AutoencoderKLWan's defaults, Wan 2.1's VAE (Qwen-Image's network)
+# LTX-2's frozen parts, counted on the meta device: Gemma3ForConditionalGeneration of
+# google/gemma-3-12b-it's config (its 12.19B: the card's "12B") and LTX2TextConnectors' defaults
+# (Gemma 3 12B's 49 stacked states into 3840); AutoencoderKLLTX2Video as diffusers'
+# scripts/convert_ltx2_to_diffusers.py writes LTX-2.0's, AutoencoderKLLTX2Audio's defaults and
+# that script's LTX2Vocoder
+GEMMA3_12B_PARAMS, LTX2_CONNECTORS_PARAMS = 12_187_325_040, 1_431_475_200
+LTX2_VAE_PARAMS = 1_222_479_601 + 53_248_146 + 55_592_802  # video VAE, audio VAE, vocoder
 VAE_PARAMS = 83_653_863  # the SD 1.x/2.x/XL VAE
 VAE16_PARAMS = 83_819_683  # SD3's and Flux's 16-channel VAE
 VAE_SCALE = 8  # pixels per latent cell in every family's VAE
@@ -97,7 +104,9 @@ VAE_SCALE = 8  # pixels per latent cell in every family's VAE
 # 32.22B and 3.88B, the cards' "32B" and "4B"; Mistral Small 3.x 24B and Qwen3-4B),
 # Wan-AI/Wan2.1-T2V-1.3B-Diffusers (the transformer config diffusers'
 # scripts/convert_wan_to_diffusers.py writes for Wan-T2V-1.3B: 1.42B, the card's "1.3B"; UMT5-XXL),
-# black-forest-labs/FLUX.1-Kontext-dev (FLUX.1-dev's transformer config, encoders and VAE).
+# black-forest-labs/FLUX.1-Kontext-dev (FLUX.1-dev's transformer config, encoders and VAE),
+# Lightricks/LTX-2 (the transformer config diffusers' scripts/convert_ltx2_to_diffusers.py writes
+# for LTX-2.0, LTX2VideoTransformer3DModel's defaults: 18.88B, the card's "19B"; Gemma 3 12B).
 ENTRY_POINTS = "zerotuner.families"  # the group an installed family's package names its Spec in
 
 
@@ -249,6 +258,21 @@ BUILTIN: dict[str, Spec] = {
         t5_tokens=512, long_encoder="UMT5", layer_keys=("num_layers",), text_width_key="text_dim",
         video=True, native_resolution=632,
         demo="wan:write_model",
+    ),
+    "ltx2": Spec(
+        "ltx2", "LTX2",
+        {"in_channels": 128, "out_channels": 128, "patch_size": 1, "patch_size_t": 1,
+         "num_attention_heads": 32, "attention_head_dim": 128, "cross_attention_dim": 4096,
+         "vae_scale_factors": [8, 32, 32], "audio_in_channels": 128, "audio_out_channels": 128,
+         "audio_num_attention_heads": 32, "audio_attention_head_dim": 64,
+         "audio_cross_attention_dim": 2048, "num_layers": 48, "caption_channels": 3840},
+        (18_876_174_592, 100_663_296), GEMMA3_12B_PARAMS + LTX2_CONNECTORS_PARAMS,
+        LTX2_VAE_PARAMS,
+        flow=True, pipeline="LTX2Pipeline", transformer="LTX2VideoTransformer3DModel",
+        hub_markers=("ltx-2", "ltx2"), guess_order=-1, clip_tokens=0, t5_tokens=1024,
+        long_encoder="Gemma3", layer_keys=("num_layers",), text_width_key="caption_channels",
+        video=True, native_resolution=640,
+        demo="ltx2:write_model",
     ),
 }  # fmt: skip
 REGISTRY = BUILTIN | installed_families(BUILTIN)
