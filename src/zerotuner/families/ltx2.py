@@ -93,6 +93,9 @@ class LTX2Objective(FlowObjective):
     """Flow matching on LTX2VideoTransformer3DModel's packed clip, the video stream alone."""
 
     patch: tuple[int, int] = (1, 1)  # the transformer's (patch_size_t, patch_size)
+    # the transformer's audio input channels, and the width of the audio text it takes (the
+    # caption's with LTX-2.0's caption projection, else audio_cross_attention_dim)
+    audio: tuple[int, int] = (128, 3840)
 
     def describe(self) -> str:
         c = self.config
@@ -154,12 +157,9 @@ class LTX2Objective(FlowObjective):
         patch_t, patch = self.patch
         packed = LTX2Pipeline._pack_latents(clip, patch, patch_t).to(device, dtype)
         t = (sigmas * self.config.num_train_timesteps).to(device, dtype)
-        config = model.config
         # one silent audio token and its one text token: the stream the video is isolated from
-        audio_width = (config.caption_channels if config.use_prompt_embeddings
-                       else config.audio_cross_attention_dim)  # fmt: skip
-        audio = torch.zeros(batch, 1, config.audio_in_channels, device=device, dtype=dtype)
-        audio_text = torch.zeros(batch, 1, audio_width, device=device, dtype=dtype)
+        audio = torch.zeros(batch, 1, self.audio[0], device=device, dtype=dtype)
+        audio_text = torch.zeros(batch, 1, self.audio[1], device=device, dtype=dtype)
         out = model(
             hidden_states=packed, audio_hidden_states=audio, timestep=t, sigma=t,
             audio_encoder_hidden_states=audio_text, num_frames=frames // patch_t,
@@ -218,8 +218,12 @@ class LTX2(FlowFamily):
         }
 
     def objective(self, settings: Any, scheduler: Any, model_config: Any) -> LTX2Objective:
-        patch = (int(model_config.get("patch_size_t", 1)), int(model_config.get("patch_size", 1)))
-        return LTX2Objective(self.flow_config(settings, scheduler), patch=patch)
+        c = model_config
+        patch = (int(c.get("patch_size_t", 1)), int(c.get("patch_size", 1)))
+        text = c.get("caption_channels", 3840) if c.get("use_prompt_embeddings", True) else (
+            c.get("audio_cross_attention_dim", 2048))  # fmt: skip
+        audio = (int(c.get("audio_in_channels", 128)), int(text))
+        return LTX2Objective(self.flow_config(settings, scheduler), patch=patch, audio=audio)
 
     def frame_step(self, source: Any) -> int:
         """Clips of step * k + 1 frames: the VAE's temporal compression (LTX-2's 8x)."""
