@@ -43,7 +43,7 @@ from typing import Any
 
 import torch
 
-from zerotuner.families.base import ModelFamily
+from zerotuner.families.base import ComfyLora, ModelFamily
 from zerotuner.families.flow import FlowFamily
 from zerotuner.families.flow_matching import FlowObjective, noisy_and_target
 
@@ -171,8 +171,26 @@ class LTX2Objective(FlowObjective):
         return pred[:, :, 0] if image else pred
 
 
+# LTX-2's diffusers module names to the original checkpoint's, which ComfyUI's LTX-2 model has
+# and the reference trainer's adapters use (`diffusion_model.` before them): the inverse of
+# diffusers' LTX_2_0_TRANSFORMER_KEYS_RENAME_DICT and its adaln_single handling (diffusers 0.42
+# loaders/lora_conversion_utils.py `_convert_non_diffusers_ltx2_lora_to_diffusers`, as
+# scripts/convert_ltx2_to_diffusers.py), for the layers LoRA wraps; attention and feed-forward
+# names are the same in both
+LTX2_ORIGINAL_NAMES = (
+    ("proj_in", "patchify_proj"), ("audio_proj_in", "audio_patchify_proj"),
+    ("time_embed", "adaln_single"), ("audio_time_embed", "audio_adaln_single"),
+    ("av_cross_attn_video_scale_shift", "av_ca_video_scale_shift_adaln_single"),
+    ("av_cross_attn_video_a2v_gate", "av_ca_a2v_gate_adaln_single"),
+    ("av_cross_attn_audio_scale_shift", "av_ca_audio_scale_shift_adaln_single"),
+    ("av_cross_attn_audio_v2a_gate", "av_ca_v2a_gate_adaln_single"),
+    ("prompt_adaln", "prompt_adaln_single"), ("audio_prompt_adaln", "audio_prompt_adaln_single"),
+)  # fmt: skip
+
+
 @dataclass(frozen=True)
 class LTX2(FlowFamily):
+    comfy_lora: ComfyLora = ComfyLora(prefix="diffusion_model.", renames=LTX2_ORIGINAL_NAMES)
     # Gemma 3 and the connectors (which read the tokenizer's mask): both decide a cached caption
     text_subfolders: tuple[tuple[str, str], ...] = (
         ("text_encoder", "tokenizer"), ("connectors", "tokenizer"),

@@ -83,11 +83,13 @@ FLUX2_VAE_PARAMS = 84_046_115  # AutoencoderKLFlux2's defaults
 UMT5_XXL_PARAMS = 5_680_910_336
 WAN_VAE_PARAMS = 126_892_531  # AutoencoderKLWan's defaults, Wan 2.1's VAE (Qwen-Image's network)
 # LTX-2's frozen parts, counted on the meta device: Gemma3ForConditionalGeneration of
-# google/gemma-3-12b-it's config (its 12.19B: the card's "12B") and LTX2TextConnectors' defaults
-# (Gemma 3 12B's 49 stacked states into 3840); AutoencoderKLLTX2Video as diffusers'
-# scripts/convert_ltx2_to_diffusers.py writes LTX-2.0's, AutoencoderKLLTX2Audio's defaults and
-# that script's LTX2Vocoder
+# google/gemma-3-12b-it's config (its 12.19B: the card's "12B"; its largest layer the token
+# embedding, 262208 x 3840, streamed while caching as FLUX.2 [dev]'s Mistral is),
+# LTX2TextConnectors' defaults (Gemma 3 12B's 49 stacked states into 3840), and
+# AutoencoderKLLTX2Video as diffusers' scripts/convert_ltx2_to_diffusers.py writes LTX-2.0's,
+# AutoencoderKLLTX2Audio's defaults and that script's LTX2Vocoder
 GEMMA3_12B_PARAMS, LTX2_CONNECTORS_PARAMS = 12_187_325_040, 1_431_475_200
+GEMMA3_12B_LAYER = 1_006_878_720
 LTX2_VAE_PARAMS = 1_222_479_601 + 53_248_146 + 55_592_802  # video VAE, audio VAE, vocoder
 VAE_PARAMS = 83_653_863  # the SD 1.x/2.x/XL VAE
 VAE16_PARAMS = 83_819_683  # SD3's and Flux's 16-channel VAE
@@ -270,7 +272,8 @@ BUILTIN: dict[str, Spec] = {
         LTX2_VAE_PARAMS,
         flow=True, pipeline="LTX2Pipeline", transformer="LTX2VideoTransformer3DModel",
         hub_markers=("ltx-2", "ltx2"), guess_order=-1, clip_tokens=0, t5_tokens=1024,
-        long_encoder="Gemma3", layer_keys=("num_layers",), text_width_key="caption_channels",
+        long_encoder="Gemma3", text_stream_params=GEMMA3_12B_LAYER, layer_keys=("num_layers",),
+        text_width_key="caption_channels",
         video=True, native_resolution=640,
         demo="ltx2:write_model",
     ),
