@@ -196,6 +196,14 @@ class LTX2(FlowFamily):
         ("text_encoder", "tokenizer"), ("connectors", "tokenizer"),
     )  # fmt: skip
 
+    def trains(self, parameter: str) -> bool:
+        """The video stream's parameters: not the audio stream's nor those of the attention
+        between the streams (`audio_*`, `av_cross_attn_*`, `video_to_audio_attn`, a block's
+        `video_a2v_cross_attn_scale_shift_table`), which the isolated video stream never
+        reaches (tests/test_ltx2.py: exactly the parameters without a gradient)."""
+        frozen = ("audio_", "av_cross_attn_", "video_to_audio", "video_a2v_")
+        return not any(part.startswith(frozen) for part in parameter.split("."))
+
     def load_text(self, source: Path, *, dtype: torch.dtype) -> tuple[list[Any], list[Any]]:
         """Gemma 3 (the class model_index.json names), the connectors and the tokenizer."""
         from diffusers.pipelines.ltx2.connectors import LTX2TextConnectors
