@@ -143,7 +143,8 @@ def test_cached_captions_and_objective_are_the_pipelines(demo):
 def test_published_sizes_recount_on_the_meta_device():
     """LTX-2.0's transformer (convert_ltx2_to_diffusers.py's config: 18.88B) recounts to the
     registry's; a cached caption is 1024 x 3840 bf16 values; the planner's clip at 121 frames
-    of 640 px is 16 latent frames of 20 x 20 tokens."""
+    of 640 px is 16 latent frames of 20 x 20 tokens, and a full fine-tuning trains the video
+    stream alone."""
     from zerotuner.families import REGISTRY, caption_cache_bytes, model_shape
 
     spec = REGISTRY[FAMILY]
@@ -153,6 +154,10 @@ def test_published_sizes_recount_on_the_meta_device():
     assert caption_cache_bytes(shape) == 1024 * 3840 * 2
     assert shape.video is not None and (shape.video.temporal, shape.video.spatial) == (8, 32)
     assert shape.video.tokens(121, 640) == 16 * 20 * 20
+    from zerotuner.preflight import trainable
+
+    full = trainable.for_settings(Settings(), shape)  # the audio stream frozen: 5.83B
+    assert (full.trainable_params, full.frozen_params) == (13_041_520_768, 5_834_653_824)
 
 
 # --- training on 2 CPU ranks ------------------------------------------------------------------

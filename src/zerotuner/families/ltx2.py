@@ -11,8 +11,9 @@ packages/ltx-trainer/docs/training-modes.md: a strategy without an `audio` block
 latents and the model runs without the audio modality) train the same way. The transformer
 always runs both streams, so the video stream is isolated from the audio one as the pipeline's
 own modality-isolation pass does (`isolate_modalities=True`: no audio-to-video or video-to-audio
-attention), the audio stream given one silent token, its output dropped. The audio parameters
-get no gradient; the export keeps them as they were, and LTX2Pipeline still renders the sound.
+attention), the audio stream given one silent token, its output dropped. No gradient reaches the
+audio stream: a full fine-tuning freezes it (`trains`), the export keeps it as it was, and
+LTX2Pipeline still renders the sound.
 
 What it trains on is what LTX2Pipeline samples with (diffusers 0.42, pipelines/ltx2/
 pipeline_ltx2.py):
