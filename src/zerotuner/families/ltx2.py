@@ -219,6 +219,8 @@ class LTX2(FlowFamily):
         self, encoders: list[Any], tokenizers: list[Any], captions: list[str]
     ) -> dict[str, torch.Tensor]:
         """LTX2Pipeline's `_get_gemma_prompt_embeds`, then its connectors' video output."""
+        from zerotuner.families.flux2 import execution_device  # streamed encoders' too
+
         (gemma, connectors), (tokenizer, _) = encoders, tokenizers
         tokenizer.padding_side = "left"  # as the pipeline sets it: Gemma's chat-style padding
         if tokenizer.pad_token is None:
@@ -227,11 +229,11 @@ class LTX2(FlowFamily):
             [caption.strip() for caption in captions], padding="max_length",
             max_length=self.max_sequence_length, truncation=True, add_special_tokens=True,
             return_tensors="pt",
-        ).to(gemma.device)  # fmt: skip
+        ).to(execution_device(gemma))  # fmt: skip
         out = gemma(input_ids=tokens.input_ids, attention_mask=tokens.attention_mask,
                     output_hidden_states=True)  # fmt: skip
         states = torch.stack(out.hidden_states, dim=-1).flatten(2, 3)
-        device = next(connectors.parameters()).device
+        device = execution_device(connectors)
         video, _, mask = connectors(
             states.to(device, connectors.dtype), tokens.attention_mask.to(device),
             padding_side="left",
