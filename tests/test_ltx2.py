@@ -75,6 +75,18 @@ def test_demo_generates_clips_in_ltx2_pipeline_and_is_detected(demo, tmp_path):
     assert families.resolve_family("Lightricks/LTX-2") == FAMILY
     assert families.get(FAMILY).frame_step(demo / "model") == pipe.vae_temporal_compression_ratio
     assert families.vae_scale(demo / "model") == pipe.vae_spatial_compression_ratio == 8
+    # the planner counts every frozen part of a hub model's configs: Gemma 3, the connectors,
+    # both VAEs and the vocoder
+    from zerotuner.families.shapes import frozen_params
+
+    parts = ("text_encoder", "connectors", "vae", "audio_vae", "vocoder")
+    configs = tmp_path / "configs"
+    for part in parts:
+        (configs / part).mkdir(parents=True)
+        shutil.copy(demo / "model" / part / "config.json", configs / part / "config.json")
+    shutil.copy(demo / "model" / "model_index.json", configs / "model_index.json")
+    counted = sum(p.numel() for part in parts for p in getattr(pipe, part).parameters())
+    assert frozen_params(configs) == counted
 
 
 @pytest.mark.parametrize("pipeline", ["LTX2ImageToVideoPipeline", "LTX2ConditionPipeline"])

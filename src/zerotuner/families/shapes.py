@@ -119,10 +119,19 @@ def caption_cache_bytes(shape: ModelShape, max_sequence_length: int | None = Non
 
 def frozen_params(
     model_dir: Path,
-    parts: tuple[str, ...] = ("text_encoder", "text_encoder_2", "text_encoder_3", "vae"),
+    parts: tuple[str, ...] = (
+        "text_encoder",
+        "text_encoder_2",
+        "text_encoder_3",
+        "vae",
+        "connectors",
+        "audio_vae",
+        "vocoder",
+    ),  # fmt: skip
 ) -> int:
     """Parameters of the text encoders and VAE (or `parts`) of a local pipeline, from their
-    safetensors headers, else counted on the meta device."""
+    safetensors headers, else counted on the meta device (LTX-2's connectors, audio VAE and
+    vocoder too: diffusers classes its model_index.json names)."""
     from accelerate import init_empty_weights
 
     total = 0
@@ -133,13 +142,18 @@ def frozen_params(
         if stored := stored_counts(folder):
             total += stored[0]
             continue
+        index = model_dir / "model_index.json"  # Qwen-Image's VAE is another class
+        named = model_json(index).get(sub) if index.is_file() else None
         with init_empty_weights():
-            if sub == "vae":
+            if sub == "vae" or (named and named[0] != "transformers"):
+                import importlib
+
                 import diffusers
 
-                index = model_dir / "model_index.json"  # Qwen-Image's is another class
-                named = model_json(index).get("vae") if index.is_file() else None
-                cls = getattr(diffusers, named[1] if named else "AutoencoderKL")
+                # a diffusers class, or one of a pipeline's own module (LTX-2's `ltx2`)
+                library = diffusers if not named or named[0] == "diffusers" else (
+                    importlib.import_module(f"diffusers.pipelines.{named[0]}"))  # fmt: skip
+                cls = getattr(library, named[1] if named else "AutoencoderKL")
                 module = cls.from_config(cls.load_config(str(folder)))
             else:
                 import transformers
