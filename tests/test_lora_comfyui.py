@@ -38,6 +38,8 @@ TARGETS = {
     # every kind of layer Krea 2's original names rename
     "krea2": "attention,to_gate,ff.gate,ff.up,ff.down,img_in,final_layer.linear,linear_1,"
              "linear_2,time_mod_proj,projector",
+    # every kind of layer LTX-2's original names rename, and its feed-forward
+    "ltx2": "attention+ff,proj_in,proj_out,linear_1,linear_2,linear",
 }  # fmt: skip
 TOLERANCE = {"rtol": 1e-5, "atol": 1e-6}  # fp32; folding the scale into lora_B rounds once
 
@@ -125,6 +127,24 @@ def test_wan_comfyui_names_are_the_original_checkpoints(family_demo_dir, tmp_pat
     assert "head.head" in theirs and "blocks.0.self_attn.q" in theirs
     converted = convert_wan_transformer_to_diffusers({f"{m}.weight": 0 for m in theirs})
     assert {k.removesuffix(".weight") for k in converted} == ours
+
+
+def test_ltx2_comfyui_names_are_the_original_checkpoints(family_demo_dir, tmp_path) -> None:
+    """LTX-2's file names modules as the original checkpoint does (ComfyUI's model, the
+    reference trainer's adapters): `diffusion_model.patchify_proj`, `adaln_single`..., which
+    diffusers' reader of such adapters turns back into the diffusers modules trained."""
+    from diffusers.loaders.lora_conversion_utils import (
+        _convert_non_diffusers_ltx2_lora_to_diffusers as to_diffusers,
+    )
+
+    denoiser, settings = adapted(family_demo_dir("ltx2"), "ltx2")
+    comfy = load_file(write(denoiser, settings, "ltx2", tmp_path) / lora_files.COMFY_FILE)
+    theirs = {k.split(".lora_")[0] for k in comfy}
+    assert {"diffusion_model.patchify_proj", "diffusion_model.adaln_single.linear"} <= theirs
+    assert not any(".proj_in." in f"{k}." or "time_embed" in k for k in theirs)
+    ours = {n.split(".lora_")[0] for n, p in denoiser.named_parameters() if p.requires_grad}
+    converted = to_diffusers({f"{m}.weight": 0 for m in theirs})
+    assert {k.removeprefix("transformer.").removesuffix(".weight") for k in converted} == ours
 
 
 def comfyui_dora(dora_scale, weight, lora_diff):

@@ -89,6 +89,11 @@ class ModelFamily:
         compression). None: an image family (clips in the data are not read)."""
         return None
 
+    def trains(self, parameter: str) -> bool:
+        """Whether a full fine-tuning trains the denoiser's parameter of that name (LTX-2: not
+        its audio stream's); the others are frozen as loaded."""
+        return True
+
     # --- parts --------------------------------------------------------------------------
     def denoiser_class(self) -> type:
         from diffusers import UNet2DConditionModel

@@ -41,6 +41,7 @@ def detect_family(model_dir: Path, expert: str | None = None) -> Family:
         if pipeline not in PIPELINES:  # an edit model zerotuner trains is a family of its own
             refuse_edit_model(model_dir, pipeline)
         refuse_wan_variant(model_dir, pipeline, components, expert)
+        refuse_ltx2_variant(model_dir, pipeline)
         if pipeline in PIPELINES:
             return PIPELINES[pipeline]
         foreign = pipeline and not pipeline.startswith("StableDiffusion")
@@ -72,6 +73,19 @@ def detect_family(model_dir: Path, expert: str | None = None) -> Family:
     if unet.get("addition_embed_type") == "text_time":
         return "sdxl"
     return "sd2" if unet.get("cross_attention_dim") == 1024 else "sd1"
+
+
+def refuse_ltx2_variant(model: Any, name: str) -> None:
+    """An LTX-2 pipeline other than text-to-video (LTX2ImageToVideoPipeline,
+    LTX2ConditionPipeline, the IC-LoRA and upsampling ones) is one line, exit 2: they condition
+    on images or video, which zerotuner does not take."""
+    ltx2 = REGISTRY["ltx2"].pipeline
+    if name.startswith("LTX2") and name.endswith("Pipeline") and name != ltx2:
+        raise ConfigError(
+            f"ZT_MODEL={model}: {name} is an image- or video-conditioned LTX-2 pipeline, "
+            f"which zerotuner does not train; it trains LTX-2 text-to-video ({ltx2}, its video "
+            f"path) on captioned clips and images"
+        )
 
 
 def transformer_family(name: str, config: dict[str, Any]) -> Family:

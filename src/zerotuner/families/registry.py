@@ -109,6 +109,15 @@ UMT5_XXL_PARAMS = 5_680_910_336
 # tied; vision: 24 blocks 1024 wide), what Krea2Pipeline loads as its text encoder (no lm_head)
 QWEN3_VL_4B_PARAMS = 4_437_815_808
 WAN_VAE_PARAMS = 126_892_531  # AutoencoderKLWan's defaults, Wan 2.1's VAE (Qwen-Image's network)
+# LTX-2's frozen parts, counted on the meta device: Gemma3ForConditionalGeneration of
+# google/gemma-3-12b-it's config (its 12.19B: the card's "12B"; its largest layer the token
+# embedding, 262208 x 3840, streamed while caching as FLUX.2 [dev]'s Mistral is),
+# LTX2TextConnectors' defaults (Gemma 3 12B's 49 stacked states into 3840), and
+# AutoencoderKLLTX2Video as diffusers' scripts/convert_ltx2_to_diffusers.py writes LTX-2.0's,
+# AutoencoderKLLTX2Audio's defaults and that script's LTX2Vocoder
+GEMMA3_12B_PARAMS, LTX2_CONNECTORS_PARAMS = 12_187_325_040, 1_431_475_200
+GEMMA3_12B_LAYER = 1_006_878_720
+LTX2_VAE_PARAMS = 1_222_479_601 + 53_248_146 + 55_592_802  # video VAE, audio VAE, vocoder
 VAE_PARAMS = 83_653_863  # the SD 1.x/2.x/XL VAE
 VAE16_PARAMS = 83_819_683  # SD3's and Flux's 16-channel VAE
 VAE_SCALE = 8  # pixels per latent cell in every family's VAE
@@ -126,7 +135,9 @@ VAE_SCALE = 8  # pixels per latent cell in every family's VAE
 # scripts/convert_wan_to_diffusers.py writes for Wan-T2V-1.3B: 1.42B, the card's "1.3B"; UMT5-XXL),
 # black-forest-labs/FLUX.1-Kontext-dev (FLUX.1-dev's transformer config, encoders and VAE),
 # krea/Krea-2-Raw (Krea2Transformer2DModel's defaults, its diffusers checkpoint's config: 12.82B,
-# the card's "12.9B"; Qwen3-VL-4B and Qwen-Image's VAE; krea/Krea-2-Turbo is the same network).
+# the card's "12.9B"; Qwen3-VL-4B and Qwen-Image's VAE; krea/Krea-2-Turbo is the same network),
+# Lightricks/LTX-2 (the transformer config diffusers' scripts/convert_ltx2_to_diffusers.py writes
+# for LTX-2.0, LTX2VideoTransformer3DModel's defaults: 18.88B, the card's "19B"; Gemma 3 12B).
 ENTRY_POINTS = "zerotuner.families"  # the group an installed family's package names its Spec in
 
 
@@ -301,6 +312,22 @@ BUILTIN: dict[str, Spec] = {
         t5_tokens=512, long_encoder="Qwen3-VL", layer_keys=("num_layers",),
         text_width_key="text_hidden_dim", text_layers_key="num_text_layers",
         demo="krea2:write_model", base_model="krea/Krea-2-Raw",
+    ),
+    "ltx2": Spec(
+        "ltx2", "LTX2",
+        {"in_channels": 128, "out_channels": 128, "patch_size": 1, "patch_size_t": 1,
+         "num_attention_heads": 32, "attention_head_dim": 128, "cross_attention_dim": 4096,
+         "vae_scale_factors": [8, 32, 32], "audio_in_channels": 128, "audio_out_channels": 128,
+         "audio_num_attention_heads": 32, "audio_attention_head_dim": 64,
+         "audio_cross_attention_dim": 2048, "num_layers": 48, "caption_channels": 3840},
+        (18_876_174_592, 100_663_296), GEMMA3_12B_PARAMS + LTX2_CONNECTORS_PARAMS,
+        LTX2_VAE_PARAMS,
+        flow=True, pipeline="LTX2Pipeline", transformer="LTX2VideoTransformer3DModel",
+        hub_markers=("ltx-2", "ltx2"), guess_order=-1, clip_tokens=0, t5_tokens=1024,
+        long_encoder="Gemma3", text_stream_params=GEMMA3_12B_LAYER, layer_keys=("num_layers",),
+        text_width_key="caption_channels",
+        video=True, native_resolution=640,
+        demo="ltx2:write_model",
     ),
 }  # fmt: skip
 REGISTRY = BUILTIN | installed_families(BUILTIN)

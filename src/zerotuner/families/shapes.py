@@ -30,6 +30,13 @@ from zerotuner.families.wan_variants import has_experts
 WAN_TOKEN_WIDTH_BYTES, WAN_TOKEN_FFN_BYTES, WAN_TOKEN_BYTES = 76, 4, 36
 WAN_TEXT_WIDTH_BYTES, WAN_TEXT_BYTES = 16, 4
 LSE_BYTES = 2 * 4  # fp32 logsumexp per head per token: self- and cross-attention
+# LTX-2's block (diffusers 0.42 LTX2VideoTransformerBlock, its video stream isolated from the
+# audio one as families/ltx2.py trains it) in 16-bit, counted the same way on the CPU at two
+# widths (64 and 128: 5672 and 11320 bytes per video token and layer, 776 and 1548 per text
+# token): per video token and layer 88 x width (its 4x GELU feed-forward included: no ffn_dim
+# in its config) + 8 + the logsumexp per head; per text token and layer 12 x width + 8.
+LTX2_TOKEN_WIDTH_BYTES, LTX2_TOKEN_BYTES = 88, 8
+LTX2_TEXT_WIDTH_BYTES, LTX2_TEXT_BYTES = 12, 8
 
 
 @dataclass(frozen=True)
@@ -112,10 +119,19 @@ def caption_cache_bytes(shape: ModelShape, max_sequence_length: int | None = Non
 
 def frozen_params(
     model_dir: Path,
-    parts: tuple[str, ...] = ("text_encoder", "text_encoder_2", "text_encoder_3", "vae"),
+    parts: tuple[str, ...] = (
+        "text_encoder",
+        "text_encoder_2",
+        "text_encoder_3",
+        "vae",
+        "connectors",
+        "audio_vae",
+        "vocoder",
+    ),  # fmt: skip
 ) -> int:
     """Parameters of the text encoders and VAE (or `parts`) of a local pipeline, from their
-    safetensors headers, else counted on the meta device."""
+    safetensors headers, else counted on the meta device (LTX-2's connectors, audio VAE and
+    vocoder too: diffusers classes its model_index.json names)."""
     from accelerate import init_empty_weights
 
     total = 0
@@ -126,13 +142,18 @@ def frozen_params(
         if stored := stored_counts(folder):
             total += stored[0]
             continue
+        index = model_dir / "model_index.json"  # Qwen-Image's VAE is another class
+        named = model_json(index).get(sub) if index.is_file() else None
         with init_empty_weights():
-            if sub == "vae":
+            if sub == "vae" or (named and named[0] != "transformers"):
+                import importlib
+
                 import diffusers
 
-                index = model_dir / "model_index.json"  # Qwen-Image's is another class
-                named = model_json(index).get("vae") if index.is_file() else None
-                cls = getattr(diffusers, named[1] if named else "AutoencoderKL")
+                # a diffusers class, or one of a pipeline's own module (LTX-2's `ltx2`)
+                library = diffusers if not named or named[0] == "diffusers" else (
+                    importlib.import_module(f"diffusers.pipelines.{named[0]}"))  # fmt: skip
+                cls = getattr(library, named[1] if named else "AutoencoderKL")
                 module = cls.from_config(cls.load_config(str(folder)))
             else:
                 import transformers
@@ -243,6 +264,8 @@ def vae_scale(model_dir: Path | None) -> int:
     config = model_dir / "vae" / "config.json" if model_dir else None
     if config is not None and config.is_file():
         vae = model_json(config)
+        if "spatio_temporal_scaling" in vae:  # LTX-2's video VAE
+            return ltx2_vae_scales(vae)[1]
         if "temperal_downsample" in vae:  # Qwen-Image's and Wan's video VAEs: one halving
             # per entry, after the 2x2 pixel patches of Wan 2.2's (`patch_size`: 16 in all)
             return 2 ** len(vae["temperal_downsample"]) * int(vae.get("patch_size") or 1)
@@ -324,10 +347,25 @@ def video_scales(model_dir: Path | None) -> tuple[int, int]:
     Wan 2.1's defaults (4, 8)."""
     config = model_dir / "vae" / "config.json" if model_dir else None
     vae = model_json(config) if config is not None and config.is_file() else {}
+    if "spatio_temporal_scaling" in vae:
+        return ltx2_vae_scales(vae)
     downsample = vae.get("temperal_downsample")
     temporal = vae.get("scale_factor_temporal") or (2 ** sum(map(bool, downsample))
                                                     if downsample else 4)  # fmt: skip
     spatial = vae.get("scale_factor_spatial") or (vae_scale(model_dir) if downsample else VAE_SCALE)
+    return int(temporal), int(spatial)
+
+
+def ltx2_vae_scales(vae: dict[str, Any]) -> tuple[int, int]:
+    """(frames, pixels) per latent cell of AutoencoderKLLTX2Video's config: its
+    `temporal_compression_ratio` and `spatial_compression_ratio` (LTX-2's 8 and 32), else as the
+    class computes them (the patch sizes times a halving per `spatio_temporal_scaling`)."""
+    scaling = vae.get("spatio_temporal_scaling", (True,) * 4)
+    halvings = sum(map(bool, scaling)) if isinstance(scaling, list | tuple) else 3 * bool(scaling)
+    temporal = (
+        vae.get("temporal_compression_ratio") or int(vae.get("patch_size_t", 1)) * 2**halvings
+    )
+    spatial = vae.get("spatial_compression_ratio") or int(vae.get("patch_size", 4)) * 2**halvings
     return int(temporal), int(spatial)
 
 
@@ -336,17 +374,27 @@ def video_shape(family: str, config: dict[str, Any], model_dir: Path | None) -> 
     `patch_size`, `num_layers`, width and `ffn_dim`) and its VAE's (`video_scales`)."""
     spec = REGISTRY[family]
     temporal, spatial = video_scales(model_dir)
+    vae_config = model_dir / "vae" / "config.json" if model_dir else None
+    if "vae_scale_factors" in config and not (vae_config and vae_config.is_file()):
+        temporal, spatial = (int(f) for f in config["vae_scale_factors"][:2])  # LTX-2's own
     heads = int(config["num_attention_heads"])
     width = math.prod(int(config[key]) for key in spec.width_keys)
     head_dim = width // heads
-    per_token = (WAN_TOKEN_WIDTH_BYTES * width + WAN_TOKEN_FFN_BYTES * int(config["ffn_dim"])
-                 + WAN_TOKEN_BYTES + LSE_BYTES * heads)  # fmt: skip
-    patch_frames, patch_height, patch_width = (int(p) for p in config["patch_size"])
+    if "patch_size_t" in config or "caption_channels" in config:  # LTX-2's: int patches
+        per_token = LTX2_TOKEN_WIDTH_BYTES * width + LTX2_TOKEN_BYTES + LSE_BYTES * heads
+        text = LTX2_TEXT_WIDTH_BYTES * width + LTX2_TEXT_BYTES
+        side = int(config.get("patch_size", 1))
+        patch = (int(config.get("patch_size_t", 1)), side, side)
+    else:
+        per_token = (WAN_TOKEN_WIDTH_BYTES * width + WAN_TOKEN_FFN_BYTES * int(config["ffn_dim"])
+                     + WAN_TOKEN_BYTES + LSE_BYTES * heads)  # fmt: skip
+        text = WAN_TEXT_WIDTH_BYTES * width + WAN_TEXT_BYTES
+        patch = (int(config["patch_size"][0]), int(config["patch_size"][1]),
+                 int(config["patch_size"][2]))  # fmt: skip
     return VideoShape(
-        temporal=temporal, spatial=spatial, patch=(patch_frames, patch_height, patch_width),
+        temporal=temporal, spatial=spatial, patch=patch,
         layers=sum(int(config[key]) for key in spec.layer_keys), token_bytes=per_token,
-        input_bytes=2 * width,
-        text_bytes=(WAN_TEXT_WIDTH_BYTES * width + WAN_TEXT_BYTES) * spec.t5_tokens,
+        input_bytes=2 * width, text_bytes=text * spec.t5_tokens,
         rope_bytes=2 * 4 * head_dim, latent_channels=int(config.get("in_channels", 16)),
     )  # fmt: skip
 

@@ -42,6 +42,20 @@ def full_unet(shape: ModelShape) -> Training:
     return Training("full", shape.denoiser_params, shape.largest_param, 0)
 
 
+def full_denoiser(shape: ModelShape, model_dir: Path | None = None) -> Training:
+    """A full fine-tuning of this denoiser: all of it, less the part its family leaves frozen
+    (`ModelFamily.trains`; LTX-2's audio stream), counted on the meta device."""
+    from zerotuner.families import get, meta_model
+    from zerotuner.families.base import ModelFamily
+
+    kind = get(shape.family)
+    if type(kind).trains is ModelFamily.trains:
+        return full_unet(shape)
+    model = meta_model(shape.family, model_dir)
+    frozen = sum(p.numel() for n, p in model.named_parameters() if not kind.trains(n))
+    return Training("full", shape.denoiser_params - frozen, shape.largest_param, frozen)
+
+
 def lora_adapter(
     shape: ModelShape,
     *,
@@ -65,7 +79,7 @@ def lora_adapter(
 def for_settings(settings: Settings, shape: ModelShape, model_dir: Path | None = None) -> Training:
     """What ZT_TRAINING_TYPE and the LoRA settings train on this UNet."""
     if settings.training_type != "lora":
-        return full_unet(shape)
+        return full_denoiser(shape, model_dir)
     from zerotuner.weights.base_precision import INITS_REWRITING_BASE
     from zerotuner.weights.lora import parse_targets
 

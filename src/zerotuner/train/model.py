@@ -263,6 +263,10 @@ def encode_images(vae: Any, pixels: torch.Tensor) -> torch.Tensor:
         from zerotuner.families.flux2 import flux2_latents
 
         return flux2_latents(vae, vae.encode(pixels.to(vae.device, vae.dtype)).latent_dist.mode())
+    if type(vae).__name__ == "AutoencoderKLLTX2Video":  # its statistics are buffers
+        from zerotuner.families.ltx2 import ltx2_latents
+
+        return ltx2_latents(vae, pixels)
     mean = getattr(vae.config, "latents_mean", None)
     if mean is not None:
         frames = pixels.ndim == 5  # (batch, channels, frames, h, w): clips of a video family

@@ -125,7 +125,11 @@ def render(
     video = "num_frames" in inspect.signature(pipe.__call__).parameters
     fps = VIDEO_FPS if video_fps is None else video_fps
     if video:
-        temporal = int(getattr(pipe, "vae_scale_factor_temporal", 1) or 1)
+        temporal = int(
+            getattr(pipe, "vae_scale_factor_temporal", None)  # Wan's; LTX-2's:
+            or getattr(pipe, "vae_temporal_compression_ratio", 1)
+            or 1
+        )
         extra |= {"num_frames": sample_frames(video_frames, temporal), "output_type": "np"}
     how = {"height": resolution, "width": resolution, "num_inference_steps": inference_steps}
     written = _render_each(pipe, prompts, out_dir, seed=seed, fps=fps if video else None,

@@ -59,14 +59,14 @@ def full_state_dict(module: torch.nn.Module, *, rank: int) -> dict[str, torch.Te
     from deepspeed.utils import safe_get_full_fp32_param
 
     state: dict[str, torch.Tensor] | None = {} if rank == 0 else None
-    named = list(module.named_parameters())
+    named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
     z3 = getattr(named[0][1], "_z3_optimizer", None) if named else None
     if z3 is not None and getattr(z3, "swap_optimizer", False):
         masters = _swapped_zero3_masters(z3, [p for _, p in named])
     else:
         masters = [safe_get_full_fp32_param(p) for _, p in named]
     found = [m for m in masters if m is not None]
-    if len(found) == len(masters):
+    if named and len(found) == len(masters):
         if state is not None:
             state.update(
                 {
@@ -74,6 +74,13 @@ def full_state_dict(module: torch.nn.Module, *, rank: int) -> dict[str, torch.Te
                     for (n, _), m in zip(named, found, strict=True)
                 }
             )
+        # a part the family leaves frozen (LTX-2's audio stream): as the module holds it
+        frozen = [(n, p) for n, p in module.named_parameters() if not p.requires_grad]
+        for start in range(0, len(frozen), GATHER_GROUP):
+            group = frozen[start : start + GATHER_GROUP]
+            with full_parameters(module, [p for _, p in group]):
+                if state is not None:
+                    state.update({n: p.detach().float().cpu().clone() for n, p in group})
     else:  # no optimizer mapping (ZeRO-0 in fp32): the module holds the weights
         for name, param in iter_full_named_parameters(module):
             if state is not None:

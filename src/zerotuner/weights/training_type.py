@@ -111,6 +111,14 @@ class FullWeights(TrainedWeights):
     def prepare(
         self, denoiser: Any, *, source: Path, resume: Path | None, gradient_checkpointing: bool
     ) -> torch.nn.Module:
+        """The denoiser, less what its family does not train (LTX-2's audio stream: frozen, so
+        that weight decay leaves it as it was)."""
+        from zerotuner import families
+
+        kind = families.get(self.family)
+        for name, param in denoiser.named_parameters():
+            if not kind.trains(name):
+                param.requires_grad_(False)
         return denoiser
 
     def manifest_entries(self) -> dict[str, Any]:
