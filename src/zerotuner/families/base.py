@@ -9,6 +9,7 @@ module with one subclass and a line in `families.REGISTRY`.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, Self
@@ -158,6 +159,28 @@ class ModelFamily:
     def text_cache_tag(self) -> str:
         """What else than the encoders' files decides a cached caption (part of its key)."""
         return ""
+
+    # --- what a cached latent holds besides the latents --------------------------------------
+    def latent_subfolders(self) -> list[str]:
+        """The pipeline folders whose files decide a cached latent (part of its key)."""
+        return ["vae"]
+
+    def latent_cache_tag(self) -> str:
+        """What else than those files decides a cached latent (part of its key)."""
+        return ""
+
+    def load_image_encoder(self, source: Path, device: torch.device) -> Any:
+        """A frozen image encoder the cached latents need beside the VAE (Wan 2.1 I2V's CLIP),
+        loaded while caching; None: none."""
+        return None
+
+    def encode_conditions(
+        self, pixels: torch.Tensor, encode: Callable[[torch.Tensor], torch.Tensor],
+        image_encoder: Any = None,
+    ) -> dict[str, torch.Tensor]:  # fmt: skip
+        """What else a batch of pixels is cached as, beside its latents (`encode`: the VAE's
+        latents of pixels): Wan I2V's first frame's condition latents and image states."""
+        return {}
 
     def model_kwargs(self, batch: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, Any]:
         """The keyword arguments of the denoiser's forward from a batch holding embeddings."""

@@ -1,0 +1,189 @@
+"""Wan image-to-video (`wani2v`, issue 44): the tiny demo (a WanImageToVideoPipeline with a
+36-channel WanTransformer3DModel, a CLIP image encoder, the wan demo's clips) is told apart by
+its files, its bare transformer and the published hub ids; what the cache holds for a clip is
+what the pipeline conditions on (the first frame's condition latents, mask and CLIP states), and
+the objective feeds the transformer as the pipeline does. On 2 CPU ranks at ZeRO-3 it trains in
+full (the held-out loss on the clips falls, validation clips from an input image, resume on one
+rank) and as a LoRA; the export and the adapter generate a clip from an image through
+WanImageToVideoPipeline.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from test_flow_training import PROMPT, TOKENS, pipeline_parts, run
+
+from zerotuner import families
+from zerotuner.data import clips
+from zerotuner.data.loading import load_example
+from zerotuner.data.scan import scan
+from zerotuner.families import wan_i2v  # noqa: F401 - its prompts without ftfy, as the ranks
+from zerotuner.settings.schema import Settings
+from zerotuner.train import model
+
+FAMILY = "wani2v"
+HUB_IDS = ("Wan-AI/Wan2.1-I2V-14B-480P-Diffusers", "Wan-AI/Wan2.1-I2V-14B-720P-Diffusers")
+CLIP_BUCKET = (64, 64, 9)  # the demo's clips: 9 frames of 64 x 64
+FULL = {"stage": 3, "offload_optimizer": "cpu", "offload_param": "cpu",
+        "gradient_checkpointing": True}  # fmt: skip
+LORA = {"stage": 3, "offload_optimizer": "cpu", "offload_param": "cpu",
+        "training_type": "lora", "lora_rank": 4, "lora_alpha": 4, "lr": 3e-2}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def demo(family_demo_dir) -> Path:
+    """`zerotuner demo DIR --family wani2v` (the session's, read-only)."""
+    return family_demo_dir(FAMILY)
+
+
+def demo_clips(demo: Path) -> tuple[list, torch.Tensor]:
+    """The demo's clips (items) and their pixels (clips, 3, 9, 64, 64) in [-1, 1]."""
+    video = clips.Video(fps=16.0, frames=CLIP_BUCKET[2], step=4)
+    items = [i for i in scan(demo / "data", log_skipped=False, video=video).items if i.frames > 1]
+    pixels = [torch.from_numpy(load_example(i, CLIP_BUCKET, flip=False).pixels) for i in items]
+    return items, torch.stack(pixels)
+
+
+def first_frame(pixels: torch.Tensor):
+    """A clip's (3, frames, h, w) first frame as a PIL image: what a user gives the pipeline."""
+    from PIL import Image
+
+    return Image.fromarray(((pixels[:, 0].permute(1, 2, 0) + 1) * 127.5).round().byte().numpy())
+
+
+def i2v_clip(pipe, image, frames: int = 5):
+    """A clip (frames, 64, 64, 3) in [0, 1] from `image`, two steps."""
+    pipe.set_progress_bar_config(disable=True)
+    return pipe(
+        image=image, prompt=PROMPT, num_inference_steps=2, height=64, width=64,
+        num_frames=frames, output_type="np", max_sequence_length=TOKENS,
+        generator=torch.Generator().manual_seed(0),
+    ).frames[0]  # fmt: skip
+
+
+def clip_loss(demo: Path, transformer, draws: int = 3) -> float:
+    """The family's training loss of `transformer` on the demo's clips, fixed draws: the first
+    frame's condition and image states as the cache holds them."""
+    from diffusers import DiffusionPipeline
+
+    pipe = DiffusionPipeline.from_pretrained(demo / "model")
+    kind = dataclasses.replace(families.get(FAMILY), max_sequence_length=TOKENS)
+    items, pixels = demo_clips(demo)
+    parts = pipeline_parts(pipe, FAMILY, kind)
+    batch = kind.encode_text(parts, [item.caption for item in items])
+
+    def encode(px: torch.Tensor) -> torch.Tensor:
+        return model.encode_images(pipe.vae, px)
+
+    encoder = kind.load_image_encoder(demo / "model", torch.device("cpu"))
+    batch |= kind.encode_conditions(pixels, encode, encoder)
+    kwargs = kind.model_kwargs(batch, torch.float32)
+    objective = kind.objective(Settings(), pipe.scheduler, transformer.config)
+    latents = encode(pixels)
+    with torch.no_grad():
+        losses = [
+            objective.loss(transformer.eval(), latents, kwargs,
+                           generator=torch.Generator().manual_seed(d), dtype=torch.float32)
+            for d in range(draws)
+        ]  # fmt: skip
+    return float(sum(losses)) / draws
+
+
+# --- the demo, detection, the conditioning -----------------------------------------------------
+
+
+def test_demo_is_an_image_to_video_pipeline_and_is_detected(demo, tmp_path):
+    """The demo is a WanImageToVideoPipeline (a CLIP image encoder, a 36-channel transformer)
+    that renders a clip from an image; the family is read from model_index.json, from a bare
+    transformer folder and (offline) from the published hub ids, which no longer refuse; Wan
+    2.2 I2V A14B asks for ZT_EXPERT as its text-to-video sibling does."""
+    from diffusers import DiffusionPipeline
+
+    from zerotuner.errors import ConfigError
+
+    pipe = DiffusionPipeline.from_pretrained(demo / "model")
+    assert type(pipe).__name__ == "WanImageToVideoPipeline"
+    assert pipe.transformer.config.in_channels == 36 and pipe.transformer.config.image_dim
+    _, pixels = demo_clips(demo)
+    frames = i2v_clip(pipe, first_frame(pixels[0]))
+    assert frames.shape == (5, 64, 64, 3) and np.isfinite(frames).all()
+    assert families.detect_family(demo / "model") == FAMILY
+    bare = tmp_path / "bare"
+    shutil.copytree(demo / "model" / "transformer", bare / "transformer")
+    assert families.detect_family(bare) == FAMILY
+    for hub_id in HUB_IDS:
+        assert families.resolve_family(hub_id) == FAMILY
+    assert families.resolve_family("Wan-AI/Wan2.2-TI2V-5B-Diffusers") == "wan"
+    assert families.resolve_family("Wan-AI/Wan2.2-I2V-A14B-Diffusers", expert="high") == FAMILY
+    with pytest.raises(ConfigError, match="ZT_EXPERT=high"):
+        families.resolve_family("Wan-AI/Wan2.2-I2V-A14B-Diffusers")
+
+
+def test_cached_condition_and_objective_are_the_pipelines(demo):
+    """A clip's cached condition latents are WanImageToVideoPipeline.prepare_latents' (the VAE
+    of [first frame, zeros], normalised), its mask the pipeline's, its image states
+    `encode_image`'s of the first frame; the objective's prediction is the transformer on
+    cat([noisy, mask, condition]) with those states."""
+    from diffusers import DiffusionPipeline
+
+    pipe = DiffusionPipeline.from_pretrained(demo / "model")
+    kind = families.get(FAMILY)
+    _, pixels = demo_clips(demo)
+    clip = pixels[:1]
+    encoder = kind.load_image_encoder(demo / "model", torch.device("cpu"))
+    ours = kind.encode_conditions(clip, lambda px: model.encode_images(pipe.vae, px), encoder)
+    _, theirs = pipe.prepare_latents(clip[:, :, 0], 1, 16, 64, 64, 9, torch.float32,
+                                     torch.device("cpu"))  # fmt: skip
+    torch.testing.assert_close(ours["condition_latents"], theirs[:, 4:], atol=1e-5, rtol=1e-5)
+    from zerotuner.families.wan_i2v import first_frame_mask
+
+    torch.testing.assert_close(first_frame_mask(ours["condition_latents"]), theirs[:, :4])
+    torch.testing.assert_close(ours["image_embeds"], pipe.encode_image(first_frame(clip[0])))
+    kwargs = kind.model_kwargs({"prompt_embeds": torch.randn(1, TOKENS, 64), **ours}, torch.float32)
+    scheduler = kind.scheduler_class().from_pretrained(demo / "model", subfolder="scheduler")
+    objective = kind.objective(Settings(), scheduler, pipe.transformer.config)
+    assert "first frame's latents and mask beside the noise" in objective.describe()
+    latents = torch.randn(1, 16, 3, 16, 16)
+    sigmas = torch.tensor([0.6])
+    with torch.no_grad():
+        pred = objective.predict(pipe.transformer, latents, sigmas, kwargs,
+                                 device=torch.device("cpu"), dtype=torch.float32)  # fmt: skip
+        own = pipe.transformer(
+            hidden_states=torch.cat([latents, theirs], dim=1), timestep=sigmas * 1000,
+            encoder_hidden_states=kwargs["encoder_hidden_states"],
+            encoder_hidden_states_image=pipe.encode_image(first_frame(clip[0])),
+        ).sample  # fmt: skip
+    torch.testing.assert_close(pred, own, atol=1e-4, rtol=1e-4)
+
+
+# --- training on 2 CPU ranks ------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_lora_at_zero_3_generates_from_an_image(demo, tmp_path) -> None:
+    """A LoRA at ZeRO-3: `transformer.` keys that WanImageToVideoPipeline.load_lora_weights
+    loads, lowering the clips' loss and changing the clip it renders from an image."""
+    from diffusers import DiffusionPipeline
+    from safetensors.torch import load_file
+
+    from zerotuner.weights import lora_files
+
+    output = tmp_path / "output"
+    log = run(tmp_path, demo, FAMILY, output=output, checkpoint_every_steps=0, **LORA)
+    assert "first frame's latents and mask beside the noise" in log
+    final = output / "final"
+    adapter = load_file(final / lora_files.ADAPTER_FILE)
+    assert adapter and all(k.startswith("transformer.") for k in adapter)
+    pipe = DiffusionPipeline.from_pretrained(demo / "model")
+    _, pixels = demo_clips(demo)
+    image = first_frame(pixels[0])
+    before, loss_before = i2v_clip(pipe, image), clip_loss(demo, pipe.transformer)
+    pipe.load_lora_weights(final)
+    assert clip_loss(demo, pipe.transformer) < 0.97 * loss_before
+    assert np.abs(i2v_clip(pipe, image) - before).max() > 1e-3, "the adapter changes nothing"
