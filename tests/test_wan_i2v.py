@@ -17,7 +17,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from test_flow_training import PROMPT, TOKENS, pipeline_parts, run
+import trainkit as tk
+from test_flow_training import (
+    PROMPT,
+    SAVED,
+    STEPS,
+    TOKENS,
+    pipeline_parts,
+    resumes_on_one_rank_at_zero_2,
+    run,
+)
 
 from zerotuner import families
 from zerotuner.data import clips
@@ -163,6 +172,87 @@ def test_cached_condition_and_objective_are_the_pipelines(demo):
 
 
 # --- training on 2 CPU ranks ------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def full_run(demo, tmp_path_factory):
+    """Full fine-tuning at ZeRO-3 on 2 ranks, validation clips from the default input (the
+    first training clip's first frame)."""
+    tmp = tmp_path_factory.mktemp("full-wani2v") / "run"
+    tmp.mkdir()
+    log = run(
+        tmp, demo, FAMILY, output=tmp / "output", checkpoint_every_steps=SAVED,
+        validation_prompts=[PROMPT], validation_inference_steps=2, **FULL,
+    )  # fmt: skip
+    return tmp / "output", log
+
+
+@pytest.mark.slow
+def test_full_fine_tuning_at_zero_3_exports_an_image_to_video_pipeline(demo, full_run) -> None:
+    """ZeRO-3 on 2 ranks: every step logged with the image-to-video objective, the clips' loss
+    falls, final/ is a WanImageToVideoPipeline that renders a clip from an image; the
+    validation clip was sampled from the first training clip's first frame (the log names it),
+    shown input | base | trained as an mp4 and a contact sheet."""
+    from diffusers import DiffusionPipeline
+
+    output, log = full_run
+    assert [s["step"] for s in tk.read_steps(output)] == list(range(1, STEPS + 1))
+    assert "first frame's latents and mask beside the noise" in log
+    assert "samples: every prompt samples from the first frame of" in log
+    base = DiffusionPipeline.from_pretrained(demo / "model")
+    final = DiffusionPipeline.from_pretrained(output / "final")
+    assert type(final).__name__ == "WanImageToVideoPipeline"
+    assert clip_loss(demo, final.transformer) < 0.97 * clip_loss(demo, base.transformer)
+    _, pixels = demo_clips(demo)
+    frames = i2v_clip(final, first_frame(pixels[0]))
+    assert frames.shape == (5, 64, 64, 3) and np.isfinite(frames).all()
+    samples = output / "samples"
+    (sheet,) = (samples / f"step-{STEPS}").glob("*.png")
+    assert sheet.with_suffix(".mp4").is_file() and (samples / "inputs" / sheet.name).is_file()
+    compared = samples / "base-vs-trained" / sheet.name
+    assert compared.with_suffix(".mp4").is_file()
+    from PIL import Image
+
+    with Image.open(compared) as image:  # three rows: input, base, trained
+        assert image.height >= 3 * 64
+
+
+@pytest.mark.slow
+def test_full_checkpoint_resumes_on_one_rank(demo, full_run, tmp_path) -> None:
+    """From the step-5 checkpoint, 1 rank at ZeRO-2 trains steps 6-10 and exports
+    WanImageToVideoPipeline folders."""
+    output, _ = full_run
+    resumes_on_one_rank_at_zero_2(tmp_path, demo, FAMILY, output, "WanImageToVideoPipeline")
+
+
+@pytest.mark.slow
+def test_an_unreadable_validation_image_is_one_line_before_training(demo, full_run, tmp_path):
+    """ZT_VALIDATION_IMAGES naming a missing file, then one that is no image: each rank exits 2
+    with one line naming it, before training; the run's checkpoints and export are as they
+    were."""
+    output, _ = full_run
+    latest = (output / "checkpoints" / "latest").read_text()
+    final = {p.name: p.stat().st_mtime_ns for p in (output / "final").rglob("*")}
+    bad = tmp_path / "not-an-image.png"
+    bad.write_text("hello")
+    for given, says in ((tmp_path / "missing.png", "unreadable"), (bad, "not an image")):
+        tmp = tmp_path / given.stem
+        tmp.mkdir()
+        config = tk.ds_config(3, world=1, steps=STEPS + 2)
+        job = tk.write_job(tmp / "job.json", model=demo / "model", deepspeed=config,
+                           family=FAMILY, world=1)  # fmt: skip
+        env = tk.settings_env(
+            model=demo / "model", data=demo / "data", output=output, cache=tmp_path / "cache",
+            max_steps=STEPS + 2, max_sequence_length=TOKENS, validation_prompts=[PROMPT],
+            validation_images=str(given),
+        )  # fmt: skip
+        proc = tk.run_ranks(tmp, env, job_file=job, world=1)
+        codes = {rank: s["exit_code"] for rank, s in tk.statuses(tmp).items()}
+        lines = [line for line in (proc.stdout + proc.stderr).splitlines()
+                 if "ZT_VALIDATION_IMAGES" in line and str(given) in line]  # fmt: skip
+        assert codes == {0: 2} and lines and says in lines[0], proc.stderr[-3000:]
+    assert (output / "checkpoints" / "latest").read_text() == latest
+    assert {p.name: p.stat().st_mtime_ns for p in (output / "final").rglob("*")} == final
 
 
 @pytest.mark.slow

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol, Self
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, Self
 
 import torch
 
@@ -79,6 +79,9 @@ class ModelFamily:
     cache_dtype: torch.dtype = torch.float32  # of the cached text embeddings
     # the layout of pytorch_lora_weights_comfyui.safetensors: kohya's for the UNet families
     comfy_lora: ComfyLora = ComfyLora(kohya=True)
+    # What its pipeline samples from besides the prompt (train/validation_inputs.py): "" none,
+    # "first frame" (image-to-video), "control image" (an edit model)
+    sample_input: ClassVar[str] = ""
 
     def configured(self, settings: Settings, source: Path | None = None) -> Self:
         """The family as this run's settings configure it (flow families: the T5 length; Wan

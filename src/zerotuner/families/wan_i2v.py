@@ -38,7 +38,7 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -117,6 +117,8 @@ class WanI2VObjective(WanObjective):
 @dataclass(frozen=True)
 class WanI2V(Wan):
     """Wan image-to-video: Wan's conditioning, the first frame's latents and (2.1) CLIP states."""
+
+    sample_input: ClassVar[str] = "first frame"
 
     def objective(self, settings: Any, scheduler: Any, model_config: Any) -> Any:
         wan = super().objective(settings, scheduler, model_config)
