@@ -1,4 +1,5 @@
-"""Wan's variants, torch-free: the image- or video-conditioned models zerotuner refuses, and
+"""Wan's variants, torch-free: image-to-video's transformer shape (the `wani2v` family), the
+video- or otherwise-conditioned models zerotuner refuses, and
 Wan 2.2 A14B's two experts (ZT_EXPERT: which transformer a run trains, on which part of the
 noise schedule), read by detection, the planner and the settings checks
 (`family_settings.expert_problems`) before any weights.
