@@ -11,6 +11,7 @@ WanImageToVideoPipeline.
 from __future__ import annotations
 
 import dataclasses
+import json
 import shutil
 from pathlib import Path
 
@@ -169,6 +170,59 @@ def test_cached_condition_and_objective_are_the_pipelines(demo):
             encoder_hidden_states_image=pipe.encode_image(first_frame(clip[0])),
         ).sample  # fmt: skip
     torch.testing.assert_close(pred, own, atol=1e-4, rtol=1e-4)
+
+
+@pytest.fixture(scope="module")
+def a14b(demo, tmp_path_factory) -> Path:
+    """The demo as Wan 2.2 I2V A14B: no image encoder (transformers without `image_dim`), a
+    transformer_2 and boundary_ratio 0.9 in model_index.json; data/ the demo's."""
+    from diffusers import WanTransformer3DModel
+
+    root = tmp_path_factory.mktemp("i2v-a14b")
+    model = root / "model"
+    shutil.copytree(demo / "model", model, ignore=shutil.ignore_patterns("image_*"))
+    config = WanTransformer3DModel.load_config(model / "transformer")
+    config |= {"image_dim": None, "added_kv_proj_dim": None}
+    for seed, part in enumerate(("transformer", "transformer_2")):
+        torch.manual_seed(seed)
+        shutil.rmtree(model / part, ignore_errors=True)
+        WanTransformer3DModel.from_config(config).save_pretrained(model / part)
+    index = json.loads((model / "model_index.json").read_text())
+    index |= {"transformer_2": ["diffusers", "WanTransformer3DModel"], "boundary_ratio": 0.9,
+              "image_encoder": [None, None], "image_processor": [None, None]}  # fmt: skip
+    (model / "model_index.json").write_text(json.dumps(index))
+    (root / "data").symlink_to(demo / "data")
+    return root
+
+
+def test_the_a14b_trains_one_expert_without_image_states(a14b, tmp_path, monkeypatch, capsys):
+    """Wan 2.2 I2V A14B: refused without ZT_EXPERT, planned with it (`config`), its expert's
+    folder the denoiser and its sigmas the expert's part; its cache holds no image states (no
+    image encoder) and it generates a clip from an image."""
+    from diffusers import DiffusionPipeline
+
+    from zerotuner.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="ZT_EXPERT"):
+        families.detect_family(a14b / "model")
+    assert families.detect_family(a14b / "model", expert="low") == FAMILY
+    (tmp_path / "data").mkdir()
+    how = {"ZT_DATA_DIR": str(tmp_path / "data"), "ZT_OUTPUT_DIR": str(tmp_path / "output")}
+    code, _, err = tk.config_explain(monkeypatch, capsys, tmp_path, ZT_MODEL=str(a14b / "model"),
+                                     ZT_EXPERT="low", **how)  # fmt: skip
+    assert code == 0, err
+    settings = Settings(expert="low")
+    kind = families.get(FAMILY).configured(settings, a14b / "model")
+    assert kind.denoiser == "transformer_2"
+    pipe = DiffusionPipeline.from_pretrained(a14b / "model")
+    objective = kind.objective(settings, pipe.scheduler, pipe.transformer_2.config)
+    assert objective.describe().startswith("low-noise expert (transformer_2), sigmas in 0-0.9")
+    assert kind.load_image_encoder(a14b / "model", torch.device("cpu")) is None
+    _, pixels = demo_clips(a14b)
+    encode = lambda px: model.encode_images(pipe.vae, px)  # noqa: E731
+    assert set(kind.encode_conditions(pixels[:1], encode, None)) == {"condition_latents"}
+    frames = i2v_clip(pipe, first_frame(pixels[0]))
+    assert frames.shape == (5, 64, 64, 3) and np.isfinite(frames).all()
 
 
 # --- training on 2 CPU ranks ------------------------------------------------------------------

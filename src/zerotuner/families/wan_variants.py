@@ -35,6 +35,7 @@ def takes_first_frame(config: dict[str, Any]) -> bool:
 # (diffusers 0.42, pipelines/wan/pipeline_wan.py) runs `transformer` at the timesteps t >=
 # boundary_ratio * num_train_timesteps (the noisy ones), `transformer_2` below.
 EXPERTS = {"high": "transformer", "low": "transformer_2"}
+EXPERT_FAMILIES = ("wan", "wani2v")  # Wan 2.2 T2V A14B's and I2V A14B's
 
 
 def expert_range(expert: str, boundary: float) -> tuple[float, float]:
