@@ -30,7 +30,7 @@ from test_flow_training import (
 )
 
 from zerotuner import families
-from zerotuner.data import clips
+from zerotuner.data import clips, held_out
 from zerotuner.data.loading import load_example
 from zerotuner.data.scan import scan
 from zerotuner.families import wan_i2v  # noqa: F401 - its prompts without ftfy, as the ranks
@@ -40,6 +40,7 @@ from zerotuner.train import model
 FAMILY = "wani2v"
 HUB_IDS = ("Wan-AI/Wan2.1-I2V-14B-480P-Diffusers", "Wan-AI/Wan2.1-I2V-14B-720P-Diffusers")
 CLIP_BUCKET = (64, 64, 9)  # the demo's clips: 9 frames of 64 x 64
+EVAL_FRACTION = 0.2  # the full run's: 14 of the 72 demo items, one of them a clip
 FULL = {"stage": 3, "offload_optimizer": "cpu", "offload_param": "cpu",
         "gradient_checkpointing": True}  # fmt: skip
 LORA = {"stage": 3, "offload_optimizer": "cpu", "offload_param": "cpu",
@@ -52,10 +53,13 @@ def demo(family_demo_dir) -> Path:
     return family_demo_dir(FAMILY)
 
 
-def demo_clips(demo: Path) -> tuple[list, torch.Tensor]:
-    """The demo's clips (items) and their pixels (clips, 3, 9, 64, 64) in [-1, 1]."""
+def demo_clips(demo: Path, held: bool = False) -> tuple[list, torch.Tensor]:
+    """The demo's clips (items) and their pixels (clips, 3, 9, 64, 64) in [-1, 1]; `held`: only
+    those the full run holds out (ZT_EVAL_FRACTION=EVAL_FRACTION, the default seed)."""
     video = clips.Video(fps=16.0, frames=CLIP_BUCKET[2], step=4)
-    items = [i for i in scan(demo / "data", log_skipped=False, video=video).items if i.frames > 1]
+    scanned = scan(demo / "data", log_skipped=False, video=video).items
+    out = set(held_out.held_out(scanned, EVAL_FRACTION, Settings().seed)) if held else None
+    items = [i for n, i in enumerate(scanned) if i.frames > 1 and (out is None or n in out)]
     pixels = [torch.from_numpy(load_example(i, CLIP_BUCKET, flip=False).pixels) for i in items]
     return items, torch.stack(pixels)
 
@@ -77,14 +81,14 @@ def i2v_clip(pipe, image, frames: int = 5):
     ).frames[0]  # fmt: skip
 
 
-def clip_loss(demo: Path, transformer, draws: int = 3) -> float:
-    """The family's training loss of `transformer` on the demo's clips, fixed draws: the first
-    frame's condition and image states as the cache holds them."""
+def clip_loss(demo: Path, transformer, draws: int = 3, held: bool = False) -> float:
+    """The family's training loss of `transformer` on the demo's clips (`held`: the held-out
+    ones), fixed draws: the first frame's condition and image states as the cache holds them."""
     from diffusers import DiffusionPipeline
 
     pipe = DiffusionPipeline.from_pretrained(demo / "model")
     kind = dataclasses.replace(families.get(FAMILY), max_sequence_length=TOKENS)
-    items, pixels = demo_clips(demo)
+    items, pixels = demo_clips(demo, held)
     parts = pipeline_parts(pipe, FAMILY, kind)
     batch = kind.encode_text(parts, [item.caption for item in items])
 
@@ -236,17 +240,18 @@ def full_run(demo, tmp_path_factory):
     tmp.mkdir()
     log = run(
         tmp, demo, FAMILY, output=tmp / "output", checkpoint_every_steps=SAVED,
-        validation_prompts=[PROMPT], validation_inference_steps=2, **FULL,
+        validation_prompts=[PROMPT], validation_inference_steps=2,
+        eval_fraction=EVAL_FRACTION, **FULL,
     )  # fmt: skip
     return tmp / "output", log
 
 
 @pytest.mark.slow
 def test_full_fine_tuning_at_zero_3_exports_an_image_to_video_pipeline(demo, full_run) -> None:
-    """ZeRO-3 on 2 ranks: every step logged with the image-to-video objective, the clips' loss
-    falls, final/ is a WanImageToVideoPipeline that renders a clip from an image; the
-    validation clip was sampled from the first training clip's first frame (the log names it),
-    shown input | base | trained as an mp4 and a contact sheet."""
+    """ZeRO-3 on 2 ranks: every step logged with the image-to-video objective, the held-out
+    clip's loss (ZT_EVAL_FRACTION) falls, final/ is a WanImageToVideoPipeline that renders a
+    clip from an image; the validation clip was sampled from the first training clip's first
+    frame (the log names it), shown input | base | trained as an mp4 and a contact sheet."""
     from diffusers import DiffusionPipeline
 
     output, log = full_run
@@ -256,7 +261,11 @@ def test_full_fine_tuning_at_zero_3_exports_an_image_to_video_pipeline(demo, ful
     base = DiffusionPipeline.from_pretrained(demo / "model")
     final = DiffusionPipeline.from_pretrained(output / "final")
     assert type(final).__name__ == "WanImageToVideoPipeline"
-    assert clip_loss(demo, final.transformer) < 0.97 * clip_loss(demo, base.transformer)
+    assert json.loads((output / "run" / "eval.json").read_text())["held_out_images"] == 14
+    held, _ = demo_clips(demo, held=True)
+    assert len(held) == 1  # a clip never trained on: its loss falls too
+    before = clip_loss(demo, base.transformer, draws=6, held=True)
+    assert clip_loss(demo, final.transformer, draws=6, held=True) < 0.97 * before
     _, pixels = demo_clips(demo)
     frames = i2v_clip(final, first_frame(pixels[0]))
     assert frames.shape == (5, 64, 64, 3) and np.isfinite(frames).all()
