@@ -229,6 +229,84 @@ def test_the_a14b_trains_one_expert_without_image_states(a14b, tmp_path, monkeyp
     assert frames.shape == (5, 64, 64, 3) and np.isfinite(frames).all()
 
 
+@pytest.fixture(scope="module")
+def ti2v(family_demo_dir, tmp_path_factory) -> Path:
+    """The Wan demo as Wan 2.2 TI2V-5B: a WanPipeline whose model_index.json says
+    `expand_timesteps`; data/ the Wan demo's."""
+    demo = family_demo_dir("wan")
+    root = tmp_path_factory.mktemp("ti2v")
+    shutil.copytree(demo / "model", root / "model")
+    index = json.loads((root / "model" / "model_index.json").read_text())
+    (root / "model" / "model_index.json").write_text(json.dumps(index | {"expand_timesteps": True}))
+    (root / "data").symlink_to(demo / "data")
+    return root
+
+
+def ti2v_clip(ti2v: Path) -> torch.Tensor:
+    """One of the Wan demo's clips (1, 3, 9, 64, 64): its VAE folds 2 frames into one."""
+    video = clips.Video(fps=16.0, frames=9, step=2)
+    items = scan(ti2v / "data", log_skipped=False, video=video).items
+    item = next(i for i in items if i.frames > 1)
+    return torch.from_numpy(load_example(item, (64, 64, 9), flip=False).pixels)[None]
+
+
+def test_ti2v_5b_trains_from_its_first_latent_frame_as_the_pipeline_samples(ti2v):
+    """ZT_MODEL_FAMILY=wani2v on TI2V-5B (`expand_timesteps`): nothing cached beside the clip's
+    latents (its first latent frame is the pipeline's condition: the VAE is causal), and the
+    objective's prediction is the transformer on WanImageToVideoPipeline's input: the first
+    latent frame clean, its tokens at timestep 0, the others at t."""
+    from diffusers import WanImageToVideoPipeline
+
+    assert families.detect_family(ti2v / "model") == "wan"  # read alone: text-to-video
+    kind = families.get(FAMILY).configured(Settings(), ti2v / "model")
+    assert kind.expand_timesteps and kind.latent_cache_tag() == ""
+    pipe = WanImageToVideoPipeline.from_pretrained(ti2v / "model")
+    clip = ti2v_clip(ti2v)
+    latents = model.encode_images(pipe.vae, clip)
+    assert kind.encode_conditions(clip, lambda px: model.encode_images(pipe.vae, px)) == {}
+    _, condition, mask = pipe.prepare_latents(clip[:, :, 0], 1, 16, 64, 64, 9, torch.float32,
+                                              torch.device("cpu"))  # fmt: skip
+    torch.testing.assert_close(condition, latents[:, :, :1], atol=1e-4, rtol=1e-4)
+    objective = kind.objective(Settings(), pipe.scheduler, pipe.transformer.config)
+    assert "first latent frame kept clean at timestep 0" in objective.describe()
+    states = {"prompt_embeds": torch.randn(1, TOKENS, 64)}
+    kwargs = kind.model_kwargs(states, torch.float32)
+    noisy, sigmas = torch.randn_like(latents), torch.tensor([0.7])
+    with torch.no_grad():
+        ours = objective.predict(
+            pipe.transformer, torch.cat([latents[:, :, :1], noisy[:, :, 1:]], dim=2), sigmas,
+            kwargs, device=torch.device("cpu"), dtype=torch.float32,
+        )  # fmt: skip
+        t = sigmas * 1000
+        theirs = pipe.transformer(
+            hidden_states=(1 - mask) * condition + mask * noisy,
+            timestep=(mask[0][0][:, ::2, ::2] * t).flatten()[None],
+            encoder_hidden_states=kwargs["encoder_hidden_states"],
+        ).sample  # fmt: skip
+    torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.slow
+def test_ti2v_5b_lora_samples_from_an_image(ti2v, tmp_path) -> None:
+    """A LoRA of TI2V-5B trained image-to-video at ZeRO-3: the objective line says so, the
+    validation clip is sampled from the first training clip's first frame through
+    WanImageToVideoPipeline (the folder names WanPipeline), and the adapter loads there."""
+    from diffusers import WanImageToVideoPipeline
+
+    output = tmp_path / "output"
+    log = run(tmp_path, ti2v, FAMILY, output=output, checkpoint_every_steps=0,
+              validation_prompts=[PROMPT], validation_inference_steps=2, **LORA)  # fmt: skip
+    assert "first latent frame kept clean at timestep 0" in log
+    assert "samples: every prompt samples from the first frame of" in log
+    (sheet,) = (output / "samples" / f"step-{STEPS}").glob("*.png")
+    assert (output / "samples" / "base-vs-trained" / sheet.name).with_suffix(".mp4").is_file()
+    pipe = WanImageToVideoPipeline.from_pretrained(ti2v / "model")
+    image = first_frame(ti2v_clip(ti2v)[0])
+    before = i2v_clip(pipe, image)
+    pipe.load_lora_weights(output / "final")
+    assert np.abs(i2v_clip(pipe, image) - before).max() > 1e-3, "the adapter changes nothing"
+
+
 # --- training on 2 CPU ranks ------------------------------------------------------------------
 
 

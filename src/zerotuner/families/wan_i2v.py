@@ -24,6 +24,15 @@ pipeline_wan_i2v.py, `prepare_latents`, `encode_image`, `__call__`):
   `encoder_hidden_states_image`; cached with the clip's latents (they depend on its first frame,
   not on its caption).
 
+Wan 2.2 TI2V-5B (Wan-AI/Wan2.2-TI2V-5B-Diffusers: a WanPipeline whose model_index.json says
+`expand_timesteps`) is both: read as `wan` it trains text-to-video; ZT_MODEL_FAMILY=wani2v trains
+it image-to-video as WanImageToVideoPipeline samples it with `expand_timesteps` (`__call__`):
+no condition channels, the clip's first latent frame kept clean in the noisy input (the VAE is
+causal: a clip's first latent frame is its first frame's alone, the pipeline's condition), that
+frame's tokens at timestep 0 and the others at t (one timestep per token), and the loss on the
+other frames (the pipeline replaces the first frame's prediction with the condition). An image
+has no later frame: it trains as text-to-video.
+
 musubi-tuner does the same (kohya-ss/musubi-tuner at 30c658c4, src/musubi_tuner/
 wan_cache_latents.py `encode_and_save_batch`: `msk` and `y = vae.encode([frame, zeros])`
 concatenated as `4 + C` channels and `clip.visual` of the first frame, both cached with the
@@ -36,7 +45,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -115,20 +124,85 @@ class WanI2VObjective(WanObjective):
 
 
 @dataclass(frozen=True)
+class WanTI2VObjective(WanObjective):
+    """Wan 2.2 TI2V-5B's image-to-video flow matching (`expand_timesteps`): the first latent
+    frame clean, timestep 0 on its tokens, the loss on the later frames."""
+
+    def describe(self) -> str:
+        return (f"{super().describe()}; the first latent frame kept clean at timestep 0, the "
+                f"loss on the later frames (image-to-video, expand_timesteps)")  # fmt: skip
+
+    def loss(
+        self,
+        model: Any,
+        latents: torch.Tensor,
+        kwargs: dict[str, Any],
+        *,
+        generator: torch.Generator,
+        dtype: torch.dtype,
+        mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        from zerotuner.families.ddpm import device_of, masked_mse, to_device
+        from zerotuner.families.flow_matching import noisy_and_target, sample_sigmas
+
+        if latents.ndim == 4 or latents.shape[2] == 1:  # an image: no later frame
+            return super().loss(model, latents, kwargs, generator=generator, dtype=dtype,
+                                mask=mask)  # fmt: skip
+        noise = torch.randn(latents.shape, generator=generator)
+        sigmas = sample_sigmas(latents.shape[0], self.config, generator)
+        noisy, target = noisy_and_target(latents, noise, sigmas)
+        noisy = torch.cat([latents[:, :, :1], noisy[:, :, 1:]], dim=2)
+        device = device_of(model)
+        pred = self.predict(model, noisy, sigmas, to_device(kwargs, device), device=device,
+                            dtype=dtype)  # fmt: skip
+        return masked_mse(pred[:, :, 1:], target[:, :, 1:].to(device), mask)
+
+    def call(
+        self, model: Any, latents: torch.Tensor, t: torch.Tensor, kwargs: dict[str, Any]
+    ) -> torch.Tensor:
+        if latents.ndim == 4 or latents.shape[2] == 1:
+            return super().call(model, latents, t, kwargs)
+        return model(hidden_states=latents, timestep=token_timesteps(latents, t), **kwargs).sample
+
+
+def token_timesteps(latents: torch.Tensor, t: torch.Tensor, patch: int = 2) -> torch.Tensor:
+    """(batch, tokens): each token's timestep as WanImageToVideoPipeline's `expand_timesteps`
+    gives it, 0 on the first latent frame's tokens (its mask `[:, ::2, ::2]`), t elsewhere."""
+    frames, height, width = latents.shape[2:]
+    later = torch.ones(frames, -(-height // patch), -(-width // patch), device=t.device)
+    later[0] = 0
+    return later.flatten()[None].to(t.dtype) * t[:, None]
+
+
+@dataclass(frozen=True)
 class WanI2V(Wan):
     """Wan image-to-video: Wan's conditioning, the first frame's latents and (2.1) CLIP states."""
 
     sample_input: ClassVar[str] = "first frame"
+    # Wan 2.2 TI2V-5B (model_index.json `expand_timesteps`): the first latent frame conditions
+    expand_timesteps: bool = False
+
+    def configured(self, settings: Any, source: Path | None = None) -> Any:
+        family = super().configured(settings, source)
+        index = source / "model_index.json" if source is not None else None
+        if index is None or not index.is_file():
+            return family
+        expand = bool(json.loads(index.read_text()).get("expand_timesteps"))
+        return replace(family, expand_timesteps=expand)
 
     def objective(self, settings: Any, scheduler: Any, model_config: Any) -> Any:
         wan = super().objective(settings, scheduler, model_config)
+        if self.expand_timesteps:
+            return WanTI2VObjective(wan.config, expert=wan.expert, expert_range=wan.expert_range)
         mask = int(model_config.in_channels) - 2 * int(model_config.out_channels)
         return WanI2VObjective(wan.config, expert=wan.expert, expert_range=wan.expert_range,
                                mask_channels=mask)  # fmt: skip
 
     def model_kwargs(self, batch: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, Any]:
-        kwargs = {**super().model_kwargs(batch, dtype),
-                  "condition": batch["condition_latents"].to(dtype)}  # fmt: skip
+        kwargs = super().model_kwargs(batch, dtype)
+        if self.expand_timesteps:  # TI2V-5B: the clip's own first latent frame conditions
+            return kwargs
+        kwargs["condition"] = batch["condition_latents"].to(dtype)
         if "image_embeds" in batch:  # Wan 2.1: the transformer's image_dim is set
             kwargs["encoder_hidden_states_image"] = batch["image_embeds"].to(dtype)
         return kwargs
@@ -138,7 +212,8 @@ class WanI2V(Wan):
         return [*super().latent_subfolders(), "image_encoder", "image_processor"]
 
     def latent_cache_tag(self) -> str:
-        return ":i2v"  # the condition latents are in the entry: another than wan's
+        # the condition latents are in the entry: another than wan's (TI2V-5B's holds none)
+        return "" if self.expand_timesteps else ":i2v"
 
     def load_image_encoder(self, source: Path, device: torch.device) -> Any:
         """Wan 2.1's image encoder and its processor (the classes model_index.json names), or
@@ -168,6 +243,8 @@ class WanI2V(Wan):
         condition latents (the VAE's, normalised as the clips' own) and, with Wan 2.1's image
         encoder, its penultimate states of the first frame (`WanImageToVideoPipeline.
         encode_image`)."""
+        if self.expand_timesteps:  # TI2V-5B: nothing beside the clip's latents
+            return {}
         image = pixels.ndim == 4
         clip = pixels.unsqueeze(2) if image else pixels
         latents = encode(condition_pixels(clip))

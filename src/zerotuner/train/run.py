@@ -544,6 +544,8 @@ class Run:
                     denoiser=self.part,
                     base_precision=trained.base_precision,
                     inputs=self.sample_inputs,
+                    # from an input: the family's pipeline (TI2V-5B's folder names WanPipeline)
+                    pipeline=self.conditioning.pipeline_class() if self.sample_inputs else None,
                 )
         distributed.barrier()
         for sink in self.sinks:  # the trackers (ZT_REPORT_TO) show the images

@@ -64,11 +64,14 @@ def load_pipeline(
     lora_dir: Path | None = None,
     denoiser: str | None = None,
     base_precision: str = "auto",
+    pipeline: type | None = None,
 ) -> Any:
     """`unet_state`: the trained denoiser's weights (UNet or transformer; `denoiser`: the part
     they are, Wan 2.2 A14B's expert), None for the base's as saved; `lora_dir`: a LoRA adapter
     loaded on top (into `transformer_2` for A14B's low-noise expert), on the base stored at
-    `base_precision` as the run trained it (ZT_BASE_PRECISION)."""
+    `base_precision` as the run trained it (ZT_BASE_PRECISION); `pipeline`: the class to load
+    the folder as, when not the one its model_index.json names (Wan 2.2 TI2V-5B's WanPipeline
+    folder sampled from an image by WanImageToVideoPipeline)."""
     from diffusers import DiffusionPipeline
 
     from zerotuner.weights import base_precision as stored
@@ -78,7 +81,8 @@ def load_pipeline(
     part = denoiser or denoiser_part(base)
     if unet_state is not None:
         parts[part] = built_part(base, part, unet_state)
-    pipe = DiffusionPipeline.from_pretrained(base, dtype=torch.float32, **parts)
+    cls: Any = pipeline or DiffusionPipeline
+    pipe = cls.from_pretrained(base, dtype=torch.float32, **parts)
     if stored.is_low(base_precision):
         stored.quantize_frozen_base(getattr(pipe, part), base_precision)
     if lora_dir is not None:
@@ -111,6 +115,7 @@ def render(
     denoiser: str | None = None,
     base_precision: str = "auto",
     inputs: list[PILImage] | None = None,
+    pipeline: type | None = None,
 ) -> list[Path]:
     """One image per prompt, prompt i with seed + i, into out_dir (e.g. samples/step-N/);
     then (compare) the side-by-side with the base model's images in out_dir's parent.
@@ -126,7 +131,7 @@ def render(
     extra |= pipeline_kwargs or {}
     pipe = load_pipeline(
         base, unet_state, device=device, lora_dir=lora_dir, denoiser=denoiser,
-        base_precision=base_precision,
+        base_precision=base_precision, pipeline=pipeline,
     )  # fmt: skip
     video = "num_frames" in inspect.signature(pipe.__call__).parameters
     fps = VIDEO_FPS if video_fps is None else video_fps
@@ -145,7 +150,7 @@ def render(
                 inference_steps=inference_steps, seed=seed, device=device,
                 guidance_scale=guidance_scale, pipeline_kwargs=pipeline_kwargs,
                 **({"video_frames": video_frames, "video_fps": fps} if video else {}),
-                inputs=inputs,
+                inputs=inputs, pipeline=pipeline,
             )  # fmt: skip
             shown = save_inputs(inputs, prompts, out_dir.parent / "inputs") if inputs else None
             _compare(base_samples, written, prompts, out_dir, fps=fps if video else None,
@@ -237,6 +242,9 @@ def _base_samples(base: Path, prompts: list[str], out_dir: Path, **how: Any) -> 
         key["inputs"] = [hashlib.sha256(i.tobytes()).hexdigest()[:16] for i in key["inputs"]]
     else:
         key.pop("inputs", None)
+    key["pipeline"] = getattr(key.get("pipeline"), "__name__", None)
+    if key["pipeline"] is None:
+        key.pop("pipeline")
     stamp = out_dir / "render.json"
     paths = [out_dir / f"{i:02d}-{slug(p)}.png" for i, p in enumerate(prompts)]
     if "video_frames" in how:  # a video family's: the clips beside their contact sheets
