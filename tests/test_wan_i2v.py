@@ -367,33 +367,56 @@ def test_full_checkpoint_resumes_on_one_rank(demo, full_run, tmp_path) -> None:
 
 
 @pytest.mark.slow
-def test_an_unreadable_validation_image_is_one_line_before_training(demo, full_run, tmp_path):
-    """ZT_VALIDATION_IMAGES naming a missing file, then one that is no image: each rank exits 2
-    with one line naming it, before training; the run's checkpoints and export are as they
+def test_a_missing_validation_image_is_one_line_before_training(demo, full_run, tmp_path):
+    """ZT_VALIDATION_IMAGES naming a missing file, on the finished run's output: the rank exits
+    2 with one line naming it, before training; the run's checkpoints and export are as they
     were."""
     output, _ = full_run
     latest = (output / "checkpoints" / "latest").read_text()
     final = {p.name: p.stat().st_mtime_ns for p in (output / "final").rglob("*")}
-    bad = tmp_path / "not-an-image.png"
-    bad.write_text("hello")
-    for given, says in ((tmp_path / "missing.png", "unreadable"), (bad, "not an image")):
-        tmp = tmp_path / given.stem
-        tmp.mkdir()
-        config = tk.ds_config(3, world=1, steps=STEPS + 2)
-        job = tk.write_job(tmp / "job.json", model=demo / "model", deepspeed=config,
-                           family=FAMILY, world=1)  # fmt: skip
-        env = tk.settings_env(
-            model=demo / "model", data=demo / "data", output=output, cache=tmp_path / "cache",
-            max_steps=STEPS + 2, max_sequence_length=TOKENS, validation_prompts=[PROMPT],
-            validation_images=str(given),
-        )  # fmt: skip
-        proc = tk.run_ranks(tmp, env, job_file=job, world=1)
-        codes = {rank: s["exit_code"] for rank, s in tk.statuses(tmp).items()}
-        lines = [line for line in (proc.stdout + proc.stderr).splitlines()
-                 if "ZT_VALIDATION_IMAGES" in line and str(given) in line]  # fmt: skip
-        assert codes == {0: 2} and lines and says in lines[0], proc.stderr[-3000:]
+    missing = tmp_path / "missing.png"
+    config = tk.ds_config(3, world=1, steps=STEPS + 2)
+    job = tk.write_job(tmp_path / "job.json", model=demo / "model", deepspeed=config,
+                       family=FAMILY, world=1)  # fmt: skip
+    env = tk.settings_env(
+        model=demo / "model", data=demo / "data", output=output, cache=tmp_path / "cache",
+        max_steps=STEPS + 2, max_sequence_length=TOKENS, validation_prompts=[PROMPT],
+        validation_images=str(missing),
+    )  # fmt: skip
+    proc = tk.run_ranks(tmp_path, env, job_file=job, world=1)
+    codes = {rank: s["exit_code"] for rank, s in tk.statuses(tmp_path).items()}
+    lines = [line for line in (proc.stdout + proc.stderr).splitlines()
+             if "ZT_VALIDATION_IMAGES" in line and str(missing) in line]  # fmt: skip
+    assert codes == {0: 2} and lines and "unreadable" in lines[0], proc.stderr[-3000:]
     assert (output / "checkpoints" / "latest").read_text() == latest
     assert {p.name: p.stat().st_mtime_ns for p in (output / "final").rglob("*")} == final
+
+
+def test_validation_images_refusals_are_one_line(demo, tmp_path):
+    """A file that is no image, a count that is neither 1 nor the prompts', and the setting
+    for a model that samples from text alone: one line each; relative paths are read under
+    ZT_DATA_DIR, one image serves every prompt."""
+    from zerotuner.data.dataset import Dataset
+    from zerotuner.errors import ConfigError
+    from zerotuner.train import validation_inputs
+
+    (tmp_path / "no.png").write_text("hello")
+    empty = Dataset(tmp_path, [], [])
+    frame = next(p.name for p in sorted((demo / "data").glob("*.png")))
+    cases = (
+        ({"validation_images": str(tmp_path / "no.png")}, "first frame", "not an image"),
+        ({"validation_images": f"{frame},{frame},{frame}"}, "first frame", "3 images for 2"),
+        ({"validation_images": frame}, "", "samples from its prompts alone"),
+    )
+    for given, takes, says in cases:
+        settings = Settings(data_dir=str(demo / "data"), validation_prompts=["a", "b"], **given)
+        with pytest.raises(ConfigError) as error:
+            validation_inputs.chosen(settings, takes, empty, [])
+        assert says in str(error.value) and "\n" not in str(error.value)
+    settings = Settings(data_dir=str(demo / "data"), validation_prompts=["a", "b"],
+                        validation_images=frame)  # fmt: skip
+    first, second = validation_inputs.chosen(settings, "first frame", empty, [])
+    assert first is second and first.mode == "RGB"
 
 
 @pytest.mark.slow
