@@ -132,9 +132,12 @@ def test_check_lists_a_target_without_its_control(demo, monkeypatch, tmp_path, c
 def full_run(demo, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("full-kontext") / "run"
     tmp.mkdir()
+    # the sample edits a control image of the data, named relative to ZT_DATA_DIR
+    (given,) = sorted((demo / "data").glob("001-*.control.png"))
     log = run(
         tmp, demo, FAMILY, output=tmp / "output", checkpoint_every_steps=SAVED,
-        validation_prompts=[PROMPT], validation_inference_steps=2, **FULL,
+        validation_prompts=[PROMPT], validation_inference_steps=2,
+        validation_images=given.name, **FULL,
     )  # fmt: skip
     return tmp / "output", log
 
@@ -156,6 +159,12 @@ def test_full_fine_tuning_at_zero_3_learns_the_edit_and_exports(demo, full_run) 
     assert np.abs(edit(final, control) - edit(base, control)).max() > 1e-3
     (sample,) = (output / "samples" / f"step-{STEPS}").glob("*.png")
     assert Image.open(sample).size == (64, 64)  # max_area: the run's resolution
+    # ZT_VALIDATION_IMAGES's image is what the samples edit: shown above base and trained
+    (given,) = sorted((demo / "data").glob("001-*.control.png"))
+    shown = Image.open(output / "samples" / "inputs" / sample.name).convert("RGB")
+    assert np.array_equal(np.asarray(shown), np.asarray(Image.open(given).convert("RGB")))
+    grid = Image.open(output / "samples" / "base-vs-trained.png")
+    assert grid.height >= 3 * 64  # input, base, trained rows
 
 
 @pytest.mark.slow

@@ -38,6 +38,9 @@ TARGETS = {
     # every kind of layer Krea 2's original names rename
     "krea2": "attention,to_gate,ff.gate,ff.up,ff.down,img_in,final_layer.linear,linear_1,"
              "linear_2,time_mod_proj,projector",
+    # Wan's, and the image cross-attention's projections (Wan 2.1 I2V's `k_img`, `v_img`)
+    "wani2v": "attention,ffn.net.0.proj,ffn.net.2,proj_out,time_proj,linear_1,linear_2,"
+              "add_k_proj,add_v_proj",
     # every kind of layer LTX-2's original names rename, and its feed-forward
     "ltx2": "attention+ff,proj_in,proj_out,linear_1,linear_2,linear",
 }  # fmt: skip

@@ -82,6 +82,19 @@ def test_the_newest_samples_and_only_sample_files_are_served(tmp_path):
         assert view.sample_image(escape) is None, escape
 
 
+def test_a_sample_from_an_input_image_links_it(tmp_path):
+    """A model that samples from an input image (samples/inputs/NN-slug.png): each sample
+    names its input, which is served; a sample without one names none."""
+    write_samples(tmp_path)
+    (tmp_path / "samples" / "inputs").mkdir()
+    Image.new("RGB", (8, 8), "red").save(tmp_path / "samples" / "inputs" / "00-a-red-circle.png")
+    view = RunView(tmp_path)
+    first, second = view.state([], "training")["samples"]["images"]
+    assert first["input"] == "/run/samples/inputs/00-a-red-circle.png" and "input" not in second
+    served = view.sample_image(first["input"].removeprefix("/run/samples/"))
+    assert served == (tmp_path / "samples" / "inputs" / "00-a-red-circle.png").read_bytes()
+
+
 class Ranks:
     """Two in-process ranks' registries, collected together as the multiprocess files are."""
 

@@ -110,7 +110,7 @@ def test_wan_22_vae_sizes_buckets_at_16_pixels(tmp_path):
     ("name", "index", "says"),
     [("Wan-AI/Wan2.2-T2V-A14B-Diffusers", {"transformer_2": ["diffusers", "WanTransformer3DModel"],
       "boundary_ratio": 0.875}, "two expert transformers"),
-     ("Wan-AI/Wan2.1-I2V-14B-480P-Diffusers", {"_class_name": "WanImageToVideoPipeline"},
+     ("Wan-AI/Wan2.2-Animate-14B-Diffusers", {"_class_name": "WanAnimatePipeline"},
       "image- or video-conditioned"),
      ("Wan-AI/Wan2.1-VACE-1.3B-diffusers", {"_class_name": "WanVACEPipeline"},
       "image- or video-conditioned")],
@@ -151,15 +151,19 @@ def test_experts_and_image_to_video_are_refused_in_one_line(
     assert (code, out, len(errors)) == (2, "", 1) and says in errors[0]
 
 
-def test_an_image_to_video_transformer_alone_is_refused(demo, tmp_path):
-    """A bare WanTransformer3DModel that takes an image's latents beside the noise (I2V: 36
-    channels in, 16 out) is refused as its pipeline is."""
+def test_a_conditioned_transformer_alone_is_refused_but_image_to_video_is_its_family(
+    demo, tmp_path
+):
+    """A bare WanTransformer3DModel that takes more than the noise is refused as its pipeline
+    is, unless it is image-to-video's shape (36 channels in for 16 out: the `wani2v` family)."""
     bare = tmp_path / "bare" / "transformer"
     shutil.copytree(demo / "model" / "transformer", bare)
     config = json.loads((bare / "config.json").read_text())
-    (bare / "config.json").write_text(json.dumps({**config, "in_channels": 36}))
+    (bare / "config.json").write_text(json.dumps({**config, "in_channels": 48}))
     with pytest.raises(ConfigError, match="image- or video-conditioned"):
         families.detect_family(bare.parent)
+    (bare / "config.json").write_text(json.dumps({**config, "in_channels": 36}))
+    assert families.detect_family(bare.parent) == "wani2v"
 
 
 def test_cached_captions_and_objective_are_the_pipelines(demo):

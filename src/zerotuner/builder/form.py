@@ -48,8 +48,8 @@ SECTIONS = tuple(
          "ds.cos_min_ratio"),
         ("Precision and clipping", "mixed_precision gradient_clipping"),
         ("Checkpoints", "checkpoint_every_steps checkpoints_keep resume"),
-        ("Validation", "validation_prompts validation_every_steps validation_inference_steps "
-         "validation_guidance_scale"),
+        ("Validation", "validation_prompts validation_images validation_every_steps "
+         "validation_inference_steps validation_guidance_scale"),
         ("Held-out loss and early stop", "eval_data_dir eval_fraction eval_every_steps "
          "early_stop_patience early_stop_min_delta"),
         ("Recipes", "caption_template caption_dropout min_image_size upscale timestep_range"),

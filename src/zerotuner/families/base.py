@@ -9,9 +9,10 @@ module with one subclass and a line in `families.REGISTRY`.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol, Self
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, Self
 
 import torch
 
@@ -78,6 +79,9 @@ class ModelFamily:
     cache_dtype: torch.dtype = torch.float32  # of the cached text embeddings
     # the layout of pytorch_lora_weights_comfyui.safetensors: kohya's for the UNet families
     comfy_lora: ComfyLora = ComfyLora(kohya=True)
+    # What its pipeline samples from besides the prompt (train/validation_inputs.py): "" none,
+    # "first frame" (image-to-video), "control image" (an edit model)
+    sample_input: ClassVar[str] = ""
 
     def configured(self, settings: Settings, source: Path | None = None) -> Self:
         """The family as this run's settings configure it (flow families: the T5 length; Wan
@@ -163,6 +167,28 @@ class ModelFamily:
     def text_cache_tag(self) -> str:
         """What else than the encoders' files decides a cached caption (part of its key)."""
         return ""
+
+    # --- what a cached latent holds besides the latents --------------------------------------
+    def latent_subfolders(self) -> list[str]:
+        """The pipeline folders whose files decide a cached latent (part of its key)."""
+        return ["vae"]
+
+    def latent_cache_tag(self) -> str:
+        """What else than those files decides a cached latent (part of its key)."""
+        return ""
+
+    def load_image_encoder(self, source: Path, device: torch.device) -> Any:
+        """A frozen image encoder the cached latents need beside the VAE (Wan 2.1 I2V's CLIP),
+        loaded while caching; None: none."""
+        return None
+
+    def encode_conditions(
+        self, pixels: torch.Tensor, encode: Callable[[torch.Tensor], torch.Tensor],
+        image_encoder: Any = None,
+    ) -> dict[str, torch.Tensor]:  # fmt: skip
+        """What else a batch of pixels is cached as, beside its latents (`encode`: the VAE's
+        latents of pixels): Wan I2V's first frame's condition latents and image states."""
+        return {}
 
     def model_kwargs(self, batch: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, Any]:
         """The keyword arguments of the denoiser's forward from a batch holding embeddings."""

@@ -20,7 +20,7 @@ from zerotuner.families.registry import (
     known_family,
 )
 from zerotuner.families.stored import model_json, unet_config_path
-from zerotuner.families.wan_variants import refuse_wan_variant
+from zerotuner.families.wan_variants import refuse_wan_variant, takes_first_frame
 
 # A hub model's files the planner reads (a few KB): the pipeline index and each part's config.
 HUB_CONFIG_FILES = ("model_index.json", "*/config.json")
@@ -90,9 +90,12 @@ def refuse_ltx2_variant(model: Any, name: str) -> None:
 
 def transformer_family(name: str, config: dict[str, Any]) -> Family:
     """The family of a transformer config of class `name`: FLUX.2 [klein] shares [dev]'s
-    class and has no guidance embedding."""
+    class and has no guidance embedding; Wan's image-to-video transformer shares text-to-video's
+    and takes 36 channels."""
     if name == "Flux2Transformer2DModel" and not config.get("guidance_embeds", True):
         return "flux2klein"
+    if name == REGISTRY["wan"].transformer and takes_first_frame(config):
+        return "wani2v"  # Wan's image-to-video transformer: the first frame's latents in too
     return TRANSFORMERS[name]
 
 

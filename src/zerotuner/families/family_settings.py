@@ -10,7 +10,7 @@ from typing import Any
 from zerotuner.errors import ConfigError
 from zerotuner.families.registry import REGISTRY
 from zerotuner.families.shapes import ModelShape, video_scales
-from zerotuner.families.wan_variants import expert_sigmas
+from zerotuner.families.wan_variants import EXPERT_FAMILIES, expert_sigmas
 
 UNET_SETTINGS = ("prediction_type", "snr_gamma", "noise_offset")  # DDPM's
 FLOW_SETTINGS = (
@@ -90,7 +90,7 @@ def expert_problems(settings: Any, family: str, shape: ModelShape | None) -> lis
     expert, name = settings.expert, env_name("expert")
     read = shape is not None and not shape.source.startswith("built-in")
     boundary = shape.boundary_ratio if shape is not None else None
-    if expert and family != "wan":
+    if expert and family not in EXPERT_FAMILIES:
         why = f"it chooses one of Wan 2.2 A14B's two expert transformers; unset {name}"
         return [f"{name}={expert} is set but ZT_MODEL is a {family} model: {why}"]
     if expert and read and boundary is None:

@@ -108,6 +108,8 @@ UMT5_XXL_PARAMS = 5_680_910_336
 # Qwen3VLModel of Qwen/Qwen3-VL-4B-Instruct's config.json (text: Qwen3-4B's shapes, embeddings
 # tied; vision: 24 blocks 1024 wide), what Krea2Pipeline loads as its text encoder (no lm_head)
 QWEN3_VL_4B_PARAMS = 4_437_815_808
+# CLIPVisionModel of laion/CLIP-ViT-H-14-laion2B-s32B-b79K's config: Wan 2.1 I2V's image encoder
+CLIP_VIT_H_PARAMS = 630_766_080
 WAN_VAE_PARAMS = 126_892_531  # AutoencoderKLWan's defaults, Wan 2.1's VAE (Qwen-Image's network)
 # LTX-2's frozen parts, counted on the meta device: Gemma3ForConditionalGeneration of
 # google/gemma-3-12b-it's config (its 12.19B: the card's "12B"; its largest layer the token
@@ -328,6 +330,24 @@ BUILTIN: dict[str, Spec] = {
         text_width_key="caption_channels",
         video=True, native_resolution=640,
         demo="ltx2:write_model",
+    ),
+    # Wan image-to-video (families/wan_i2v.py): Wan2.1-I2V-14B-480P's transformer (its
+    # transformer/config.json: 16.39B, 36 channels in, CLIP ViT-H/14's 1280-wide states through
+    # 5120-wide added key/value projections) and UMT5-XXL with that image encoder (631M)
+    "wani2v": Spec(
+        "wan_i2v", "WanI2V",
+        {"patch_size": [1, 2, 2], "num_attention_heads": 40, "attention_head_dim": 128,
+         "in_channels": 36, "out_channels": 16, "text_dim": 4096, "freq_dim": 256,
+         "ffn_dim": 13824, "num_layers": 40, "cross_attn_norm": True,
+         "qk_norm": "rms_norm_across_heads", "eps": 1e-06, "image_dim": 1280,
+         "added_kv_proj_dim": 5120},
+        (16_394_878_784, 157_286_400), UMT5_XXL_PARAMS + CLIP_VIT_H_PARAMS, WAN_VAE_PARAMS,
+        flow=True, pipeline="WanImageToVideoPipeline", transformer="WanTransformer3DModel",
+        hub_markers=("-i2v", "_i2v"), guess_order=-2, clip_tokens=0, t5_tokens=512,
+        long_encoder="UMT5", layer_keys=("num_layers",), text_width_key="text_dim",
+        video=True, native_resolution=632,
+        demo="wan_i2v:write_model",
+        text_kept_params=UMT5_XXL_KEPT + CLIP_VIT_H_PARAMS,  # the image encoder is never stored low
     ),
 }  # fmt: skip
 REGISTRY = BUILTIN | installed_families(BUILTIN)

@@ -1,4 +1,5 @@
-"""Wan's variants, torch-free: the image- or video-conditioned models zerotuner refuses, and
+"""Wan's variants, torch-free: image-to-video's transformer shape (the `wani2v` family), the
+video- or otherwise-conditioned models zerotuner refuses, and
 Wan 2.2 A14B's two experts (ZT_EXPERT: which transformer a run trains, on which part of the
 noise schedule), read by detection, the planner and the settings checks
 (`family_settings.expert_problems`) before any weights.
@@ -12,16 +13,29 @@ from typing import Any
 from zerotuner.errors import ConfigError
 from zerotuner.families.registry import REGISTRY
 
-# Wan's image- or video-conditioned variants, as their hub names say them (Wan2.1-I2V-14B-480P,
-# Wan2.1-FLF2V-14B-720P, Wan2.1-VACE-1.3B, Wan2.2-Animate-14B, Wan2.2-S2V-14B)
-WAN_CONDITIONED = ("i2v", "flf2v", "vace", "animate", "s2v", "v2v")
+# Wan's image- or video-conditioned variants zerotuner does not train, as their hub names say
+# them (Wan2.1-FLF2V-14B-720P, Wan2.1-VACE-1.3B, Wan2.2-Animate-14B, Wan2.2-S2V-14B); I2V is the
+# `wani2v` family
+WAN_CONDITIONED = ("flf2v", "vace", "animate", "s2v", "v2v")
 WAN_SUPPORTED = ("zerotuner trains Wan's text-to-video models (WanPipeline: Wan 2.1 T2V 1.3B "
                  "and 14B, Wan 2.2 TI2V-5B, and Wan 2.2 T2V A14B one expert per run with "
-                 "ZT_EXPERT) on captioned clips and images")  # fmt: skip
+                 "ZT_EXPERT) and its image-to-video ones (WanImageToVideoPipeline: Wan 2.1 I2V "
+                 "14B, Wan 2.2 I2V A14B) on captioned clips and images")  # fmt: skip
+I2V_PIPELINE = "WanImageToVideoPipeline"
+
+
+def takes_first_frame(config: dict[str, Any]) -> bool:
+    """A WanTransformer3DModel config of an image-to-video model: the noisy latents, 4 mask
+    channels and the first frame's latents in (36 = 16 + 4 + 16), the latents out."""
+    inputs, outputs = config.get("in_channels"), config.get("out_channels")
+    return isinstance(inputs, int) and isinstance(outputs, int) and inputs == 2 * outputs + 4
+
+
 # ZT_EXPERT: the pipeline folder (and WanPipeline attribute) of each of A14B's experts. WanPipeline
 # (diffusers 0.42, pipelines/wan/pipeline_wan.py) runs `transformer` at the timesteps t >=
 # boundary_ratio * num_train_timesteps (the noisy ones), `transformer_2` below.
 EXPERTS = {"high": "transformer", "low": "transformer_2"}
+EXPERT_FAMILIES = ("wan", "wani2v")  # Wan 2.2 T2V A14B's and I2V A14B's
 
 
 def expert_range(expert: str, boundary: float) -> tuple[float, float]:
@@ -64,11 +78,11 @@ def has_experts(config: dict[str, Any]) -> bool:
 def refuse_wan_variant(
     model: Any, name: str, config: dict[str, Any] | None = None, expert: str | None = None
 ) -> None:
-    """A Wan model other than a text-to-video transformer is one line, exit 2: Wan 2.2 A14B's
-    two experts (a `transformer_2` in model_index.json, `A14B` in a hub name) without
-    ZT_EXPERT (`expert`), and the image- or video-conditioned ones (WanImageToVideoPipeline,
-    WanVACEPipeline...; `I2V`, `VACE`... in a hub name; a WanTransformer3DModel whose input has
-    more channels than its output)."""
+    """A Wan model other than a text- or image-to-video transformer is one line, exit 2: Wan
+    2.2 A14B's two experts (a `transformer_2` in model_index.json, `A14B` in a hub name) without
+    ZT_EXPERT (`expert`), and the other conditioned ones (WanVACEPipeline...; `FLF2V`, `VACE`...
+    in a hub name; a WanTransformer3DModel whose input has more channels than its output other
+    than image-to-video's)."""
     import re
 
     config = config or {}
@@ -76,10 +90,10 @@ def refuse_wan_variant(
     if not name.startswith("Wan") and not any(m in lowered for m in REGISTRY["wan"].hub_markers):
         return
     words = set(re.split(r"[^a-z0-9]+", lowered))
-    pipeline = name.endswith("Pipeline") and name != REGISTRY["wan"].pipeline
-    inputs = config.get("in_channels")  # I2V's transformer takes the image's latents too
+    pipeline = name.endswith("Pipeline") and name not in (REGISTRY["wan"].pipeline, I2V_PIPELINE)
+    inputs = config.get("in_channels")  # a conditioned transformer takes more than the noise
     channels = inputs is not None and inputs != config.get("out_channels", inputs)
-    if pipeline or words & set(WAN_CONDITIONED) or channels:
+    if pipeline or words & set(WAN_CONDITIONED) or channels and not takes_first_frame(config):
         raise ConfigError(
             f"ZT_MODEL={model}: {name} is an image- or video-conditioned Wan model (image-to-"
             f"video, first-last-frame, VACE, animate), trained on conditioning frames, which "
@@ -90,6 +104,6 @@ def refuse_wan_variant(
             f"ZT_MODEL={model}: {name} is Wan 2.2 A14B, two expert transformers (transformer "
             f"for the noisy steps, transformer_2 for the clean ones, split at its "
             f"boundary_ratio): set ZT_EXPERT=high or ZT_EXPERT=low to train one of them (one "
-            f"expert per run: two runs train both; the export is a WanPipeline folder with the "
-            f"other expert unchanged)"
+            f"expert per run: two runs train both; the export is a WanPipeline (or "
+            f"WanImageToVideoPipeline) folder with the other expert unchanged)"
         )

@@ -5,7 +5,8 @@
   sampled by the entrypoint's server thread every few seconds (step time is the mean over the
   interval, from the step histogram's sum and count);
 - validation samples: the newest OUTPUT/samples/step-N/ folder (a video family's clip, NN.mp4,
-  beside its contact sheet NN.png);
+  beside its contact sheet NN.png), each with the input image it sampled from (OUTPUT/samples/
+  inputs/NN.png: Wan image-to-video, FLUX.1 Kontext);
 - the plan (handed over by `train`) and the effective DeepSpeed config (OUTPUT/run/
   deepspeed.json, else the job's).
 Nothing here runs in a rank: the training step does no extra work, and the page only reads.
@@ -27,7 +28,7 @@ MAX_STEPS = "zerotuner_max_steps"
 MAX_POINTS = 1000  # per series in an answer, and per rank in the history
 ETA_WINDOW = 20  # steps the ETA averages over (validation and checkpoints included)
 # What the page links to; bounded, so no name reaches the file system too long for it.
-SAMPLE_FILE = re.compile(r"(step-\d{1,18}|base)/[A-Za-z0-9][A-Za-z0-9._-]{0,200}\.(png|mp4)")
+SAMPLE_FILE = re.compile(r"(step-\d{1,18}|base|inputs)/[A-Za-z0-9][A-Za-z0-9._-]{0,200}\.(png|mp4)")
 SAMPLE_TYPES = {".png": "image/png", ".mp4": "video/mp4"}
 
 
@@ -199,11 +200,13 @@ class RunView:
             image = {"prompt": prompt, "url": f"/run/samples/{latest.name}/{path.name}"}
             if path.with_suffix(".mp4").is_file():  # a clip, the PNG its contact sheet
                 image["video"] = f"/run/samples/{latest.name}/{path.stem}.mp4"
+            if (folder / "inputs" / path.name).is_file():  # the input image it sampled from
+                image["input"] = f"/run/samples/inputs/{path.name}"
             images.append(image)
         return {"step": int(latest.name[5:]), "images": images}
 
     def sample_image(self, relative: str) -> bytes | None:
-        """A PNG or MP4 under OUTPUT/samples (step-N/ or base/), else None."""
+        """A PNG or MP4 under OUTPUT/samples (step-N/, base/ or inputs/), else None."""
         found = self.sample_path(relative)
         return found[0].read_bytes() if found is not None else None
 

@@ -53,7 +53,8 @@ def fill(
     text_dirs = [d for pair in conditioning.text_subfolders for d in pair]
     features = feature_cache.FeatureCache(
         settings.cache_dir,
-        vae_key=feature_cache.component_key(source, ["vae"]),
+        vae_key=feature_cache.component_key(source, conditioning.latent_subfolders())
+        + conditioning.latent_cache_tag(),
         text_key=text_key(settings, source, text_dirs, conditioning),
         flip=settings.random_flip,
     )
@@ -89,11 +90,16 @@ def fill(
                 text_precision=settings.text_encoder_precision,
             )  # fmt: skip
             progress = Progress(len(my_latents), len(my_texts), enabled=rank == 0)
+
+            def encode(pixels: torch.Tensor) -> torch.Tensor:
+                return model.encode_images(components.vae, pixels)
+
             features.encode_latents(
-                [items[i] for i in my_latents],
-                lambda px: model.encode_images(components.vae, px),
-                progress.images,
-            )
+                [items[i] for i in my_latents], encode, progress.images,
+                conditions=lambda px: conditioning.encode_conditions(
+                    px, encode, components.image_encoder
+                ),
+            )  # fmt: skip
             features.encode_texts(
                 my_texts, lambda caps: conditioning.encode_text(components, caps), progress.texts
             )

@@ -126,9 +126,11 @@ class FeatureCache:
         items: list[CacheItem],
         encode: Callable[[torch.Tensor], torch.Tensor],
         progress: Callable[[int], None] = _none,
+        conditions: Callable[[torch.Tensor], dict[str, torch.Tensor]] | None = None,
     ) -> None:
         """Encode (and write) the given items, batching images of the same bucket;
-        `progress(n)` after each batch of n images."""
+        `progress(n)` after each batch of n images; `conditions`: what else the family caches
+        of a batch's pixels, beside its latents (Wan I2V's first frame's condition latents)."""
         rows: dict[str, dict[str, torch.Tensor]] = defaultdict(dict)
         by_bucket: dict[Bucket, list[CacheItem]] = {}
         for item in items:
@@ -139,7 +141,9 @@ class FeatureCache:
                 variants = [False, True] if self.flip else [False]
                 for flip in variants:
                     loaded = [item.load(flip) for item in chunk]
-                    latents = encode(torch.stack([pixels for pixels, *_ in loaded]))
+                    pixels = torch.stack([pixels for pixels, *_ in loaded])
+                    latents = encode(pixels)
+                    extra = conditions(pixels) if conditions is not None else {}
                     controls = _encode_controls([extra for _, _, *extra in loaded], encode)
                     suffix = "_flipped" if flip else ""
                     for i, (_, time_ids, *mask) in enumerate(loaded):
@@ -150,6 +154,8 @@ class FeatureCache:
                             row[f"mask{suffix}"] = latent_mask(mask[0], latents[i].shape[-2:])
                         if (control := controls[i]) is not None:
                             row[f"control_latents{suffix}"] = control
+                        for key, values in extra.items():
+                            row[f"{key}{suffix}"] = values[i].contiguous()
                 for item in chunk:
                     _save(rows.pop(item.name), self.latent_path(item))
                 progress(len(chunk))
@@ -182,10 +188,9 @@ class FeatureCache:
             row = load_file(self.latent_path(item))
             if self.flip:
                 mirrored = torch.rand((), generator=generator).item() < 0.5  # CPU generator
-                for key in ("latents", "time_ids", "mask", "control_latents"):
-                    if f"{key}_flipped" in row:
-                        flipped = row.pop(f"{key}_flipped")
-                        row[key] = flipped if mirrored else row[key]
+                for key in [k.removesuffix("_flipped") for k in row if k.endswith("_flipped")]:
+                    flipped = row.pop(f"{key}_flipped")
+                    row[key] = flipped if mirrored else row[key]
             if texts:
                 row.update(load_file(self.text_path(item.caption)))
             rows.append(row)

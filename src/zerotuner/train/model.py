@@ -93,6 +93,7 @@ class Components:
     vae: Any = None
     text_encoders: list[Any] = field(default_factory=list)
     tokenizers: list[Any] = field(default_factory=list)
+    image_encoder: Any = None  # the family's, for its cached latents (Wan 2.1 I2V's CLIP)
 
     def drop_frozen(self) -> None:
         """After caching, the VAE and text encoders leave the device and the host before the
@@ -100,6 +101,7 @@ class Components:
         self.vae = None
         self.text_encoders = []
         self.tokenizers = []
+        self.image_encoder = None
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
@@ -187,6 +189,7 @@ def load_frozen(
     )
     components.vae = vae.to(device).eval().requires_grad_(False)
     family = families.get(components.family)
+    components.image_encoder = family.load_image_encoder(components.source, device)
     encoders, tokenizers = family.load_text(components.source, dtype=text_dtype)
     if base_precision.is_low(text_precision):
         for i, encoder in enumerate(encoders):

@@ -31,7 +31,16 @@ from zerotuner.launch.job import Job
 from zerotuner.launch.records import Sink, StepRecord, write_rank_armed
 from zerotuner.settings import datasets
 from zerotuner.settings.schema import Settings
-from zerotuner.train import caching, feature_cache, loop, model, nonfinite, samples, speed
+from zerotuner.train import (
+    caching,
+    feature_cache,
+    loop,
+    model,
+    nonfinite,
+    samples,
+    speed,
+    validation_inputs,
+)
 from zerotuner.train import evaluate as evaluation
 from zerotuner.train import optimizer as client_optimizer
 from zerotuner.train.stop import Stopped, StopRequest
@@ -84,6 +93,7 @@ class Run:
         # the held-out images (ZT_EVAL_*): cached with the training ones, never trained on
         self.cached: tuple[Dataset, dict[Bucket, list[int]]]  # what caching encodes
         self.held: list[int] = []  # the held-out images' indices in self.items
+        self.sample_inputs: list[Any] | None = None  # each validation prompt's input image
         # cache(): the feature cache and the items it holds
         self.features: feature_cache.FeatureCache
         self.items: list[feature_cache.CacheItem]
@@ -143,6 +153,10 @@ class Run:
             dataset, job.resolution, multiple=multiple, upscale=s.upscale
         )
         self._hold_out(multiple)
+        # a model that samples from an input image: each prompt's, read before any training
+        self.sample_inputs = validation_inputs.chosen(
+            s, conditioning.sample_input, dataset, self.held
+        )
         if self.rank == 0:  # every rank scanned the same files: count them once
             self._report_dataset(dataset, objective, multiple)
         self.weights.check_base(source, self.resume, rank=self.rank)  # a LoRA's own base only
@@ -529,6 +543,9 @@ class Run:
                     video_fps=s.video_fps,
                     denoiser=self.part,
                     base_precision=trained.base_precision,
+                    inputs=self.sample_inputs,
+                    # from an input: the family's pipeline (TI2V-5B's folder names WanPipeline)
+                    pipeline=self.conditioning.pipeline_class() if self.sample_inputs else None,
                 )
         distributed.barrier()
         for sink in self.sinks:  # the trackers (ZT_REPORT_TO) show the images

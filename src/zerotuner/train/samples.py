@@ -14,6 +14,11 @@ A video family's pipeline (Wan) renders clips instead: per prompt NN-slug.mp4 (H
 at ZT_VIDEO_FPS) and NN-slug.png, a contact sheet of evenly spaced frames; the comparison is
 samples/base-vs-trained/NN-slug.mp4 (the base model's clip beside the trained one) and its
 contact sheet NN-slug.png (base row above trained row).
+
+A model that samples from an input image (Wan image-to-video, FLUX.1 Kontext: `inputs`, one per
+prompt, train/validation_inputs.py) gets it as the pipeline's `image`; the inputs are saved once
+as samples/inputs/NN-slug.png and head the comparisons (input | base | trained: the image grid's
+first row, the clip comparison's first column, the still image held for the clip's length).
 """
 
 from __future__ import annotations
@@ -59,11 +64,14 @@ def load_pipeline(
     lora_dir: Path | None = None,
     denoiser: str | None = None,
     base_precision: str = "auto",
+    pipeline: type | None = None,
 ) -> Any:
     """`unet_state`: the trained denoiser's weights (UNet or transformer; `denoiser`: the part
     they are, Wan 2.2 A14B's expert), None for the base's as saved; `lora_dir`: a LoRA adapter
     loaded on top (into `transformer_2` for A14B's low-noise expert), on the base stored at
-    `base_precision` as the run trained it (ZT_BASE_PRECISION)."""
+    `base_precision` as the run trained it (ZT_BASE_PRECISION); `pipeline`: the class to load
+    the folder as, when not the one its model_index.json names (Wan 2.2 TI2V-5B's WanPipeline
+    folder sampled from an image by WanImageToVideoPipeline)."""
     from diffusers import DiffusionPipeline
 
     from zerotuner.weights import base_precision as stored
@@ -73,7 +81,8 @@ def load_pipeline(
     part = denoiser or denoiser_part(base)
     if unet_state is not None:
         parts[part] = built_part(base, part, unet_state)
-    pipe = DiffusionPipeline.from_pretrained(base, dtype=torch.float32, **parts)
+    cls: Any = pipeline or DiffusionPipeline
+    pipe = cls.from_pretrained(base, dtype=torch.float32, **parts)
     if stored.is_low(base_precision):
         stored.quantize_frozen_base(getattr(pipe, part), base_precision)
     if lora_dir is not None:
@@ -105,6 +114,8 @@ def render(
     video_fps: float | None = None,
     denoiser: str | None = None,
     base_precision: str = "auto",
+    inputs: list[PILImage] | None = None,
+    pipeline: type | None = None,
 ) -> list[Path]:
     """One image per prompt, prompt i with seed + i, into out_dir (e.g. samples/step-N/);
     then (compare) the side-by-side with the base model's images in out_dir's parent.
@@ -120,7 +131,7 @@ def render(
     extra |= pipeline_kwargs or {}
     pipe = load_pipeline(
         base, unet_state, device=device, lora_dir=lora_dir, denoiser=denoiser,
-        base_precision=base_precision,
+        base_precision=base_precision, pipeline=pipeline,
     )  # fmt: skip
     video = "num_frames" in inspect.signature(pipe.__call__).parameters
     fps = VIDEO_FPS if video_fps is None else video_fps
@@ -133,7 +144,7 @@ def render(
         extra |= {"num_frames": sample_frames(video_frames, temporal), "output_type": "np"}
     how = {"height": resolution, "width": resolution, "num_inference_steps": inference_steps}
     written = _render_each(pipe, prompts, out_dir, seed=seed, fps=fps if video else None,
-                           call=how | extra)  # fmt: skip
+                           call=how | extra, inputs=inputs)  # fmt: skip
     del pipe
     log.info("samples: %d %s in %s", len(written), "clip(s)" if video else "image(s)", out_dir)
     if compare:
@@ -143,8 +154,11 @@ def render(
                 inference_steps=inference_steps, seed=seed, device=device,
                 guidance_scale=guidance_scale, pipeline_kwargs=pipeline_kwargs,
                 **({"video_frames": video_frames, "video_fps": fps} if video else {}),
+                inputs=inputs, pipeline=pipeline,
             )  # fmt: skip
-            _compare(base_samples, written, prompts, out_dir, fps=fps if video else None)
+            shown = save_inputs(inputs, prompts, out_dir.parent / "inputs") if inputs else None
+            _compare(base_samples, written, prompts, out_dir, fps=fps if video else None,
+                     inputs=shown)  # fmt: skip
         except Exception as error:  # noqa: BLE001 - a nicety must not end a training run
             log.warning("samples: no side-by-side with the base model: %s", error)
     return written
@@ -152,16 +166,18 @@ def render(
 
 def _render_each(
     pipe: Any, prompts: list[str], out_dir: Path, *, seed: int, fps: float | None,
-    call: dict[str, Any],
+    call: dict[str, Any], inputs: list[PILImage] | None = None,
 ) -> list[Path]:  # fmt: skip
     """Prompt i with seed + i through `pipe` into out_dir (with prompts.txt naming the seeds);
-    `fps`: a video pipeline's clips, written at that rate beside their contact sheets."""
+    `fps`: a video pipeline's clips, written at that rate beside their contact sheets;
+    `inputs`: prompt i's input image, the pipeline's `image`."""
     out_dir.mkdir(parents=True, exist_ok=True)
     written = []
     for i, prompt in enumerate(prompts):
         generator = torch.Generator().manual_seed(seed + i)
+        image = {"image": inputs[i]} if inputs else {}
         # the prompt by name: FLUX.2's pipelines take reference images first
-        out = pipe(prompt=prompt, generator=generator, **call)
+        out = pipe(prompt=prompt, generator=generator, **image, **call)
         path = out_dir / f"{i:02d}-{slug(prompt)}.png"
         if fps is not None:  # the mp4 first: the run page shows a clip once its sheet is there
             frames = as_uint8(out.frames[0])
@@ -178,21 +194,45 @@ def _render_each(
 
 def _compare(
     base: list[Path], trained: list[Path], prompts: list[str], out_dir: Path, *,
-    fps: float | None,
+    fps: float | None, inputs: list[Path] | None = None,
 ) -> None:  # fmt: skip
     """The base model's samples beside the trained ones, in out_dir's parent: one image grid,
-    or (`fps`: clips) a side-by-side clip per prompt."""
+    or (`fps`: clips) a side-by-side clip per prompt; `inputs` (saved input images) first."""
     label = out_dir.name.replace("-", " ")
     if fps is None:
-        side_by_side([("base model", base), (label, trained)], prompts,
+        grid = [("input image", inputs)] if inputs else []
+        side_by_side([*grid, ("base model", base), (label, trained)], prompts,
                      out_dir.parent / COMPARISON)  # fmt: skip
         return
-    for base_clip, clip in zip(base, trained, strict=True):
+    for n, (base_clip, clip) in enumerate(zip(base, trained, strict=True)):
+        base_frames, frames = read_clip(base_clip), read_clip(clip)
+        held = [("input image", still(inputs[n], base_frames))] if inputs else []
         clips_side_by_side(
-            [("base model", read_clip(base_clip)), (label, read_clip(clip))],
+            [*held, ("base model", base_frames), (label, frames)],
             out_dir.parent / CLIP_COMPARISONS / clip.name,
             fps,
         )
+
+
+def save_inputs(inputs: list[PILImage], prompts: list[str], folder: Path) -> list[Path]:
+    """Each prompt's input image as folder/NN-slug.png (what the comparisons show)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for i, (image, prompt) in enumerate(zip(inputs, prompts, strict=True)):
+        path = folder / f"{i:02d}-{slug(prompt)}.png"
+        image.save(path)
+        paths.append(path)
+    return paths
+
+
+def still(path: Path, frames: np.ndarray) -> np.ndarray:
+    """An input image as a clip of `frames`' length and size (frames, h, w, 3) uint8."""
+    from PIL import Image
+
+    with Image.open(path) as image:
+        size = (frames.shape[2], frames.shape[1])
+        array = np.asarray(image.convert("RGB").resize(size, Image.Resampling.LANCZOS))
+    return np.repeat(array[None], len(frames), axis=0)
 
 
 def _base_samples(base: Path, prompts: list[str], out_dir: Path, **how: Any) -> list[Path]:
@@ -200,6 +240,15 @@ def _base_samples(base: Path, prompts: list[str], out_dir: Path, **how: Any) -> 
     repeated run reuses them)."""
     key = {"base": str(base), "prompts": prompts, **how}
     key.pop("device")
+    if key.get("inputs"):  # the same input images: their pixels' digest
+        import hashlib
+
+        key["inputs"] = [hashlib.sha256(i.tobytes()).hexdigest()[:16] for i in key["inputs"]]
+    else:
+        key.pop("inputs", None)
+    key["pipeline"] = getattr(key.get("pipeline"), "__name__", None)
+    if key["pipeline"] is None:
+        key.pop("pipeline")
     stamp = out_dir / "render.json"
     paths = [out_dir / f"{i:02d}-{slug(p)}.png" for i, p in enumerate(prompts)]
     if "video_frames" in how:  # a video family's: the clips beside their contact sheets

@@ -41,6 +41,13 @@ function showSamples(samples) {
     const figure = document.createElement("figure");
     const caption = document.createElement("figcaption");
     caption.textContent = image.prompt;
+    if (image.input) { // the input image it sampled from (image-to-video, edit models)
+      const input = document.createElement("img");
+      input.src = image.input;
+      input.alt = input.title = "input image: " + image.prompt;
+      input.className = "input";
+      figure.append(input);
+    }
     if (image.video) { // a video family's clip; its contact sheet is the poster and a link
       const video = document.createElement("video");
       video.controls = video.loop = video.muted = video.defaultMuted = video.playsInline = true;
