@@ -453,6 +453,13 @@ def test_published_sizes_recount_and_the_text_encoder_is_counted_for_caching(fam
             ))  # Llama-3.1-8B-Instruct's  # fmt: skip
         counted = sum(p.numel() for m in (*clips, llama) for p in m.parameters())
         assert counted + T5_XXL_PARAMS == REGISTRY[family].text_params
+        from zerotuner.families.registry import T5_XXL_KEPT
+        from zerotuner.weights.base_precision import stored_layers
+
+        # an 8-bit ZT_TEXT_ENCODER_PRECISION keeps what stored_low keeps (within the biases
+        # and norms it counts as stored)
+        kept = counted - sum(stored_layers(m).params for m in (*clips, llama)) + T5_XXL_KEPT
+        assert abs(kept - REGISTRY[family].text_kept_params) <= 0.001 * counted
         assert REGISTRY[family].vae_params == VAE16_PARAMS
         largest = max(p.numel() for p in llama.parameters())  # its embedding and lm_head
         assert shape.caching_params == REGISTRY[family].vae_params + largest

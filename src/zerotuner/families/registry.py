@@ -122,6 +122,11 @@ QWEN3_VL_4B_PARAMS = 4_437_815_808
 # stream from host memory while caching: Llama's largest layer (128256 x 4096) on the device.
 CLIP_L_248, CLIP_G_248, LLAMA_31_8B_PARAMS = 123_781_632, 694_878_720, 8_030_261_248
 LLAMA_31_8B_LAYER = 525_336_576
+# what an 8-bit ZT_TEXT_ENCODER_PRECISION keeps of them: CLIP-L's and CLIP-G's tokens, 248
+# positions and projections; Llama's token embedding and its untied lm_head (128256 x 4096 each)
+HIDREAM_TEXT_KEPT = (
+    (49408 + 248 + 768) * 768 + (49408 + 248 + 1280) * 1280 + T5_XXL_KEPT + 2 * LLAMA_31_8B_LAYER
+)
 WAN_VAE_PARAMS = 126_892_531  # AutoencoderKLWan's defaults, Wan 2.1's VAE (Qwen-Image's network)
 VAE_PARAMS = 83_653_863  # the SD 1.x/2.x/XL VAE
 VAE16_PARAMS = 83_819_683  # SD3's and Flux's 16-channel VAE
@@ -333,6 +338,7 @@ BUILTIN: dict[str, Spec] = {
         layer_keys=("num_layers", "num_single_layers"),
         caption_width=(1 + 32) * 4096, demo="hidream:write_model",
         base_model="HiDream-ai/HiDream-I1-Full", distilled_markers=("i1-dev", "i1-fast"),
+        text_kept_params=HIDREAM_TEXT_KEPT,
     ),
 }  # fmt: skip
 REGISTRY = BUILTIN | installed_families(BUILTIN)
