@@ -349,7 +349,7 @@ def _chosen_cells(plan: dict) -> str:
 FAMILY_MODELS = (
     ("Chroma1-HD", "chroma"), ("Z-Image-Turbo", "zimage"), ("Qwen-Image", "qwenimage"),
     ("FLUX.2-dev", "flux2"), ("FLUX.2-klein-4B", "flux2klein"),
-    ("Krea-2-Raw", "krea2"),
+    ("Krea-2-Raw", "krea2"), ("HiDream-I1-Full", "hidream"),
     ("Wan2.1-T2V-1.3B", "wan"), ("Wan2.1-T2V-14B", "wan-14b"),
 )  # fmt: skip
 

@@ -36,6 +36,8 @@ TARGETS = {
     # every kind of layer Wan's original names rename
     "wan": "attention,ffn.net.0.proj,ffn.net.2,proj_out,time_proj,linear_1,linear_2",
     # every kind of layer Krea 2's original names rename
+    # HiDream's: the example's (the preset's `to_out.0` is its `to_out`), both streams' attention
+    "hidream": "attention,to_q_t,to_k_t,to_v_t,to_out_t",
     "krea2": "attention,to_gate,ff.gate,ff.up,ff.down,img_in,final_layer.linear,linear_1,"
              "linear_2,time_mod_proj,projector",
     # Wan's, and the image cross-attention's projections (Wan 2.1 I2V's `k_img`, `v_img`)
@@ -68,7 +70,7 @@ def adapted(demo: Path, family: str, **variant):
 
 def write(module, settings, family: str, out: Path, **kwargs) -> Path:
     state = {n: p.detach().clone() for n, p in module.named_parameters() if p.requires_grad}
-    config = lora.metadata(lora.lora_config(settings))
+    config = lora.metadata(lora.lora_config(settings, module))  # the targets as it spells them
     return lora_files.write_adapter(family, state, lora.shapes(module), config, out, **kwargs)
 
 

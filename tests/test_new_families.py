@@ -1,5 +1,5 @@
 """The newer flow-matching families (issues 30 and 47): Chroma, Z-Image, Qwen-Image, FLUX.2
-[dev] and [klein], Krea 2. Each family's
+[dev] and [klein], Krea 2, HiDream-I1. Each family's
 tiny demo (real diffusers/transformers classes) loads and generates through its own pipeline and
 is told apart by its files and its hub id; the cached captions are the pipeline's own
 conditioning; on 2 CPU ranks at ZeRO-3 it trains in full (zero.Init, CPU offload, EMA) and as
@@ -28,6 +28,7 @@ from test_flow_training import (
     assert_ema_differs,
     assert_trained_and_generates,
     pipeline_parts,
+    rendered_side,
     resumes_on_one_rank_at_zero_2,
     run,
 )
@@ -39,19 +40,21 @@ from zerotuner.settings.schema import Settings
 from zerotuner.train import model
 from zerotuner.weights.checkpoint import read_manifest
 
-NEW = ["chroma", "zimage", "qwenimage", "flux2", "flux2klein", "krea2"]
+NEW = ["chroma", "zimage", "qwenimage", "flux2", "flux2klein", "krea2", "hidream"]
 FULL_RUNS = NEW  # the full run's fixture (+ resume)
 PIPELINES = {"chroma": "ChromaPipeline", "zimage": "ZImagePipeline",
              "qwenimage": "QwenImagePipeline", "flux2": "Flux2Pipeline",
-             "flux2klein": "Flux2KleinPipeline", "krea2": "Krea2Pipeline"}  # fmt: skip
+             "flux2klein": "Flux2KleinPipeline", "krea2": "Krea2Pipeline",
+             "hidream": "HiDreamImagePipeline"}  # fmt: skip
 TRANSFORMERS = {"chroma": "ChromaTransformer2DModel", "zimage": "ZImageTransformer2DModel",
                 "qwenimage": "QwenImageTransformer2DModel", "flux2": "Flux2Transformer2DModel",
                 "flux2klein": "Flux2Transformer2DModel",
-                "krea2": "Krea2Transformer2DModel"}  # fmt: skip
+                "krea2": "Krea2Transformer2DModel",
+                "hidream": "HiDreamImageTransformer2DModel"}  # fmt: skip
 HUB_IDS = {"chroma": "lodestones/Chroma1-HD", "zimage": "Tongyi-MAI/Z-Image-Turbo",
            "qwenimage": "Qwen/Qwen-Image", "flux2": "black-forest-labs/FLUX.2-dev",
            "flux2klein": "black-forest-labs/FLUX.2-klein-4B",
-           "krea2": "krea/Krea-2-Raw"}  # fmt: skip
+           "krea2": "krea/Krea-2-Raw", "hidream": "HiDream-ai/HiDream-I1-Full"}  # fmt: skip
 
 
 def image(pipe, prompt: str = PROMPT):
@@ -76,7 +79,8 @@ def test_demo_generates_in_its_pipeline_and_is_detected(family, family_demo_dir,
     pipe = DiffusionPipeline.from_pretrained(demo / "model")
     assert type(pipe).__name__ == PIPELINES[family]
     first, second = image(pipe), image(pipe, "a blue square on a black background")
-    assert first.shape == (64, 64, 3) and abs(first - second).mean() > 0
+    assert first.shape == (rendered_side(pipe), rendered_side(pipe), 3)
+    assert abs(first - second).mean() > 0
     assert families.detect_family(demo / "model") == family
     bare = tmp_path / "bare"
     shutil.copytree(demo / "model" / "transformer", bare / "transformer")
@@ -118,10 +122,59 @@ def test_krea2_turbo_is_krea2_and_told_to_train_on_raw(family_demo_dir, tmp_path
     assert line.startswith("WARN") and "model" in line
 
 
+def test_hidream_presets_name_its_layers_and_its_training_output_is_the_pipelines(
+    family_demo_dir, tmp_path, monkeypatch, capsys
+):  # fmt: skip
+    """The `attention` preset names diffusers' Attention output `to_out.0`; HiDream's is `to_out`:
+    the planner sizes, the ranks add and the adapter's metadata name the example's four layers,
+    and a preset naming none of its layers (attention+ff's feed-forward) is refused in one line.
+    The transformer's training-mode output (its experts' differentiable path, in patches), put
+    back by the objective, is its inference output. Dev and Fast are told to train on Full."""
+    from diffusers import DiffusionPipeline
+
+    from zerotuner.preflight.trainable import lora_adapter
+    from zerotuner.weights import lora
+
+    demo = family_demo_dir("hidream") / "model"
+    meta = families.meta_model("hidream", demo)
+    targets = lora.parse_targets("attention")
+    assert lora.resolve_targets(meta, targets) == ("to_k", "to_q", "to_v", "to_out")
+    size, _ = lora.adapter_size(meta, ("to_k", "to_q", "to_v", "to_out"), 4)
+    shape = families.model_shape("hidream", demo)
+    assert lora_adapter(shape, rank=4, targets=targets, model_dir=demo).trainable_params == size
+    settings = Settings(training_type="lora", lora_rank=4)
+    assert sorted(lora.lora_config(settings, meta).target_modules) == sorted(
+        ("to_k", "to_q", "to_v", "to_out")
+    )
+    with pytest.raises(ConfigError) as refused:
+        lora.check_model_targets(settings.model_copy(update={"lora_targets": "attention+ff"}),
+                                 "hidream", demo)  # fmt: skip
+    assert "\n" not in str(refused.value) and "ff.net.0.proj, ff.net.2" in str(refused.value)
+    assert lora.resolve_targets(families.meta_model("sd3"), targets) == targets  # to_out.0 there
+
+    pipe = DiffusionPipeline.from_pretrained(demo)
+    kind = dataclasses.replace(families.get("hidream"), max_sequence_length=TOKENS)
+    text = kind.encode_text(pipeline_parts(pipe, "hidream", kind), [PROMPT, "a green circle"])
+    kwargs = kind.model_kwargs(text, torch.float32)
+    objective = kind.objective(Settings(), pipe.scheduler, pipe.transformer.config)
+    assert "shift 3)" in objective.describe()
+    latents, t = torch.randn(2, 16, 16, 8), torch.tensor([300.0, 800.0])
+    with torch.no_grad():
+        served = objective.call(pipe.transformer.eval(), latents, t, kwargs)
+        trained = objective.call(pipe.transformer.train(), latents, t, kwargs)
+    assert served.shape == latents.shape
+    torch.testing.assert_close(trained, served)
+    note = families.distilled_note("hidream", None, "HiDream-ai/HiDream-I1-Dev")
+    assert note is not None and "train on HiDream-ai/HiDream-I1-Full" in note
+    assert families.distilled_note("hidream", None, HUB_IDS["hidream"]) is None
+    assert families.resolve_family("HiDream-ai/HiDream-I1-Fast") == "hidream"
+
+
 @pytest.mark.parametrize(
     ("name", "index"),
     [("Qwen/Qwen-Image-Edit-2509", "QwenImageEditPlusPipeline"),
-     ("Qwen/Qwen-Image-Edit", "QwenImageEditPipeline")],
+     ("Qwen/Qwen-Image-Edit", "QwenImageEditPipeline"),
+     ("HiDream-ai/HiDream-E1-Full", "HiDreamImageEditingPipeline")],
 )  # fmt: skip
 def test_image_edit_models_are_refused_in_one_line(name, index, tmp_path, monkeypatch, capsys):
     """An image-edit model needs paired images: by hub id (offline) or by its model_index, one
@@ -155,7 +208,8 @@ def test_cached_captions_are_the_pipelines_own_conditioning(family, family_demo_
     T5 with the attention mask and its text mask; Z-Image: Qwen3's penultimate states of the
     chat-templated prompt, the real tokens only; Qwen-Image: Qwen2.5-VL's last states after the
     template's 34 tokens, padded to the batch's longest; Krea 2: the pipeline's tapped Qwen3-VL
-    layers stacked per token, with its mask)."""
+    layers stacked per token, with its mask; HiDream: T5's states, every Llama layer's and the
+    two CLIPs' pooled projections)."""
     from diffusers import DiffusionPipeline
 
     demo = family_demo_dir(family) / "model"
@@ -188,6 +242,15 @@ def test_cached_captions_are_the_pipelines_own_conditioning(family, family_demo_
         )
         assert mask.dtype == torch.bool and not mask.all()
         assert torch.equal(kwargs["encoder_attention_mask"], mask)
+    elif family == "hidream":  # the cache holds Llama's layers batch first, the model layers first
+        t5, _, llama, _, pooled, _ = pipe.encode_prompt(
+            list(captions), do_classifier_free_guidance=False, max_sequence_length=TOKENS
+        )
+        assert llama.shape[:3] == (pipe.text_encoder_4.config.num_hidden_layers, 3, TOKENS)
+        for key, own in (("encoder_hidden_states_t5", t5), ("encoder_hidden_states_llama3", llama),
+                         ("pooled_embeds", pooled)):  # fmt: skip
+            # cached in bf16: within its rounding (CPU matmuls need not round alike twice)
+            torch.testing.assert_close(kwargs[key], own, rtol=2**-7, atol=1e-6)
     elif family.startswith("flux2"):  # layers (10, 20, 30) / (9, 18, 27) side by side
         embeds, _ = pipe.encode_prompt(list(captions), max_sequence_length=TOKENS)
         assert embeds.shape[1:] == (TOKENS, pipe.transformer.config.joint_attention_dim)
@@ -217,12 +280,14 @@ LORA = {"stage": 3, "offload_optimizer": "nvme", "offload_param": "nvme",
         "lr": 1e-2}  # fmt: skip
 # Qwen-Image's attention adapter moves its tiny model's loss slowly at 1e-2 over 10 steps;
 # FLUX.2's adapters are the example's default: the single-stream block's projections too.
-LORA_LR = {"qwenimage": 3e-2, "flux2": 3e-2, "flux2klein": 5e-2, "krea2": 3e-2}
+LORA_LR = {"qwenimage": 3e-2, "flux2": 3e-2, "flux2klein": 5e-2, "krea2": 3e-2, "hidream": 3e-2}
 FLUX2_TARGETS = "attention,to_qkv_mlp_proj,single_transformer_blocks.0.attn.to_out"
 # Krea 2's: attention and the SwiGLUs, part of its authors' default (every Linear: musubi-tuner's
-# networks/lora_krea2.py); attention alone moves the tiny model's loss slowly
+# networks/lora_krea2.py); attention alone moves the tiny model's loss slowly. HiDream's:
+# the example's attention (`--lora_layers` widens it) and the experts' SwiGLUs, routed and shared
 LORA_TARGETS = {"flux2": FLUX2_TARGETS, "flux2klein": FLUX2_TARGETS,
-                "krea2": "attention,ff.gate,ff.up,ff.down"}  # fmt: skip
+                "krea2": "attention,ff.gate,ff.up,ff.down",
+                "hidream": "attention,w1,w2,w3"}  # fmt: skip
 
 
 @pytest.fixture(scope="session", params=FULL_RUNS)
@@ -371,6 +436,40 @@ def test_published_sizes_recount_and_the_text_encoder_is_counted_for_caching(fam
             vae = AutoencoderKLQwenImage()
         assert sum(p.numel() for p in vl.parameters()) == REGISTRY[family].text_params
         assert sum(p.numel() for p in vae.parameters()) == REGISTRY[family].vae_params
+    if family == "hidream":  # CLIP-L and CLIP-G at 248 positions, T5-XXL, Llama-3.1-8B
+        from accelerate import init_empty_weights
+        from transformers import (
+            CLIPTextConfig,
+            CLIPTextModelWithProjection,
+            LlamaConfig,
+            LlamaForCausalLM,
+        )
+
+        from zerotuner.families.registry import T5_XXL_PARAMS, VAE16_PARAMS
+
+        clip = {"vocab_size": 49408, "max_position_embeddings": 248}
+        with init_empty_weights():
+            clips = [CLIPTextModelWithProjection(CLIPTextConfig(**clip, **sizes)) for sizes in (
+                {"hidden_size": 768, "intermediate_size": 3072, "num_hidden_layers": 12,
+                 "num_attention_heads": 12, "projection_dim": 768},
+                {"hidden_size": 1280, "intermediate_size": 5120, "num_hidden_layers": 32,
+                 "num_attention_heads": 20, "projection_dim": 1280})]  # fmt: skip
+            llama = LlamaForCausalLM(LlamaConfig(
+                vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+            ))  # Llama-3.1-8B-Instruct's  # fmt: skip
+        counted = sum(p.numel() for m in (*clips, llama) for p in m.parameters())
+        assert counted + T5_XXL_PARAMS == REGISTRY[family].text_params
+        from zerotuner.families.registry import T5_XXL_KEPT
+        from zerotuner.weights.base_precision import stored_layers
+
+        # an 8-bit ZT_TEXT_ENCODER_PRECISION keeps what stored_low keeps (within the biases
+        # and norms it counts as stored)
+        kept = counted - sum(stored_layers(m).params for m in (*clips, llama)) + T5_XXL_KEPT
+        assert abs(kept - REGISTRY[family].text_kept_params) <= 0.001 * counted
+        assert REGISTRY[family].vae_params == VAE16_PARAMS
+        largest = max(p.numel() for p in llama.parameters())  # its embedding and lm_head
+        assert shape.caching_params == REGISTRY[family].vae_params + largest
     if family == "flux2":  # Mistral Small 3.x streams while caching: its largest layer counts
         from accelerate import init_empty_weights
         from diffusers import AutoencoderKLFlux2
@@ -403,11 +502,13 @@ def test_published_sizes_recount_and_the_text_encoder_is_counted_for_caching(fam
         )
         assert largest == MISTRAL_SMALL_3_LAYER
         assert shape.caching_params == REGISTRY[family].vae_params + largest
-    else:
+    elif family != "hidream":
         assert shape.caching_params is None  # the text encoder loads whole
     width = {"chroma": 4096, "zimage": 2560, "qwenimage": 3584, "flux2": 15360,
-             "flux2klein": 7680, "krea2": 12 * 2560}[family]  # fmt: skip
-    assert caption_cache_bytes(shape) == 512 * width * 2
+             "flux2klein": 7680, "krea2": 12 * 2560,
+             "hidream": (1 + 32) * 4096}[family]  # fmt: skip
+    tokens = 128 if family == "hidream" else 512  # HiDream's T5 and Llama at 128: 33 MiB
+    assert caption_cache_bytes(shape) == tokens * width * 2
 
     from bench.paper import flow_plan
 

@@ -117,7 +117,9 @@ def resolve_family(model: str, family_setting: str = "auto", expert: str | None 
 
 
 # Pipelines (and hub names) of image-edit models: they train on (source, target) image pairs.
-EDIT_MARKERS = ("edit", "kontext")
+EDIT_MARKERS = ("edit", "editing", "kontext")
+# hub names of edit models whose words do not say it (HiDream-E1, HiDreamImageEditingPipeline)
+EDIT_NAMES = ("hidream-e1",)
 
 
 def refuse_edit_model(model: Any, name: str) -> None:
@@ -133,7 +135,7 @@ def refuse_edit_model(model: Any, name: str) -> None:
     # words of a class or hub name: QwenImageEditPipeline, Qwen-Image-Edit-2509 (not "credit")
     words = {w.lower() for w in re.findall(r"[A-Z]?[a-z]+|[A-Z]+(?![a-z])|\d+", name)}
     edit = [family for family, spec in REGISTRY.items() if spec.controls]
-    if words & set(EDIT_MARKERS):
+    if words & set(EDIT_MARKERS) or any(n in name.lower() for n in EDIT_NAMES):
         raise ConfigError(
             f"ZT_MODEL={model}: {name} is an image-edit model, trained on paired (source, "
             f"edited) images, which zerotuner takes for {', '.join(edit)} alone{flux2}; "
@@ -159,14 +161,16 @@ def guess_family(hub_id: str, expert: str | None = None) -> Family | None:
 
 def distilled_note(family: Family, model_dir: Path | None, model: str) -> str | None:
     """A distilled checkpoint of a family whose adapters are trained on its base (Krea 2
-    Turbo: model_index.json's `is_distilled`, or "turbo" in a hub id read by its name alone):
-    what the run is told. None: not one."""
+    Turbo, HiDream-I1 Dev and Fast: model_index.json's `is_distilled`, or the family's
+    `distilled_markers` in a hub id read by its name alone): what the run is told. None: not
+    one."""
     base = REGISTRY[family].base_model
     index = model_dir / "model_index.json" if model_dir is not None else None
     if index is not None and index.is_file():
         distilled = bool(model_json(index).get("is_distilled"))
     else:
-        distilled = "turbo" in model.rsplit("/", 1)[-1].lower()
+        name = model.rsplit("/", 1)[-1].lower()
+        distilled = any(marker in name for marker in REGISTRY[family].distilled_markers)
     if not base or not distilled:
         return None
     return (

@@ -51,6 +51,9 @@ class Spec:
     # a transformer's config field counting the encoder layers whose states a cached caption
     # stacks per token (Krea 2's num_text_layers: 12 of Qwen3-VL's); "": one
     text_layers_key: str = ""
+    # a cached caption token's values where the transformer's config does not say them (HiDream:
+    # T5's and each of Llama's 32 layers' states, 33 x 4096); 0: text_width_key's
+    caption_width: int = 0
     # A video family (Wan) trains clips of ZT_VIDEO_FRAMES frames: the planner counts frames x
     # tokens (`VideoShape`) and the frame rule (`frames = temporal * k + 1`) is checked.
     video: bool = False
@@ -62,8 +65,11 @@ class Spec:
     # in demo/pipelines.py and demo/flow.py
     demo: str = ""
     # The undistilled checkpoint a distilled one's adapters are trained on (a pipeline whose
-    # model_index.json says `is_distilled`, or a hub name saying "turbo": preflight notes it)
+    # model_index.json says `is_distilled`, or a hub name with a distilled marker: preflight
+    # notes it)
     base_model: str = ""
+    # what a hub id's name says of a distilled checkpoint (Krea 2 Turbo's; HiDream's Dev, Fast)
+    distilled_markers: tuple[str, ...] = ("turbo",)
     # Control images each target trains with (an edit model's inputs: data/controls.py);
     # 0: a text-to-image family, which refuses them
     controls: int = 0
@@ -110,6 +116,19 @@ UMT5_XXL_PARAMS = 5_680_910_336
 QWEN3_VL_4B_PARAMS = 4_437_815_808
 # CLIPVisionModel of laion/CLIP-ViT-H-14-laion2B-s32B-b79K's config: Wan 2.1 I2V's image encoder
 CLIP_VIT_H_PARAMS = 630_766_080
+# HiDream-I1's four encoders (HiDream-ai/HiDream-I1-Full's text_encoder*/config.json as diffusers'
+# HiDream docs and example load them): CLIP-L and CLIP-G with projections and 248 position
+# embeddings (the pipeline encodes up to 218 CLIP tokens; assumed from the published configs'
+# max_position_embeddings: 248), T5-XXL's encoder and LlamaForCausalLM of
+# meta-llama/Llama-3.1-8B-Instruct's config (lm_head untied: 8.03B). The four, 27 GB in bf16,
+# stream from host memory while caching: Llama's largest layer (128256 x 4096) on the device.
+CLIP_L_248, CLIP_G_248, LLAMA_31_8B_PARAMS = 123_781_632, 694_878_720, 8_030_261_248
+LLAMA_31_8B_LAYER = 525_336_576
+# what an 8-bit ZT_TEXT_ENCODER_PRECISION keeps of them: CLIP-L's and CLIP-G's tokens, 248
+# positions and projections; Llama's token embedding and its untied lm_head (128256 x 4096 each)
+HIDREAM_TEXT_KEPT = (
+    (49408 + 248 + 768) * 768 + (49408 + 248 + 1280) * 1280 + T5_XXL_KEPT + 2 * LLAMA_31_8B_LAYER
+)
 WAN_VAE_PARAMS = 126_892_531  # AutoencoderKLWan's defaults, Wan 2.1's VAE (Qwen-Image's network)
 # LTX-2's frozen parts, counted on the meta device: Gemma3ForConditionalGeneration of
 # google/gemma-3-12b-it's config (its 12.19B: the card's "12B"; its largest layer the token
@@ -140,6 +159,8 @@ VAE_SCALE = 8  # pixels per latent cell in every family's VAE
 # the card's "12.9B"; Qwen3-VL-4B and Qwen-Image's VAE; krea/Krea-2-Turbo is the same network),
 # Lightricks/LTX-2 (the transformer config diffusers' scripts/convert_ltx2_to_diffusers.py writes
 # for LTX-2.0, LTX2VideoTransformer3DModel's defaults: 18.88B, the card's "19B"; Gemma 3 12B).
+# HiDream-ai/HiDream-I1-Full (the transformer config diffusers' scripts/convert_hidream_to_
+# diffusers.py writes: 17.11B, the card's "17B"; -Dev and -Fast are the same network).
 ENTRY_POINTS = "zerotuner.families"  # the group an installed family's package names its Spec in
 
 
@@ -348,6 +369,23 @@ BUILTIN: dict[str, Spec] = {
         video=True, native_resolution=632,
         demo="wan_i2v:write_model",
         text_kept_params=UMT5_XXL_KEPT + CLIP_VIT_H_PARAMS,  # the image encoder is never stored low
+    ),
+    "hidream": Spec(
+        "hidream", "HiDream",
+        {"patch_size": 2, "in_channels": 16, "out_channels": 16, "num_layers": 16,
+         "num_single_layers": 32, "attention_head_dim": 128, "num_attention_heads": 20,
+         "caption_channels": [4096, 4096], "text_emb_dim": 2048, "num_routed_experts": 4,
+         "num_activated_experts": 2, "axes_dims_rope": [64, 32, 32],
+         "max_resolution": [128, 128], "llama_layers": [*range(32), *[31] * 16]},
+        (17_105_733_184, 78_643_200),
+        CLIP_L_248 + CLIP_G_248 + T5_XXL_PARAMS + LLAMA_31_8B_PARAMS, VAE16_PARAMS,
+        flow=True, pipeline="HiDreamImagePipeline", transformer="HiDreamImageTransformer2DModel",
+        hub_markers=("hidream",), guess_order=-1, clip_tokens=0, t5_tokens=128,
+        long_encoder="Llama", text_stream_params=LLAMA_31_8B_LAYER,
+        layer_keys=("num_layers", "num_single_layers"),
+        caption_width=(1 + 32) * 4096, demo="hidream:write_model",
+        base_model="HiDream-ai/HiDream-I1-Full", distilled_markers=("i1-dev", "i1-fast"),
+        text_kept_params=HIDREAM_TEXT_KEPT,
     ),
 }  # fmt: skip
 REGISTRY = BUILTIN | installed_families(BUILTIN)

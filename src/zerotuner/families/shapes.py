@@ -117,17 +117,17 @@ def caption_cache_bytes(shape: ModelShape, max_sequence_length: int | None = Non
     return (spec.clip_tokens + (max_sequence_length or spec.t5_tokens)) * shape.text_width * 2
 
 
+# a pipeline's frozen parts: up to four text encoders (HiDream's: CLIP-L, CLIP-G, T5, Llama),
+# the VAE, and LTX-2's connectors, audio VAE and vocoder
+FROZEN_PARTS = (
+    "text_encoder", "text_encoder_2", "text_encoder_3", "text_encoder_4", "vae", "connectors",
+    "audio_vae", "vocoder",
+)  # fmt: skip
+
+
 def frozen_params(
     model_dir: Path,
-    parts: tuple[str, ...] = (
-        "text_encoder",
-        "text_encoder_2",
-        "text_encoder_3",
-        "vae",
-        "connectors",
-        "audio_vae",
-        "vocoder",
-    ),  # fmt: skip
+    parts: tuple[str, ...] = FROZEN_PARTS,
 ) -> int:
     """Parameters of the text encoders and VAE (or `parts`) of a local pipeline, from their
     safetensors headers, else counted on the meta device (LTX-2's connectors, audio VAE and
@@ -312,11 +312,11 @@ def _transformer_shape(
     video = video_shape(family, config, model_dir) if spec.video else None
     # a cached caption token's states: several encoder layers' side by side (Krea 2's)
     text_layers = int(config[spec.text_layers_key]) if spec.text_layers_key else 1
+    text_width = spec.caption_width or int(config[spec.text_width_key]) * text_layers
     return ModelShape(
         family, params, largest, frozen, native, source,
         activations_1024=transformer_activations(family, config),
-        text_width=int(config[spec.text_width_key]) * text_layers, caching_params=streamed,
-        video=video,
+        text_width=text_width, caching_params=streamed, video=video,
         boundary_ratio=boundary_ratio(model_dir) if model_dir else None,
     )  # fmt: skip
 

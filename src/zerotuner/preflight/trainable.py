@@ -68,10 +68,10 @@ def lora_adapter(
     built-in config) with the base frozen."""
     from zerotuner.families import meta_model
     from zerotuner.weights.base_precision import stored_layers
-    from zerotuner.weights.lora import adapter_size
+    from zerotuner.weights.lora import adapter_size, resolve_targets
 
     unet = meta_model(shape.family, model_dir)
-    params, largest = adapter_size(unet, targets, rank, dora=dora)
+    params, largest = adapter_size(unet, resolve_targets(unet, targets), rank, dora=dora)
     stored = stored_layers(unet)
     return Training("lora", params, largest, shape.denoiser_params, stored_base=stored)
 

@@ -161,7 +161,7 @@ def stored_layers(module: torch.nn.Module) -> StoredLayers:
     )
 
 
-TEXT_FOLDERS = ("text_encoder", "text_encoder_2", "text_encoder_3")
+TEXT_FOLDERS = ("text_encoder", "text_encoder_2", "text_encoder_3", "text_encoder_4")  # HiDream: 4
 
 
 def stored_text(family: str, model_dir: Path | None = None) -> StoredLayers | None:

@@ -100,13 +100,21 @@ def _export_lora(
     encoders, if they trained; all built on the meta device)."""
     from zerotuner import families
     from zerotuner.weights import lora_text
-    from zerotuner.weights.lora import ADAPTER, initial_adapter, make_config, metadata, shapes
+    from zerotuner.weights.lora import (
+        ADAPTER,
+        initial_adapter,
+        make_config,
+        metadata,
+        resolve_targets,
+        shapes,
+    )
     from zerotuner.weights.lora_files import write_adapter
 
     adapter, family = manifest["lora"], manifest["family"]
     part = manifest.get("denoiser")  # Wan 2.2 A14B's expert; else the family's own
-    config = make_config(adapter | {"init": "gaussian"})  # its shapes: nothing to read here
     denoiser = families.meta_model(family, base, part)
+    adapter = adapter | {"targets": list(resolve_targets(denoiser, adapter["targets"]))}
+    config = make_config(adapter | {"init": "gaussian"})  # its shapes: nothing to read here
     denoiser.requires_grad_(False)
     denoiser.add_adapter(config, adapter_name=ADAPTER)
     module, text_metadata = denoiser, None

@@ -35,6 +35,10 @@ PRESETS: dict[str, tuple[str, ...]] = {
     "attention": ATTENTION,
     "attention+ff": (*ATTENTION, "ff.net.0.proj", "ff.net.2"),
 }
+# A preset's layer names as other models spell them: diffusers' Attention holds its output Linear
+# in a ModuleList (`to_out.0`, with a dropout), HiDream's HiDreamAttention as `to_out` itself
+# (diffusers' HiDream example targets to_k, to_q, to_v, to_out)
+SPELLINGS = {"to_out.0": "to_out"}
 LORA_FIELDS = (
     "lora_rank", "lora_alpha", "lora_dropout", "lora_targets", "lora_dora", "lora_rslora",
     "lora_init", "lora_merge", "lora_text_encoder", "lora_from",
@@ -129,6 +133,21 @@ def parse_targets(value: str) -> tuple[str, ...]:
             f"({', '.join(PRESETS)}) or comma-separated module names"
         )
     return names
+
+
+def resolve_targets(module: torch.nn.Module, targets: Iterable[str]) -> tuple[str, ...]:
+    """The targets as this model spells them: a name that matches none of its layers while
+    its other spelling (SPELLINGS) does is that spelling; every other name stays (check_targets
+    refuses one that matches nothing). A layer an adapter wraps already counts as its own."""
+    layers = [n for n, m in module.named_modules()
+              if isinstance(getattr(m, "base_layer", m), LORA_LAYERS)]  # fmt: skip
+
+    def named(target: str) -> bool:
+        return any(_matches(n, target) for n in layers)
+
+    resolved = (SPELLINGS[t] if t in SPELLINGS and not named(t) and named(SPELLINGS[t]) else t
+                for t in targets)  # fmt: skip
+    return tuple(dict.fromkeys(resolved))
 
 
 def alpha(settings: Settings) -> float:
@@ -241,11 +260,16 @@ def check_model_targets(settings: Settings, family: str, model_dir: Path | None)
 
     targets = parse_targets(settings.lora_targets)
     denoiser = EXPERTS.get(settings.expert or "")  # Wan 2.2 A14B's expert
-    check_targets(meta_model(family, model_dir, denoiser), targets, settings.lora_init)
+    model = meta_model(family, model_dir, denoiser)
+    check_targets(model, resolve_targets(model, targets), settings.lora_init)
 
 
-def lora_config(settings: Settings) -> Any:
-    return make_config(adapter_settings(settings))
+def lora_config(settings: Settings, denoiser: torch.nn.Module | None = None) -> Any:
+    """The adapter's peft config; with `denoiser`, its targets as that model spells them."""
+    adapter = adapter_settings(settings)
+    if denoiser is not None:
+        adapter["targets"] = list(resolve_targets(denoiser, adapter["targets"]))
+    return make_config(adapter)
 
 
 def adapter_settings(settings: Settings) -> dict[str, Any]:
@@ -281,7 +305,7 @@ def make_config(adapter: dict[str, Any]) -> Any:
 def add_adapter(denoiser: Any, settings: Settings) -> list[torch.nn.Parameter]:
     """Freeze the base, add the adapter (fp32; DeepSpeed casts the module as configured) and
     return the parameters the optimizer gets: the adapter's only."""
-    config = lora_config(settings)
+    config = lora_config(settings, denoiser)
     check_targets(denoiser, config.target_modules, settings.lora_init)
     denoiser.requires_grad_(False)
     # lora_A's random start from ZT_SEED: every rank and every run starts from the same adapter

@@ -66,7 +66,9 @@ def built_part(base: Path, part: str, state: dict[str, torch.Tensor]) -> Part:
             f"the trained weights do not match {base}/{part}: missing {missing[:3]}, "
             f"unexpected {unexpected[:3]}"
         )
-    return module
+    # in inference mode, as from_pretrained leaves a part (HiDream's transformer answers in
+    # patches in training mode)
+    return module.eval()
 
 
 def _whole(tensor: torch.Tensor) -> torch.Tensor:

@@ -178,13 +178,14 @@ class LoraWeights(TrainedWeights):
         s = self.settings
         if base_precision.is_low(s.base_precision):  # on the whole base, before the adapter
             log.info("%s", base_precision.quantize_frozen_base(denoiser, s.base_precision).line())
+        metadata = lora.metadata(lora.lora_config(s, denoiser))  # the targets as it spells them
         lora.add_adapter(denoiser, s)
         if self.adapter_file is not None and resume:
             log.info("%s: not loaded, the checkpoint resumed continues it", lora_from.NAME)
         elif self.adapter_file is not None:
             lora_from.load_into(denoiser, self.adapter_file)
         self.initial = lora.initial_adapter(denoiser, s.lora_init)
-        self.metadata = lora.metadata(lora.lora_config(s))
+        self.metadata = metadata
         trained = denoiser
         if self.texts_trained:
             trained, self.tokenizers = lora_text.build(
