@@ -121,12 +121,27 @@ class FlowObjective:
         from zerotuner.families.ddpm import device_of, masked_mse, to_device
 
         noise = torch.randn(latents.shape, generator=generator)
-        sigmas = sample_sigmas(latents.shape[0], self.config, generator)
+        sigmas = self.sigmas(latents, generator)
         noisy, target = noisy_and_target(latents, noise, sigmas)
+        noisy = self.kept_clean(latents, noisy)
         device = device_of(model)
         pred = self.predict(model, noisy, sigmas, to_device(kwargs, device), device=device,
                             dtype=dtype)  # fmt: skip
+        pred, target = self.scored(pred, target)
         return masked_mse(pred, target.to(device), mask)
+
+    # --- hooks of the loss: a family whose reference trains otherwise overrides one ----------
+    def sigmas(self, latents: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+        """Each example's sigma: ZT_WEIGHTING_SCHEME's density, shifted (sample_sigmas)."""
+        return sample_sigmas(latents.shape[0], self.config, generator)
+
+    def kept_clean(self, latents: torch.Tensor, noisy: torch.Tensor) -> torch.Tensor:
+        """The model's input: the noised latents, where a part of them stays clean."""
+        return noisy
+
+    def scored(self, pred: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The part of the prediction and target the loss scores: all of it."""
+        return pred, target
 
     def predict(
         self,

@@ -36,7 +36,7 @@ import torch
 
 from zerotuner.families.base import ComfyLora
 from zerotuner.families.flow import FlowFamily
-from zerotuner.families.flow_matching import FlowObjective
+from zerotuner.families.flow_matching import FlowObjective, sample_sigmas
 
 if TYPE_CHECKING:
     from zerotuner.settings.schema import Settings
@@ -72,11 +72,11 @@ class Krea2Objective(FlowObjective):
         slope = (high - low) / (high_len - low_len)
         return (height // 2) * (width // 2) * slope + low - slope * low_len
 
-    def loss(self, model: Any, latents: torch.Tensor, kwargs: dict[str, Any], **how: Any) -> Any:
-        """Flow matching's loss, with the static shift this batch's size gives."""
+    def sigmas(self, latents: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+        """Flow matching's sigmas, with the static shift this batch's size gives."""
         height, width = latents.shape[-2:]
         config = replace(self.config, shift=math.exp(self.mu(height, width)))
-        return FlowObjective.loss(replace(self, config=config), model, latents, kwargs, **how)
+        return sample_sigmas(latents.shape[0], config, generator)
 
     def describe(self) -> str:
         base = super().describe()

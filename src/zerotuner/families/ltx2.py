@@ -46,7 +46,7 @@ import torch
 
 from zerotuner.families.base import ComfyLora, ModelFamily
 from zerotuner.families.flow import FlowFamily
-from zerotuner.families.flow_matching import FlowObjective, noisy_and_target
+from zerotuner.families.flow_matching import FlowObjective
 
 FPS = 24.0  # LTX2Pipeline's default frame rate: the RoPE positions of a clip's frames
 # The reference's shift by tokens (ltx-trainer `_get_shift_for_sequence_length`'s defaults)
@@ -107,36 +107,19 @@ class LTX2Objective(FlowObjective):
         return (f"flow matching (sigmas: LTX-2's shifted logit_normal({c.logit_mean:g}, "
                 f"{c.logit_std:g}) by tokens{part})")  # fmt: skip
 
-    def loss(
-        self,
-        model: Any,
-        latents: torch.Tensor,
-        kwargs: dict[str, Any],
-        *,
-        generator: torch.Generator,
-        dtype: torch.dtype,
-        mask: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        from zerotuner.families.ddpm import device_of, masked_mse, to_device
-        from zerotuner.families.flow_matching import sample_sigmas
-
-        noise = torch.randn(latents.shape, generator=generator)
+    def sigmas(self, latents: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+        """ltx-trainer's logit-normal, shifted by the clip's token count; another
+        ZT_WEIGHTING_SCHEME samples as every flow family does."""
         c = self.config
-        if c.weighting == "logit_normal":
-            frames = latents.shape[2] if latents.ndim == 5 else 1
-            tokens = frames * latents.shape[-2] * latents.shape[-1]
-            tokens //= self.patch[0] * self.patch[1] ** 2
-            drawn = shifted_logit_normal(latents.shape[0], tokens, generator,
-                                         mean=c.logit_mean, std=c.logit_std)  # fmt: skip
-            low, high = c.timestep_range
-            sigmas = low + (high - low) * drawn
-        else:
-            sigmas = sample_sigmas(latents.shape[0], c, generator)
-        noisy, target = noisy_and_target(latents, noise, sigmas)
-        device = device_of(model)
-        pred = self.predict(model, noisy, sigmas, to_device(kwargs, device), device=device,
-                            dtype=dtype)  # fmt: skip
-        return masked_mse(pred, target.to(device), mask)
+        if c.weighting != "logit_normal":
+            return super().sigmas(latents, generator)
+        frames = latents.shape[2] if latents.ndim == 5 else 1
+        tokens = frames * latents.shape[-2] * latents.shape[-1]
+        tokens //= self.patch[0] * self.patch[1] ** 2
+        drawn = shifted_logit_normal(latents.shape[0], tokens, generator,
+                                     mean=c.logit_mean, std=c.logit_std)  # fmt: skip
+        low, high = c.timestep_range
+        return low + (high - low) * drawn
 
     def predict(
         self,

@@ -118,30 +118,15 @@ class WanTI2VObjective(WanObjective):
         return (f"{super().describe()}; the first latent frame kept clean at timestep 0, the "
                 f"loss on the later frames (image-to-video, expand_timesteps)")  # fmt: skip
 
-    def loss(
-        self,
-        model: Any,
-        latents: torch.Tensor,
-        kwargs: dict[str, Any],
-        *,
-        generator: torch.Generator,
-        dtype: torch.dtype,
-        mask: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        from zerotuner.families.ddpm import device_of, masked_mse, to_device
-        from zerotuner.families.flow_matching import noisy_and_target, sample_sigmas
-
+    def kept_clean(self, latents: torch.Tensor, noisy: torch.Tensor) -> torch.Tensor:
         if latents.ndim == 4 or latents.shape[2] == 1:  # an image: no later frame
-            return super().loss(model, latents, kwargs, generator=generator, dtype=dtype,
-                                mask=mask)  # fmt: skip
-        noise = torch.randn(latents.shape, generator=generator)
-        sigmas = sample_sigmas(latents.shape[0], self.config, generator)
-        noisy, target = noisy_and_target(latents, noise, sigmas)
-        noisy = torch.cat([latents[:, :, :1], noisy[:, :, 1:]], dim=2)
-        device = device_of(model)
-        pred = self.predict(model, noisy, sigmas, to_device(kwargs, device), device=device,
-                            dtype=dtype)  # fmt: skip
-        return masked_mse(pred[:, :, 1:], target[:, :, 1:].to(device), mask)
+            return noisy
+        return torch.cat([latents[:, :, :1], noisy[:, :, 1:]], dim=2)
+
+    def scored(self, pred: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if target.ndim == 4 or target.shape[2] == 1:
+            return pred, target
+        return pred[:, :, 1:], target[:, :, 1:]
 
     def call(
         self, model: Any, latents: torch.Tensor, t: torch.Tensor, kwargs: dict[str, Any]
