@@ -136,6 +136,16 @@ def test_demo_is_an_image_to_video_pipeline_and_is_detected(demo, tmp_path):
     assert families.resolve_family("Wan-AI/Wan2.2-I2V-A14B-Diffusers", expert="high") == FAMILY
     with pytest.raises(ConfigError, match="ZT_EXPERT=high"):
         families.resolve_family("Wan-AI/Wan2.2-I2V-A14B-Diffusers")
+    # the first-last-frame model shares the pipeline and the channels; its transformer's
+    # positional embedding of two frames' image states says it, in a folder as in a bare one
+    flf2v = tmp_path / "flf2v"
+    shutil.copytree(demo / "model", flf2v, ignore=shutil.ignore_patterns("*.safetensors"))
+    for folder in (flf2v, bare):
+        config = folder / "transformer" / "config.json"
+        config.write_text(json.dumps(json.loads(config.read_text()) | {"pos_embed_seq_len": 514}))
+        with pytest.raises(ConfigError, match="first-last-frame") as refused:
+            families.detect_family(folder)
+        assert "\n" not in str(refused.value)
 
 
 def test_cached_condition_and_objective_are_the_pipelines(demo):

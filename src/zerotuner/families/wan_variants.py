@@ -26,9 +26,13 @@ I2V_PIPELINE = "WanImageToVideoPipeline"
 
 def takes_first_frame(config: dict[str, Any]) -> bool:
     """A WanTransformer3DModel config of an image-to-video model: the noisy latents, 4 mask
-    channels and the first frame's latents in (36 = 16 + 4 + 16), the latents out."""
+    channels and the first frame's latents in (36 = 16 + 4 + 16), the latents out; not the
+    first-last-frame model's (Wan2.1-FLF2V: the same channels, and a positional embedding of
+    its two frames' image states, `pos_embed_seq_len`), which samples from a last frame too."""
     inputs, outputs = config.get("in_channels"), config.get("out_channels")
-    return isinstance(inputs, int) and isinstance(outputs, int) and inputs == 2 * outputs + 4
+    first_last = config.get("pos_embed_seq_len") is not None
+    fits = isinstance(inputs, int) and isinstance(outputs, int) and inputs == 2 * outputs + 4
+    return fits and not first_last
 
 
 # ZT_EXPERT: the pipeline folder (and WanPipeline attribute) of each of A14B's experts. WanPipeline
