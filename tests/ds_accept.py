@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from zerotuner.families import ModelShape
+from zerotuner.launch.distributed import exit_process
 from zerotuner.machine.hardware import cpu_only
 from zerotuner.preflight.deepspeed_config import Decisions, normalize
 from zerotuner.settings.schema import Settings
@@ -80,9 +81,8 @@ def main() -> int:
         dist.barrier()
         if rank == 0:
             print(outcome, flush=True)
-    dist.destroy_process_group()  # gloo left to interpreter teardown can abort the exit
     return 1 if failed else 0
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    exit_process(main())  # as a rank does: the interpreter's teardown can abort a done run

@@ -204,13 +204,7 @@ def main() -> None:
         level=level,
         secrets=[token],
     )
-    code = train(settings, job)
-    # Done and recorded (status written, files closed, group left): interpreter teardown
-    # once aborted a finished rank in C++ destructors (SIGABRT), failing a done run.
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    distributed.exit_process(train(settings, job))  # done and recorded: status written
 
 
 if __name__ == "__main__":
