@@ -135,7 +135,7 @@ def held_out_loss(pipe, demo_dir: Path, *, images: int = 32, draws: int = 4) -> 
             [time_ids(e.original_size, e.crop_top_left, e.target_size) for e in examples]
         ),
     }
-    latents = model.encode_images(pipe.vae, pixels)
+    latents = conditioning.encode_latents(pipe.vae, pixels)
     kwargs = conditioning.model_kwargs(batch, torch.float32)
     config = ddpm.LossConfig(ddpm.prediction_type(scheduler), None, 0.0)
     with torch.no_grad():

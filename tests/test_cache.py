@@ -95,7 +95,7 @@ def test_encode_once_then_load_batches(sdxl, tmp_path: Path) -> None:
     missing, texts = cache.missing(items)
     assert missing == list(range(len(items))) and texts
     cache.encode_latents(
-        [items[i] for i in missing], lambda px: model.encode_images(components.vae, px)
+        [items[i] for i in missing], lambda px: conditioning.encode_latents(components.vae, px)
     )
     cache.encode_texts(texts, lambda caps: conditioning.encode_text(components, caps))
     assert cache.missing(items) == ([], [])
@@ -113,7 +113,7 @@ def test_encode_once_then_load_batches(sdxl, tmp_path: Path) -> None:
     assert all(torch.equal(batch[k], again[k]) for k in batch)
     # a cached latent is what the VAE gives for that image
     pixels, _ = same_bucket[0].load(False)
-    direct = model.encode_images(components.vae, pixels[None])[0]
+    direct = conditioning.encode_latents(components.vae, pixels[None])[0]
     flips = [
         cache.load_batch([same_bucket[0]], torch.Generator().manual_seed(s))["latents"][0]
         for s in range(8)

@@ -247,7 +247,7 @@ def test_masked_cells_contribute_nothing_to_the_loss() -> None:
 def test_the_cache_keeps_each_mask_at_the_latents_size(demo_dir, tmp_path) -> None:
     from diffusers import AutoencoderKL
 
-    from zerotuner.train import model
+    from zerotuner import families
 
     folder = _copy(_demo_files(demo_dir, 0, 2), tmp_path / "data")
     image = sorted(folder.glob("*.png"))[0]
@@ -264,7 +264,7 @@ def test_the_cache_keeps_each_mask_at_the_latents_size(demo_dir, tmp_path) -> No
     ]
     vae = AutoencoderKL.from_pretrained(demo_dir / "model" / "vae")
     cache = FeatureCache(tmp_path / "cache", vae_key="v", text_key="t", flip=True)
-    cache.encode_latents(items, lambda px: model.encode_images(vae, px))
+    cache.encode_latents(items, lambda px: families.get("sdxl").encode_latents(vae, px))
     batch = cache.load_batch(items, torch.Generator().manual_seed(0), texts=False)
     latents, mask = batch["latents"], batch["mask"]
     assert mask.shape == (2, 1, *latents.shape[-2:])

@@ -67,12 +67,12 @@ def edit_loss(demo: Path, transformer, draws: int = 4) -> float:
         tokenizers=[pipe.tokenizer, pipe.tokenizer_2],
     )  # fmt: skip
     batch = kind.encode_text(parts, [item.caption for item in items])
-    batch["control_latents"] = model.encode_images(pipe.vae, controls.flatten(0, 1)).unflatten(
+    batch["control_latents"] = kind.encode_latents(pipe.vae, controls.flatten(0, 1)).unflatten(
         0, controls.shape[:2]
     )
     kwargs = kind.model_kwargs(batch, torch.float32)
     objective = kind.objective(Settings(), pipe.scheduler, transformer.config)
-    latents = model.encode_images(pipe.vae, pixels)
+    latents = kind.encode_latents(pipe.vae, pixels)
     with torch.no_grad():
         losses = [
             objective.loss(transformer.eval(), latents, kwargs,

@@ -98,7 +98,7 @@ def held_out_loss(demo: Path, family: str, transformer, draws: int = 4) -> float
     text = kind.encode_text(parts, [item.caption for item in items])
     kwargs = kind.model_kwargs(text, torch.float32)
     objective = kind.objective(Settings(), pipe.scheduler, transformer.config)
-    latents = model.encode_images(pipe.vae, pixels)
+    latents = kind.encode_latents(pipe.vae, pixels)
     with torch.no_grad():
         losses = [
             objective.loss(transformer.eval(), latents, kwargs,

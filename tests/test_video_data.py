@@ -151,16 +151,17 @@ def test_clip_latents_keep_their_frames(family_demo_dir) -> None:
     """The demo Wan VAE encodes a clip to (channels, latent frames, h, w), normalised."""
     from diffusers import AutoencoderKLWan
 
-    from zerotuner.train import model
+    from zerotuner import families
 
+    wan = families.get("wan")
     demo = family_demo_dir("wan")
     vae = AutoencoderKLWan.from_pretrained(demo / "model" / "vae")
     step = 2 ** sum(vae.config.temperal_downsample)
     pixels = torch.rand(2, 3, 4 * step + 1, 32, 32) * 2 - 1
-    latents = model.encode_images(vae, pixels)
+    latents = wan.encode_latents(vae, pixels)
     scale = 32 // latents.shape[-1]
     assert latents.shape == (2, vae.config.z_dim, 5, 32 // scale, 32 // scale)
-    image = model.encode_images(vae, pixels[:, :, 0])
+    image = wan.encode_latents(vae, pixels[:, :, 0])
     assert image.shape == (2, vae.config.z_dim, 32 // scale, 32 // scale)
     assert torch.allclose(image, latents[:, :, 0], atol=1e-4)  # the first frame alone
 

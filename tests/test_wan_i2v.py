@@ -34,7 +34,6 @@ from zerotuner.data import clips, held_out
 from zerotuner.data.loading import load_example
 from zerotuner.data.scan import scan
 from zerotuner.settings.schema import Settings
-from zerotuner.train import model
 
 FAMILY = "wani2v"
 HUB_IDS = ("Wan-AI/Wan2.1-I2V-14B-480P-Diffusers", "Wan-AI/Wan2.1-I2V-14B-720P-Diffusers")
@@ -92,7 +91,7 @@ def clip_loss(demo: Path, transformer, draws: int = 3, held: bool = False) -> fl
     batch = kind.encode_text(parts, [item.caption for item in items])
 
     def encode(px: torch.Tensor) -> torch.Tensor:
-        return model.encode_images(pipe.vae, px)
+        return kind.encode_latents(pipe.vae, px)
 
     encoder = kind.load_image_encoder(demo / "model", torch.device("cpu"))
     batch |= kind.encode_conditions(pixels, encode, encoder)
@@ -160,7 +159,7 @@ def test_cached_condition_and_objective_are_the_pipelines(demo):
     _, pixels = demo_clips(demo)
     clip = pixels[:1]
     encoder = kind.load_image_encoder(demo / "model", torch.device("cpu"))
-    ours = kind.encode_conditions(clip, lambda px: model.encode_images(pipe.vae, px), encoder)
+    ours = kind.encode_conditions(clip, lambda px: kind.encode_latents(pipe.vae, px), encoder)
     _, theirs = pipe.prepare_latents(clip[:, :, 0], 1, 16, 64, 64, 9, torch.float32,
                                      torch.device("cpu"))  # fmt: skip
     torch.testing.assert_close(ours["condition_latents"], theirs[:, 4:], atol=1e-5, rtol=1e-5)
@@ -232,7 +231,7 @@ def test_the_a14b_trains_one_expert_without_image_states(a14b, tmp_path, monkeyp
     assert objective.describe().startswith("low-noise expert (transformer_2), sigmas in 0-0.9")
     assert kind.load_image_encoder(a14b / "model", torch.device("cpu")) is None
     _, pixels = demo_clips(a14b)
-    encode = lambda px: model.encode_images(pipe.vae, px)  # noqa: E731
+    encode = lambda px: kind.encode_latents(pipe.vae, px)  # noqa: E731
     assert set(kind.encode_conditions(pixels[:1], encode, None)) == {"condition_latents"}
     frames = i2v_clip(pipe, first_frame(pixels[0]))
     assert frames.shape == (5, 64, 64, 3) and np.isfinite(frames).all()
@@ -271,8 +270,8 @@ def test_ti2v_5b_trains_from_its_first_latent_frame_as_the_pipeline_samples(ti2v
     assert kind.expand_timesteps and kind.latent_cache_tag() == ""
     pipe = WanImageToVideoPipeline.from_pretrained(ti2v / "model")
     clip = ti2v_clip(ti2v)
-    latents = model.encode_images(pipe.vae, clip)
-    assert kind.encode_conditions(clip, lambda px: model.encode_images(pipe.vae, px)) == {}
+    latents = kind.encode_latents(pipe.vae, clip)
+    assert kind.encode_conditions(clip, lambda px: kind.encode_latents(pipe.vae, px)) == {}
     _, condition, mask = pipe.prepare_latents(clip[:, :, 0], 1, 16, 64, 64, 9, torch.float32,
                                               torch.device("cpu"))  # fmt: skip
     torch.testing.assert_close(condition, latents[:, :, :1], atol=1e-4, rtol=1e-4)

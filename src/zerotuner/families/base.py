@@ -98,6 +98,26 @@ class ModelFamily:
         its audio stream's); the others are frozen as loaded."""
         return True
 
+    @torch.no_grad()
+    def encode_latents(self, vae: Any, pixels: torch.Tensor) -> torch.Tensor:
+        """Pixels in [-1, 1] -> the latents it trains on, normalised as its pipeline decodes them
+        (the distribution's mean: deterministic, cacheable). A VAE with per-channel
+        `latents_mean` / `latents_std` (Qwen-Image's, Wan's: video VAEs) encodes a clip (an
+        image as one frame); the others are shifted and scaled by their config."""
+        mean = getattr(vae.config, "latents_mean", None)
+        if mean is not None:
+            frames = pixels.ndim == 5  # (batch, channels, frames, h, w): clips of a video family
+            clip = pixels.to(vae.device, vae.dtype)
+            clip = clip if frames else clip.unsqueeze(2)
+            latents = vae.encode(clip).latent_dist.mean.float().cpu()
+            latents = latents if frames else latents.squeeze(2)
+            view = (1, len(mean), *[1] * (latents.ndim - 2))
+            std = torch.tensor(vae.config.latents_std, dtype=torch.float32).view(view)
+            return (latents - torch.tensor(mean, dtype=torch.float32).view(view)) / std
+        latents = vae.encode(pixels.to(vae.device, vae.dtype)).latent_dist.mean
+        shift = getattr(vae.config, "shift_factor", None) or 0.0
+        return ((latents - shift) * vae.config.scaling_factor).float().cpu()
+
     # --- parts --------------------------------------------------------------------------
     def denoiser_class(self) -> type:
         from diffusers import UNet2DConditionModel

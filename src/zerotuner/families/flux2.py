@@ -15,8 +15,8 @@ pipelines/flux2/):
   layers (10, 20, 30) ([dev]) or (9, 18, 27) ([klein]) side by side; no text mask (the
   transformer attends to the padding, as the pipelines do);
 - latents: the VAE's mode, cut in 2x2 patches (`_patchify_latents`) and normalised by
-  `vae.bn`'s running mean and std (`flux2_latents` below, which train/model.py's
-  `encode_images` calls), cached back in the VAE's grid: noise and the squared error do not see
+  `vae.bn`'s running mean and std (`flux2_latents` below, which `Flux2.encode_latents`
+  calls), cached back in the VAE's grid: noise and the squared error do not see
   the permutation;
 - sigmas from the density the settings name, unshifted (the scheduler shifts dynamically), the
   noised patches packed into a sequence (`_pack_latents`) with (t, h, w, l) ids
@@ -117,6 +117,11 @@ class Flux2(FlowFamily):
 
     def model_kwargs(self, batch: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, Any]:
         return {"encoder_hidden_states": batch["prompt_embeds"].to(dtype)}
+
+    @torch.no_grad()
+    def encode_latents(self, vae: Any, pixels: torch.Tensor) -> torch.Tensor:
+        """The distribution's mode, normalised by the VAE's batch norm (`flux2_latents`)."""
+        return flux2_latents(vae, vae.encode(pixels.to(vae.device, vae.dtype)).latent_dist.mode())
 
     def objective(self, settings: Any, scheduler: Any, model_config: Any) -> Any:
         guidance = settings.train_guidance if model_config.get("guidance_embeds") else None

@@ -188,6 +188,10 @@ class LTX2(FlowFamily):
         frozen = ("audio_", "av_cross_attn_", "video_to_audio", "video_a2v_")
         return not any(part.startswith(frozen) for part in parameter.split("."))
 
+    @torch.no_grad()
+    def encode_latents(self, vae: Any, pixels: torch.Tensor) -> torch.Tensor:
+        return ltx2_latents(vae, pixels)  # its VAE's statistics are buffers, not config
+
     def load_text(self, source: Path, *, dtype: torch.dtype) -> tuple[list[Any], list[Any]]:
         """Gemma 3 (the class model_index.json names), the connectors and the tokenizer."""
         from diffusers.pipelines.ltx2.connectors import LTX2TextConnectors

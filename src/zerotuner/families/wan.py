@@ -13,7 +13,7 @@ pipeline_wan.py):
   the caption's real tokens set to zero (`_get_t5_prompt_embeds`: `u[:v]` then `new_zeros`);
   the transformer takes them as `encoder_hidden_states`, without a mask;
 - latents `(x - latents_mean) / latents_std` (the pipeline decodes `latents * std + mean`), a
-  clip (or an image as one frame) encoded through the video VAE (`train.model.encode_images`);
+  clip (or an image as one frame) encoded through the video VAE (`ModelFamily.encode_latents`);
 - the transformer takes the noised clip and the timestep on the scheduler's 0-1000 scale.
 
 The noise schedule is musubi-tuner's for Wan (kohya-ss/musubi-tuner at 30c658c4,

@@ -92,7 +92,7 @@ def fill(
             progress = Progress(len(my_latents), len(my_texts), enabled=rank == 0)
 
             def encode(pixels: torch.Tensor) -> torch.Tensor:
-                return model.encode_images(components.vae, pixels)
+                return conditioning.encode_latents(components.vae, pixels)
 
             features.encode_latents(
                 [items[i] for i in my_latents], encode, progress.images,

@@ -254,32 +254,3 @@ def vae_class(source: Path) -> type[Any]:
     if index.is_file():
         library, name = json.loads(index.read_text()).get("vae", (library, name))
     return getattr(importlib.import_module(library), name)
-
-
-@torch.no_grad()
-def encode_images(vae: Any, pixels: torch.Tensor) -> torch.Tensor:
-    """Pixels in [-1, 1] -> scaled latents (the distribution's mean: deterministic, cacheable).
-    A VAE with per-channel `latents_mean` / `latents_std` (Qwen-Image's, Wan's: video VAEs)
-    encodes a clip (an image as one frame) and is normalised by those, as the pipelines
-    decode; FLUX.2's by its batch norm's statistics (`families.flux2.flux2_latents`)."""
-    if getattr(vae, "bn", None) is not None:  # FLUX.2's AutoencoderKLFlux2
-        from zerotuner.families.flux2 import flux2_latents
-
-        return flux2_latents(vae, vae.encode(pixels.to(vae.device, vae.dtype)).latent_dist.mode())
-    if type(vae).__name__ == "AutoencoderKLLTX2Video":  # its statistics are buffers
-        from zerotuner.families.ltx2 import ltx2_latents
-
-        return ltx2_latents(vae, pixels)
-    mean = getattr(vae.config, "latents_mean", None)
-    if mean is not None:
-        frames = pixels.ndim == 5  # (batch, channels, frames, h, w): clips of a video family
-        clip = pixels.to(vae.device, vae.dtype)
-        clip = clip if frames else clip.unsqueeze(2)
-        latents = vae.encode(clip).latent_dist.mean.float().cpu()
-        latents = latents if frames else latents.squeeze(2)
-        view = (1, len(mean), *[1] * (latents.ndim - 2))
-        std = torch.tensor(vae.config.latents_std, dtype=torch.float32).view(view)
-        return (latents - torch.tensor(mean, dtype=torch.float32).view(view)) / std
-    latents = vae.encode(pixels.to(vae.device, vae.dtype)).latent_dist.mean
-    shift = getattr(vae.config, "shift_factor", None) or 0.0
-    return ((latents - shift) * vae.config.scaling_factor).float().cpu()
