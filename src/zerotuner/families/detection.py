@@ -41,10 +41,6 @@ def detect_family(model_dir: Path, expert: str | None = None) -> Family:
         if pipeline not in PIPELINES:  # an edit model zerotuner trains is a family of its own
             refuse_edit_model(model_dir, pipeline)
         refuse_wan_variant(model_dir, pipeline, components, expert)
-        if pipeline == REGISTRY["wani2v"].pipeline:  # FLF2V shares it: its transformer says
-            transformer = model_dir / "transformer" / "config.json"
-            if transformer.is_file():
-                refuse_wan_variant(model_dir, pipeline, model_json(transformer))
         refuse_ltx2_variant(model_dir, pipeline)
         if pipeline in PIPELINES:
             return PIPELINES[pipeline]

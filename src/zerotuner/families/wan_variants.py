@@ -8,10 +8,12 @@ noise schedule), read by detection, the planner and the settings checks
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Any
 
 from zerotuner.errors import ConfigError
 from zerotuner.families.registry import REGISTRY
+from zerotuner.families.stored import model_json
 
 # Wan's image- or video-conditioned variants zerotuner does not train, as their hub names say
 # them (Wan2.1-FLF2V-14B-720P, Wan2.1-VACE-1.3B, Wan2.2-Animate-14B, Wan2.2-S2V-14B); I2V is the
@@ -86,10 +88,16 @@ def refuse_wan_variant(
     2.2 A14B's two experts (a `transformer_2` in model_index.json, `A14B` in a hub name) without
     ZT_EXPERT (`expert`), and the other conditioned ones (WanVACEPipeline...; `FLF2V`, `VACE`...
     in a hub name; a WanTransformer3DModel whose input has more channels than its output other
-    than image-to-video's)."""
+    than image-to-video's; a local I2V pipeline's transformer too: FLF2V shares the pipeline)."""
+    transformer = model / "transformer" / "config.json" if isinstance(model, Path) else None
+    if name == I2V_PIPELINE and transformer and transformer.is_file():
+        _refuse_wan_config(model, name, model_json(transformer), expert)
+    _refuse_wan_config(model, name, config or {}, expert)
+
+
+def _refuse_wan_config(model: Any, name: str, config: dict[str, Any], expert: str | None) -> None:
     import re
 
-    config = config or {}
     lowered = name.lower()
     if not name.startswith("Wan") and not any(m in lowered for m in REGISTRY["wan"].hub_markers):
         return
