@@ -30,7 +30,7 @@ from zerotuner.settings.schema import Settings
 
 if TYPE_CHECKING:  # types only: each is imported where it is used, when the run needs it
     from zerotuner.monitor.server import MetricsServer
-    from zerotuner.publish.notify import Notifier
+    from zerotuner.publish.notify import Notifier, Target
     from zerotuner.publish.push import Pusher
 
 log = logging.getLogger("zerotuner.train")
@@ -51,8 +51,9 @@ def run(args: argparse.Namespace) -> int:
                   secrets=[token, *notify_secret_parts(notify_url)])  # fmt: skip
     with ExitStack() as stack:
         server = _start_metrics(settings, stack)
-        log.info("reporting: %s", check_reporting(settings))  # exit 2 before the ranks start
-        news = _notifier(settings, notify_url)
+        reporting, targets = check_reporting(settings)  # exit 2 before the ranks start
+        log.info("reporting: %s", reporting)
+        news = _notifier(settings, targets)
         code, line = 1, ""
         try:
             code, line = _train(effective, server, stack, news)
@@ -72,13 +73,12 @@ def run(args: argparse.Namespace) -> int:
         return code
 
 
-def _notifier(settings: Settings, url: str | None) -> Notifier | None:
-    if not url:
+def _notifier(settings: Settings, targets: list[Target]) -> Notifier | None:
+    if not settings.notify_url:
         return None
-    from zerotuner.publish.notify import Notifier, targets
+    from zerotuner.publish.notify import Notifier
 
-    found = targets(url, timeout_seconds=settings.notify_timeout_seconds)
-    return Notifier(found, settings.output_dir, timeout_seconds=settings.notify_timeout_seconds)
+    return Notifier(targets, settings.output_dir, timeout_seconds=settings.notify_timeout_seconds)
 
 
 def _start_metrics(settings: Settings, stack: ExitStack) -> MetricsServer | None:

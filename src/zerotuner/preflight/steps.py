@@ -13,7 +13,7 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from zerotuner.errors import ConfigError
 from zerotuner.families import (
@@ -47,6 +47,9 @@ from zerotuner.settings.notes import Note
 from zerotuner.settings.schema import Settings, env_name, precision_name
 from zerotuner.train import speed
 from zerotuner.weights import base_precision, checkpoint, lora, lora_from
+
+if TYPE_CHECKING:  # apprise loads when a URL is set
+    from zerotuner.publish.notify import Target
 
 log = logging.getLogger(__name__)
 
@@ -324,7 +327,7 @@ class PreflightRun:
         return f"valid (train_batch_size {batch}, {precision})", warnings
 
     def check_reporting(self) -> tuple[str, list[str]]:
-        return check_reporting(self.settings), []
+        return check_reporting(self.settings)[0], []
 
     STEPS: tuple[tuple[str, Callable[[PreflightRun], tuple[str, list[str]]]], ...] = (
         ("hardware", check_hardware),
@@ -476,18 +479,19 @@ def decisions_from(plan: Plan) -> Decisions:
     )
 
 
-def check_reporting(settings: Settings) -> str:
+def check_reporting(settings: Settings) -> tuple[str, list[Target]]:
     """ZT_NOTIFY_URL and ZT_REPORT_TO refused here (exit 2), so every command refuses them as
-    train does, and train before its ranks start (the URL is a secret: `targets` names an
-    entry by its position only)."""
+    train does, and train before its ranks start: what they report to, in words, and the
+    notification targets train notifies (the URL is a secret: `targets` names an entry by its
+    position only)."""
     from zerotuner.monitor.trackers import wandb_mode
     from zerotuner.publish.notify import targets
 
-    found = []
+    found, words = [], []
     if settings.notify_url:
         url = settings.notify_url.get_secret_value()
-        timeout = settings.notify_timeout_seconds
-        found.append(f"{len(targets(url, timeout_seconds=timeout))} notification target(s)")
+        found = targets(url, timeout_seconds=settings.notify_timeout_seconds)
+        words.append(f"{len(found)} notification target(s)")
     if "wandb" in settings.report_to:
-        found.append(f"W&B {wandb_mode(settings)}")
-    return "; ".join(found) or "no notifications, no W&B"
+        words.append(f"W&B {wandb_mode(settings)}")
+    return "; ".join(words) or "no notifications, no W&B", found
