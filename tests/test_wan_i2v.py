@@ -374,6 +374,18 @@ def test_full_checkpoint_resumes_on_one_rank(demo, full_run, tmp_path) -> None:
     resumes_on_one_rank_at_zero_2(tmp_path, demo, FAMILY, output, "WanImageToVideoPipeline")
 
 
+def test_check_refuses_validation_images_as_train_does(demo_job_env, capsys):
+    """Preflight's model step reads ZT_VALIDATION_IMAGES for every command: on SDXL, which
+    samples from text alone, `check` exits 2 with the one line the ranks would give."""
+    from zerotuner.cli import main
+
+    demo_job_env.setenv("ZT_VALIDATION_IMAGES", "first.png")
+    assert main(["check"]) == 2
+    out = capsys.readouterr().out
+    lines = [line for line in out.splitlines() if "samples from its prompts alone" in line]
+    assert len(lines) == 1 and "ZT_VALIDATION_IMAGES" in lines[0], out
+
+
 @pytest.mark.slow
 def test_a_missing_validation_image_is_one_line_before_training(demo, full_run, tmp_path):
     """ZT_VALIDATION_IMAGES naming a missing file, on the finished run's output: the rank exits

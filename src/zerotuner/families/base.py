@@ -12,9 +12,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol, Self
+from typing import TYPE_CHECKING, Any, Protocol, Self
 
 import torch
+
+from zerotuner.families.registry import REGISTRY
 
 if TYPE_CHECKING:
     from zerotuner.settings.schema import Settings
@@ -79,9 +81,11 @@ class ModelFamily:
     cache_dtype: torch.dtype = torch.float32  # of the cached text embeddings
     # the layout of pytorch_lora_weights_comfyui.safetensors: kohya's for the UNet families
     comfy_lora: ComfyLora = ComfyLora(kohya=True)
-    # What its pipeline samples from besides the prompt (train/validation_inputs.py): "" none,
-    # "first frame" (image-to-video), "control image" (an edit model)
-    sample_input: ClassVar[str] = ""
+
+    @property
+    def sample_input(self) -> str:
+        """What its pipeline samples from besides the prompt (`Spec.sample_input`)."""
+        return REGISTRY[self.name].sample_input
 
     def configured(self, settings: Settings, source: Path | None = None) -> Self:
         """The family as this run's settings configure it (flow families: the T5 length; Wan

@@ -26,7 +26,7 @@ samples with (diffusers 0.42, pipelines/flux/pipeline_flux_kontext.py):
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 
@@ -85,8 +85,6 @@ class KontextObjective(FlowObjective):
 @dataclass(frozen=True)
 class FluxKontext(Flux):
     """FLUX.1 Kontext [dev]: Flux.1's conditioning, its control image's latents as reference."""
-
-    sample_input: ClassVar[str] = "control image"  # FluxKontextPipeline's `image`
 
     def model_kwargs(self, batch: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, Any]:
         return {**super().model_kwargs(batch, dtype),

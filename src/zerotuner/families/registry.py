@@ -73,6 +73,9 @@ class Spec:
     # Control images each target trains with (an edit model's inputs: data/controls.py);
     # 0: a text-to-image family, which refuses them
     controls: int = 0
+    # What its pipeline samples from besides the prompt (train/validation_inputs.py): "" none,
+    # "first frame" (image-to-video), "control image" (an edit model)
+    sample_input: str = ""
     # Of text_params, what a low ZT_TEXT_ENCODER_PRECISION keeps at the run's precision (the
     # published encoders' *_KEPT below); None: not known, the planner counts them all so
     text_kept_params: int | None = None
@@ -245,6 +248,7 @@ BUILTIN: dict[str, Spec] = {
     "fluxkontext": replace(
         FLUX, module="flux_kontext", cls="FluxKontext", pipeline="FluxKontextPipeline",
         hub_markers=("kontext",), guess_order=-4, demo="flux_kontext:write_model", controls=1,
+        sample_input="control image",  # FluxKontextPipeline's `image`
     ),
     "chroma": Spec(
         "chroma", "Chroma",
@@ -367,7 +371,7 @@ BUILTIN: dict[str, Spec] = {
         hub_markers=("-i2v", "_i2v"), guess_order=-2, clip_tokens=0, t5_tokens=512,
         long_encoder="UMT5", layer_keys=("num_layers",), text_width_key="text_dim",
         video=True, native_resolution=632,
-        demo="wan_i2v:write_model",
+        demo="wan_i2v:write_model", sample_input="first frame",
         text_kept_params=UMT5_XXL_KEPT + CLIP_VIT_H_PARAMS,  # the image encoder is never stored low
     ),
     "hidream": Spec(

@@ -47,7 +47,7 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 
@@ -149,7 +149,6 @@ def token_timesteps(latents: torch.Tensor, t: torch.Tensor, patch: int = 2) -> t
 class WanI2V(Wan):
     """Wan image-to-video: Wan's conditioning, the first frame's latents and (2.1) CLIP states."""
 
-    sample_input: ClassVar[str] = "first frame"
     # Wan 2.2 TI2V-5B (model_index.json `expand_timesteps`): the first latent frame conditions
     expand_timesteps: bool = False
 

@@ -20,6 +20,7 @@ from zerotuner.families import (
     EXPERTS,
     FAMILIES,
     HUB_CONFIG_FILES,
+    REGISTRY,
     ModelShape,
     check_family_settings,
     detect_family,
@@ -45,7 +46,7 @@ from zerotuner.settings.folders import unreadable_file
 from zerotuner.settings.inputs import UserInputs
 from zerotuner.settings.notes import Note
 from zerotuner.settings.schema import Settings, env_name, precision_name
-from zerotuner.train import speed
+from zerotuner.train import speed, validation_inputs
 from zerotuner.weights import base_precision, checkpoint, lora, lora_from
 
 if TYPE_CHECKING:  # apprise loads when a URL is set
@@ -265,6 +266,7 @@ class PreflightRun:
         expert = EXPERTS.get(settings.expert or "")  # A14B: the expert this run trains
         shape = model_shape(model.family, model.local_dir, denoiser=expert)
         check_family_settings(settings, model.family, shape)  # the model's VAE: its frame rule
+        validation_inputs.check(settings, REGISTRY[model.family].sample_input)
         # an adapter file's rank, alpha and targets are the run's: the plan and resume see them
         fetch_adapter(settings, offline=self.effective.hub_offline)  # an s3:// or hf:// file
         settings, _ = lora_from.apply(settings, model.family, model_dir=model.local_dir)

@@ -608,6 +608,15 @@ class Settings(BaseSettings):
         return (_fractions(self.timestep_range) if self.timestep_range else None) or (0.0, 1.0)
 
     @property
+    def validation_image_paths(self) -> list[Path]:
+        """ZT_VALIDATION_IMAGES's paths, a relative one under ZT_DATA_DIR when that is a local
+        folder."""
+        names = [n.strip() for n in (self.validation_images or "").split(",") if n.strip()]
+        data = self.data_dir
+        root = Path(data) if data and "://" not in data else None
+        return [Path(n) if Path(n).is_absolute() or root is None else root / n for n in names]
+
+    @property
     def windows(self) -> Windows:
         """ZT_VIDEO_WINDOWS parsed (validated when the settings were read)."""
         return parse_windows(self.video_windows)

@@ -30,36 +30,45 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-def paths(setting: str | None, data_dir: str | None) -> list[Path]:
-    """ZT_VALIDATION_IMAGES's paths (relative ones under a local ZT_DATA_DIR)."""
-    names = [n.strip() for n in (setting or "").split(",") if n.strip()]
-    root = Path(data_dir) if data_dir and "://" not in data_dir else None
-    return [Path(n) if Path(n).is_absolute() or root is None else root / n for n in names]
+def check(settings: Any, sample_input: str) -> list[Path]:
+    """ZT_VALIDATION_IMAGES's paths, each probed; one line, exit 2, for the setting given to a
+    family that samples without an input, a count that is neither 1 nor the prompts', or an
+    image that cannot be read. Preflight's model step runs it (every command refuses as train
+    does, train before its ranks start); the ranks again as they read the images."""
+    from zerotuner.data.probe import probe
 
-
-def chosen(
-    settings: Any, sample_input: str, dataset: Dataset, held: list[int]
-) -> list[PILImage] | None:
-    """The input image of each validation prompt (None: the family samples without one); one
-    line, exit 2, for ZT_VALIDATION_IMAGES given to a family that takes none, a count that is
-    neither 1 nor the prompts', or an image that cannot be read."""
     name = env_name("validation_images")
-    given = paths(settings.validation_images, settings.data_dir)
+    given = settings.validation_image_paths
     if given and not sample_input:
         raise ConfigError(
             f"{name} is set but the model samples from its prompts alone: unset {name} (it "
             f"applies to the models that sample from an input image: Wan image-to-video, FLUX.1 "
             f"Kontext)"
         )
+    prompts = len(settings.validation_prompts)
+    if given and prompts and len(given) not in (1, prompts):
+        raise ConfigError(
+            f"{name}: {len(given)} images for {prompts} validation prompts; give one image per "
+            f"prompt (in the prompts' order), or one for all of them"
+        )
+    for path in given:
+        found = probe(path, None)
+        if found.reason:
+            raise ConfigError(f"{name}: {path}: {found.reason}; give an image the job can read")
+    return given
+
+
+def chosen(
+    settings: Any, sample_input: str, dataset: Dataset, held: list[int]
+) -> list[PILImage] | None:
+    """The input image of each validation prompt (None: the family samples without one),
+    refused as `check` refuses."""
+    name = env_name("validation_images")
+    given = check(settings, sample_input)
     if not sample_input or not settings.validation_prompts:
         return None
     prompts = len(settings.validation_prompts)
     if given:
-        if len(given) not in (1, prompts):
-            raise ConfigError(
-                f"{name}: {len(given)} images for {prompts} validation prompts; give one image "
-                f"per prompt (in the prompts' order), or one for all of them"
-            )
         images = [read(path, name) for path in given]
         return images * prompts if len(images) == 1 else images
     image, source = from_data(sample_input, dataset, held)
