@@ -20,7 +20,14 @@ import pytest
 import torch
 import trainkit as tk
 from PIL import Image
-from test_flow_training import PROMPT, SAVED, STEPS, TOKENS, resumes_on_one_rank_at_zero_2, run
+from test_flow_training import (
+    PROMPT,
+    STEPS,
+    TOKENS,
+    resumes_on_one_rank_at_zero_2,
+    run,
+    saved_run,
+)
 
 from zerotuner import families
 from zerotuner.data.loading import load_example
@@ -130,16 +137,9 @@ def test_check_lists_a_target_without_its_control(demo, monkeypatch, tmp_path, c
 
 @pytest.fixture(scope="module")
 def full_run(demo, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("full-kontext") / "run"
-    tmp.mkdir()
     # the sample edits a control image of the data, named relative to ZT_DATA_DIR
     (given,) = sorted((demo / "data").glob("001-*.control.png"))
-    log = run(
-        tmp, demo, FAMILY, output=tmp / "output", checkpoint_every_steps=SAVED,
-        validation_prompts=[PROMPT], validation_inference_steps=2,
-        validation_images=given.name, **FULL,
-    )  # fmt: skip
-    return tmp / "output", log
+    return saved_run(tmp_path_factory, demo, FAMILY, validation_images=given.name, **FULL)
 
 
 @pytest.mark.slow

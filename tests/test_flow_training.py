@@ -59,17 +59,24 @@ def run(tmp: Path, demo: Path, family: str, *, stage: int, world: int = 2, outpu
     return proc.stdout + proc.stderr
 
 
+def saved_run(tmp_path_factory, demo: Path, family: str, **how) -> tuple[Path, str]:
+    """`family`'s demo trained as `run` trains it (`how`: its stage, offload, settings),
+    committing a checkpoint at SAVED and sampling PROMPT, in a folder of its own under the
+    session's: (its output folder, the ranks' log). A module's full run, shared by its tests."""
+    tmp = tmp_path_factory.mktemp(f"run-{family}") / "run"
+    tmp.mkdir()
+    log = run(
+        tmp, demo, family, output=tmp / "output", checkpoint_every_steps=SAVED,
+        validation_prompts=[PROMPT], validation_inference_steps=2, **how,
+    )  # fmt: skip
+    return tmp / "output", log
+
+
 @pytest.fixture(scope="session", params=["sd3", "flux"])
 def flow_run(request, flow_demo_dirs, tmp_path_factory):
     family = request.param
-    tmp = tmp_path_factory.mktemp(f"flow-{family}") / "run"
-    tmp.mkdir()
-    how = dict(RUNS[family])
-    log = run(
-        tmp, flow_demo_dirs[family], family, output=tmp / "output", checkpoint_every_steps=SAVED,
-        validation_prompts=[PROMPT], validation_inference_steps=2, **how,
-    )  # fmt: skip
-    return family, flow_demo_dirs[family], tmp / "output", log
+    demo = flow_demo_dirs[family]
+    return family, demo, *saved_run(tmp_path_factory, demo, family, **RUNS[family])
 
 
 def pipeline_parts(pipe, family: str, kind, **parts) -> model.Components:

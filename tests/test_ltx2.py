@@ -22,13 +22,13 @@ import torch
 import trainkit as tk
 from test_flow_training import (
     PROMPT,
-    SAVED,
     STEPS,
     TOKENS,
     held_out_loss,
     pipeline_parts,
     resumes_on_one_rank_at_zero_2,
     run,
+    saved_run,
 )
 
 from zerotuner import families
@@ -177,13 +177,7 @@ def test_published_sizes_recount_on_the_meta_device():
 
 @pytest.fixture(scope="module")
 def full_run(demo, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("full-ltx2") / "run"
-    tmp.mkdir()
-    log = run(
-        tmp, demo, FAMILY, output=tmp / "output", checkpoint_every_steps=SAVED,
-        validation_prompts=[PROMPT], validation_inference_steps=2, **FULL,
-    )  # fmt: skip
-    return tmp / "output", log
+    return saved_run(tmp_path_factory, demo, FAMILY, **FULL)
 
 
 @pytest.mark.slow

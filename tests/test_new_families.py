@@ -31,6 +31,7 @@ from test_flow_training import (
     rendered_side,
     resumes_on_one_rank_at_zero_2,
     run,
+    saved_run,
 )
 from test_flow_training import held_out_loss as family_held_out_loss
 
@@ -41,7 +42,6 @@ from zerotuner.train import model
 from zerotuner.weights.checkpoint import read_manifest
 
 NEW = ["chroma", "zimage", "qwenimage", "flux2", "flux2klein", "krea2", "hidream"]
-FULL_RUNS = NEW  # the full run's fixture (+ resume)
 PIPELINES = {"chroma": "ChromaPipeline", "zimage": "ZImagePipeline",
              "qwenimage": "QwenImagePipeline", "flux2": "Flux2Pipeline",
              "flux2klein": "Flux2KleinPipeline", "krea2": "Krea2Pipeline",
@@ -290,17 +290,11 @@ LORA_TARGETS = {"flux2": FLUX2_TARGETS, "flux2klein": FLUX2_TARGETS,
                 "hidream": "attention,w1,w2,w3"}  # fmt: skip
 
 
-@pytest.fixture(scope="session", params=FULL_RUNS)
+@pytest.fixture(scope="session", params=NEW)
 def full_run(request, family_demo_dir, tmp_path_factory):
     family = request.param
-    tmp = tmp_path_factory.mktemp(f"full-{family}") / "run"
-    tmp.mkdir()
     demo = family_demo_dir(family)
-    log = run(
-        tmp, demo, family, output=tmp / "output", checkpoint_every_steps=SAVED,
-        validation_prompts=[PROMPT], validation_inference_steps=2, **FULL,
-    )  # fmt: skip
-    return family, demo, tmp / "output", log
+    return family, demo, *saved_run(tmp_path_factory, demo, family, **FULL)
 
 
 @pytest.mark.slow

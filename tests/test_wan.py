@@ -29,6 +29,7 @@ from test_flow_training import (
     pipeline_parts,
     resumes_on_one_rank_at_zero_2,
     run,
+    saved_run,
 )
 
 from zerotuner import families
@@ -229,13 +230,7 @@ def test_published_sizes_recount_on_the_meta_device():
 
 @pytest.fixture(scope="module")
 def full_run(demo, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("full-wan") / "run"
-    tmp.mkdir()
-    log = run(
-        tmp, demo, FAMILY, output=tmp / "output", checkpoint_every_steps=SAVED,
-        validation_prompts=[PROMPT], validation_inference_steps=2, **FULL,
-    )  # fmt: skip
-    return tmp / "output", log
+    return saved_run(tmp_path_factory, demo, FAMILY, **FULL)
 
 
 @pytest.mark.slow

@@ -21,12 +21,12 @@ import torch
 import trainkit as tk
 from test_flow_training import (
     PROMPT,
-    SAVED,
     STEPS,
     TOKENS,
     pipeline_parts,
     resumes_on_one_rank_at_zero_2,
     run,
+    saved_run,
 )
 
 from zerotuner import families
@@ -322,14 +322,7 @@ def test_ti2v_5b_lora_samples_from_an_image(ti2v, tmp_path) -> None:
 def full_run(demo, tmp_path_factory):
     """Full fine-tuning at ZeRO-3 on 2 ranks, validation clips from the default input (the
     first training clip's first frame)."""
-    tmp = tmp_path_factory.mktemp("full-wani2v") / "run"
-    tmp.mkdir()
-    log = run(
-        tmp, demo, FAMILY, output=tmp / "output", checkpoint_every_steps=SAVED,
-        validation_prompts=[PROMPT], validation_inference_steps=2,
-        eval_fraction=EVAL_FRACTION, **FULL,
-    )  # fmt: skip
-    return tmp / "output", log
+    return saved_run(tmp_path_factory, demo, FAMILY, eval_fraction=EVAL_FRACTION, **FULL)
 
 
 @pytest.mark.slow

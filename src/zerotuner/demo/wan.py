@@ -11,8 +11,9 @@ WanPipeline.
 from __future__ import annotations
 
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from zerotuner.demo.parts import normalise_video_latents
 
@@ -36,9 +37,10 @@ def _umt5(vocab_size: int, seed: int) -> UMT5EncoderModel:
     )  # fmt: skip
 
 
-def _vae(seed: int, data_dir: Path | None) -> AutoencoderKLWan:
-    """A small video VAE: two spatial halvings (one temporal), its latents' per-channel mean and
-    std measured on the demo images (one-frame clips)."""
+def _vae(seed: int, data_dir: Path | None, temporal: int = 2) -> AutoencoderKLWan:
+    """A small video VAE: two spatial halvings, `temporal` frames folded into one (2; image-to-
+    video's 4, as the published one: its first-frame mask has a channel per folded frame),
+    its latents' per-channel mean and std measured on the demo images (one-frame clips)."""
     import torch
     from diffusers import AutoencoderKLWan
 
@@ -47,8 +49,9 @@ def _vae(seed: int, data_dir: Path | None) -> AutoencoderKLWan:
     torch.manual_seed(seed)
     vae = AutoencoderKLWan(
         base_dim=8, z_dim=LATENT_CHANNELS, dim_mult=[1, 2, 2], num_res_blocks=1,
-        temperal_downsample=[False, True], latents_mean=[0.0] * LATENT_CHANNELS,
-        latents_std=[1.0] * LATENT_CHANNELS, scale_factor_spatial=4, scale_factor_temporal=2,
+        temperal_downsample=[temporal == 4, True], latents_mean=[0.0] * LATENT_CHANNELS,
+        latents_std=[1.0] * LATENT_CHANNELS, scale_factor_spatial=4,
+        scale_factor_temporal=temporal,
     )  # fmt: skip
     return normalise_video_latents(vae, data_dir)
 
@@ -65,8 +68,20 @@ def scheduler() -> UniPCMultistepScheduler:
 
 def write_model(model_dir: Path, *, seed: int, corpus: list[str],
                 data_dir: Path | None = None) -> Path:  # fmt: skip
+    from diffusers import WanPipeline
+
+    return write_wan(model_dir, WanPipeline, seed=seed, corpus=corpus, vae=_vae(seed, data_dir))
+
+
+def write_wan(
+    model_dir: Path, pipeline: type, *, seed: int, corpus: list[str],
+    transformer_config: Mapping[str, Any] | None = None, **parts: Any,
+) -> Path:  # fmt: skip
+    """A tiny Wan pipeline of class `pipeline`: the UMT5 encoder, the T5 tokenizer, the
+    scheduler, a two-block transformer (`transformer_config`: what it changes of the
+    text-to-video one) and `parts` (the VAE; image-to-video's image encoder)."""
     import torch
-    from diffusers import WanPipeline, WanTransformer3DModel
+    from diffusers import WanTransformer3DModel
 
     from zerotuner.demo.flow import LATENT_CHANNELS, T5_WIDTH, save_pipeline, write_t5_tokenizer
 
@@ -74,12 +89,13 @@ def write_model(model_dir: Path, *, seed: int, corpus: list[str],
     tokenizer = write_t5_tokenizer(work / "t5", corpus)
     text_encoder = _umt5(len(tokenizer), seed + 4)
     torch.manual_seed(seed + 3)
-    transformer = WanTransformer3DModel(
-        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=16,
-        in_channels=LATENT_CHANNELS, out_channels=LATENT_CHANNELS, text_dim=T5_WIDTH,
-        freq_dim=32, ffn_dim=64, num_layers=2, rope_max_seq_len=64,
-    )  # fmt: skip
+    config = {
+        "patch_size": (1, 2, 2), "num_attention_heads": 2, "attention_head_dim": 16,
+        "in_channels": LATENT_CHANNELS, "out_channels": LATENT_CHANNELS, "text_dim": T5_WIDTH,
+        "freq_dim": 32, "ffn_dim": 64, "num_layers": 2, "rope_max_seq_len": 64,
+        **(transformer_config or {}),
+    }  # fmt: skip
     return save_pipeline(
-        model_dir, work, WanPipeline, transformer=transformer, scheduler=scheduler(),
-        vae=_vae(seed, data_dir), text_encoder=text_encoder, tokenizer=tokenizer,
+        model_dir, work, pipeline, transformer=WanTransformer3DModel(**config),
+        scheduler=scheduler(), text_encoder=text_encoder, tokenizer=tokenizer, **parts,
     )  # fmt: skip
