@@ -12,7 +12,6 @@ import signal
 import socket
 import subprocess
 import sys
-import textwrap
 import time
 from pathlib import Path
 from typing import Any
@@ -308,19 +307,10 @@ def lone_rank_result(tmp: Path, source: str, *, timeout: int = 600) -> dict[str,
     """Run `source` (a script that builds DeepSpeed engines) as a lone rank 0 of 1 on the CPU
     accelerator; the JSON it prints after `RESULT `."""
     script = tmp / "lone_rank.py"
-    # End as a finished rank does (worker.main): the group left, then os._exit, since the
-    # interpreter's teardown of a gloo group has aborted a finished process (SIGABRT).
-    script.write_text(
-        source
-        + textwrap.dedent("""
-        import os, sys
-        import torch.distributed
-        sys.stdout.flush()
-        if torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
-        os._exit(0)
-    """)
-    )
+    # End as a finished rank does (worker.main): the interpreter's teardown of a gloo group
+    # has aborted a finished process (SIGABRT)
+    ending = "from zerotuner.launch.distributed import exit_process\nexit_process(0)\n"
+    script.write_text(f"{source}\n{ending}")
     env = dict(os.environ, RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                MASTER_PORT=str(free_port()), DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")  # fmt: skip
     env.setdefault("TORCH_EXTENSIONS_DIR", str(REPO / ".cache" / "torch_extensions"))  # cpu_adam
