@@ -270,6 +270,10 @@ def encode_images(vae: Any, pixels: torch.Tensor) -> torch.Tensor:
         from zerotuner.families.ltx2 import ltx2_latents
 
         return ltx2_latents(vae, pixels)
+    if type(vae).__name__ == "AutoencoderKLHunyuanVideo15":  # 5-D only, scaled, no mean
+        from zerotuner.families.hunyuan_video15 import hunyuan_video15_latents
+
+        return hunyuan_video15_latents(vae, pixels)
     mean = getattr(vae.config, "latents_mean", None)
     if mean is not None:
         frames = pixels.ndim == 5  # (batch, channels, frames, h, w): clips of a video family
