@@ -373,20 +373,21 @@ def family_plans_markdown() -> str:
     return "\n".join(rows) + "\n"
 
 
-# Wan's and LTX-2's text-to-video models on the same hosts, clips of ZT_VIDEO_FRAMES=81 at their
-# native size (Wan's 480p, 832 x 480: ZT_RESOLUTION's default for wan, 632, the side of a square
-# of that area; LTX-2's 768 x 512: 640), full and LoRA, the planner choosing gradient
-# checkpointing as everything else.
+# The video families' models on the same hosts, clips of ZT_VIDEO_FRAMES=81 at their native size
+# (Wan's 480p, 832 x 480: ZT_RESOLUTION's default for wan, 632, the side of a square of that area;
+# LTX-2's 768 x 512 and HunyuanVideo 1.5's 848 x 480: 640), full and LoRA, the planner choosing
+# gradient checkpointing as everything else.
 VIDEO_MODELS = (
     ("Wan2.1-T2V-1.3B", "wan"), ("Wan2.2-TI2V-5B", "wan-5b"), ("Wan2.1-T2V-14B", "wan-14b"),
     ("LTX-2", "ltx2"),  # 81 frames is 8k + 1 for its VAE too
     ("Wan2.1-I2V-14B-480P", "wani2v"),  # the family's built-in config: its published one
+    ("HunyuanVideo-1.5 (480p T2V)", "hunyuanvideo15"),  # 480p's 848 x 480: 640
 )  # fmt: skip
 VIDEO_FRAMES = 81
 
 
 def video_plans_markdown() -> str:
-    """docs/models.md's table of the planner's choices for Wan's and LTX-2's clips."""
+    """docs/models.md's table of the planner's choices for the video families' clips."""
     rows = [
         "| model | GPUs (host RAM) | training | clip: frames (latent), tokens | choice | device "
         "GiB | host GiB per node: training (load peak) | disk GiB |",

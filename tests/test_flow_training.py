@@ -40,12 +40,14 @@ OTHER = {
 
 def run(tmp: Path, demo: Path, family: str, *, stage: int, world: int = 2, output: Path,
         lr: float = 3e-3, offload_optimizer="none", offload_param="none",
-        gradient_checkpointing=False, offload_activations="none", **settings) -> str:  # fmt: skip
+        gradient_checkpointing=False, offload_activations="none", param_buffer=1_000_000,
+        **settings) -> str:  # fmt: skip
     """`family`'s demo trained on `world` CPU ranks at `stage`; the ranks' log.
-    `offload_activations`: the job's (the plan's ZT_OFFLOAD_ACTIVATIONS)."""
+    `offload_activations`: the job's (the plan's ZT_OFFLOAD_ACTIVATIONS); `param_buffer`: the
+    offloaded parameters' buffer (HunyuanVideo 1.5's ByT5 projection is 2048 wide even tiny)."""
     config = tk.ds_config(
         stage, world=world, steps=STEPS, lr=lr, offload_optimizer=offload_optimizer,
-        offload_param=offload_param, nvme_dir=tmp / "nvme",
+        offload_param=offload_param, nvme_dir=tmp / "nvme", param_buffer=param_buffer,
     )  # fmt: skip
     job = tk.write_job(tmp / "job.json", model=demo / "model", deepspeed=config, family=family,
                        world=world, gradient_checkpointing=gradient_checkpointing,

@@ -45,6 +45,8 @@ TARGETS = {
               "add_k_proj,add_v_proj",
     # every kind of layer LTX-2's original names rename, and its feed-forward
     "ltx2": "attention+ff,proj_in,proj_out,linear_1,linear_2,linear",
+    # both streams' attention and feed-forward (diffusers' names: ComfyLora's default layout)
+    "hunyuanvideo15": "attention+ff,add_q_proj,add_k_proj,add_v_proj,to_add_out",
 }  # fmt: skip
 TOLERANCE = {"rtol": 1e-5, "atol": 1e-6}  # fp32; folding the scale into lora_B rounds once
 
@@ -80,6 +82,8 @@ def fused(demo: Path, family: str, folder: Path, weight_name: str) -> tuple[dict
     from peft.tuners.tuners_utils import BaseTunerLayer
 
     pipe = DiffusionPipeline.from_pretrained(demo / "model")
+    if not hasattr(pipe, "load_lora_weights"):  # HunyuanVideo 1.5's: the family's LoRA pipeline
+        pipe = families.get(family).pipeline_class().from_pretrained(demo / "model")
     pipe.load_lora_weights(folder, weight_name=weight_name)
     denoiser = getattr(pipe, families.get(family).denoiser)
     layers = sum(isinstance(m, BaseTunerLayer) for m in denoiser.modules())

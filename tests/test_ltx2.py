@@ -152,6 +152,34 @@ def test_cached_captions_and_objective_are_the_pipelines(demo):
         assert reached == kind.trains(name), name
 
 
+def test_default_lora_targets_are_the_video_streams(demo):
+    """ZT_LORA_TARGETS' default (`attention`) adapts the video stream's attention alone: none
+    of the audio stream's or the cross-stream layers (no gradient reaches them), every one of
+    the video stream's; the adapter's metadata names them so that load_lora_weights rebuilds
+    it alike, and the planner counts that adapter."""
+    from zerotuner.families import model_shape
+    from zerotuner.preflight import trainable
+    from zerotuner.weights import lora
+    from zerotuner.weights.pipeline_folder import load_part
+
+    kind = families.get(FAMILY)
+    transformer = load_part(demo / "model", "transformer")
+    attention = {n for n, m in transformer.named_modules() if isinstance(m, torch.nn.Linear)
+                 and any(n.endswith(f".{t}") for t in lora.ATTENTION)}  # fmt: skip
+    video = {n for n in attention if kind.trains(f"{n}.weight")}
+    assert video and attention - video  # the preset's names match both streams' layers
+    settings = Settings(training_type="lora", lora_rank=4)
+    config = lora.lora_config(settings, transformer)
+    lora.add_adapter(transformer, settings)
+    adapted = {n.split(".lora_")[0] for n, p in transformer.named_parameters() if p.requires_grad}
+    assert adapted == video
+    assert set(lora.metadata(config)["target_modules"]) == video
+    planned = trainable.for_settings(settings, model_shape(FAMILY, demo / "model"), demo / "model")
+    assert planned.trainable_params == sum(
+        p.numel() for p in transformer.parameters() if p.requires_grad
+    )
+
+
 def test_published_sizes_recount_on_the_meta_device():
     """LTX-2.0's transformer (convert_ltx2_to_diffusers.py's config: 18.88B) recounts to the
     registry's; a cached caption is 1024 x 3840 bf16 values; the planner's clip at 121 frames

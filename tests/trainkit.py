@@ -42,8 +42,10 @@ def ds_config(
     offload_param: str = "none",
     nvme_dir: Path | None = None,
     precision: str = "no",
+    param_buffer: int = 1_000_000,
 ) -> dict[str, Any]:
-    """What the normalizer would produce for the tiny demo model on the CPU (fp32)."""
+    """What the normalizer would produce for the tiny demo model on the CPU (fp32);
+    `param_buffer`: offloaded parameters' buffer_size (the largest tensor must fit)."""
     zero: dict[str, Any] = {"stage": stage}
     if stage >= 1:
         zero |= {"reduce_bucket_size": 500_000, "allgather_bucket_size": 500_000}
@@ -62,7 +64,7 @@ def ds_config(
             if key == "offload_optimizer":
                 section["buffer_count"] = 4
         if key == "offload_param":
-            section |= {"buffer_size": 1_000_000, "buffer_count": 5}
+            section |= {"buffer_size": param_buffer, "buffer_count": 5}
         zero[key] = section
     config: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": micro,

@@ -42,6 +42,7 @@ def detect_family(model_dir: Path, expert: str | None = None) -> Family:
             refuse_edit_model(model_dir, pipeline)
         refuse_wan_variant(model_dir, pipeline, components, expert)
         refuse_ltx2_variant(model_dir, pipeline)
+        refuse_hunyuan_video15_variant(model_dir, pipeline)
         if pipeline in PIPELINES:
             return PIPELINES[pipeline]
         foreign = pipeline and not pipeline.startswith("StableDiffusion")
@@ -85,6 +86,22 @@ def refuse_ltx2_variant(model: Any, name: str) -> None:
             f"ZT_MODEL={model}: {name} is an image- or video-conditioned LTX-2 pipeline, "
             f"which zerotuner does not train; it trains LTX-2 text-to-video ({ltx2}, its video "
             f"path) on captioned clips and images"
+        )
+
+
+def refuse_hunyuan_video15_variant(model: Any, name: str) -> None:
+    """HunyuanVideo 1.5's image-to-video pipeline (HunyuanVideo15ImageToVideoPipeline, or a
+    hub id naming its i2v checkpoints) is one line, exit 2: it conditions on a first frame
+    through SigLIP, which zerotuner does not train for this model."""
+    t2v = REGISTRY["hunyuanvideo15"]
+    lower = name.lower()
+    hub_i2v = any(m in lower for m in t2v.hub_markers) and "i2v" in lower
+    if hub_i2v or (name.startswith("HunyuanVideo15") and name.endswith("Pipeline")
+                   and name != t2v.pipeline):  # fmt: skip
+        raise ConfigError(
+            f"ZT_MODEL={model}: {name} is HunyuanVideo 1.5 image-to-video, which zerotuner does "
+            f"not train; it trains HunyuanVideo 1.5 text-to-video ({t2v.pipeline}, the *_t2v "
+            f"checkpoints) on captioned clips and images"
         )
 
 
@@ -153,6 +170,7 @@ def guess_family(hub_id: str, expert: str | None = None) -> Family | None:
             if not spec.controls:  # an edit family's name says edit: it is no refusal
                 refuse_edit_model(hub_id, hub_id.rsplit("/", 1)[-1])
             refuse_wan_variant(hub_id, hub_id, expert=expert)
+            refuse_hunyuan_video15_variant(hub_id, hub_id)
             return family
     refuse_edit_model(hub_id, hub_id.rsplit("/", 1)[-1])
     refuse_wan_variant(hub_id, hub_id, expert=expert)

@@ -54,6 +54,9 @@ class Spec:
     # a cached caption token's values where the transformer's config does not say them (HiDream:
     # T5's and each of Llama's 32 layers' states, 33 x 4096); 0: text_width_key's
     caption_width: int = 0
+    # values a cached caption holds beside those tokens' (HunyuanVideo 1.5's ByT5 glyph states,
+    # 256 x 1472)
+    other_text_values: int = 0
     # A video family (Wan) trains clips of ZT_VIDEO_FRAMES frames: the planner counts frames x
     # tokens (`VideoShape`) and the frame rule (`frames = temporal * k + 1`) is checked.
     video: bool = False
@@ -142,6 +145,17 @@ WAN_VAE_PARAMS = 126_892_531  # AutoencoderKLWan's defaults, Wan 2.1's VAE (Qwen
 GEMMA3_12B_PARAMS, LTX2_CONNECTORS_PARAMS = 12_187_325_040, 1_431_475_200
 GEMMA3_12B_LAYER = 1_006_878_720
 LTX2_VAE_PARAMS = 1_222_479_601 + 53_248_146 + 55_592_802  # video VAE, audio VAE, vocoder
+# HunyuanVideo 1.5's frozen parts, counted on the meta device: Qwen2_5_VLTextModel of
+# Qwen/Qwen2.5-VL-7B-Instruct's text config (no vision tower, no lm_head: what
+# HunyuanVideo15Pipeline loads), T5EncoderModel of google/byt5-small's config (its glyph encoder,
+# 1472 wide) and AutoencoderKLHunyuanVideo15's defaults (the published VAE: 32 channels, 16 x 4);
+# Qwen streams from host memory while caching, its largest layer (the token embedding) on the
+# device, as FLUX.2 [dev]'s Mistral
+QWEN25_VL_7B_TEXT_PARAMS, BYT5_SMALL_ENCODER_PARAMS = 7_070_619_136, 217_657_472
+QWEN25_VL_7B_TEXT_LAYER = 152064 * 3584
+HUNYUAN_VIDEO15_VAE_PARAMS = 1_260_634_115
+QWEN25_VL_7B_TEXT_KEPT = QWEN25_VL_7B_TEXT_LAYER  # what an 8-bit one keeps (it has no lm_head)
+BYT5_SMALL_KEPT = 384 * 1472  # and ByT5's
 VAE_PARAMS = 83_653_863  # the SD 1.x/2.x/XL VAE
 VAE16_PARAMS = 83_819_683  # SD3's and Flux's 16-channel VAE
 VAE_SCALE = 8  # pixels per latent cell in every family's VAE
@@ -164,6 +178,9 @@ VAE_SCALE = 8  # pixels per latent cell in every family's VAE
 # for LTX-2.0, LTX2VideoTransformer3DModel's defaults: 18.88B, the card's "19B"; Gemma 3 12B).
 # HiDream-ai/HiDream-I1-Full (the transformer config diffusers' scripts/convert_hidream_to_
 # diffusers.py writes: 17.11B, the card's "17B"; -Dev and -Fast are the same network).
+# hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-480p_t2v (HunyuanVideo15Transformer3DModel's
+# defaults, the 480p and 720p transformers' shapes: 8.33B, the card's "8.3B"; Qwen2.5-VL-7B's
+# text model and ByT5-small's encoder).
 ENTRY_POINTS = "zerotuner.families"  # the group an installed family's package names its Spec in
 
 
@@ -390,6 +407,26 @@ BUILTIN: dict[str, Spec] = {
         caption_width=(1 + 32) * 4096, demo="hidream:write_model",
         base_model="HiDream-ai/HiDream-I1-Full", distilled_markers=("i1-dev", "i1-fast"),
         text_kept_params=HIDREAM_TEXT_KEPT,
+    ),
+    "hunyuanvideo15": Spec(
+        "hunyuan_video15", "HunyuanVideo15",
+        {"in_channels": 65, "out_channels": 32, "num_attention_heads": 16,
+         "attention_head_dim": 128, "num_layers": 54, "num_refiner_layers": 2, "mlp_ratio": 4.0,
+         "patch_size": 1, "patch_size_t": 1, "text_embed_dim": 3584, "text_embed_2_dim": 1472,
+         "image_embed_dim": 1152, "rope_axes_dim": [16, 56, 56], "target_size": 640},
+        (8_326_608_160, 25_165_824), QWEN25_VL_7B_TEXT_PARAMS + BYT5_SMALL_ENCODER_PARAMS,
+        HUNYUAN_VIDEO15_VAE_PARAMS,
+        flow=True, pipeline="HunyuanVideo15Pipeline",
+        transformer="HunyuanVideo15Transformer3DModel",
+        hub_markers=("hunyuanvideo-1.5", "hunyuanvideo1.5", "hunyuan-video-1.5",
+                     "hunyuanvideo-15", "hunyuanvideo15"),
+        # tried before Wan I2V's `_i2v`: its own i2v ids are refused, not taken for Wan's
+        guess_order=-3, clip_tokens=0, t5_tokens=1000, long_encoder="Qwen2.5-VL",
+        text_stream_params=QWEN25_VL_7B_TEXT_LAYER, layer_keys=("num_layers",),
+        text_width_key="text_embed_dim",
+        other_text_values=256 * 1472, video=True, native_resolution=640,
+        demo="hunyuan_video15:write_model",
+        text_kept_params=QWEN25_VL_7B_TEXT_KEPT + BYT5_SMALL_KEPT,
     ),
 }  # fmt: skip
 REGISTRY = BUILTIN | installed_families(BUILTIN)

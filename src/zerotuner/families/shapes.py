@@ -37,6 +37,22 @@ LSE_BYTES = 2 * 4  # fp32 logsumexp per head per token: self- and cross-attentio
 # in its config) + 8 + the logsumexp per head; per text token and layer 12 x width + 8.
 LTX2_TOKEN_WIDTH_BYTES, LTX2_TOKEN_BYTES = 88, 8
 LTX2_TEXT_WIDTH_BYTES, LTX2_TEXT_BYTES = 12, 8
+# HunyuanVideo 1.5's block (diffusers 0.42 HunyuanVideo15TransformerBlock: one joint attention
+# over the clip's tokens and the text's, both streams normalised, modulated and fed forward
+# alike) in 16-bit, counted the same way on the meta device at widths 1024 and 2048 (SDPA
+# saving query, key, value and output): per video token and layer 62 x width + 8 per head (q's
+# and k's RMS statistics) + 1040, per text token 62 x width + 8 per head + 16, plus the
+# logsumexp per head (4 bytes: one attention). The text in every block is Qwen's tokens (the
+# caption length), ByT5's 256 and the 729 vision tokens, padding included. Its attention mask
+# is a dense boolean tokens x tokens matrix (the processor builds it from the text mask), which
+# no fused kernel takes as it is: SDPA turns it into a 16-bit bias the memory-efficient kernel
+# saves for the backward, 2 bytes per token pair and layer, while the boolean matrix and its
+# transpose's AND (1 byte each) live during the block's forward. That quadratic term is read
+# from the code, not measured on a device: at 121 frames of 480p it is ~5 GB a layer.
+HV15_TOKEN_WIDTH_BYTES, HV15_HEAD_BYTES, HV15_TOKEN_BYTES, HV15_TEXT_BYTES = 62, 8 + 4, 1040, 16
+HV15_PAIR_BYTES, HV15_MASK_BYTES = 2, 2
+HV15_JOINT_TEXT = 256 + 729  # ByT5's tokens and the vision tokens, beside Qwen's
+HV15_VAE_SCALES = (4, 16)  # AutoencoderKLHunyuanVideo15's defaults, the published VAE's
 
 
 @dataclass(frozen=True)
@@ -57,6 +73,12 @@ class VideoShape:
     text_bytes: int  # per layer: the text's keys and values (the cached caption's tokens)
     rope_bytes: int  # per video token, once: RoPE's fp32 cos and sin, shared by every layer
     latent_channels: int = 16
+    # A joint attention with a dense mask (HunyuanVideo 1.5's): the text tokens beside the
+    # clip's in it, the bytes per token pair each layer saves, and those the block's forward
+    # holds for the mask meanwhile (once)
+    joint_text: int = 0
+    pair_bytes: int = 0
+    mask_bytes: int = 0
 
     def latent_frames(self, frames: int) -> int:
         return (frames - 1) // self.temporal + 1
@@ -68,12 +90,15 @@ class VideoShape:
     def activations(self, tokens: int, checkpointing: bool, *, offloaded: bool = False) -> int:
         """16-bit device bytes for `tokens`: every layer's saved tensors, or with checkpointing
         each block's input (its hidden states: 2 x width per token; in host memory when
-        `offloaded`, `saved_inputs`) plus one block recomputed."""
-        layer = self.token_bytes * tokens + self.text_bytes
+        `offloaded`, `saved_inputs`) plus one block recomputed; a dense joint attention mask's
+        `pair_bytes` per token pair in each layer, `mask_bytes` once."""
+        pairs = (tokens + self.joint_text) ** 2 if self.pair_bytes else 0
+        layer = self.token_bytes * tokens + self.text_bytes + self.pair_bytes * pairs
+        once = self.rope_bytes * tokens + self.mask_bytes * pairs
         if not checkpointing:
-            return self.layers * layer + self.rope_bytes * tokens
+            return self.layers * layer + once
         inputs = 0 if offloaded else self.saved_inputs(tokens)
-        return inputs + layer + self.rope_bytes * tokens
+        return inputs + layer + once
 
     def saved_inputs(self, tokens: int) -> int:
         """16-bit bytes of the blocks' inputs gradient checkpointing keeps for the backward."""
@@ -114,7 +139,8 @@ def caption_cache_bytes(shape: ModelShape, max_sequence_length: int | None = Non
     spec = REGISTRY[shape.family]
     if not spec.flow:
         return spec.clip_tokens * shape.text_width * 4
-    return (spec.clip_tokens + (max_sequence_length or spec.t5_tokens)) * shape.text_width * 2
+    tokens = spec.clip_tokens + (max_sequence_length or spec.t5_tokens)
+    return (tokens * shape.text_width + spec.other_text_values) * 2
 
 
 # a pipeline's frozen parts: up to four text encoders (HiDream's: CLIP-L, CLIP-G, T5, Llama),
@@ -266,6 +292,8 @@ def vae_scale(model_dir: Path | None) -> int:
         vae = model_json(config)
         if "spatio_temporal_scaling" in vae:  # LTX-2's video VAE
             return ltx2_vae_scales(vae)[1]
+        if "spatial_compression_ratio" in vae:  # HunyuanVideo 1.5's
+            return int(vae["spatial_compression_ratio"])
         if "temperal_downsample" in vae:  # Qwen-Image's and Wan's video VAEs: one halving
             # per entry, after the 2x2 pixel patches of Wan 2.2's (`patch_size`: 16 in all)
             return 2 ** len(vae["temperal_downsample"]) * int(vae.get("patch_size") or 1)
@@ -349,6 +377,8 @@ def video_scales(model_dir: Path | None) -> tuple[int, int]:
     vae = model_json(config) if config is not None and config.is_file() else {}
     if "spatio_temporal_scaling" in vae:
         return ltx2_vae_scales(vae)
+    if "temporal_compression_ratio" in vae:  # HunyuanVideo 1.5's AutoencoderKLHunyuanVideo15
+        return int(vae["temporal_compression_ratio"]), int(vae["spatial_compression_ratio"])
     downsample = vae.get("temperal_downsample")
     temporal = vae.get("scale_factor_temporal") or (2 ** sum(map(bool, downsample))
                                                     if downsample else 4)  # fmt: skip
@@ -377,25 +407,42 @@ def video_shape(family: str, config: dict[str, Any], model_dir: Path | None) -> 
     vae_config = model_dir / "vae" / "config.json" if model_dir else None
     if "vae_scale_factors" in config and not (vae_config and vae_config.is_file()):
         temporal, spatial = (int(f) for f in config["vae_scale_factors"][:2])  # LTX-2's own
+    if spec.transformer == "HunyuanVideo15Transformer3DModel" and not (
+        vae_config and vae_config.is_file()
+    ):
+        temporal, spatial = HV15_VAE_SCALES
     heads = int(config["num_attention_heads"])
     width = math.prod(int(config[key]) for key in spec.width_keys)
     head_dim = width // heads
-    if "patch_size_t" in config or "caption_channels" in config:  # LTX-2's: int patches
+    joint: dict[str, int] = {}
+    if spec.transformer == "HunyuanVideo15Transformer3DModel":
+        per_token = HV15_TOKEN_WIDTH_BYTES * width + HV15_HEAD_BYTES * heads + HV15_TOKEN_BYTES
+        text_tokens = spec.t5_tokens + HV15_JOINT_TEXT
+        per_text = HV15_TOKEN_WIDTH_BYTES * width + HV15_HEAD_BYTES * heads + HV15_TEXT_BYTES
+        side = int(config.get("patch_size", 1))
+        patch = (int(config.get("patch_size_t", 1)), side, side)
+        joint = {"joint_text": text_tokens, "pair_bytes": HV15_PAIR_BYTES,
+                 "mask_bytes": HV15_MASK_BYTES}  # fmt: skip
+        text_bytes = per_text * text_tokens
+        channels = int(config.get("out_channels", 32))  # in: latents, condition and mask
+    elif "patch_size_t" in config or "caption_channels" in config:  # LTX-2's: int patches
         per_token = LTX2_TOKEN_WIDTH_BYTES * width + LTX2_TOKEN_BYTES + LSE_BYTES * heads
-        text = LTX2_TEXT_WIDTH_BYTES * width + LTX2_TEXT_BYTES
+        text_bytes = (LTX2_TEXT_WIDTH_BYTES * width + LTX2_TEXT_BYTES) * spec.t5_tokens
+        channels = int(config.get("in_channels", 16))
         side = int(config.get("patch_size", 1))
         patch = (int(config.get("patch_size_t", 1)), side, side)
     else:
         per_token = (WAN_TOKEN_WIDTH_BYTES * width + WAN_TOKEN_FFN_BYTES * int(config["ffn_dim"])
                      + WAN_TOKEN_BYTES + LSE_BYTES * heads)  # fmt: skip
-        text = WAN_TEXT_WIDTH_BYTES * width + WAN_TEXT_BYTES
+        text_bytes = (WAN_TEXT_WIDTH_BYTES * width + WAN_TEXT_BYTES) * spec.t5_tokens
+        channels = int(config.get("in_channels", 16))
         patch = (int(config["patch_size"][0]), int(config["patch_size"][1]),
                  int(config["patch_size"][2]))  # fmt: skip
     return VideoShape(
         temporal=temporal, spatial=spatial, patch=patch,
         layers=sum(int(config[key]) for key in spec.layer_keys), token_bytes=per_token,
-        input_bytes=2 * width, text_bytes=text * spec.t5_tokens,
-        rope_bytes=2 * 4 * head_dim, latent_channels=int(config.get("in_channels", 16)),
+        input_bytes=2 * width, text_bytes=text_bytes, rope_bytes=2 * 4 * head_dim,
+        latent_channels=channels, **joint,
     )  # fmt: skip
 
 

@@ -87,7 +87,10 @@ def load_pipeline(
         stored.quantize_frozen_base(getattr(pipe, part), base_precision)
     if lora_dir is not None:
         into = {"load_into_transformer_2": True} if part == "transformer_2" else {}
-        pipe.load_lora_weights(lora_dir, **into)
+        if hasattr(pipe, "load_lora_weights"):
+            pipe.load_lora_weights(lora_dir, **into)
+        else:  # a pipeline without diffusers' LoRA loader (HunyuanVideo 1.5's): its denoiser's
+            getattr(pipe, part).load_lora_adapter(lora_dir, prefix=part, use_safetensors=True)
     pipe.set_progress_bar_config(disable=True)
     return pipe.to(device)
 
@@ -133,7 +136,10 @@ def render(
         base, unet_state, device=device, lora_dir=lora_dir, denoiser=denoiser,
         base_precision=base_precision, pipeline=pipeline,
     )  # fmt: skip
-    video = "num_frames" in inspect.signature(pipe.__call__).parameters
+    takes = inspect.signature(pipe.__call__).parameters
+    if "guidance_scale" in extra and "guidance_scale" not in takes:  # HunyuanVideo 1.5's guider
+        pipe.guider = pipe.guider.new(guidance_scale=extra.pop("guidance_scale"))
+    video = "num_frames" in takes
     fps = VIDEO_FPS if video_fps is None else video_fps
     if video:
         temporal = int(

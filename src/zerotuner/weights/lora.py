@@ -138,16 +138,35 @@ def parse_targets(value: str) -> tuple[str, ...]:
 def resolve_targets(module: torch.nn.Module, targets: Iterable[str]) -> tuple[str, ...]:
     """The targets as this model spells them: a name that matches none of its layers while
     its other spelling (SPELLINGS) does is that spelling; every other name stays (check_targets
-    refuses one that matches nothing). A layer an adapter wraps already counts as its own."""
+    refuses one that matches nothing). A layer an adapter wraps already counts as its own.
+    A name that also matches layers the model's family never trains (`ModelFamily.trains`:
+    LTX-2's audio stream, which no gradient reaches) becomes the full names of the layers it
+    does train; one that matches only such layers stays as it is."""
     layers = [n for n, m in module.named_modules()
               if isinstance(getattr(m, "base_layer", m), LORA_LAYERS)]  # fmt: skip
 
     def named(target: str) -> bool:
         return any(_matches(n, target) for n in layers)
 
-    resolved = (SPELLINGS[t] if t in SPELLINGS and not named(t) and named(SPELLINGS[t]) else t
-                for t in targets)  # fmt: skip
+    trains = _family_trains(module)
+    resolved: list[str] = []
+    for target in targets:
+        if target in SPELLINGS and not named(target) and named(SPELLINGS[target]):
+            target = SPELLINGS[target]
+        matched = [n for n in layers if _matches(n, target)]
+        trained = [n for n in matched if trains(f"{n}.weight")]
+        resolved += [target] if not trained or len(trained) == len(matched) else trained
     return tuple(dict.fromkeys(resolved))
+
+
+def _family_trains(module: torch.nn.Module) -> Any:
+    """`trains` of the family whose denoiser class `module` is (every parameter: a UNet's, or
+    a family that trains all of its transformer)."""
+    from zerotuner import families
+    from zerotuner.families.registry import TRANSFORMERS
+
+    family = TRANSFORMERS.get(type(module).__name__)
+    return families.get(family).trains if family else (lambda name: True)
 
 
 def alpha(settings: Settings) -> float:
