@@ -10,6 +10,7 @@ adapter edit an input image through QwenImageEditPipeline.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import shutil
 from pathlib import Path
@@ -69,9 +70,10 @@ def pairs(demo: Path, count: int = 8) -> tuple[list[str], torch.Tensor, torch.Te
     return [item.caption for item in items], pixels, controls
 
 
-def edit_loss(demo: Path, transformer, draws: int = 4) -> float:
-    """The family's training loss of `transformer` on 8 demo pairs with fixed draws, as the
-    cache and the objective see them (the captions read with their controls)."""
+@functools.cache
+def edit_batch(demo: Path) -> tuple[dict, torch.Tensor, object]:
+    """8 demo pairs as the cache holds them (the captions read with their controls, the
+    controls' latents), their targets' latents and the scheduler: encoded once."""
     pipe = load(demo / "model")
     kind = dataclasses.replace(families.get(FAMILY), max_sequence_length=TOKENS)
     captions, pixels, controls = pairs(demo)
@@ -79,9 +81,17 @@ def edit_loss(demo: Path, transformer, draws: int = 4) -> float:
     batch["control_latents"] = model.encode_images(pipe.vae, controls.flatten(0, 1)).unflatten(
         0, controls.shape[:2]
     )
-    kwargs = kind.model_kwargs(batch, torch.float32)
-    objective = kind.objective(Settings(), pipe.scheduler, transformer.config)
-    latents = model.encode_images(pipe.vae, pixels)
+    return (
+        kind.model_kwargs(batch, torch.float32),
+        model.encode_images(pipe.vae, pixels),
+        (pipe.scheduler),
+    )
+
+
+def edit_loss(demo: Path, transformer, draws: int = 4) -> float:
+    """The family's training loss of `transformer` on 8 demo pairs with fixed draws."""
+    kwargs, latents, scheduler = edit_batch(demo)
+    objective = families.get(FAMILY).objective(Settings(), scheduler, transformer.config)
     with torch.no_grad():
         losses = [
             objective.loss(transformer.eval(), latents, kwargs,
@@ -125,6 +135,40 @@ def test_the_demo_is_an_edit_pipeline_that_edits_and_is_detected(demo, tmp_path)
     assert type(objective).__name__ == "QwenImageEditObjective"
 
 
+def test_the_processor_reads_the_hub_layout_without_torchvision(demo, tmp_path) -> None:
+    """Qwen/Qwen-Image-Edit's processor/ (its preprocessor_config.json as published, a
+    tokenizer) built by load_processor: the pixel values are Qwen2-VL's (bicubic to multiples of
+    28 px within min/max_pixels, CLIP's mean and std, 14 px patches two frames deep, grouped by
+    2x2 merge), one `<|image_pad|>` per merged patch."""
+    from zerotuner.families.qwen_image_edit import TEMPLATE, load_processor
+
+    hub = tmp_path / "processor"
+    hub.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(demo / "model" / "processor" / name, hub / name)
+    mean, std = [0.48145466, 0.4578275, 0.40821073], [0.26862954, 0.26130258, 0.27577711]
+    (hub / "preprocessor_config.json").write_text(json.dumps({
+        "do_convert_rgb": True, "do_normalize": True, "do_rescale": True, "do_resize": True,
+        "image_mean": mean, "image_processor_type": "Qwen2VLImageProcessor", "image_std": std,
+        "max_pixels": 12845056, "merge_size": 2, "min_pixels": 3136, "patch_size": 14,
+        "processor_class": "Qwen2VLProcessor", "resample": 3,
+        "rescale_factor": 0.00392156862745098, "temporal_patch_size": 2,
+    }))  # fmt: skip
+    processor = load_processor(tmp_path)
+    image = Image.fromarray((np.random.RandomState(0).rand(100, 150, 3) * 255).astype(np.uint8))
+    out = processor(text=[TEMPLATE.format(PROMPT)], images=[image], return_tensors="pt")
+    height, width = 112, 140  # 100 x 150 rounded to multiples of 28
+    pixels = np.asarray(image.resize((width, height), Image.BICUBIC), np.float32) / 255
+    pixels = ((pixels - np.array(mean)) / np.array(std)).transpose(2, 0, 1)[None].repeat(2, 0)
+    rows, cols = height // 14, width // 14
+    patches = pixels.reshape(1, 2, 3, rows // 2, 2, 14, cols // 2, 2, 14)
+    patches = patches.transpose(0, 3, 6, 4, 7, 2, 1, 5, 8).reshape(rows * cols, -1)
+    assert out["image_grid_thw"].tolist() == [[1, rows, cols]]
+    np.testing.assert_allclose(out["pixel_values"].numpy(), patches, atol=1e-5)
+    pad = processor.tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    assert out["input_ids"][0].tolist().count(pad) == rows * cols // 4
+
+
 def test_cached_caption_states_are_the_pipelines_encode_prompt(demo) -> None:
     """Each caption read with its control image (vision tokens among the states) as
     QwenImageEditPipeline.encode_prompt reads it, padded with a mask; a control changed is
@@ -138,11 +182,13 @@ def test_cached_caption_states_are_the_pipelines_encode_prompt(demo) -> None:
         image = Image.fromarray(
             ((controls[i, 0].permute(1, 2, 0) + 1) * 127.5).round().to(torch.uint8).numpy()
         )
+        # what QwenImageEditPipeline.__call__ hands encode_prompt: the input at 1024^2 in area
+        image = pipe.image_processor.resize(image, 1024, 1024)
         with torch.no_grad():
             states, mask = pipe.encode_prompt(caption, image=image, device=torch.device("cpu"))
         length = states.shape[1]
         assert mask is None or bool(mask.all())
-        assert int(cached["text_mask"][i].sum()) == length
+        assert int(cached["text_mask"][i].float().sum()) == length
         torch.testing.assert_close(
             cached["prompt_embeds"][i, :length].float(), states[0].to(kind.cache_dtype).float()
         )
@@ -212,11 +258,27 @@ def test_lora_at_zero_3_edits_through_the_pipeline(demo, tmp_path) -> None:
     assert np.abs(edit(pipe, control) - before).max() > 1e-3
 
 
-def test_caption_dropout_is_refused_in_one_line() -> None:
-    from zerotuner.families.family_settings import check_family_settings
+def test_check_counts_a_caption_per_image_and_refuses_caption_dropout(
+    demo, monkeypatch, tmp_path, capsys
+) -> None:
+    """The real `zerotuner check`: the text cache holds one caption's states per image (read
+    with its control); ZT_CAPTION_DROPOUT is one line, exit 2."""
+    from zerotuner.cli import main
 
-    with pytest.raises(ConfigError, match="ZT_CAPTION_DROPOUT=0.1: qwenimageedit"):
-        check_family_settings(Settings(caption_dropout=0.1), FAMILY)
+    for key, value in {"ZT_MODEL": str(demo / "model"), "ZT_DATA_DIR": str(demo / "data"),
+                       "ZT_OUTPUT_DIR": str(tmp_path / "output"), "ZT_DEVICE": "cpu",
+                       "ZT_CACHE_DIR": str(tmp_path / "cache"), "ZT_RESOLUTION": "64",
+                       "ZT_OFFLOAD_DIR": str(tmp_path / "offload"),
+                       "ZT_NUM_PROCESSES": "1"}.items():  # fmt: skip
+        monkeypatch.setenv(key, value)
+    assert main(["check"]) == 0
+    out = capsys.readouterr().out
+    assert "64 images with 1 control image each" in out and "64 captions x" in out
+    monkeypatch.setenv("ZT_CAPTION_DROPOUT", "0.1")
+    assert main(["check"]) == 2
+    captured = capsys.readouterr()
+    (line,) = [x for x in (captured.out + captured.err).splitlines() if "ZT_CAPTION_DROPOUT" in x]
+    assert "ZT_CAPTION_DROPOUT=0.1: qwenimageedit's captions are encoded with" in line
 
 
 def test_the_planner_counts_the_reference_and_its_vision_tokens() -> None:

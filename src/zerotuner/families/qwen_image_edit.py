@@ -11,15 +11,18 @@ several references, another template) is refused in one line (detection.py).
 
 What it trains on is what QwenImageEditPipeline samples with (diffusers 0.42,
 pipelines/qwenimage/pipeline_qwenimage_edit.py, `_get_qwen_prompt_embeds`, `prepare_latents`,
-`__call__`), as musubi-tuner's Qwen-Image-Edit training also conditions (kohya-ss/musubi-tuner,
-src/musubi_tuner/qwen_image_train_network.py: control latents concatenated after the noisy
-tokens, `img_shapes` listing both, the prediction cut to the target's tokens):
+`__call__`), as musubi-tuner's Qwen-Image-Edit training also conditions (kohya-ss/musubi-tuner
+at 1852ad34, src/musubi_tuner/qwen_image_train_network.py `call_dit`: the control latents after
+the noisy tokens, `img_shapes` listing both, the prediction cut to the target's tokens):
 - captions: the prompt in the pipeline's edit template (`prompt_template_encode`, its
   `<|vision_start|><|image_pad|><|vision_end|>` before the prompt), tokenized with the control
-  image by its Qwen2VLProcessor, Qwen2.5-VL's last hidden states of the real tokens with the
+  image (resized as the pipeline resizes it, to 1024^2 in area: `control_pixels`) by its
+  Qwen2VLProcessor, Qwen2.5-VL's last hidden states of the real tokens with the
   first 64 (`prompt_template_encode_start_idx`) dropped. They depend on the control image (its
   vision tokens are among them), so they are cached per item in its latent entry (and its
-  mirror image's, which sees the mirrored control), not per caption: `encode_item_captions`;
+  mirror image's, which sees the mirrored control), not per caption: `encode_item_captions`,
+  as musubi-tuner caches them per item (src/musubi_tuner/
+  qwen_image_cache_text_encoder_outputs.py at 1852ad34, the control resized to 1024^2 in area);
 - the control image cropped, flipped and sized with its target (data/loading.py; the pipeline
   resizes its input to 1024^2 in area at its aspect ratio: at ZT_RESOLUTION 1024 a bucket is
   that size), encoded by the VAE's mode and normalised as the target's (`_encode_vae_image`);
@@ -56,6 +59,7 @@ TEMPLATE = (
     "<|im_start|>assistant\n"
 )  # QwenImageEditPipeline.prompt_template_encode
 TEMPLATE_TOKENS = 64  # its prompt_template_encode_start_idx: the tokens dropped
+PIPELINE_AREA = 1024 * 1024  # the area QwenImageEditPipeline resizes its input image to
 
 
 class ImageProcessor(Qwen2VLProcessor):
@@ -95,12 +99,22 @@ def pipeline_parts(folder: Path) -> dict[str, Any]:
 
 
 def control_pixels(controls: torch.Tensor) -> list[Any]:
-    """The first control image of each item (batch, controls, 3, h, w) in [-1, 1] as PIL images,
-    as the pipeline hands its resized input to the processor."""
+    """The first control image of each item (batch, controls, 3, h, w) in [-1, 1] as the
+    pipeline hands its input to the processor: a PIL image resized to 1024^2 in area at its
+    aspect ratio, sides multiples of 32 (`calculate_dimensions`, VaeImageProcessor.resize),
+    whatever the training resolution."""
+    from diffusers.image_processor import VaeImageProcessor
+    from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit import calculate_dimensions
     from PIL import Image
 
     pixels = ((controls[:, 0].float().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)
-    return [Image.fromarray(p) for p in pixels.permute(0, 2, 3, 1).cpu().numpy()]
+    images = [Image.fromarray(p) for p in pixels.permute(0, 2, 3, 1).cpu().numpy()]
+    resizer = VaeImageProcessor()  # its PIL resize: lanczos, as the pipeline's
+    sized = []
+    for image in images:
+        width, height, _ = calculate_dimensions(PIPELINE_AREA, image.width / image.height)
+        sized.append(resizer.resize(image, height, width))
+    return sized
 
 
 @dataclass(frozen=True)
