@@ -219,6 +219,7 @@ def test_full_fine_tuning_at_zero_3_learns_the_edit_and_exports(demo, full_run) 
     output, log = full_run
     assert [s["step"] for s in tk.read_steps(output)] == list(range(1, STEPS + 1))
     assert "64 images with 1 control image each" in log and "loss on the target" in log
+    assert "read with its control image: cached with its latents" in log
     base, final = load(demo / "model"), load(output / "final")
     assert type(final).__name__ == PIPELINE
     assert edit_loss(demo, final.transformer) < 0.97 * edit_loss(demo, base.transformer)

@@ -25,7 +25,9 @@ the noisy tokens, `img_shapes` listing both, the prediction cut to the target's 
   qwen_image_cache_text_encoder_outputs.py at 1852ad34, the control resized to 1024^2 in area);
 - the control image cropped, flipped and sized with its target (data/loading.py; the pipeline
   resizes its input to 1024^2 in area at its aspect ratio: at ZT_RESOLUTION 1024 a bucket is
-  that size), encoded by the VAE's mode and normalised as the target's (`_encode_vae_image`);
+  that size; musubi-tuner too resizes controls to the target's bucket unless its dataset's
+  `no_resize_control`), encoded by the VAE's mode and normalised as the target's
+  (`_encode_vae_image`);
 - both packed 2x2, the control's tokens after the noisy ones (`torch.cat([latents,
   image_latents], dim=1)`), `img_shapes` [(1, h/2, w/2), (1, h/2, w/2)] per image: the
   transformer's RoPE places each image in turn (QwenEmbedRope's frame offset);
