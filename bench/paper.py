@@ -187,6 +187,8 @@ FLOW_HARDWARE = (("1 x 24 GB", 1, 24, 128), ("1 x 80 GB", 1, 80, 256), ("8 x 80 
 FLOW_MODELS = (
     ("SD3.5 Large", "sd3"), ("FLUX.1-dev", "flux"),
     ("FLUX.1-Kontext-dev", "fluxkontext"),  # the reference image's tokens beside the target's
+    # the control's latent tokens beside the target's, its vision tokens in the caption
+    ("Qwen-Image-Edit", "qwenimageedit"),
 )  # fmt: skip
 
 

@@ -31,6 +31,7 @@ TARGETS = {
     "sd3": "attention+ff", "flux": "attention+ff", "fluxkontext": "attention+ff",
     "chroma": "attention,proj_mlp,proj_out",
     "zimage": "attention", "qwenimage": "attention,img_mlp.net.2",
+    "qwenimageedit": "attention,img_mlp.net.2",
     "flux2": "attention,to_qkv_mlp_proj,single_transformer_blocks.0.attn.to_out",
     "flux2klein": "attention,to_qkv_mlp_proj",
     # every kind of layer Wan's original names rename
@@ -81,7 +82,10 @@ def fused(demo: Path, family: str, folder: Path, weight_name: str) -> tuple[dict
     from diffusers import DiffusionPipeline
     from peft.tuners.tuners_utils import BaseTunerLayer
 
-    pipe = DiffusionPipeline.from_pretrained(demo / "model")
+    from zerotuner.families.qwen_image_edit import pipeline_parts
+
+    # Qwen-Image-Edit's processor, built without torchvision (its own loader needs it)
+    pipe = DiffusionPipeline.from_pretrained(demo / "model", **pipeline_parts(demo / "model"))
     if not hasattr(pipe, "load_lora_weights"):  # HunyuanVideo 1.5's: the family's LoRA pipeline
         pipe = families.get(family).pipeline_class().from_pretrained(demo / "model")
     pipe.load_lora_weights(folder, weight_name=weight_name)

@@ -172,9 +172,7 @@ def test_hidream_presets_name_its_layers_and_its_training_output_is_the_pipeline
 
 @pytest.mark.parametrize(
     ("name", "index"),
-    [("Qwen/Qwen-Image-Edit-2509", "QwenImageEditPlusPipeline"),
-     ("Qwen/Qwen-Image-Edit", "QwenImageEditPipeline"),
-     ("HiDream-ai/HiDream-E1-Full", "HiDreamImageEditingPipeline")],
+    [("HiDream-ai/HiDream-E1-Full", "HiDreamImageEditingPipeline")],
 )  # fmt: skip
 def test_image_edit_models_are_refused_in_one_line(name, index, tmp_path, monkeypatch, capsys):
     """An image-edit model needs paired images: by hub id (offline) or by its model_index, one

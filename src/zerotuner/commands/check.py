@@ -215,11 +215,15 @@ def _upscaled(dataset: Dataset, resolution: int, *, upscale: bool, step: int) ->
 def _text_cache(c: Checks) -> str:
     """The captions' cached text states against the free space at ZT_CACHE_DIR (T5's make them
     large: up to 4 MiB a caption for Flux)."""
+    from zerotuner import families
     from zerotuner.machine.offload_volume import free_bytes_at
 
-    settings, plan = c.facts["settings"], c.facts["plan"]
+    settings, plan, model = c.facts["settings"], c.facts["plan"], c.facts.get("model")
     captions = len({item.caption for item in c.facts["dataset"].items})
     captions += settings.caption_dropout > 0  # the empty caption, cached once
+    if model is not None and families.REGISTRY[model.family].captions_per_item:
+        # read with each image's control (Qwen-Image-Edit): one per image and mirror image
+        captions = len(c.facts["dataset"].items) * (2 if settings.random_flip else 1)
     need = captions * plan.inputs.caption_cache_bytes
     free = free_bytes_at(settings.cache_dir) or 0
     size = f"{captions} captions x {plan.inputs.caption_cache_bytes / 2**20:.2f} MiB = "

@@ -14,7 +14,7 @@ from __future__ import annotations
 import re
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from zerotuner.demo.parts import EXTRA_WORDS, normalise_video_latents
 from zerotuner.demo.z_image import SPECIALS
@@ -30,14 +30,17 @@ TEMPLATE_WORDS = (
 QWEN_WIDTH = 32  # the text states' width: the transformer's joint_attention_dim
 
 
-def write_qwen_tokenizer(folder: Path, corpus: list[str]) -> PreTrainedTokenizerFast:
-    """Word-level: lower-cased words, each punctuation mark and each newline one token."""
+def write_qwen_tokenizer(
+    folder: Path, corpus: list[str], *, specials: tuple[str, ...] = SPECIALS,
+    words: str = TEMPLATE_WORDS, marks: tuple[str, ...] = (",", ":", "."),
+) -> PreTrainedTokenizerFast:  # fmt: skip
+    """Word-level: lower-cased words, each punctuation mark and each newline one token
+    (`specials`, `words`, `marks`: what its prompt template holds besides the corpus)."""
     from tokenizers import AddedToken, Regex, Tokenizer, models, normalizers, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    text = " ".join([*corpus, EXTRA_WORDS, TEMPLATE_WORDS]).lower()
-    words = sorted(set(re.findall(r"[a-z]+", text)))
-    tokens = [*SPECIALS, "<unk>", "\n", ",", ":", ".", *words]
+    text = " ".join([*corpus, EXTRA_WORDS, words]).lower()
+    tokens = [*specials, "<unk>", "\n", *marks, *sorted(set(re.findall(r"[a-z]+", text)))]
     tok = Tokenizer(models.WordLevel({t: i for i, t in enumerate(tokens)}, unk_token="<unk>"))
     tok.normalizer = normalizers.Lowercase()
     tok.pre_tokenizer = pre_tokenizers.Sequence([
@@ -45,7 +48,7 @@ def write_qwen_tokenizer(folder: Path, corpus: list[str]) -> PreTrainedTokenizer
         pre_tokenizers.Split(Regex(" +"), "removed"),
         pre_tokenizers.Split(Regex("[^a-z\n]"), "isolated"),
     ])  # fmt: skip
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIALS])
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=tok, pad_token="<|endoftext|>", eos_token="<|im_end|>",
         unk_token="<unk>", padding_side="right", model_max_length=2048,
@@ -55,8 +58,10 @@ def write_qwen_tokenizer(folder: Path, corpus: list[str]) -> PreTrainedTokenizer
 
 
 def _text_encoder(
-    tokenizer: PreTrainedTokenizerFast, seed: int
+    tokenizer: PreTrainedTokenizerFast, seed: int, vision_ids: dict[str, Any] | None = None
 ) -> Qwen2_5_VLForConditionalGeneration:
+    """`vision_ids`: the tokenizer's ids of the image markers (image_token_id,
+    vision_start_token_id ...) where its vision tower reads images (Qwen-Image-Edit)."""
     import torch
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
@@ -79,7 +84,7 @@ def _text_encoder(
                 "depth": 1, "hidden_size": 16, "intermediate_size": 32, "num_heads": 2,
                 "out_hidden_size": QWEN_WIDTH, "fullatt_block_indexes": [0],
             },
-            vocab_size=len(tokenizer), **ids,
+            vocab_size=len(tokenizer), **ids, **(vision_ids or {}),
         )
     )  # fmt: skip
 

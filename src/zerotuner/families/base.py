@@ -214,6 +214,15 @@ class ModelFamily:
         latents of pixels): Wan I2V's first frame's condition latents and image states."""
         return {}
 
+    def encode_item_captions(
+        self, encoders: list[Any], tokenizers: list[Any], captions: list[str],
+        controls: torch.Tensor,
+    ) -> dict[str, torch.Tensor]:  # fmt: skip
+        """The captions' states of a family whose text encoder also reads each item's control
+        images (`controls`: batch, controls, C, H, W in [-1, 1]; Spec.captions_per_item):
+        cached in the items' latent entries, on the CPU. Qwen-Image-Edit's Qwen2.5-VL."""
+        return {}
+
     def model_kwargs(self, batch: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, Any]:
         """The keyword arguments of the denoiser's forward from a batch holding embeddings."""
         return {"encoder_hidden_states": batch["prompt_embeds"].to(dtype)}

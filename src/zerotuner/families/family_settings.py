@@ -77,6 +77,12 @@ def check_family_settings(settings: Any, family: str, shape: ModelShape | None =
             f"{env_name('lora_text_encoder')}=true: text encoder adapters are for the UNet "
             f"families so far; unset it to train the {family} transformer's adapter alone"
         )
+    if REGISTRY[family].captions_per_item and settings.caption_dropout > 0:
+        problems.append(
+            f"{env_name('caption_dropout')}={settings.caption_dropout:g}: {family}'s captions "
+            "are encoded with their control image and cached per image, so none can be "
+            f"swapped for the empty caption yet; unset {env_name('caption_dropout')}"
+        )
     if problems:
         raise ConfigError(problems[0], problems=problems)
 

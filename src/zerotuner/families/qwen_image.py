@@ -82,7 +82,8 @@ class QwenImage(FlowFamily):
         """The batch's states and mask, trimmed to its longest caption (the pipeline pads a
         batch of prompts to its longest)."""
         mask = batch["text_mask"]
-        longest = max(int(mask.sum(dim=1).max()), 1)
+        # counted in fp32: a bf16 sum rounds past 256 (Qwen-Image-Edit's 1369 vision tokens)
+        longest = max(int(mask.float().sum(dim=1).max()), 1)
         return {
             "encoder_hidden_states": batch["prompt_embeds"][:, :longest].to(dtype),
             "encoder_hidden_states_mask": mask[:, :longest].to(torch.long),

@@ -79,6 +79,12 @@ class Spec:
     # What its pipeline samples from besides the prompt (train/validation_inputs.py): "" none,
     # "first frame" (image-to-video), "control image" (an edit model)
     sample_input: str = ""
+    # Its captions' states depend on the control images (Qwen-Image-Edit's Qwen2.5-VL reads
+    # them): cached per item in its latent entry, not per caption (train/feature_cache.py)
+    captions_per_item: bool = False
+    # the tokens each control image adds to a caption's states at the native resolution
+    # (Qwen-Image-Edit: Qwen2.5-VL reads a 1024^2 control in 28 px merged patches, 37 x 37)
+    control_text_tokens: int = 0
     # Of text_params, what a low ZT_TEXT_ENCODER_PRECISION keeps at the run's precision (the
     # published encoders' *_KEPT below); None: not known, the planner counts them all so
     text_kept_params: int | None = None
@@ -201,6 +207,18 @@ def installed_families(builtin: dict[str, Spec]) -> dict[str, Spec]:
     return found
 
 
+QWEN_IMAGE = Spec(
+    "qwen_image", "QwenImage",
+    {"patch_size": 2, "in_channels": 64, "out_channels": 16, "num_layers": 60,
+     "attention_head_dim": 128, "num_attention_heads": 24, "joint_attention_dim": 3584,
+     "guidance_embeds": False, "axes_dims_rope": [16, 56, 56]},
+    (20_430_401_088, 56_623_104), QWEN25_VL_7B_PARAMS, QWEN_VAE_PARAMS,
+    flow=True, pipeline="QwenImagePipeline", transformer="QwenImageTransformer2DModel",
+    hub_markers=("qwen-image", "qwen_image", "qwenimage"), guess_order=-1, clip_tokens=0,
+    t5_tokens=512, long_encoder="Qwen2.5-VL", layer_keys=("num_layers",),
+    demo="qwen_image:write_model",
+    text_kept_params=QWEN25_VL_7B_KEPT,
+)  # fmt: skip
 FLUX = Spec(
     "flow", "Flux",
     {"patch_size": 1, "in_channels": 64, "num_layers": 19, "num_single_layers": 38,
@@ -294,17 +312,15 @@ BUILTIN: dict[str, Spec] = {
         demo="z_image:write_model",
         text_kept_params=QWEN3_4B_KEPT,
     ),
-    "qwenimage": Spec(
-        "qwen_image", "QwenImage",
-        {"patch_size": 2, "in_channels": 64, "out_channels": 16, "num_layers": 60,
-         "attention_head_dim": 128, "num_attention_heads": 24, "joint_attention_dim": 3584,
-         "guidance_embeds": False, "axes_dims_rope": [16, 56, 56]},
-        (20_430_401_088, 56_623_104), QWEN25_VL_7B_PARAMS, QWEN_VAE_PARAMS,
-        flow=True, pipeline="QwenImagePipeline", transformer="QwenImageTransformer2DModel",
-        hub_markers=("qwen-image", "qwen_image", "qwenimage"), guess_order=-1, clip_tokens=0,
-        t5_tokens=512, long_encoder="Qwen2.5-VL", layer_keys=("num_layers",),
-        demo="qwen_image:write_model",
-        text_kept_params=QWEN25_VL_7B_KEPT,
+    "qwenimage": QWEN_IMAGE,
+    # Qwen-Image-Edit is Qwen-Image's network (Qwen/Qwen-Image-Edit's transformer/config.json is
+    # Qwen-Image's, its encoder Qwen2.5-VL-7B with the vision tower that reads the control
+    # image): its trainer, pipeline, one control, and captions cached per item differ
+    "qwenimageedit": replace(
+        QWEN_IMAGE, module="qwen_image_edit", cls="QwenImageEdit",
+        pipeline="QwenImageEditPipeline", hub_markers=("qwen-image-edit", "qwen_image_edit"),
+        guess_order=-5, demo="qwen_image_edit:write_model", controls=1, captions_per_item=True,
+        control_text_tokens=37 * 37, sample_input="control image",  # the pipeline's `image`
     ),
     "flux2": Spec(
         "flux2", "Flux2",

@@ -139,8 +139,9 @@ def caption_cache_bytes(shape: ModelShape, max_sequence_length: int | None = Non
     spec = REGISTRY[shape.family]
     if not spec.flow:
         return spec.clip_tokens * shape.text_width * 4
-    tokens = spec.clip_tokens + (max_sequence_length or spec.t5_tokens)
-    return (tokens * shape.text_width + spec.other_text_values) * 2
+    text = max_sequence_length or spec.t5_tokens
+    vision = spec.controls * spec.control_text_tokens  # Qwen-Image-Edit's: its controls' tokens
+    return ((spec.clip_tokens + text + vision) * shape.text_width + spec.other_text_values) * 2
 
 
 # a pipeline's frozen parts: up to four text encoders (HiDream's: CLIP-L, CLIP-G, T5, Llama),
@@ -453,12 +454,13 @@ def transformer_activations(family: str, config: dict[str, Any]) -> tuple[int, i
     (2 x tokens x width each) plus one layer recomputed. Tokens: the image's patches (2x2
     latent cells), once more per control image an edit family packs beside them (FLUX.1
     Kontext: its reference, at the target's size), and the text's (SD3: CLIP 77 + T5 256; Flux,
-    Chroma: T5 512; Z-Image: Qwen3 512). Layers: the family's `layer_keys` (Z-Image: its 30
+    Chroma: T5 512; Z-Image: Qwen3 512; Qwen-Image-Edit: Qwen2.5-VL 512 and its control
+    image's 1369 vision tokens). Layers: the family's `layer_keys` (Z-Image: its 30
     main layers and the noise refiner's 2, which see the image; the context refiner's, on the
     text alone, are left out)."""
     spec = REGISTRY[family]
     image = (1024 // VAE_SCALE // 2) ** 2 * (1 + spec.controls)
-    tokens = image + spec.clip_tokens + spec.t5_tokens
+    tokens = image + spec.clip_tokens + spec.t5_tokens + spec.controls * spec.control_text_tokens
     width = math.prod(int(config[key]) for key in spec.width_keys)
     layers = sum(int(config[key]) for key in spec.layer_keys)
     per_layer = 34 * tokens * width

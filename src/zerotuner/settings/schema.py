@@ -382,9 +382,10 @@ class Settings(BaseSettings):
     validation_images: str | None = Field(
         None,
         description="Input images of the samples of a model that samples from one (Wan "
-        "image-to-video: the first frame; FLUX.1 Kontext: the image to edit): comma-separated "
-        "paths, one per validation prompt or one for all (relative: under ZT_DATA_DIR); empty = "
-        "the first training clip's first frame (Kontext: the first pair's control image).",
+        "image-to-video: the first frame; FLUX.1 Kontext, Qwen-Image-Edit: the image to edit): "
+        "comma-separated paths, one per validation prompt or one for all (relative: under "
+        "ZT_DATA_DIR); empty = the first training clip's first frame (an edit model: the first "
+        "pair's control image).",
     )
     validation_every_steps: int = Field(0, ge=0, description="Sample interval; 0 = end only.")
     validation_inference_steps: int = Field(20, ge=1, description="Denoising steps per sample.")

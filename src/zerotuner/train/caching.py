@@ -19,6 +19,7 @@ from typing import Any, TextIO
 import torch
 from tqdm import tqdm
 
+from zerotuner import families
 from zerotuner.data.buckets import Bucket
 from zerotuner.data.captions import caption_dropped
 from zerotuner.data.dataset import Dataset, Item
@@ -51,12 +52,14 @@ def fill(
     host memory on a multi-GPU node); they are released before the engine starts. `texts`
     False: captions are not cached (the text encoders train, see lora_text.py)."""
     text_dirs = [d for pair in conditioning.text_subfolders for d in pair]
+    per_item = families.REGISTRY[conditioning.name].captions_per_item
     features = feature_cache.FeatureCache(
         settings.cache_dir,
         vae_key=feature_cache.component_key(source, conditioning.latent_subfolders())
         + conditioning.latent_cache_tag(),
         text_key=text_key(settings, source, text_dirs, conditioning),
         flip=settings.random_flip,
+        captions_per_item=per_item,
     )
     bucket_of = {i: size for size, indices in buckets.items() for i in indices}
     items = [
@@ -94,12 +97,19 @@ def fill(
             def encode(pixels: torch.Tensor) -> torch.Tensor:
                 return conditioning.encode_latents(components.vae, pixels)
 
+            def conditions(
+                pixels: torch.Tensor, captions: list[str], controls: torch.Tensor | None
+            ) -> dict[str, torch.Tensor]:
+                extra = conditioning.encode_conditions(pixels, encode, components.image_encoder)
+                if per_item and controls is not None:  # the text encoder reads the controls
+                    extra |= conditioning.encode_item_captions(
+                        components.text_encoders, components.tokenizers, captions, controls
+                    )
+                return extra
+
             features.encode_latents(
-                [items[i] for i in my_latents], encode, progress.images,
-                conditions=lambda px: conditioning.encode_conditions(
-                    px, encode, components.image_encoder
-                ),
-            )  # fmt: skip
+                [items[i] for i in my_latents], encode, progress.images, conditions=conditions
+            )
             features.encode_texts(
                 my_texts, lambda caps: conditioning.encode_text(components, caps), progress.texts
             )
@@ -109,7 +119,7 @@ def fill(
             log.info("caching: waiting for the other nodes' share (no time limit while they work)")
         barrier.wait()  # every entry is on disk now
     encoded_l, encoded_t = distributed.all_sum([len(my_latents), len(my_texts)])
-    unique = len({item.caption for item in items} | set(empty)) if texts else 0
+    unique = len({item.caption for item in items} | set(empty)) if texts and not per_item else 0
     stats = feature_cache.CacheStats(
         latents_encoded=encoded_l,
         latents_reused=len(items) - encoded_l,

@@ -6,7 +6,9 @@ everything the tensor depends on:
   digest of its bytes, and its mask's and control images') and its bucket -- so a changed
   image, control, resolution or bucket re-encodes only that image; an edit model's control
   images are encoded into the same entry (`control_latents`: controls x the latents' shape);
-- a text embedding: the text encoders and tokenizers, and the caption.
+- a text embedding: the text encoders and tokenizers, and the caption; a family whose text
+  encoder also reads the control images (Qwen-Image-Edit) caches its captions' states in the
+  latent entry instead (`captions_per_item`: the caption and the text key in its name).
 Each node's first rank encodes the node's share of the missing entries (round-robin), writes
 them atomically, and after a barrier every rank reads any entry from the shared folder. A
 restart finds them all and loads no VAE at all; `CacheStats` says how many were encoded and
@@ -41,6 +43,10 @@ Loaded = (
     | tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]
     | tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]
 )
+
+# What else a family caches of a batch beside its latents: (pixels, captions, control images
+# (batch, controls, C, H, W) or None) -> tensors by name, each batch-first
+Conditions = Callable[[torch.Tensor, list[str], torch.Tensor | None], dict[str, torch.Tensor]]
 
 
 @dataclass(frozen=True)
@@ -99,12 +105,19 @@ def _digest(*parts: object) -> str:
 class FeatureCache:
     """Cached latents and text embeddings for one model; see the module docstring."""
 
-    def __init__(self, root: Path, *, vae_key: str, text_key: str, flip: bool) -> None:
+    def __init__(
+        self, root: Path, *, vae_key: str, text_key: str, flip: bool,
+        captions_per_item: bool = False,
+    ) -> None:  # fmt: skip
         self.root = root / "features"
         self.vae_key, self.text_key, self.flip = vae_key, text_key, flip
+        self.captions_per_item = captions_per_item
 
     def latent_path(self, item: CacheItem) -> Path:
-        key = _digest("latent", self.vae_key, item.name, item.content, item.bucket, self.flip)
+        texts = [self.text_key, item.caption] if self.captions_per_item else []
+        key = _digest(
+            "latent", self.vae_key, item.name, item.content, item.bucket, self.flip, *texts
+        )
         return self.root / "latents" / key[:2] / f"{key}.safetensors"
 
     def text_path(self, caption: str) -> Path:
@@ -118,6 +131,8 @@ class FeatureCache:
         `extra_captions` are cached too (the empty caption of ZT_CAPTION_DROPOUT)."""
         latents = [i for i, item in enumerate(items) if not self.latent_path(item).is_file()]
         captions = sorted({item.caption for item in items} | set(extra_captions))
+        if self.captions_per_item:  # in the latent entries
+            captions = []
         texts = [c for c in captions if not self.text_path(c).is_file()]
         return latents, texts
 
@@ -126,11 +141,12 @@ class FeatureCache:
         items: list[CacheItem],
         encode: Callable[[torch.Tensor], torch.Tensor],
         progress: Callable[[int], None] = _none,
-        conditions: Callable[[torch.Tensor], dict[str, torch.Tensor]] | None = None,
+        conditions: Conditions | None = None,
     ) -> None:
         """Encode (and write) the given items, batching images of the same bucket;
         `progress(n)` after each batch of n images; `conditions`: what else the family caches
-        of a batch's pixels, beside its latents (Wan I2V's first frame's condition latents)."""
+        of a batch's pixels, captions and control images, beside its latents (Wan I2V's first
+        frame's condition latents, Qwen-Image-Edit's captions' states)."""
         rows: dict[str, dict[str, torch.Tensor]] = defaultdict(dict)
         by_bucket: dict[Bucket, list[CacheItem]] = {}
         for item in items:
@@ -143,7 +159,10 @@ class FeatureCache:
                     loaded = [item.load(flip) for item in chunk]
                     pixels = torch.stack([pixels for pixels, *_ in loaded])
                     latents = encode(pixels)
-                    extra = conditions(pixels) if conditions is not None else {}
+                    given = [extra[1] if len(extra) > 1 else None for _, _, *extra in loaded]
+                    images = torch.stack(given) if None not in given else None  # type: ignore[arg-type]
+                    captions = [item.caption for item in chunk]
+                    extra = conditions(pixels, captions, images) if conditions is not None else {}
                     controls = _encode_controls([extra for _, _, *extra in loaded], encode)
                     suffix = "_flipped" if flip else ""
                     for i, (_, time_ids, *mask) in enumerate(loaded):
@@ -191,7 +210,7 @@ class FeatureCache:
                 for key in [k.removesuffix("_flipped") for k in row if k.endswith("_flipped")]:
                     flipped = row.pop(f"{key}_flipped")
                     row[key] = flipped if mirrored else row[key]
-            if texts:
+            if texts and not self.captions_per_item:
                 row.update(load_file(self.text_path(item.caption)))
             rows.append(row)
         if any("mask" in row for row in rows):  # an image without a mask trains everywhere

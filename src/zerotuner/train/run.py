@@ -255,12 +255,16 @@ class Run:
         )  # fmt: skip
         if self.rank == 0:
             _write_json(self.run_dir / "cache.json", stats.as_dict())
+            if families.REGISTRY[self.conditioning.name].captions_per_item:
+                why = " (each caption is read with its control image: cached with its latents)"
+            elif stats.texts_encoded or stats.texts_reused:
+                why = ""
+            else:
+                why = " (the text encoders train: captions are encoded at every step)"
             log.info(
                 "cache: %d latents encoded, %d reused; %d texts encoded, %d reused%s",
                 stats.latents_encoded, stats.latents_reused, stats.texts_encoded,
-                stats.texts_reused,
-                "" if stats.texts_encoded or stats.texts_reused else
-                " (the text encoders train: captions are encoded at every step)",
+                stats.texts_reused, why,
             )  # fmt: skip
 
     # --- engine and resume ----------------------------------------------------------------

@@ -74,6 +74,7 @@ def load_pipeline(
     folder sampled from an image by WanImageToVideoPipeline)."""
     from diffusers import DiffusionPipeline
 
+    from zerotuner.families.qwen_image_edit import pipeline_parts
     from zerotuner.weights import base_precision as stored
     from zerotuner.weights.pipeline_folder import built_part, denoiser_part
 
@@ -82,6 +83,7 @@ def load_pipeline(
     if unet_state is not None:
         parts[part] = built_part(base, part, unet_state)
     cls: Any = pipeline or DiffusionPipeline
+    parts |= pipeline_parts(base)  # Qwen-Image-Edit's processor, built without torchvision
     pipe = cls.from_pretrained(base, dtype=torch.float32, **parts)
     if stored.is_low(base_precision):
         stored.quantize_frozen_base(getattr(pipe, part), base_precision)
