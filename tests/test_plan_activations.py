@@ -10,6 +10,8 @@ from typing import Any
 import pytest
 
 from zerotuner.families import REGISTRY, model_shape, shapes
+from zerotuner.machine.hardware import GPU, GiB, Hardware
+from zerotuner.preflight.plan import PlanRequest, make_plan
 
 # two tiny widths of each family (Krea 2 keeps its 4 query heads per key/value head; HiDream its
 # 4 routed experts, 2 per token; 128 wide rounds its SwiGLUs' hidden units up, 384 does not)
@@ -180,3 +182,21 @@ def test_the_planner_plans_the_measured_blocks():
     assert "flux" not in shapes.MEASURED_BLOCKS  # Korthikanti's: 34 x tokens x width a layer
     flux = model_shape("flux").activations_1024[0]
     assert flux == (19 + 38) * 34 * (4096 + REGISTRY["flux"].clip_tokens + 512) * 3072
+
+
+def test_the_planner_counts_the_images_tokens_at_its_resolution_and_the_captions_as_they_are():
+    """At 512 px a plan's activations are the measured blocks' on 1024 image tokens (a quarter
+    of 1024 px's), the caption's 512 (Krea 2) or 3 x 128 (HiDream) tokens unchanged: more than
+    a quarter of 1024 px's."""
+    h100 = GPU(0, "H100", 80 * GiB, 80 * GiB, (9, 0))
+    hardware = Hardware("cuda", (h100,), host_memory=256 * GiB)
+    for family in ("krea2", "hidream"):
+        shape = model_shape(family)
+        plan = make_plan(
+            shape=shape, hardware=hardware, offload_disk_free=2 * 10**12, require_fit=False,
+            request=PlanRequest(resolution=512, micro_batch=1, world_size=1),
+        )  # fmt: skip
+        for row in plan.rows:
+            measured = shape.blocks.activations(1024)[int(row.gradient_checkpointing)]
+            assert row.parts["device.activations"] == measured  # bf16, one image
+            assert measured > shape.activations_1024[int(row.gradient_checkpointing)] / 4

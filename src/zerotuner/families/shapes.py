@@ -107,6 +107,9 @@ class ModelShape:
     # Wan 2.2 A14B: its two expert transformers' boundary_ratio (model_index.json; nan: the
     # index names a transformer_2 without one); None: a model with one denoiser
     boundary_ratio: float | None = None
+    # An image transformer's activations measured per block (MEASURED_BLOCKS): the planner counts
+    # its image tokens at the run's resolution and its text's as they are; None: activations_1024
+    blocks: MeasuredBlocks | None = None
 
 
 def caption_cache_bytes(shape: ModelShape, max_sequence_length: int | None = None) -> int:
@@ -285,7 +288,8 @@ def _transformer_shape(
     family: Family, model_dir: Path | None, config_path: Path | None, *, recount: bool
 ) -> ModelShape:
     """model_shape of a flow-matching transformer (SD3's or Flux's), counted like a UNet,
-    with its activations from its layers and width (`transformer_activations`)."""
+    with its activations from its layers and width (`transformer_activations`), or measured per
+    block (MEASURED_BLOCKS)."""
     spec = REGISTRY[family]
     native = spec.native_resolution  # SD3.5 and Flux.1 are trained at 1024 px, Wan at 480p
     frozen = frozen_params(model_dir) if model_dir and config_path else spec.frozen_params
@@ -319,6 +323,7 @@ def _transformer_shape(
         activations_1024=transformer_activations(family, config),
         text_width=text_width, caching_params=streamed, video=video,
         boundary_ratio=boundary_ratio(model_dir) if model_dir else None,
+        blocks=MEASURED_BLOCKS[family](config) if family in MEASURED_BLOCKS else None,
     )  # fmt: skip
 
 
@@ -468,6 +473,10 @@ class MeasuredBlocks:
     caption_tokens: int = 0
     caption_bytes: int = 0  # per caption token, once
 
+    def at_resolution(self, resolution: int) -> tuple[int, int]:
+        """`activations` of one image of resolution^2 pixels: a token per 2x2 latent cells."""
+        return self.activations(resolution * resolution // (2 * VAE_SCALE) ** 2)
+
     def activations(self, image: int) -> tuple[int, int]:
         """(without, with checkpointing) bytes for `image` tokens: every block's saved tensors,
         or each block's inputs plus the biggest block recomputed."""
@@ -553,7 +562,7 @@ def transformer_activations(family: str, config: dict[str, Any]) -> tuple[int, i
     spec = REGISTRY[family]
     image = (1024 // VAE_SCALE // 2) ** 2 * (1 + spec.controls)
     if family in MEASURED_BLOCKS:
-        return MEASURED_BLOCKS[family](config).activations(image)
+        return MEASURED_BLOCKS[family](config).at_resolution(1024)
     tokens = image + spec.clip_tokens + spec.t5_tokens
     width = math.prod(int(config[key]) for key in spec.width_keys)
     layers = sum(int(config[key]) for key in spec.layer_keys)
