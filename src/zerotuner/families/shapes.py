@@ -6,6 +6,7 @@ family's clip geometry: what memory planning and bucket sizing read (`ModelShape
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -131,6 +132,9 @@ class ModelShape:
     # Wan 2.2 A14B: its two expert transformers' boundary_ratio (model_index.json; nan: the
     # index names a transformer_2 without one); None: a model with one denoiser
     boundary_ratio: float | None = None
+    # An image transformer's activations measured per block (MEASURED_BLOCKS): the planner counts
+    # its image tokens at the run's resolution and its text's as they are; None: activations_1024
+    blocks: MeasuredBlocks | None = None
 
 
 def caption_cache_bytes(shape: ModelShape, max_sequence_length: int | None = None) -> int:
@@ -313,7 +317,8 @@ def _transformer_shape(
     family: Family, model_dir: Path | None, config_path: Path | None, *, recount: bool
 ) -> ModelShape:
     """model_shape of a flow-matching transformer (SD3's or Flux's), counted like a UNet,
-    with its activations from its layers and width (`transformer_activations`)."""
+    with its activations from its layers and width (`transformer_activations`), or measured per
+    block (MEASURED_BLOCKS)."""
     spec = REGISTRY[family]
     native = spec.native_resolution  # SD3.5 and Flux.1 are trained at 1024 px, Wan at 480p
     frozen = frozen_params(model_dir) if model_dir and config_path else spec.frozen_params
@@ -347,6 +352,7 @@ def _transformer_shape(
         activations_1024=transformer_activations(family, config),
         text_width=text_width, caching_params=streamed, video=video,
         boundary_ratio=boundary_ratio(model_dir) if model_dir else None,
+        blocks=MEASURED_BLOCKS[family](config) if family in MEASURED_BLOCKS else None,
     )  # fmt: skip
 
 
@@ -447,6 +453,150 @@ def video_shape(family: str, config: dict[str, Any], model_dir: Path | None) -> 
     )  # fmt: skip
 
 
+# Image transformers' activations measured per block (issue 47): Krea 2's and HiDream-I1's
+# blocks (diffusers 0.42) in 16-bit, counted on the CPU as Wan's are (the tensors autograd saves,
+# through torch.autograd.graph.saved_tensors_hooks, each storage once, less the parameters and the
+# RoPE tables every layer shares; SDPA saving what a fused kernel saves, query, key, value and
+# output, plus each head's fp32 logsumexp: HEAD_LSE_BYTES per query token), at several tiny
+# widths, head counts and feed-forward sizes, the terms below fitting every count exactly
+# (tests/test_plan_activations.py recounts them). A family names its function in
+# MEASURED_BLOCKS; one without keeps Korthikanti's 34 x width (`transformer_activations`).
+HEAD_LSE_BYTES = 4
+# Krea 2's Krea2TransformerBlock, which text and image tokens pass alike: per token and layer
+# 48 x width (its fp32 RMS norms' inputs and outputs, the modulations, the projections) + 8 x the
+# key/value width (grouped-query attention: 12 key/value heads of 48, repeated before SDPA) +
+# 8 x intermediate_size (the SwiGLU's gate, up, their product) + 4 per query and per key/value
+# head (the q and k norms' fp32 statistic) + 8. At Krea 2's shapes (6144 wide, 1536 key/value,
+# 16384 intermediate, 48 heads), with the logsumexp, 438,712 bytes a token and layer, 71 x width:
+# 2.1x Korthikanti's.
+KREA2_WIDTH_BYTES, KREA2_KV_WIDTH_BYTES, KREA2_FFN_BYTES = 48, 8, 8
+KREA2_HEAD_BYTES, KREA2_TOKEN_BYTES = 4, 8
+# Its text-fusion stage runs once per caption token, outside the checkpointed blocks: a
+# Krea2TextFusionBlock is the block less its modulation (40 x width; keys and values as wide as
+# the queries), run on every tapped layer's row (2 layerwise blocks x 12 rows) and then on the
+# token (2 refiner blocks), 2560 wide; then the projector and txt_in: 10 x the text width +
+# 4 x width + 4 (its fp32 norm's input, the projections'), less 2 x the text width + 4 per tapped
+# layer (the projector's input is saved; the first block's fp32 input is not: the cached states
+# need no gradient). 4.63 MB a caption token at Krea 2's shapes: 2.4 GB for its 512.
+KREA2_FUSION_WIDTH_BYTES, KREA2_PROJECTION_TEXT_BYTES, KREA2_PROJECTION_WIDTH_BYTES = 40, 10, 4
+KREA2_PROJECTION_BYTES, KREA2_LAYER_TEXT_BYTES, KREA2_LAYER_BYTES = 4, -2, -4
+# HiDream-I1's HiDreamImageTransformerBlock (double-stream: the image's and the text's own
+# projections, norms and feed-forwards, one joint attention) and HiDreamImageSingleTransformer-
+# Block (the image and text tokens in one stream) save the same per image token, and the single
+# block per text token too: 40 x width + 8 per hidden unit of the shared expert's SwiGLU + per
+# routed expert a token goes to (num_activated_experts: 2 of 4; in training mode each gathers
+# its tokens, `MOEFeedForwardSwiGLU`, so the experts together see tokens x 2 whatever the
+# routing) 4 x width (its gathered input, its weighted output) + 8 per hidden unit + 10 (the
+# router's weight and index) + 40. A double block's text token: 40 x width + 8 per hidden unit
+# of its SwiGLU (ff_t) + 16. The SwiGLUs' hidden units: 2/3 of 4 x width (routed, text) or of
+# 2 x width (shared), rounded up to 256 (`swiglu_hidden`). Each block sees 3 x 128 text tokens
+# (T5's and Llama's last layer's, carried through the double blocks, and its own Llama
+# layer's). At HiDream's shapes (2560 wide, 20 heads), with the logsumexp, 262,284 bytes an
+# image token and block (102 x width) and 157,792 a double block's text token: 3x Korthikanti's.
+HIDREAM_WIDTH_BYTES, HIDREAM_FFN_BYTES, HIDREAM_TOKEN_BYTES, HIDREAM_TEXT_BYTES = 40, 8, 40, 16
+HIDREAM_EXPERT_WIDTH_BYTES, HIDREAM_EXPERT_BYTES = 4, 10
+
+
+@dataclass(frozen=True)
+class BlockKind:
+    """One kind of a transformer's blocks: how many, the 16-bit bytes autograd saves in one per
+    image token and per text token, and the text tokens each sees."""
+
+    layers: int
+    image_bytes: int
+    text_bytes: int
+    text_tokens: int
+
+    def saved(self, image: int) -> int:
+        return self.image_bytes * image + self.text_bytes * self.text_tokens
+
+
+@dataclass(frozen=True)
+class MeasuredBlocks:
+    """A transformer's activations as measured per kind of block, plus what it saves once per
+    caption token before them, outside the checkpointed blocks (Krea 2's text fusion)."""
+
+    kinds: tuple[BlockKind, ...]
+    width: int  # a block's input with checkpointing: 2 x width per token
+    caption_tokens: int = 0
+    caption_bytes: int = 0  # per caption token, once
+
+    def at_resolution(self, resolution: int) -> tuple[int, int]:
+        """`activations` of one image of resolution^2 pixels: a token per 2x2 latent cells."""
+        return self.activations(resolution * resolution // (2 * VAE_SCALE) ** 2)
+
+    def activations(self, image: int) -> tuple[int, int]:
+        """(without, with checkpointing) bytes for `image` tokens: every block's saved tensors,
+        or each block's inputs plus the biggest block recomputed."""
+        once = self.caption_bytes * self.caption_tokens
+        every = sum(kind.layers * kind.saved(image) for kind in self.kinds)
+        inputs = sum(kind.layers * 2 * self.width * (image + kind.text_tokens)
+                     for kind in self.kinds)  # fmt: skip
+        return every + once, inputs + max(kind.saved(image) for kind in self.kinds) + once
+
+
+def krea2_block(width: int, heads: int, kv_heads: int, ffn: int, *, modulated: bool) -> int:
+    """Bytes a Krea 2 block (`modulated`) or text-fusion block saves per token."""
+    width_bytes = KREA2_WIDTH_BYTES if modulated else KREA2_FUSION_WIDTH_BYTES
+    return (width_bytes * width + KREA2_KV_WIDTH_BYTES * kv_heads * (width // heads)
+            + KREA2_FFN_BYTES * ffn + KREA2_HEAD_BYTES * (heads + kv_heads) + KREA2_TOKEN_BYTES
+            + HEAD_LSE_BYTES * heads)  # fmt: skip
+
+
+def krea2_blocks(config: dict[str, Any]) -> MeasuredBlocks:
+    """Krea 2's MeasuredBlocks from its config (Krea2Transformer2DModel's defaults, the
+    published shapes, where it leaves a field out)."""
+
+    def field(key: str, default: int) -> int:
+        return int(config.get(key, default))
+
+    heads = field("num_attention_heads", 48)
+    width = heads * field("attention_head_dim", 128)
+    kv_heads, ffn = field("num_key_value_heads", 12), field("intermediate_size", 16384)
+    per_token = krea2_block(width, heads, kv_heads, ffn, modulated=True)
+    text_width, text_heads = field("text_hidden_dim", 2560), field("text_num_attention_heads", 20)
+    text_kv_heads = field("text_num_key_value_heads", 20)
+    text_ffn = field("text_intermediate_size", 6912)
+    fusion = krea2_block(text_width, text_heads, text_kv_heads, text_ffn, modulated=False)
+    tapped = field("num_text_layers", 12)
+    rows = field("num_layerwise_text_blocks", 2) * tapped + field("num_refiner_text_blocks", 2)
+    caption = (rows * fusion + KREA2_PROJECTION_TEXT_BYTES * text_width
+               + KREA2_PROJECTION_WIDTH_BYTES * width + KREA2_PROJECTION_BYTES
+               + tapped * (KREA2_LAYER_TEXT_BYTES * text_width + KREA2_LAYER_BYTES))  # fmt: skip
+    text = REGISTRY["krea2"].t5_tokens
+    blocks = BlockKind(field("num_layers", 28), per_token, per_token, text)
+    return MeasuredBlocks((blocks,), width, caption_tokens=text, caption_bytes=caption)
+
+
+def swiglu_hidden(hidden: int) -> int:
+    """HiDreamImageFeedForwardSwiGLU's hidden units for `hidden_dim`: 2/3 of it, rounded up to
+    256."""
+    return 256 * -(-int(2 * hidden / 3) // 256)
+
+
+def hidream_blocks(config: dict[str, Any]) -> MeasuredBlocks:
+    """HiDream-I1's MeasuredBlocks from its config."""
+    heads = int(config.get("num_attention_heads", 20))
+    width = heads * int(config.get("attention_head_dim", 128))
+    routed, shared = swiglu_hidden(4 * width), swiglu_hidden(2 * width)
+    attention = HIDREAM_WIDTH_BYTES * width + HEAD_LSE_BYTES * heads
+    text_only = attention + HIDREAM_FFN_BYTES * routed + HIDREAM_TEXT_BYTES
+    chosen = int(config.get("num_activated_experts", 2))
+    expert = HIDREAM_EXPERT_WIDTH_BYTES * width + HIDREAM_FFN_BYTES * routed + HIDREAM_EXPERT_BYTES
+    image = attention + HIDREAM_FFN_BYTES * shared + HIDREAM_TOKEN_BYTES + chosen * expert
+    if not int(config.get("num_routed_experts", 4)):  # a plain SwiGLU, as the text's
+        image = text_only
+    text = 3 * REGISTRY["hidream"].t5_tokens
+    double = BlockKind(int(config.get("num_layers", 16)), image, text_only, text)
+    single = BlockKind(int(config.get("num_single_layers", 32)), image, image, text)
+    return MeasuredBlocks((double, single), width)
+
+
+MEASURED_BLOCKS: dict[str, Callable[[dict[str, Any]], MeasuredBlocks]] = {
+    "krea2": krea2_blocks, "hidream": hidream_blocks,
+}  # fmt: skip
+
+
 def transformer_activations(family: str, config: dict[str, Any]) -> tuple[int, int]:
     """(without, with checkpointing) bytes of a transformer's activations for one 1024 px
     image in 16-bit: per layer 34 x tokens x width without checkpointing (Korthikanti et al.,
@@ -457,9 +607,11 @@ def transformer_activations(family: str, config: dict[str, Any]) -> tuple[int, i
     Chroma: T5 512; Z-Image: Qwen3 512; Qwen-Image-Edit: Qwen2.5-VL 512 and its control
     image's 1369 vision tokens). Layers: the family's `layer_keys` (Z-Image: its 30
     main layers and the noise refiner's 2, which see the image; the context refiner's, on the
-    text alone, are left out)."""
+    text alone, are left out). A family in MEASURED_BLOCKS: its blocks' measured bytes."""
     spec = REGISTRY[family]
     image = (1024 // VAE_SCALE // 2) ** 2 * (1 + spec.controls)
+    if family in MEASURED_BLOCKS:
+        return MEASURED_BLOCKS[family](config).at_resolution(1024)
     tokens = image + spec.clip_tokens + spec.t5_tokens + spec.controls * spec.control_text_tokens
     width = math.prod(int(config[key]) for key in spec.width_keys)
     layers = sum(int(config[key]) for key in spec.layer_keys)

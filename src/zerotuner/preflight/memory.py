@@ -287,6 +287,9 @@ def _activations(
         tokens = shape.video.tokens(frames, resolution)
         clip = shape.video.activations(tokens, gradient_checkpointing, offloaded=offloaded)
         return int(clip * (p_bytes / 2) * micro_batch)
+    if shape.blocks is not None:  # measured per block: the image's tokens, the caption's fixed
+        image = shape.blocks.at_resolution(resolution)[1 if gradient_checkpointing else 0]
+        return int(image * (p_bytes / 2) * micro_batch)
     per_image = ACT_BYTES_PER_IMAGE_CHECKPOINTED if gradient_checkpointing else ACT_BYTES_PER_IMAGE
     width = shape.base_channels / REFERENCE_CHANNELS
     if shape.activations_1024 is not None:  # a transformer's, from its layers and width
