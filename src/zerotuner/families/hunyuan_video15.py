@@ -36,6 +36,7 @@ writes the adapter and loads it with `load_lora_weights`.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -159,19 +160,14 @@ class HunyuanVideo15(FlowFamily):
         return int(model_config.patch_size)
 
 
+@functools.cache  # one class: diffusers' registries and pickles see the same type
 def lora_pipeline() -> type:
     """HunyuanVideo15Pipeline with diffusers' HunyuanVideo LoRA loader: `save_lora_weights`
     and `load_lora_weights` for its one `transformer` part."""
-    global _LORA_PIPELINE
-    if _LORA_PIPELINE is None:
-        from diffusers import HunyuanVideo15Pipeline
-        from diffusers.loaders import HunyuanVideoLoraLoaderMixin
+    from diffusers import HunyuanVideo15Pipeline
+    from diffusers.loaders import HunyuanVideoLoraLoaderMixin
 
-        class HunyuanVideo15LoraPipeline(HunyuanVideo15Pipeline, HunyuanVideoLoraLoaderMixin):
-            """HunyuanVideo15Pipeline that loads and saves LoRA adapters."""
+    class HunyuanVideo15LoraPipeline(HunyuanVideo15Pipeline, HunyuanVideoLoraLoaderMixin):
+        """HunyuanVideo15Pipeline that loads and saves LoRA adapters."""
 
-        _LORA_PIPELINE = HunyuanVideo15LoraPipeline
-    return _LORA_PIPELINE
-
-
-_LORA_PIPELINE: type | None = None
+    return HunyuanVideo15LoraPipeline
