@@ -155,9 +155,12 @@ def _encode_clip(frames: list[np.ndarray], path: Path) -> Path:
     import av
 
     codec, pixel_format = CLIP_FORMATS[path.suffix]
-    with av.open(str(path), mode="w") as container:
+    with av.open(str(path), mode="w", options={"fflags": "+bitexact"}) as container:
         stream = container.add_stream(codec, rate=CLIP_FPS)
         stream.width, stream.height, stream.pix_fmt = CLIP_SIZE, CLIP_SIZE, pixel_format
+        # one encoder thread: the bytes (so the content digests, hence which clips a held-out
+        # fraction picks) are the same on every machine, whatever its core count
+        stream.codec_context.thread_count = 1
         if codec == "libx264":
             stream.options = {"crf": "18"}  # the shapes' edges stay sharp
         for frame in frames:
