@@ -68,7 +68,8 @@ SCRIPT = textwrap.dedent(
         run.finish()
         # as the run's samples load it: load_lora_weights on the full-precision pipeline
         final = Path(settings.output_dir) / "final"
-        pipe = samples.load_pipeline(Path(settings.model), None, device="cpu", lora_dir=final)
+        pipe = samples.load_pipeline(Path(settings.model), None, family=family, device="cpu",
+                                     lora_dir=final)
         denoiser = getattr(pipe, families.get(family).denoiser)
         loaded = sum(".lora_B." in name and bool(p.abs().sum() > 0)
                      for name, p in denoiser.named_parameters())

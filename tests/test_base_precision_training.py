@@ -136,7 +136,7 @@ def test_the_run_samples_on_its_stored_base(low_run, demo_dir: Path, tmp_path: P
     (made,) = sorted((output / "samples" / f"step-{SHORT}").glob("*.png"))
     drawn = {
         stored: samples.render(
-            demo_dir / "model", None, [PROMPT], tmp_path / stored, resolution=64,
+            demo_dir / "model", None, [PROMPT], tmp_path / stored, family="sdxl", resolution=64,
             inference_steps=2, seed=42, lora_dir=output / "final", compare=False,
             base_precision=stored,
         )[0]

@@ -168,7 +168,7 @@ def test_validation_writes_base_vs_trained_side_by_side(demo_dir: Path, tmp_path
 
     state = load_file(demo_dir / "model" / "unet" / "diffusion_pytorch_model.safetensors")
     prompts = ["a red circle on a white background", "a blue square on a black background"]
-    how = dict(resolution=DEMO_RESOLUTION, inference_steps=2, seed=7)
+    how = dict(family="sdxl", resolution=DEMO_RESOLUTION, inference_steps=2, seed=7)
     written = samples.render(demo_dir / "model", state, prompts, tmp_path / "step-1", **how)
 
     base = sorted((tmp_path / "base").glob("*.png"))

@@ -27,7 +27,6 @@ from zerotuner import families
 from zerotuner.data.loading import load_example
 from zerotuner.data.scan import scan
 from zerotuner.errors import ConfigError
-from zerotuner.families.qwen_image_edit import pipeline_parts
 from zerotuner.settings.schema import Settings
 
 FAMILY, PIPELINE = "qwenimageedit", "QwenImageEditPipeline"
@@ -44,9 +43,7 @@ def demo(family_demo_dir) -> Path:
 def load(folder: Path):
     """The pipeline folder through QwenImageEditPipeline, its processor built without
     torchvision (transformers' own loader of it needs torchvision)."""
-    from diffusers import DiffusionPipeline
-
-    pipe = DiffusionPipeline.from_pretrained(folder, **pipeline_parts(folder))
+    pipe = families.get(FAMILY).open_pipeline(folder)
     pipe.set_progress_bar_config(disable=True)
     return pipe
 

@@ -110,7 +110,7 @@ def test_early_stop_on_a_plateau_at_zero3(demo_dir: Path, tmp_path: Path) -> Non
     record = read_json(out / "run" / "eval.json")
     assert record["exported_step"] == 2 and record["stopped_early_at"] == 4
     assert record["best_step"] == 2 and record["held_out_images"] == 3
-    card = model_card(Settings(model="demo"), out)
+    card = model_card(Settings(model="demo"), out, "sdxl")
     assert "at step 2; stopped early at step 4, the export is step 2." in card
     again, out = _run_lr0(tmp_path / "two", demo_dir, cache, world=2, **settings)
     assert_ok(again, tmp_path / "two")  # a restart finds the stop's checkpoint: trains nothing

@@ -315,10 +315,13 @@ def test_lora_at_zero_3_loads_with_load_lora_weights(demo, tmp_path) -> None:
     """A LoRA adapter at ZeRO-3 with everything on NVMe: `transformer.` keys that the family's
     pipeline class (HunyuanVideo15Pipeline with diffusers' HunyuanVideo LoRA loader) loads with
     `load_lora_weights`, lowering the held-out loss and changing the clip; its validation
-    samples are clips (ZT_VALIDATION_GUIDANCE_SCALE set on the pipeline's guider)."""
+    samples are clips (ZT_VALIDATION_GUIDANCE_SCALE set on the pipeline's guider). The model
+    card's line loads the same adapter onto the folder's own class (it has no loader)."""
     import numpy as np
+    from diffusers import DiffusionPipeline
     from safetensors.torch import load_file
 
+    from zerotuner.publish.model_card import model_card
     from zerotuner.weights import lora_files
 
     output = tmp_path / "output"
@@ -334,3 +337,13 @@ def test_lora_at_zero_3_loads_with_load_lora_weights(demo, tmp_path) -> None:
     assert held_out_loss(demo, FAMILY, pipe.transformer) < 0.97 * loss_before
     assert np.abs(clip(pipe) - before).max() > 1e-3, "the adapter changes nothing"
     assert list((output / "samples" / f"step-{STEPS}").glob("*.mp4"))
+
+    card = model_card(Settings(training_type="lora", model="x"), output, FAMILY)
+    line = card.split("```python\n")[1].split("\n```")[0]
+    plain = DiffusionPipeline.from_pretrained(demo / "model")
+    assert not hasattr(plain, "load_lora_weights")
+    exec(line.replace("<this repo>", str(output)), {"pipe": plain})  # noqa: S102
+    ours = {n: p for n, p in plain.transformer.named_parameters() if ".lora_" in n}
+    theirs = {n: p for n, p in pipe.transformer.named_parameters() if ".lora_" in n}
+    assert ours.keys() == theirs.keys() and ours
+    assert all(torch.equal(ours[n], theirs[n]) for n in ours)

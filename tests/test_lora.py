@@ -169,14 +169,15 @@ def test_zero3_validation_samples_use_the_adapter(zero3, demo_dir: Path, tmp_pat
         None,
         [PROMPT],
         tmp_path / "base",
+        family="sdxl",
         resolution=64,
         inference_steps=2,
         seed=42,
         compare=False,
     )
     with_adapter = samples.render(
-        demo_dir / "model", None, [PROMPT], tmp_path / "again", resolution=64, inference_steps=2,
-        seed=42, lora_dir=zero3 / "final", compare=False,
+        demo_dir / "model", None, [PROMPT], tmp_path / "again", family="sdxl", resolution=64,
+        inference_steps=2, seed=42, lora_dir=zero3 / "final", compare=False,
     )[0]  # fmt: skip
     pixels = [np.asarray(Image.open(p), dtype=np.int16) for p in (made, base, with_adapter)]
     # The rank rendered with its own thread count: float sums may round a pixel differently.

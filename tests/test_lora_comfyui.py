@@ -79,15 +79,9 @@ def write(module, settings, family: str, out: Path, **kwargs) -> Path:
 
 def fused(demo: Path, family: str, folder: Path, weight_name: str) -> tuple[dict, int]:
     """The pipeline's denoiser weights with the file fused in, and how many layers it adapted."""
-    from diffusers import DiffusionPipeline
     from peft.tuners.tuners_utils import BaseTunerLayer
 
-    from zerotuner.families.qwen_image_edit import pipeline_parts
-
-    # Qwen-Image-Edit's processor, built without torchvision (its own loader needs it)
-    pipe = DiffusionPipeline.from_pretrained(demo / "model", **pipeline_parts(demo / "model"))
-    if not hasattr(pipe, "load_lora_weights"):  # HunyuanVideo 1.5's: the family's LoRA pipeline
-        pipe = families.get(family).pipeline_class().from_pretrained(demo / "model")
+    pipe = families.get(family).open_pipeline(demo / "model")
     pipe.load_lora_weights(folder, weight_name=weight_name)
     denoiser = getattr(pipe, families.get(family).denoiser)
     layers = sum(isinstance(m, BaseTunerLayer) for m in denoiser.modules())
@@ -242,7 +236,7 @@ def test_model_card_says_which_file_each_tool_loads(tmp_path) -> None:
     final.mkdir()
     for name in (lora_files.ADAPTER_FILE, lora_files.COMFY_FILE):
         (final / name).write_bytes(b"")
-    card = model_card(Settings(training_type="lora", model="some/model"), tmp_path)
+    card = model_card(Settings(training_type="lora", model="some/model"), tmp_path, "sdxl")
     assert f"ComfyUI (LoraLoader): `final/{lora_files.COMFY_FILE}`" in card
     assert f"diffusers: `final/{lora_files.ADAPTER_FILE}`" in card
     assert lora_files.KOHYA_FILE not in card  # not written (a transformer family, or DoRA)

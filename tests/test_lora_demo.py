@@ -234,7 +234,9 @@ def test_an_8_bit_base_teaches_the_concept_as_well(adapters, base: Path, precisi
     low = adapters(f"zero2-{precision}") / "final"
     loss = held_out_loss(_pipeline(base, low), CONCEPT)
     on_stored = held_out_loss(
-        samples.load_pipeline(base, None, device="cpu", lora_dir=low, base_precision=precision),
+        samples.load_pipeline(
+            base, None, family="sdxl", device="cpu", lora_dir=low, base_precision=precision
+        ),
         CONCEPT,
     )
     print(f"held-out concept loss, adapter of the full-precision base {full:.4f}; of the "

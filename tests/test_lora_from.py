@@ -227,8 +227,8 @@ def test_a_run_from_a_file_starts_at_its_samples_and_trains_on(
     assert all(s["loss"] is not None for s in steps)
     reference = tmp_path / "reference"
     samples.render(
-        demo_dir / "model", None, [PROMPT], reference, resolution=64, inference_steps=2,
-        seed=Settings().seed, lora_dir=folder, compare=False,
+        demo_dir / "model", None, [PROMPT], reference, family="sdxl", resolution=64,
+        inference_steps=2, seed=Settings().seed, lora_dir=folder, compare=False,
     )  # fmt: skip
     run, ours = _pixels(output / "samples" / "step-1"), _pixels(reference)
     trained = _pixels(output / "samples" / "step-3")

@@ -125,7 +125,7 @@ def validate(model: Path, output: Path, step: int) -> list[Path]:
     prompt, 2 steps, ZT_VIDEO_FRAMES=6, ZT_VIDEO_FPS=8; the family's own pipeline arguments (a
     one-frame PIL clip) are overridden."""
     return samples.render(
-        model, None, [PROMPT], output / "samples" / f"step-{step}", resolution=64,
+        model, None, [PROMPT], output / "samples" / f"step-{step}", family="wan", resolution=64,
         inference_steps=2, seed=3, video_frames=6, video_fps=FPS,
         pipeline_kwargs={"max_sequence_length": TOKENS, "num_frames": 1, "output_type": "pil"},
     )  # fmt: skip

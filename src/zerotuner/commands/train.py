@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from zerotuner.errors import EXIT_FAILURE, EXIT_OK, ZeroTunerError
+from zerotuner.launch.job import load_job
 from zerotuner.launch.ranks import resolve_topology, start_ranks
 from zerotuner.machine.hardware import describe
 from zerotuner.machine.ops import clear_stale_locks
@@ -145,7 +146,7 @@ def _train(
     if code == EXIT_OK and topology.node_rank == 0:
         _say_where_outputs_are(settings)
     if pusher is not None:
-        _finish_pushing(pusher, settings, code)
+        _finish_pushing(pusher, settings, code, load_job(job_file).family)
     return code, ranks.failure_line() if code != EXIT_OK else ""
 
 
@@ -153,11 +154,11 @@ def _train(
 FINAL_UPLOAD_SECONDS = 3600.0
 
 
-def _finish_pushing(pusher: Pusher, settings: Settings, code: int) -> None:
+def _finish_pushing(pusher: Pusher, settings: Settings, code: int, family: str) -> None:
     from zerotuner.publish.model_card import model_card
 
     ok = code == EXIT_OK
-    card = model_card(settings, settings.output_dir) if ok else None
+    card = model_card(settings, settings.output_dir, family) if ok else None
     timeout = FINAL_UPLOAD_SECONDS if ok else settings.stop_grace_seconds
     pusher.finish(succeeded=ok, timeout=timeout, card=card)
 

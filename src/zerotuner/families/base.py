@@ -139,6 +139,21 @@ class ModelFamily:
 
         return StableDiffusionPipeline
 
+    def open_pipeline(self, folder: Path, cls: type | None = None, **kwargs: Any) -> Any:
+        """A pipeline folder of this family as diffusers loads it, able to load a LoRA adapter
+        (`load_lora_weights`): as `cls`, else as the class its model_index.json names;
+        `kwargs` go to from_pretrained."""
+        from diffusers import DiffusionPipeline
+
+        loader: Any = cls or DiffusionPipeline
+        return loader.from_pretrained(folder, **kwargs)
+
+    def lora_load_code(self, source: str, *, into_transformer_2: bool = False) -> str:
+        """The line of diffusers that loads the adapter in `source`'s final/ onto `pipe`, the
+        family's pipeline as diffusers loads it (a model card shows it)."""
+        into = ", load_into_transformer_2=True" if into_transformer_2 else ""
+        return f'pipe.load_lora_weights("{source}", subfolder="final"{into})'
+
     def load_text(self, source: Path, *, dtype: torch.dtype) -> tuple[list[Any], list[Any]]:
         """The text encoders (each the transformers class its model_index names) and their
         tokenizers (or processors)."""

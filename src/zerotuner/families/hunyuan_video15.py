@@ -102,6 +102,17 @@ class HunyuanVideo15(FlowFamily):
         """HunyuanVideo15Pipeline with diffusers' HunyuanVideo LoRA loader (it has none)."""
         return lora_pipeline()
 
+    def open_pipeline(self, folder: Path, cls: type | None = None, **kwargs: Any) -> Any:
+        """As its LoRA pipeline unless told otherwise: the folder's own class has no loader."""
+        return super().open_pipeline(folder, cls or lora_pipeline(), **kwargs)
+
+    def lora_load_code(self, source: str, *, into_transformer_2: bool = False) -> str:
+        """Into the transformer: HunyuanVideo15Pipeline has no `load_lora_weights`."""
+        from diffusers.loaders.lora_base import LORA_WEIGHT_NAME_SAFE  # the adapter's file
+
+        return (f'pipe.transformer.load_lora_adapter("{source}", subfolder="final", '
+                f'weight_name="{LORA_WEIGHT_NAME_SAFE}", prefix="transformer")')  # fmt: skip
+
     @torch.no_grad()
     def encode_latents(self, vae: Any, pixels: torch.Tensor) -> torch.Tensor:
         return hunyuan_video15_latents(vae, pixels)  # scaled only, one clip at a time

@@ -42,7 +42,6 @@ tokenizer alone (the same tokens and pixel values: tests/test_edit_qwen_image.py
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -87,17 +86,6 @@ def load_processor(folder: Path, subfolder: str = "processor") -> ImageProcessor
         image_processor=Qwen2VLImageProcessorPil.from_pretrained(files),
         tokenizer=AutoTokenizer.from_pretrained(files),
     )
-
-
-def pipeline_parts(folder: Path) -> dict[str, Any]:
-    """What a pipeline folder's from_pretrained is handed besides its own files: a
-    Qwen2VLProcessor built by `load_processor` (its own loader needs torchvision); {} for a
-    folder without one."""
-    index = Path(folder) / "model_index.json"
-    if not index.is_file():
-        return {}
-    processor = json.loads(index.read_text()).get("processor") or [None, None]
-    return {"processor": load_processor(folder)} if processor[1] == "Qwen2VLProcessor" else {}
 
 
 def control_pixels(controls: torch.Tensor) -> list[Any]:
@@ -172,6 +160,11 @@ class QwenImageEdit(QwenImage):
             source, subfolder="text_encoder", dtype=dtype
         )
         return [encoder], [load_processor(source)]
+
+    def open_pipeline(self, folder: Path, cls: type | None = None, **kwargs: Any) -> Any:
+        """With its processor built by `load_processor` (the pipeline's own loader of it needs
+        torchvision)."""
+        return super().open_pipeline(folder, cls, processor=load_processor(folder), **kwargs)
 
     def latent_subfolders(self) -> list[str]:
         """A latent entry holds the captions' states: the text encoder's files are in its key."""

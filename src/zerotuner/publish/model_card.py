@@ -9,6 +9,7 @@ from typing import Any
 
 import yaml
 
+from zerotuner import families
 from zerotuner.settings.schema import Settings, masked_dump
 
 # Settings a reader of the card needs; folders and ports of the machine that trained say nothing.
@@ -64,7 +65,9 @@ def _lora_files(final: Path) -> list[str]:
     return [f"- {tool}: `final/{name}`" for tool, name in tools if (final / name).is_file()]
 
 
-def model_card(settings: Settings, output_dir: Path) -> str:
+def model_card(settings: Settings, output_dir: Path, family: str) -> str:
+    """The README of a pushed run: what it is, how to load it, its samples and settings;
+    `family`: the run's (the job's), whose pipeline the adapter loads onto."""
     values = masked_dump(settings)
     chosen = {k: values[k] for k in CARD_SETTINGS if values.get(k) is not None}
     lora = settings.training_type == "lora"
@@ -81,10 +84,10 @@ def model_card(settings: Settings, output_dir: Path) -> str:
         lines += ["", f"Steps: {last['step']}; last logged loss {last['loss']:.4f}."]
     lines += _held_out(output_dir)
     if lora:  # Wan 2.2 A14B's low-noise expert: the adapter goes onto transformer_2
-        into = ", load_into_transformer_2=True" if settings.expert == "low" else ""
-        lines += ["", "```python",
-                  f"pipe.load_lora_weights(\"<this repo>\", subfolder=\"final\"{into})",
-                  "```"]  # fmt: skip
+        load = families.get(family).lora_load_code(
+            "<this repo>", into_transformer_2=settings.expert == "low"
+        )
+        lines += ["", "```python", load, "```"]
         lines += ["", *_lora_files(output_dir / "final")]
     if settings.expert:
         lines += ["", f"Wan 2.2 A14B's {settings.expert}-noise expert "

@@ -534,6 +534,7 @@ class Run:
                 samples.render(
                     self.source,
                     trained.state,
+                    family=self.job.family,
                     lora_dir=trained.lora_dir,
                     prompts=s.validation_prompts,
                     out_dir=s.output_dir / "samples" / f"step-{step}",

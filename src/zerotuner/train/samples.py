@@ -60,21 +60,21 @@ def load_pipeline(
     base: Path,
     unet_state: dict[str, torch.Tensor] | None,
     *,
+    family: str,
     device: str,
     lora_dir: Path | None = None,
     denoiser: str | None = None,
     base_precision: str = "auto",
     pipeline: type | None = None,
 ) -> Any:
-    """`unet_state`: the trained denoiser's weights (UNet or transformer; `denoiser`: the part
-    they are, Wan 2.2 A14B's expert), None for the base's as saved; `lora_dir`: a LoRA adapter
-    loaded on top (into `transformer_2` for A14B's low-noise expert), on the base stored at
-    `base_precision` as the run trained it (ZT_BASE_PRECISION); `pipeline`: the class to load
-    the folder as, when not the one its model_index.json names (Wan 2.2 TI2V-5B's WanPipeline
-    folder sampled from an image by WanImageToVideoPipeline)."""
-    from diffusers import DiffusionPipeline
-
-    from zerotuner.families.qwen_image_edit import pipeline_parts
+    """`base`, a pipeline folder of `family`, opened as the family opens it
+    (`ModelFamily.open_pipeline`); `unet_state`: the trained denoiser's weights (UNet or
+    transformer; `denoiser`: the part they are, Wan 2.2 A14B's expert), None for the base's as
+    saved; `lora_dir`: a LoRA adapter loaded on top (into `transformer_2` for A14B's low-noise
+    expert), on the base stored at `base_precision` as the run trained it (ZT_BASE_PRECISION);
+    `pipeline`: the class to load the folder as, when not the one its model_index.json names
+    (Wan 2.2 TI2V-5B's WanPipeline folder sampled from an image by WanImageToVideoPipeline)."""
+    from zerotuner import families
     from zerotuner.weights import base_precision as stored
     from zerotuner.weights.pipeline_folder import built_part, denoiser_part
 
@@ -82,17 +82,12 @@ def load_pipeline(
     part = denoiser or denoiser_part(base)
     if unet_state is not None:
         parts[part] = built_part(base, part, unet_state)
-    cls: Any = pipeline or DiffusionPipeline
-    parts |= pipeline_parts(base)  # Qwen-Image-Edit's processor, built without torchvision
-    pipe = cls.from_pretrained(base, dtype=torch.float32, **parts)
+    pipe = families.get(family).open_pipeline(base, pipeline, dtype=torch.float32, **parts)
     if stored.is_low(base_precision):
         stored.quantize_frozen_base(getattr(pipe, part), base_precision)
     if lora_dir is not None:
         into = {"load_into_transformer_2": True} if part == "transformer_2" else {}
-        if hasattr(pipe, "load_lora_weights"):
-            pipe.load_lora_weights(lora_dir, **into)
-        else:  # a pipeline without diffusers' LoRA loader (HunyuanVideo 1.5's): its denoiser's
-            getattr(pipe, part).load_lora_adapter(lora_dir, prefix=part, use_safetensors=True)
+        pipe.load_lora_weights(lora_dir, **into)
     pipe.set_progress_bar_config(disable=True)
     return pipe.to(device)
 
@@ -107,6 +102,7 @@ def render(
     prompts: list[str],
     out_dir: Path,
     *,
+    family: str,
     resolution: int,
     inference_steps: int,
     seed: int,
@@ -130,12 +126,13 @@ def render(
     A video pipeline (its call takes `num_frames`) renders a clip per prompt instead, of
     `sample_frames(video_frames)` frames (whatever num_frames pipeline_kwargs names), written
     as NN-slug.mp4 at `video_fps` (ZT_VIDEO_FPS; None: 16) beside its contact sheet NN-slug.png;
-    the .mp4 paths are returned. `denoiser`, `base_precision`: the trained part and how the
-    run stores the base (load_pipeline); the base model's own images use its weights as saved."""
+    the .mp4 paths are returned. `family`, `denoiser`, `base_precision`: base's family, the
+    trained part and how the run stores the base (load_pipeline); the base model's own images
+    use its weights as saved."""
     extra: dict[str, Any] = {} if guidance_scale is None else {"guidance_scale": guidance_scale}
     extra |= pipeline_kwargs or {}
     pipe = load_pipeline(
-        base, unet_state, device=device, lora_dir=lora_dir, denoiser=denoiser,
+        base, unet_state, family=family, device=device, lora_dir=lora_dir, denoiser=denoiser,
         base_precision=base_precision, pipeline=pipeline,
     )  # fmt: skip
     takes = inspect.signature(pipe.__call__).parameters
@@ -158,7 +155,7 @@ def render(
     if compare:
         try:
             base_samples = _base_samples(
-                base, prompts, out_dir.parent / "base", resolution=resolution,
+                base, prompts, out_dir.parent / "base", family=family, resolution=resolution,
                 inference_steps=inference_steps, seed=seed, device=device,
                 guidance_scale=guidance_scale, pipeline_kwargs=pipeline_kwargs,
                 **({"video_frames": video_frames, "video_fps": fps} if video else {}),
