@@ -156,16 +156,27 @@ class FlowObjective:
         """The model's velocity for the noised latents (batch, channels, height, width) at
         `sigmas`, in the latents' layout. What differs between the families is in the hooks:
         `pack` / `unpack` (the sequence a packed transformer sees), `timestep`, `packed_inputs`
-        (its other keyword arguments) and `call`."""
+        (its other keyword arguments) and `call`. An edit family's reference latents
+        (`control_latents`: batch, references, channels, height, width) are packed after the
+        noisy ones, where `reference_inputs` places them, and only the target's tokens are
+        scored."""
         from zerotuner.families.ddpm import to_device
 
         batch, (height, width) = noisy.shape[0], noisy.shape[-2:]
         t = self.timestep(sigmas).to(device, dtype)
         if not self.packed:
             return self.call(model, noisy.to(device, dtype), t, kwargs)
-        extra = to_device(self.packed_inputs(kwargs, batch, height, width), device)
-        pred = model(hidden_states=self.pack(noisy).to(device, dtype), timestep=t, **extra).sample
-        return self.unpack(pred, height, width)
+        references = kwargs.get("control_latents")
+        states = {k: v for k, v in kwargs.items() if k != "control_latents"}
+        extra = self.packed_inputs(states, batch, height, width)
+        target = self.pack(noisy.to(device))
+        sequence = [target]
+        if references is not None:
+            sequence += [self.pack(references[:, k]) for k in range(references.shape[1])]
+            extra |= self.reference_inputs(extra, references.shape)
+        hidden = torch.cat(sequence, dim=1).to(device, dtype)
+        pred = model(hidden_states=hidden, timestep=t, **to_device(extra, device)).sample
+        return self.unpack(pred[:, : target.shape[1]], height, width)  # the target's tokens
 
     def timestep(self, sigmas: torch.Tensor) -> torch.Tensor:
         """The timestep the transformer takes: SD3's on the 0-1000 scale, a packed one's sigma
@@ -194,3 +205,8 @@ class FlowObjective:
         if self.guidance is not None:
             extra["guidance"] = torch.full((batch,), self.guidance)
         return {**extra, **kwargs}
+
+    def reference_inputs(self, extra: dict[str, Any], references: torch.Size) -> dict[str, Any]:
+        """An edit family's positions of the target's and the reference tokens, replacing the
+        target's alone in `extra` (`references`: batch, count, channels, height, width)."""
+        raise NotImplementedError(f"{type(self).__name__} packs no reference latents")

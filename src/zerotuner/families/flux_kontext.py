@@ -54,32 +54,9 @@ class KontextObjective(FlowObjective):
             "ones as reference tokens (ids 1, row, column), the loss on the target's alone"
         )
 
-    def predict(
-        self,
-        model: Any,
-        noisy: torch.Tensor,
-        sigmas: torch.Tensor,
-        kwargs: dict[str, Any],
-        *,
-        device: torch.device,
-        dtype: torch.dtype,
-    ) -> torch.Tensor:
-        from zerotuner.families.ddpm import to_device
-
-        states = {k: v for k, v in kwargs.items() if k != "control_latents"}
-        references = kwargs["control_latents"]
-        batch, (height, width) = noisy.shape[0], noisy.shape[-2:]
-        target = self.pack(noisy.to(device))
-        packed = [target] + [self.pack(references[:, k]) for k in range(references.shape[1])]
-        ids = [image_ids(height, width)]
-        ids += [reference_ids(*references.shape[-2:])] * references.shape[1]
-        extra = to_device(self.packed_inputs(states, batch, height, width), device)
-        extra["img_ids"] = torch.cat(ids).to(device)  # dim 0 is the sequence, as the pipeline's
-        pred = model(
-            hidden_states=torch.cat(packed, dim=1).to(device, dtype),
-            timestep=self.timestep(sigmas).to(device, dtype), **extra,
-        ).sample  # fmt: skip
-        return self.unpack(pred[:, : target.shape[1]], height, width)  # the target's tokens
+    def reference_inputs(self, extra: dict[str, Any], references: torch.Size) -> dict[str, Any]:
+        count, (height, width) = references[1], references[-2:]
+        return {"img_ids": torch.cat([extra["img_ids"], *[reference_ids(height, width)] * count])}
 
 
 @dataclass(frozen=True)

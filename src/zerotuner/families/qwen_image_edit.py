@@ -118,32 +118,12 @@ class QwenImageEditObjective(QwenImageObjective):
             "(img_shapes: the target, then the control), the loss on the target's tokens"
         )
 
-    def predict(
-        self,
-        model: Any,
-        noisy: torch.Tensor,
-        sigmas: torch.Tensor,
-        kwargs: dict[str, Any],
-        *,
-        device: torch.device,
-        dtype: torch.dtype,
-    ) -> torch.Tensor:
-        from zerotuner.families.ddpm import to_device
-
-        states = {k: v for k, v in kwargs.items() if k != "control_latents"}
-        references = kwargs["control_latents"]
-        batch, (height, width) = noisy.shape[0], noisy.shape[-2:]
-        target = self.pack(noisy.to(device))
-        count, (ref_h, ref_w) = references.shape[1], references.shape[-2:]
-        packed = [target] + [self.pack(references[:, k].to(device)) for k in range(count)]
-        extra = to_device(states, device)
-        shapes = [(1, height // 2, width // 2)] + [(1, ref_h // 2, ref_w // 2)] * count
-        extra["img_shapes"] = [shapes] * batch  # QwenImageEditPipeline's, per image
-        pred = model(
-            hidden_states=torch.cat(packed, dim=1).to(device, dtype),
-            timestep=self.timestep(sigmas).to(device, dtype), **extra,
-        ).sample  # fmt: skip
-        return self.unpack(pred[:, : target.shape[1]], height, width)  # the target's tokens
+    def reference_inputs(self, extra: dict[str, Any], references: torch.Size) -> dict[str, Any]:
+        """QwenImageEditPipeline's `img_shapes`: per image, the target's and each reference's
+        (frames, height, width) in 2x2 patches."""
+        batch, count, (height, width) = references[0], references[1], references[-2:]
+        shapes = [extra["img_shapes"][0], *[(1, height // 2, width // 2)] * count]
+        return {"img_shapes": [shapes] * batch}
 
 
 @dataclass(frozen=True)
