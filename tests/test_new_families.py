@@ -193,6 +193,12 @@ def test_image_edit_models_are_refused_in_one_line(name, index, tmp_path, monkey
     with pytest.raises(ConfigError, match="without reference images"):
         families.resolve_family("someone/FLUX.2-dev-edit")
     assert families.resolve_family("someone/sdxl-credit-cards") == "sdxl"  # a word, not "edit"
+    # an edit family's own marker says an edit pipeline that is no family (Kontext's inpainting)
+    (folder / "model_index.json").write_text(
+        json.dumps({"_class_name": "FluxKontextInpaintPipeline"})
+    )
+    with pytest.raises(ConfigError, match="image-edit model.*fluxkontext"):
+        families.resolve_family(str(folder))
     (tmp_path / "data").mkdir()
     code, out, err = tk.config_explain(monkeypatch, capsys, tmp_path, ZT_MODEL=name,
                                        ZT_DATA_DIR=str(tmp_path / "data"))  # fmt: skip

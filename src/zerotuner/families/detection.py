@@ -134,8 +134,9 @@ def resolve_family(model: str, family_setting: str = "auto", expert: str | None 
     return family
 
 
-# Pipelines (and hub names) of image-edit models: they train on (source, target) image pairs.
-EDIT_MARKERS = ("edit", "editing", "kontext")
+# Words of pipelines (and hub names) of image-edit models, which train on (source, target)
+# image pairs; the edit families' own markers (FLUX.1 Kontext's "kontext") join them.
+EDIT_WORDS = ("edit", "editing")
 # hub names of edit models whose words do not say it (HiDream-E1, HiDreamImageEditingPipeline)
 EDIT_NAMES = ("hidream-e1",)
 
@@ -153,7 +154,8 @@ def refuse_edit_model(model: Any, name: str) -> None:
     # words of a class or hub name: QwenImageEditPipeline, Qwen-Image-Edit-2509 (not "credit")
     words = {w.lower() for w in re.findall(r"[A-Z]?[a-z]+|[A-Z]+(?![a-z])|\d+", name)}
     edit = [family for family, spec in REGISTRY.items() if spec.controls]
-    if words & set(EDIT_MARKERS) or any(n in name.lower() for n in EDIT_NAMES):
+    markers = {*EDIT_WORDS, *(m for family in edit for m in REGISTRY[family].hub_markers)}
+    if words & markers or any(n in name.lower() for n in EDIT_NAMES):
         raise ConfigError(
             f"ZT_MODEL={model}: {name} is an image-edit model, trained on paired (source, "
             f"edited) images, which zerotuner takes for {', '.join(edit)} alone{flux2}; "

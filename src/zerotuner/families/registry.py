@@ -76,9 +76,8 @@ class Spec:
     # Control images each target trains with (an edit model's inputs: data/controls.py);
     # 0: a text-to-image family, which refuses them
     controls: int = 0
-    # What its pipeline samples from besides the prompt (train/validation_inputs.py): "" none,
-    # "first frame" (image-to-video), "control image" (an edit model)
-    sample_input: str = ""
+    # An image-to-video family: its pipeline samples from a first frame (sample_input)
+    image_to_video: bool = False
     # Its captions' states depend on the control images (Qwen-Image-Edit's Qwen2.5-VL reads
     # them): cached per item in its latent entry, not per caption (train/feature_cache.py)
     captions_per_item: bool = False
@@ -88,6 +87,12 @@ class Spec:
     # Of text_params, what a low ZT_TEXT_ENCODER_PRECISION keeps at the run's precision (the
     # published encoders' *_KEPT below); None: not known, the planner counts them all so
     text_kept_params: int | None = None
+
+    @property
+    def sample_input(self) -> str:
+        """What its pipeline samples from besides the prompt (train/validation_inputs.py): ""
+        none, "control image" (an edit model's), "first frame" (image-to-video)."""
+        return "control image" if self.controls else "first frame" if self.image_to_video else ""
 
     @property
     def frozen_params(self) -> int:
@@ -283,7 +288,6 @@ BUILTIN: dict[str, Spec] = {
     "fluxkontext": replace(
         FLUX, module="flux_kontext", cls="FluxKontext", pipeline="FluxKontextPipeline",
         hub_markers=("kontext",), guess_order=-4, demo="flux_kontext:write_model", controls=1,
-        sample_input="control image",  # FluxKontextPipeline's `image`
     ),
     "chroma": Spec(
         "chroma", "Chroma",
@@ -320,7 +324,7 @@ BUILTIN: dict[str, Spec] = {
         QWEN_IMAGE, module="qwen_image_edit", cls="QwenImageEdit",
         pipeline="QwenImageEditPipeline", hub_markers=("qwen-image-edit", "qwen_image_edit"),
         guess_order=-5, demo="qwen_image_edit:write_model", controls=1, captions_per_item=True,
-        control_text_tokens=37 * 37, sample_input="control image",  # the pipeline's `image`
+        control_text_tokens=37 * 37,
     ),
     "flux2": Spec(
         "flux2", "Flux2",
@@ -404,7 +408,7 @@ BUILTIN: dict[str, Spec] = {
         hub_markers=("-i2v", "_i2v"), guess_order=-2, clip_tokens=0, t5_tokens=512,
         long_encoder="UMT5", layer_keys=("num_layers",), text_width_key="text_dim",
         video=True, native_resolution=632,
-        demo="wan_i2v:write_model", sample_input="first frame",
+        demo="wan_i2v:write_model", image_to_video=True,
         text_kept_params=UMT5_XXL_KEPT + CLIP_VIT_H_PARAMS,  # the image encoder is never stored low
     ),
     "hidream": Spec(
