@@ -11,6 +11,7 @@ WanImageToVideoPipeline.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import shutil
 from pathlib import Path
@@ -51,12 +52,29 @@ def demo(family_demo_dir) -> Path:
     return family_demo_dir(FAMILY)
 
 
+def scanned_items(demo: Path) -> list:
+    video = clips.Video(fps=16.0, frames=CLIP_BUCKET[2], step=4)
+    return scan(demo / "data", log_skipped=False, video=video).items
+
+
+@functools.cache
+def held_out_seed(demo: Path) -> int:
+    """The full run's ZT_SEED: the first from the default whose held-out fraction
+    (EVAL_FRACTION) holds exactly one clip. Which items a seed holds out follows their content
+    digests, and H.264 encodes of the same frames have differed between processes."""
+    scanned = scanned_items(demo)
+    for seed in range(Settings().seed, Settings().seed + 100):
+        held = held_out.held_out(scanned, EVAL_FRACTION, seed)
+        if sum(scanned[n].frames > 1 for n in held) == 1:
+            return seed
+    raise AssertionError("no seed holds out exactly one clip")
+
+
 def demo_clips(demo: Path, held: bool = False) -> tuple[list, torch.Tensor]:
     """The demo's clips (items) and their pixels (clips, 3, 9, 64, 64) in [-1, 1]; `held`: only
-    those the full run holds out (ZT_EVAL_FRACTION=EVAL_FRACTION, the default seed)."""
-    video = clips.Video(fps=16.0, frames=CLIP_BUCKET[2], step=4)
-    scanned = scan(demo / "data", log_skipped=False, video=video).items
-    out = set(held_out.held_out(scanned, EVAL_FRACTION, Settings().seed)) if held else None
+    those the full run holds out (ZT_EVAL_FRACTION=EVAL_FRACTION, its held_out_seed)."""
+    scanned = scanned_items(demo)
+    out = set(held_out.held_out(scanned, EVAL_FRACTION, held_out_seed(demo))) if held else None
     items = [i for n, i in enumerate(scanned) if i.frames > 1 and (out is None or n in out)]
     pixels = [torch.from_numpy(load_example(i, CLIP_BUCKET, flip=False).pixels) for i in items]
     return items, torch.stack(pixels)
@@ -322,7 +340,8 @@ def test_ti2v_5b_lora_samples_from_an_image(ti2v, tmp_path) -> None:
 def full_run(demo, tmp_path_factory):
     """Full fine-tuning at ZeRO-3 on 2 ranks, validation clips from the default input (the
     first training clip's first frame)."""
-    return saved_run(tmp_path_factory, demo, FAMILY, eval_fraction=EVAL_FRACTION, **FULL)
+    return saved_run(tmp_path_factory, demo, FAMILY, eval_fraction=EVAL_FRACTION,
+                     seed=held_out_seed(demo), **FULL)  # fmt: skip
 
 
 @pytest.mark.slow
