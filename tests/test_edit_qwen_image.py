@@ -289,3 +289,20 @@ def test_the_planner_counts_the_reference_and_its_vision_tokens() -> None:
     image, text, vision = (1024 // 16) ** 2, 512, 37 * 37
     for a, b in zip(plain, edit_model, strict=True):
         assert b / a == pytest.approx((2 * image + text + vision) / (image + text), rel=1e-3)
+
+
+def test_plan_counts_the_text_cache_per_image(monkeypatch, capsys, tmp_path) -> None:
+    """A caption read with its image's control is cached per image (as `check` counts it):
+    `plan` prices the text cache per image for this family, per caption for Qwen-Image."""
+    from zerotuner.cli import main
+
+    for name, value in (("ZT_DATA_DIR", tmp_path / "data"), ("ZT_OUTPUT_DIR", tmp_path / "out"),
+                        ("ZT_CACHE_DIR", tmp_path / "cache")):  # fmt: skip
+        monkeypatch.setenv(name, str(value))
+    what_if = ["--gpus", "8", "--gpu-memory", "80GiB", "--host-memory", "1TiB"]
+    said = {}
+    for family in (FAMILY, "qwenimage"):
+        assert main(["plan", "--model-family", family, *what_if]) == 0
+        (said[family],) = [x for x in capsys.readouterr().out.splitlines() if "text cache" in x]
+    assert " MiB per image, " in said[FAMILY] and "ZT_RANDOM_FLIP" in said[FAMILY]
+    assert " MiB per caption, " in said["qwenimage"] and "ZT_RANDOM_FLIP" not in said["qwenimage"]

@@ -75,9 +75,13 @@ def render(plan: Plan, hardware: Hardware) -> str:
     lines += low_base_lines(plan)
     lines += ["", *phase_lines(plan)]
     per_caption = i.caption_cache_bytes
+    # read with each image's control (Qwen-Image-Edit): one per image, as `check` counts them
+    unit = "image" if REGISTRY[i.family].captions_per_item else "caption"
     lines.append(
-        f"text cache (ZT_CACHE_DIR): {per_caption / 2**20:.2f} MiB per caption, "
-        f"{per_caption * 10_000 / 2**30:.1f} GiB per 10,000 captions"
+        f"text cache (ZT_CACHE_DIR): {per_caption / 2**20:.2f} MiB per {unit}, "
+        f"{per_caption * 10_000 / 2**30:.1f} GiB per 10,000 {unit}s"
+        + (" (twice with ZT_RANDOM_FLIP: a mirror image is read on its own)"
+           if unit == "image" else "")
         + (f" ({REGISTRY[i.family].long_encoder} states in bf16; ZT_MAX_SEQUENCE_LENGTH "
            "shortens them)" if i.family in FLOW_FAMILIES else "")
     )  # fmt: skip
