@@ -74,7 +74,8 @@ SCRIPT = textwrap.dedent(
         loaded = sum(".lora_B." in name and bool(p.abs().sum() > 0)
                      for name, p in denoiser.named_parameters())
         result[family] = {"losses": sink.losses, "stored": stored, "layers": layers,
-                          "loaded": loaded, "pipeline": type(pipe).__name__}
+                          "loaded": loaded,
+                          "pipelines": [c.__name__ for c in type(pipe).__mro__]}
     print("RESULT " + json.dumps(result))
     """
 )
@@ -116,5 +117,6 @@ def test_a_lora_trains_on_the_familys_fp8_base_and_loads_on_its_pipeline(family,
     seen = fp8_runs[family]
     assert seen["stored"] == ["Float8Tensor"] and seen["layers"] > 0, seen
     assert len(seen["losses"]) == STEPS and all(math.isfinite(x) for x in seen["losses"]), seen
-    assert seen["pipeline"] == (BUILTIN[family].pipeline or seen["pipeline"]), seen
+    # the family's pipeline, or a class built on it (HunyuanVideo 1.5's with a LoRA loader)
+    assert not BUILTIN[family].pipeline or BUILTIN[family].pipeline in seen["pipelines"], seen
     assert seen["loaded"] > 0, seen
