@@ -46,10 +46,23 @@ TARGETS = {
               "add_k_proj,add_v_proj",
     # every kind of layer LTX-2's original names rename, and its feed-forward
     "ltx2": "attention+ff,proj_in,proj_out,linear_1,linear_2,linear",
-    # both streams' attention and feed-forward (diffusers' names: ComfyLora's default layout)
-    "hunyuanvideo15": "attention+ff,add_q_proj,add_k_proj,add_v_proj,to_add_out",
+    # every kind of layer HunyuanVideo 1.5's original names rename: both streams' and the token
+    # refiner's attention (q, k, v fused in ComfyUI's model) and feed-forward, the modulations
+    "hunyuanvideo15": "attention+ff,add_q_proj,add_k_proj,add_v_proj,to_add_out,"
+                      "ff_context.net.0.proj,ff_context.net.2,norm1.linear,norm1_context.linear,"
+                      "refiner_blocks.0.norm_out.linear,proj_in,proj_out",
 }  # fmt: skip
 TOLERANCE = {"rtol": 1e-5, "atol": 1e-6}  # fp32; folding the scale into lora_B rounds once
+# ComfyUI's HunyuanVideo (1.0 and 1.5: model_base.HunyuanVideo15 subclasses it), read in
+# Comfy-Org/ComfyUI: its model's weights are a checkpoint's layers renamed by these parts
+# (supported_models.py at 01f03bbd, `HunyuanVideo.process_unet_state_dict`, HunyuanVideo15's
+# too), and its LoRA key map (lora.py at 17358c8f, `model_lora_keys_unet`) names each weight
+# `diffusion_model.<model name>` (any model) and, in its HunyuanVideo branch,
+# `transformer.<model name with these parts spelled back>` (diffusion-pipe's LoRAs)
+HUNYUAN_MODEL_NAMES = (
+    ("_attn_qkv.", "_attn.qkv."), ("_attn_proj.", "_attn.proj."), ("_mod.linear.", "_mod.lin."),
+    ("mlp.fc1.", "mlp.0."), ("mlp.fc2.", "mlp.2."),
+)  # fmt: skip
 
 
 def test_every_registered_family_has_its_targets():
@@ -90,25 +103,69 @@ def fused(demo: Path, family: str, folder: Path, weight_name: str) -> tuple[dict
     return {k: v.clone() for k, v in denoiser.state_dict().items()}, layers
 
 
+def comfyui_hunyuan_key_map(checkpoint: set[str]) -> dict[str, str]:
+    """{LoRA key: checkpoint layer} of ComfyUI's key map for a HunyuanVideo model loaded from a
+    checkpoint with these layer names (HUNYUAN_MODEL_NAMES)."""
+    keys = {}
+    for name in checkpoint:
+        model = f"{name}."
+        for theirs, ours in HUNYUAN_MODEL_NAMES:
+            model = model.replace(theirs, ours)
+        spelled = model
+        for theirs, ours in HUNYUAN_MODEL_NAMES:
+            spelled = spelled.replace(ours, theirs)
+        keys[f"diffusion_model.{model[:-1]}"] = keys[f"transformer.{spelled[:-1]}"] = name
+    return keys
+
+
+def comfyui_hunyuan_applied(demo: Path, comfy: dict) -> tuple[dict, int]:
+    """HunyuanVideo 1.5's transformer weights with the ComfyUI file applied as ComfyUI applies
+    it, and how many diffusers layers it changed. ComfyUI adds B @ A (strength 1, no `.alpha`)
+    to the weight its key map names; diffusers' converter of HunyuanVideo checkpoints
+    (`convert_hunyuan_video_transformer_to_diffusers`, single-file loading) takes that layer to
+    diffusers' names, a fused q, k, v split by rows. Diffusers' LoRA converter for these names
+    is not used: it splits the refiner's fused `lora_A` as if it were a weight."""
+    from diffusers.loaders.single_file_utils import (
+        convert_hunyuan_video_transformer_to_diffusers as to_diffusers,
+    )
+
+    key_map = comfyui_hunyuan_key_map({k.split(".lora_")[0].split(".", 1)[1] for k in comfy})
+    deltas = {
+        f"{key_map[key]}.weight": comfy[f"{key}.lora_B.weight"] @ comfy[f"{key}.lora_A.weight"]
+        for key in {k.split(".lora_")[0] for k in comfy}
+    }
+    converted = to_diffusers(deltas)
+    weights = load_part(demo / "model", "transformer").state_dict()
+    assert converted.keys() <= weights.keys(), sorted(converted.keys() - weights.keys())
+    applied = {k: v + converted[k] if k in converted else v for k, v in weights.items()}
+    return applied, len(converted)
+
+
 @pytest.mark.parametrize("family", list(REGISTRY))
 def test_comfyui_file_loads_as_the_diffusers_adapter(family, family_demo_dir, tmp_path) -> None:
-    """Read by diffusers' loader for that layout, the ComfyUI file gives the diffusers
-    adapter's weights (TOLERANCE), with every tensor of the file used: one adapted layer per
-    lora_A / lora_B pair (and kohya's `.alpha`), none left unmatched."""
+    """Read by diffusers' loader for that layout (HunyuanVideo 1.5's: applied as ComfyUI applies
+    it, comfyui_hunyuan_applied), the ComfyUI file gives the diffusers adapter's weights
+    (TOLERANCE), with every tensor of the file used: one adapted layer per lora_A / lora_B pair
+    (and kohya's `.alpha`; a fused q, k, v's pair three), none left unmatched."""
     demo = family_demo_dir(family)
     denoiser, settings = adapted(demo, family)
     out = write(denoiser, settings, family, tmp_path / "final")
     modules = {n.split(".lora_")[0] for n, p in denoiser.named_parameters() if p.requires_grad}
     comfy = load_file(out / lora_files.COMFY_FILE)
-    layout = families.get(family).comfy_lora
+    kind = families.get(family)
+    layout = kind.comfy_lora
     per_layer = 3 if layout.kohya else 2  # kohya's `.alpha`; the others fold the scale in
-    assert len(comfy) == per_layer * len(modules)
+    names = {lora_layouts.comfy_name(layout, kind.denoiser, m) for m in modules}
+    assert len(comfy) == per_layer * len(names)
     if layout.kohya:
         assert {float(t) for k, t in comfy.items() if k.endswith(".alpha")} == {float(ALPHA)}
     else:
         assert all(k.startswith(layout.prefix) for k in comfy)
     expected, _ = fused(demo, family, out, lora_files.ADAPTER_FILE)
-    loaded, layers = fused(demo, family, out, lora_files.COMFY_FILE)
+    loaded, layers = (
+        comfyui_hunyuan_applied(demo, comfy) if family == "hunyuanvideo15"
+        else fused(demo, family, out, lora_files.COMFY_FILE)
+    )  # fmt: skip
     assert layers == len(modules)
     base = load_part(demo / "model", families.get(family).denoiser).state_dict()
     assert sum(not torch.equal(expected[k], base[k]) for k in base) >= len(modules)
@@ -134,6 +191,45 @@ def test_wan_comfyui_names_are_the_original_checkpoints(family_demo_dir, tmp_pat
     assert "head.head" in theirs and "blocks.0.self_attn.q" in theirs
     converted = convert_wan_transformer_to_diffusers({f"{m}.weight": 0 for m in theirs})
     assert {k.removesuffix(".weight") for k in converted} == ours
+
+
+def test_hunyuanvideo15_comfyui_names_are_in_comfyuis_key_map(family_demo_dir, tmp_path) -> None:
+    """HunyuanVideo 1.5's file names each layer as ComfyUI's key map does for its model
+    (`transformer.` + the checkpoint's name, HUNYUAN_MODEL_NAMES), q, k and v as the one fused
+    layer ComfyUI's model has (Flux's DoubleStreamBlock, `img_attn.qkv`), not diffusers'."""
+    denoiser, settings = adapted(family_demo_dir("hunyuanvideo15"), "hunyuanvideo15")
+    comfy = load_file(write(denoiser, settings, "hunyuanvideo15", tmp_path) / lora_files.COMFY_FILE)
+    keys = {k.split(".lora_")[0] for k in comfy}
+    key_map = comfyui_hunyuan_key_map({k.removeprefix("transformer.") for k in keys})
+    assert keys <= key_map.keys()
+    assert {"transformer.double_blocks.0.img_attn_qkv", "transformer.double_blocks.0.txt_attn_qkv",
+            "transformer.txt_in.individual_token_refiner.blocks.0.self_attn_qkv",
+            "transformer.double_blocks.0.img_mlp.fc1"} <= keys  # fmt: skip
+    assert "diffusion_model.double_blocks.0.img_attn.qkv" in key_map  # the model's own name
+    assert not any(".to_q" in k or "transformer_blocks" in k for k in keys)
+
+
+def test_hunyuanvideo15_comfyui_file_of_part_of_a_fused_layer(family_demo_dir, tmp_path, caplog):
+    """An adapter on q alone: its fused layer's LoRA leaves k and v as they are (zero rows of
+    B), so ComfyUI still applies the diffusers adapter's weights; with DoRA there is no ComfyUI
+    file (ComfyUI scales the fused weight whole), and the log says why."""
+    demo = family_demo_dir("hunyuanvideo15")
+    for dora in (False, True):
+        denoiser = load_part(demo / "model", "transformer")
+        settings = Settings(training_type="lora", lora_rank=RANK, lora_alpha=ALPHA,
+                            lora_targets="to_q", lora_dora=dora)  # fmt: skip
+        lora.add_adapter(denoiser, settings)
+        perturb_adapter(denoiser, 0.05)
+        out = write(denoiser, settings, "hunyuanvideo15", tmp_path / f"dora-{dora}",
+                    base=demo / "model")  # fmt: skip
+        if dora:
+            assert not (out / lora_files.COMFY_FILE).exists()
+            assert "only some of the layers ComfyUI holds fused" in caplog.text
+            continue
+        expected, _ = fused(demo, "hunyuanvideo15", out, lora_files.ADAPTER_FILE)
+        loaded, _ = comfyui_hunyuan_applied(demo, load_file(out / lora_files.COMFY_FILE))
+        for key in expected:
+            torch.testing.assert_close(loaded[key], expected[key], **TOLERANCE, msg=key)
 
 
 def test_ltx2_comfyui_names_are_the_original_checkpoints(family_demo_dir, tmp_path) -> None:
@@ -167,12 +263,13 @@ def comfyui_dora(dora_scale, weight, lora_diff):
     return weight_calc * (dora_scale / (norm + torch.finfo(weight.dtype).eps))
 
 
-@pytest.mark.parametrize("family", ["sdxl", "flux", "wan"])
+@pytest.mark.parametrize("family", ["sdxl", "flux", "wan", "hunyuanvideo15"])
 def test_dora_comfyui_file_gives_peft_weights_in_comfyuis_formula(
     family, family_demo_dir, tmp_path
 ) -> None:
     """DoRA + rsLoRA: every layer's `dora_scale`, applied by ComfyUI's formula to the base
-    weight, gives peft's merged weight (that of the merged pipeline)."""
+    weight, gives peft's merged weight (that of the merged pipeline); a layer ComfyUI holds
+    fused (HunyuanVideo's q, k, v) gives its parts' merged weights, stacked."""
     demo = family_demo_dir(family)
     denoiser, settings = adapted(demo, family, lora_dora=True, lora_rslora=True)
     out = write(denoiser, settings, family, tmp_path / "final", base=demo / "model")
@@ -181,22 +278,29 @@ def test_dora_comfyui_file_gives_peft_weights_in_comfyuis_formula(
     base = load_part(demo / "model", families.get(family).denoiser).state_dict()
     from peft.tuners.tuners_utils import BaseTunerLayer
 
-    modules = [(n, m) for n, m in denoiser.named_modules() if isinstance(m, BaseTunerLayer)]
-    assert len(comfy) == 3 * len(modules) + (len(modules) if layout.kohya else 0)
-    for name, module in modules:
-        key = lora_layouts.comfy_name(layout, families.get(family).denoiser, name)
+    layers: dict[str, list] = {}  # ComfyUI's layer: its diffusers parts, in their stacked order
+    for name, module in denoiser.named_modules():
+        if isinstance(module, BaseTunerLayer):
+            key = lora_layouts.comfy_name(layout, families.get(family).denoiser, name)
+            layers.setdefault(key, []).append((name, module))
+    assert len(comfy) == 3 * len(layers) + (len(layers) if layout.kohya else 0)
+    for key, parts in layers.items():
+        parts.sort(key=lambda part: (lora_layouts.fused_position(layout, part[0]) or (0,))[0])
         up, down = (
             comfy[f"{key}.lora_up.weight" if layout.kohya else f"{key}.lora_B.weight"],
             (comfy[f"{key}.lora_down.weight" if layout.kohya else f"{key}.lora_A.weight"]),
         )
-        weight = base[f"{name}.weight"]
+        weight = torch.cat([base[f"{name}.weight"] for name, _ in parts])
         diff = (up.flatten(1) @ down.flatten(1)).reshape(weight.shape)
         if layout.kohya:  # `.alpha` / rank
             diff = diff * float(comfy[f"{key}.alpha"]) / down.shape[0]
         theirs = comfyui_dora(comfy[f"{key}.dora_scale"], weight, diff)
-        module.merge(adapter_names=[lora.ADAPTER])
-        torch.testing.assert_close(theirs, module.get_base_layer().weight, rtol=1e-5, atol=1e-6)
-        module.unmerge()
+        for _, module in parts:
+            module.merge(adapter_names=[lora.ADAPTER])
+        merged = torch.cat([module.get_base_layer().weight for _, module in parts])
+        torch.testing.assert_close(theirs, merged, rtol=1e-5, atol=1e-6)
+        for _, module in parts:
+            module.unmerge()
 
 
 @pytest.mark.parametrize("family", ["sdxl", "wan"])

@@ -62,15 +62,21 @@ class ComfyLora:
     `unet_to_diffusers`, `transformer.<diffusers module>` for SD3 and the Flux classes, which
     Chroma and Flux2 subclass, Qwen-Image and Lumina2/Z-Image, and `diffusion_model.<original
     module>` for every model; `model_lora_keys_clip`: `lora_te1_text_model_...`) and
-    comfy/lora_convert.py at ee9834b8ca0d."""
+    comfy/lora_convert.py at ee9834b8ca0d; HunyuanVideo's branch (`transformer.<checkpoint
+    name>`, for HunyuanVideo15 too) in Comfy-Org/ComfyUI at 17358c8f."""
 
     # kohya's names (`lora_unet_<module, dots as underscores>.lora_down.weight`, `.lora_up`,
     # `.alpha`; `lora_te1_text_model_...` for CLIP): the UNet families
     kohya: bool = False
     prefix: str = "transformer."  # else: peft's names (`lora_A` / `lora_B`) after this prefix
     # diffusers' module names to the original checkpoint's, whole dotted parts, in order: for a
-    # model whose diffusers names ComfyUI does not map (Wan)
+    # model whose diffusers names ComfyUI does not map (Wan); `*` is any one part (a block's
+    # index), the same part on both sides
     renames: tuple[tuple[str, str], ...] = ()
+    # diffusers' layers that ComfyUI's model holds as one weight, their outputs stacked in this
+    # order (HunyuanVideo's fused q, k, v), by the last parts of their names: `renames` gives
+    # each group's layers one name, and the file one LoRA for it (lora_layouts.stacked)
+    fused: tuple[tuple[str, ...], ...] = ()
 
 
 @dataclass(frozen=True)

@@ -84,14 +84,42 @@ class HunyuanVideo15Objective(FlowObjective):
         return out.squeeze(2) if image else out
 
 
+REFINER = "context_embedder.token_refiner.refiner_blocks.*"  # its layers share the blocks' names
+ORIGINAL_REFINER = "txt_in.individual_token_refiner.blocks.*"
+# ComfyUI maps no diffusers names for HunyuanVideo, 1.0 or 1.5 (Comfy-Org/ComfyUI at 17358c8f,
+# comfy/lora.py `model_lora_keys_unet`: its HunyuanVideo branch, which HunyuanVideo15
+# subclasses, maps `transformer.` + the checkpoint's names, diffusion-pipe's LoRAs). Its model
+# is Flux's double-stream blocks, loaded from checkpoints whose q, k and v are one weight
+# (`img_attn_qkv`, `txt_attn_qkv`; the refiner's `self_attn_qkv`, Tencent's own too): diffusers'
+# module names to those, for the layers LoRA wraps, are diffusers' scripts/
+# convert_hunyuan_video1_5_to_diffusers.py read backwards (q, k, v stacked in that order).
+# Not renamed, so not loaded by ComfyUI: the embedders and `norm_out` (its scale and shift
+# swapped in the checkpoint).
+ORIGINAL_NAMES = (
+    *((f"{REFINER}.attn.to_{x}", f"{ORIGINAL_REFINER}.self_attn_qkv") for x in "qkv"),
+    (f"{REFINER}.attn.to_out.0", f"{ORIGINAL_REFINER}.self_attn_proj"),
+    (f"{REFINER}.ff.net.0.proj", f"{ORIGINAL_REFINER}.mlp.fc1"),
+    (f"{REFINER}.ff.net.2", f"{ORIGINAL_REFINER}.mlp.fc2"),
+    (f"{REFINER}.norm_out.linear", f"{ORIGINAL_REFINER}.adaLN_modulation.1"),
+    ("context_embedder.proj_in", "txt_in.input_embedder"),
+    ("transformer_blocks", "double_blocks"),
+    *((f"attn.to_{x}", "img_attn_qkv") for x in "qkv"),
+    *((f"attn.add_{x}_proj", "txt_attn_qkv") for x in "qkv"),
+    ("attn.to_out.0", "img_attn_proj"), ("attn.to_add_out", "txt_attn_proj"),
+    ("norm1.linear", "img_mod.linear"), ("norm1_context.linear", "txt_mod.linear"),
+    ("ff.net.0.proj", "img_mlp.fc1"), ("ff.net.2", "img_mlp.fc2"),
+    ("ff_context.net.0.proj", "txt_mlp.fc1"), ("ff_context.net.2", "txt_mlp.fc2"),
+    ("proj_out", "final_layer.linear"),
+)  # fmt: skip
+FUSED_QKV = (tuple(f"attn.to_{x}" for x in "qkv"), tuple(f"attn.add_{x}_proj" for x in "qkv"))
+
+
 @dataclass(frozen=True)
 class HunyuanVideo15(FlowFamily):
     text_subfolders: tuple[tuple[str, str], ...] = (
         ("text_encoder", "tokenizer"), ("text_encoder_2", "tokenizer_2"),
     )  # fmt: skip
-    # the ComfyUI file keeps diffusers' `transformer.` names (ComfyLora's default): whether
-    # ComfyUI maps them for this model is not checked here (see docs/models.md)
-    comfy_lora: ComfyLora = ComfyLora()
+    comfy_lora: ComfyLora = ComfyLora(renames=ORIGINAL_NAMES, fused=FUSED_QKV)
 
     def trains(self, parameter: str) -> bool:
         """Not the image projection: text-to-video multiplies it by zero (tests/

@@ -196,6 +196,13 @@ def write_layouts(
         if base is None:
             log.warning("no %s for this DoRA adapter: its base pipeline is not known", COMFY_FILE)
             return
+        modules = [k.removesuffix(lora_layouts.MAGNITUDE) for ls in parts.values() for k in ls
+                   if k.endswith(lora_layouts.MAGNITUDE)]  # fmt: skip
+        partly = lora_layouts.partly_fused(kind.comfy_lora, modules)
+        if partly:
+            log.warning("no %s for this DoRA adapter: it adapts only some of the layers ComfyUI "
+                        "holds fused as %s", COMFY_FILE, partly[0])  # fmt: skip
+            return
         folders = {kind.denoiser: denoiser or kind.denoiser}  # the text encoders' are their names
         weights = {
             part: lora_layouts.base_weights(

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 from typing import Any
 
@@ -85,17 +86,83 @@ def comfy(
         out = kohya(plain, adapter)
     else:
         out = {}
-        for layers in plain.values():
+        stacks: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
+        counts: dict[str, int] = {}  # a fused layer's parts
+        for part, layers in plain.items():
             for key, tensor in layers.items():
                 module, _, rest = key.rpartition(".lora_")
                 weight = tensor * s if rest.startswith("B.") else tensor  # the scale folded in
-                out[f"{layout.prefix}{original(module, layout)}.lora_{rest}"] = weight.contiguous()
+                name = comfy_name(layout, part, module)
+                position = fused_position(layout, module)
+                if position is None:
+                    out[f"{name}.lora_{rest}"] = weight.contiguous()
+                else:
+                    stacks.setdefault(name, {}).setdefault(position[0], {})[rest] = weight
+                    counts[name] = position[1]
+        for name, stack in stacks.items():
+            a, b = stacked(stack, counts[name])
+            out[f"{name}.lora_A.weight"], out[f"{name}.lora_B.weight"] = a, b
+    scales: dict[str, dict[int, torch.Tensor]] = {}
     for (part, module), m in magnitudes.items():
         assert base is not None  # refused above
         a, b = (plain[part][f"{module}.lora_{x}.weight"] for x in "AB")
         weight = base[part][f"{module}.weight"]
-        out[f"{comfy_name(layout, part, module)}.dora_scale"] = dora_scale(m, weight, a, b, s)
+        position = fused_position(layout, module)
+        scales.setdefault(comfy_name(layout, part, module), {})[position[0] if position else 0] = (
+            dora_scale(m, weight, a, b, s)
+        )
+    for name, rows in scales.items():  # a fused layer's rows are its parts' rows, stacked
+        out[f"{name}.dora_scale"] = torch.cat([rows[i] for i in sorted(rows)]).contiguous()
     return out
+
+
+def partly_fused(layout: ComfyLora, modules: list[str]) -> list[str]:
+    """The fused layers (`layout.fused`, by their ComfyUI names) of which `modules` adapt some
+    parts but not all: a DoRA file has no `dora_scale` for them (ComfyUI scales the whole fused
+    weight, and the parts not adapted would need the base weight's norms)."""
+    seen: dict[str, set[int]] = {}
+    counts: dict[str, int] = {}
+    for module in modules:
+        position = fused_position(layout, module)
+        if position is not None:
+            name = f"{layout.prefix}{original(module, layout)}"
+            seen.setdefault(name, set()).add(position[0])
+            counts[name] = position[1]
+    return sorted(name for name, found in seen.items() if len(found) < counts[name])
+
+
+def fused_position(layout: ComfyLora, module: str) -> tuple[int, int] | None:
+    """(index, count) of a layer that ComfyUI's model holds stacked with others in one weight
+    (`layout.fused`), else None."""
+    for group in layout.fused:
+        for index, last in enumerate(group):
+            if module == last or module.endswith(f".{last}"):
+                return index, len(group)
+    return None
+
+
+def stacked(
+    parts: dict[int, dict[str, torch.Tensor]], count: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One LoRA (A, B) for a weight ComfyUI holds fused from `count` parts, from their LoRAs
+    (`parts`: each position's `A.weight` / `B.weight`, the scale folded into B). Stacking the
+    parts' updates B_i A_i by rows is blockdiag(B_0, B_1, ...) @ [A_0; A_1; ...]: a LoRA of the
+    parts' summed ranks that ComfyUI's B @ A reproduces exactly (the zeros add nothing). A part
+    not adapted is zero rows of B (its output unchanged). The parts are of one size (q, k, v)."""
+    rest = {k for p in parts.values() for k in p} - {"A.weight", "B.weight"}
+    if rest:
+        raise RuntimeError(f"a fused layer's ComfyUI LoRA has no room for lora_{sorted(rest)[0]}")
+    order = sorted(parts)
+    ups = [parts[i]["B.weight"] for i in order]
+    rows = ups[0].shape[0]
+    if any(up.shape[0] != rows for up in ups):
+        raise RuntimeError(f"a fused layer's parts differ in size: {[u.shape[0] for u in ups]}")
+    b = ups[0].new_zeros(count * rows, sum(u.shape[1] for u in ups))
+    column = 0
+    for index, up in zip(order, ups, strict=True):
+        b[index * rows : (index + 1) * rows, column : column + up.shape[1]] = up
+        column += up.shape[1]
+    return torch.cat([parts[i]["A.weight"] for i in order]).contiguous(), b
 
 
 def comfy_name(layout: ComfyLora, part: str, module: str) -> str:
@@ -107,10 +174,12 @@ def comfy_name(layout: ComfyLora, part: str, module: str) -> str:
 
 
 def original(module: str, layout: ComfyLora) -> str:
-    """A diffusers module name in the original checkpoint's names (`layout.renames`)."""
+    """A diffusers module name in the original checkpoint's names (`layout.renames`: whole
+    dotted parts, `*` any one part kept as it is)."""
     name = f".{module}."
     for ours, theirs in layout.renames:
-        name = name.replace(f".{ours}.", f".{theirs}.")
+        pattern = re.escape(f".{ours}.").replace(r"\*", r"([^.]+)")
+        name = re.sub(pattern, f".{theirs}.".replace("*", r"\1"), name)
     return name[1:-1]
 
 
