@@ -19,9 +19,10 @@ from lorakit import perturb_adapter
 from safetensors.torch import load_file
 
 from zerotuner import families
+from zerotuner.errors import ConfigError
 from zerotuner.families import REGISTRY
 from zerotuner.settings.schema import Settings
-from zerotuner.weights import lora, lora_files, lora_layouts
+from zerotuner.weights import lora, lora_files, lora_from, lora_layouts
 from zerotuner.weights.pipeline_folder import load_part
 
 RANK, ALPHA = 4, 2  # alpha != rank: a file without diffusers' scale is off by 2x
@@ -207,6 +208,12 @@ def test_hunyuanvideo15_comfyui_names_are_in_comfyuis_key_map(family_demo_dir, t
             "transformer.double_blocks.0.img_mlp.fc1"} <= keys  # fmt: skip
     assert "diffusion_model.double_blocks.0.img_attn.qkv" in key_map  # the model's own name
     assert not any(".to_q" in k or "transformer_blocks" in k for k in keys)
+    # diffusers' reader would split the fused lora_A as a weight: ZT_LORA_FROM says which file
+    with pytest.raises(ConfigError, match=r"ComfyUI's layout \(its q, k and v fused\).*"
+                       r"pytorch_lora_weights\.safetensors"):  # fmt: skip
+        lora_from.read(str(tmp_path / lora_files.COMFY_FILE), "hunyuanvideo15", cache_dir=tmp_path)
+    assert lora_from.read(str(tmp_path / lora_files.ADAPTER_FILE), "hunyuanvideo15",
+                          cache_dir=tmp_path).state  # fmt: skip
 
 
 def test_hunyuanvideo15_comfyui_file_of_part_of_a_fused_layer(family_demo_dir, tmp_path, caplog):

@@ -155,6 +155,7 @@ def read(
     from safetensors import SafetensorError, safe_open
 
     from zerotuner import families
+    from zerotuner.weights import lora_layouts
 
     path = local_copy(path_text, cache_dir)
     where = f"{NAME}={path_text}"
@@ -170,6 +171,13 @@ def read(
             "read back; give the run's diffusers file (pytorch_lora_weights.safetensors)"
         )
     kind = families.get(family)
+    fused = lora_layouts.fused_names(kind.comfy_lora)
+    if any(part in fused for k in raw for part in k.split(".")):
+        raise ConfigError(
+            f"{where}: a {family} LoRA in ComfyUI's layout (its q, k and v fused), which "
+            "diffusers cannot read back; give the run's diffusers file "
+            "(pytorch_lora_weights.safetensors)"
+        )
     pipeline = kind.pipeline_class()
     wanted: dict[str, Any] = {"return_lora_metadata": True}
     if "return_alphas" in inspect.signature(pipeline.lora_state_dict).parameters:

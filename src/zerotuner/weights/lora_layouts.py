@@ -131,6 +131,17 @@ def partly_fused(layout: ComfyLora, modules: list[str]) -> list[str]:
     return sorted(name for name, found in seen.items() if len(found) < counts[name])
 
 
+def fused_names(layout: ComfyLora) -> set[str]:
+    """The last parts of the fused layers' ComfyUI names (`img_attn_qkv`...): a file that has
+    them is a ComfyUI file that diffusers' readers split wrongly (they take a fused `lora_A`
+    for a weight)."""
+    return {
+        theirs.rsplit(".", 1)[-1]
+        for ours, theirs in layout.renames
+        if fused_position(layout, ours) is not None
+    }
+
+
 def fused_position(layout: ComfyLora, module: str) -> tuple[int, int] | None:
     """(index, count) of a layer that ComfyUI's model holds stacked with others in one weight
     (`layout.fused`), else None."""
