@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from zerotuner.launch.job import Job
+from zerotuner.launch.ranks import lone_rank
 
 REPO = Path(__file__).resolve().parents[1]
 ENTRYPOINT = str(REPO / "entrypoint")
@@ -143,7 +144,8 @@ def settings_env(*, model: Path, data: Path, output: Path, cache: Path, **settin
 def rank_command(
     tmp: Path, env: dict[str, str], *, job_file: Path, world: int = 2
 ) -> tuple[list[str], dict[str, str]]:
-    """The torchrun command line and environment for `world` CPU ranks running the worker."""
+    """The command line and environment for `world` CPU ranks running the worker: torchrun's,
+    or one rank alone as the entrypoint starts a world of one (launch.ranks.lone_rank)."""
     status = tmp / "status"
     status.mkdir(parents=True, exist_ok=True)
     full = {
@@ -158,6 +160,9 @@ def rank_command(
         "PYTHONUNBUFFERED": "1",
         **env,
     }
+    if world == 1:
+        cmd, lone = lone_rank("zerotuner.train.worker", "127.0.0.1", free_port())
+        return cmd, full | lone
     cmd = [
         sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={world}",
         f"--master_port={free_port()}", f"--shutdown-timeout={SHUTDOWN_TIMEOUT}",

@@ -432,13 +432,8 @@ def start_ranks(
     )
     env[LAUNCHER_PID_ENV] = str(os.getpid())
     if topology.world_size == 1:
-        # torchrun's agent would be one more interpreter importing torch (about 1 s before
-        # the rank starts) to supervise a single process: the rank runs as this process's
-        # child with the variables torchrun gives a rank, and signals reach it directly.
-        argv = [sys.executable, "-m", module]
-        env |= {"RANK": "0", "LOCAL_RANK": "0", "GROUP_RANK": "0", "WORLD_SIZE": "1",
-                "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": topology.master_addr,
-                "MASTER_PORT": str(topology.master_port)}  # fmt: skip
+        argv, lone = lone_rank(module, topology.master_addr, topology.master_port)
+        env |= lone
     else:
         argv = torchrun_command(topology, module=module, shutdown_timeout=int(grace_seconds))
     return Ranks(
@@ -449,6 +444,18 @@ def start_ranks(
         expected_ranks=topology.nproc_per_node,
         released=released,
     )
+
+
+def lone_rank(module: str, master_addr: str, master_port: int) -> tuple[list[str], dict[str, str]]:
+    """The command and variables of a world of one rank. torchrun's agent would be one more
+    interpreter importing torch (about 1 s before the rank starts) to supervise a single
+    process: the rank runs as the launcher's child with the variables torchrun gives a rank,
+    and signals reach it directly."""
+    argv = [sys.executable, "-m", module]
+    env = {"RANK": "0", "LOCAL_RANK": "0", "GROUP_RANK": "0", "WORLD_SIZE": "1",
+           "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": master_addr,
+           "MASTER_PORT": str(master_port)}  # fmt: skip
+    return argv, env
 
 
 def launch(topology: Topology, hardware: Hardware, **kwargs: Any) -> int:
