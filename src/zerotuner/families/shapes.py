@@ -5,6 +5,8 @@ family's clip geometry: what memory planning and bucket sizing read (`ModelShape
 
 from __future__ import annotations
 
+import functools
+import json
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -278,16 +280,29 @@ def _unet_shape(
 def meta_model(family: str, model_dir: Path | None = None, denoiser: str | None = None) -> Any:
     """The trained model (UNet or transformer; `denoiser`: that folder's) on the meta device,
     from the model's own config when `model_dir` has one, else its family's built-in config:
-    shapes, no weights."""
-    from accelerate import init_empty_weights
-
+    shapes, no weights. Shared (`built_on_meta`): read it; deepcopy it to change it."""
     cls = get(family).denoiser_class()
     path = unet_config_path(model_dir, denoiser) if model_dir else None
     config = cls.load_config(str(path.parent)) if path else REGISTRY[family].builtin_config
+    return built_on_meta(cls, config)
+
+
+def built_on_meta(cls: Any, config: dict[str, Any]) -> Any:
+    """`cls` from `config` on the meta device, built once per class and config and then shared
+    by every caller: a plan reads the model several times (counts, LoRA targets, adapter size,
+    stored layers), and building a 14B transformer's modules takes seconds even without
+    weights."""
+    return _built_on_meta(cls, json.dumps(config, sort_keys=True))
+
+
+@functools.lru_cache(maxsize=4)  # a few models' modules; the meta device holds no storage
+def _built_on_meta(cls: Any, config: str) -> Any:
+    from accelerate import init_empty_weights
+
     # include_buffers: buffers on the meta device too, so none is computed (SD3's positional
     # table took 3.5 s of every plan; Wan's rotary tables 0.5 s)
     with init_empty_weights(include_buffers=True):
-        return cls.from_config(config)
+        return cls.from_config(json.loads(config))
 
 
 def vae_scale(model_dir: Path | None) -> int:
@@ -326,15 +341,12 @@ def _transformer_shape(
         params, largest = spec.builtin_counts
         source = f"built-in {family} config"
     else:
-        from accelerate import init_empty_weights
-
         cls = get(family).denoiser_class()
         if config_path is not None:
             config, source = cls.load_config(str(config_path.parent)), str(config_path)
         else:
             config, source = spec.builtin_config, f"built-in {family} config"
-        with init_empty_weights():
-            model = cls.from_config(config)
+        model = built_on_meta(cls, config)
         sizes = [p.numel() for p in model.parameters()]
         params, largest = sum(sizes), max(sizes)
     config = (

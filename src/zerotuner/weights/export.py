@@ -8,6 +8,7 @@ The folders themselves are written by `pipeline_folder` and `lora_files`.
 
 from __future__ import annotations
 
+import copy
 import logging
 import tempfile
 from pathlib import Path
@@ -112,7 +113,7 @@ def _export_lora(
 
     adapter, family = manifest["lora"], manifest["family"]
     part = manifest.get("denoiser")  # Wan 2.2 A14B's expert; else the family's own
-    denoiser = families.meta_model(family, base, part)
+    denoiser = copy.deepcopy(families.meta_model(family, base, part))  # the adapter goes on it
     adapter = adapter | {"targets": list(resolve_targets(denoiser, adapter["targets"]))}
     config = make_config(adapter | {"init": "gaussian"})  # its shapes: nothing to read here
     denoiser.requires_grad_(False)

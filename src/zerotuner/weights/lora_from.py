@@ -23,6 +23,7 @@ names that copy the same way on every rank, so the ranks never touch the network
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import inspect
 import logging
@@ -291,7 +292,9 @@ def check_model(
     from zerotuner import families
     from zerotuner.weights import lora
 
-    meta = families.meta_model(family, model_dir, families.EXPERTS.get(settings.expert or ""))
+    meta = copy.deepcopy(  # the file's adapter goes on it
+        families.meta_model(family, model_dir, families.EXPERTS.get(settings.expert or ""))
+    )
     where = f"{NAME}={settings.lora_from}"
     layers = dict(meta.named_modules())
     alien = [m for m in adapter.modules if m not in layers]
