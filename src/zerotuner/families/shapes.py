@@ -337,23 +337,16 @@ def _transformer_shape(
     spec = REGISTRY[family]
     native = spec.native_resolution  # SD3.5 and Flux.1 are trained at 1024 px, Wan at 480p
     frozen = frozen_params(model_dir) if model_dir and config_path else spec.frozen_params
+    cls = get(family).denoiser_class()
+    if config_path is not None:
+        config, source = cls.load_config(str(config_path.parent)), str(config_path)
+    else:
+        config, source = spec.builtin_config, f"built-in {family} config"
     if config_path is None and not recount:
         params, largest = spec.builtin_counts
-        source = f"built-in {family} config"
     else:
-        cls = get(family).denoiser_class()
-        if config_path is not None:
-            config, source = cls.load_config(str(config_path.parent)), str(config_path)
-        else:
-            config, source = spec.builtin_config, f"built-in {family} config"
-        model = built_on_meta(cls, config)
-        sizes = [p.numel() for p in model.parameters()]
+        sizes = [p.numel() for p in built_on_meta(cls, config).parameters()]
         params, largest = sum(sizes), max(sizes)
-    config = (
-        get(family).denoiser_class().load_config(str(config_path.parent))
-        if config_path is not None
-        else spec.builtin_config
-    )
     streamed = spec.vae_params + spec.text_stream_params if spec.text_stream_params else None
     video = video_shape(family, config, model_dir) if spec.video else None
     # a cached caption token's states: several encoder layers' side by side (Krea 2's)
