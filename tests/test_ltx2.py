@@ -100,7 +100,8 @@ def test_other_pipelines_are_refused_in_one_line(pipeline, tmp_path, monkeypatch
     with pytest.raises(ConfigError) as error:
         families.resolve_family(str(folder))
     text = str(error.value)
-    assert "\n" not in text and "does not train" in text and "LTX2Pipeline" in text
+    assert "\n" not in text and "does not train" in text and "LTX2Pipeline, ltx2" in text
+    assert "LTX2ImageToVideoPipeline, ltx2i2v" in text
     (tmp_path / "data").mkdir()
     code, out, err = tk.config_explain(monkeypatch, capsys, tmp_path, ZT_MODEL=str(folder),
                                        ZT_DATA_DIR=str(tmp_path / "data"),

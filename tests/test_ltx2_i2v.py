@@ -1,12 +1,12 @@
 """LTX-2 image-to-video (`ltx2i2v`, issue 47): the tiny demo (ltx2's parts saved as an
 LTX2ImageToVideoPipeline) renders a clip from an image and is told apart by its files; an LTX-2
 checkpoint (an LTX2Pipeline folder, a hub id) reads as `ltx2` and trains image-to-video when
-ZT_MODEL_FAMILY says so; LTX-2's other conditioned pipelines stay refused in one line naming
-both families. The objective is the pipeline's: the clip's own first latent frame (equal to the
-input image's latents: the VAE is causal) kept clean, its tokens at timestep 0, the loss on the
-later frames. On 2 CPU ranks at ZeRO-3 it trains in full (the clips' loss falls, validation clips
-from an input image, export as LTX2ImageToVideoPipeline, resume on one rank at ZeRO-2) and as a
-LoRA whose adapter loads with LTX2ImageToVideoPipeline.load_lora_weights.
+ZT_MODEL_FAMILY says so (LTX-2's other pipelines are refused in tests/test_ltx2.py). The
+objective is the pipeline's: the clip's own first latent frame (equal to the input image's
+latents: the VAE is causal) kept clean, its tokens at timestep 0, the loss on the later frames.
+On 2 CPU ranks at ZeRO-3 it trains in full (the clips' loss falls, validation clips from an input
+image, export as LTX2ImageToVideoPipeline, resume on one rank at ZeRO-2) and as a LoRA whose
+adapter loads with LTX2ImageToVideoPipeline.load_lora_weights.
 """
 
 from __future__ import annotations
@@ -24,17 +24,18 @@ from test_flow_training import (
     PROMPT,
     STEPS,
     TOKENS,
+    mean_loss,
     pipeline_parts,
     resumes_on_one_rank_at_zero_2,
     run,
     saved_run,
 )
+from test_wan_i2v import first_frame
 
 from zerotuner import families
 from zerotuner.data import clips
 from zerotuner.data.loading import load_example
 from zerotuner.data.scan import scan
-from zerotuner.errors import ConfigError
 from zerotuner.settings.schema import Settings
 
 FAMILY = "ltx2i2v"
@@ -59,13 +60,6 @@ def demo_clips(demo: Path) -> tuple[list, torch.Tensor]:
     return items, torch.stack(pixels)
 
 
-def first_frame(pixels: torch.Tensor):
-    """A clip's (3, frames, h, w) first frame as a PIL image: what a user gives the pipeline."""
-    from PIL import Image
-
-    return Image.fromarray(((pixels[:, 0].permute(1, 2, 0) + 1) * 127.5).round().byte().numpy())
-
-
 def i2v_clip(pipe, image, frames: int = 5):
     """A clip (frames, 64, 64, 3) in [0, 1] from `image`, two steps, one pass per step."""
     pipe.set_progress_bar_config(disable=True)
@@ -87,14 +81,7 @@ def clip_loss(demo: Path, transformer, draws: int = 4) -> float:
     batch = kind.encode_text(pipeline_parts(pipe, FAMILY, kind), [i.caption for i in items])
     kwargs = kind.model_kwargs(batch, torch.float32)
     objective = kind.objective(Settings(), pipe.scheduler, transformer.config)
-    latents = kind.encode_latents(pipe.vae, pixels)
-    with torch.no_grad():
-        losses = [
-            objective.loss(transformer.eval(), latents, kwargs,
-                           generator=torch.Generator().manual_seed(d), dtype=torch.float32)
-            for d in range(draws)
-        ]  # fmt: skip
-    return float(sum(losses)) / draws
+    return mean_loss(objective, transformer, kind.encode_latents(pipe.vae, pixels), kwargs, draws)
 
 
 # --- the demo, detection, the objective --------------------------------------------------------
@@ -132,27 +119,6 @@ def test_demo_is_an_image_to_video_pipeline_and_is_detected(demo, tmp_path):
     assert dataclasses.replace(model_shape(FAMILY), family="ltx2", source=ltx2.source) == ltx2
 
 
-@pytest.mark.parametrize("pipeline", ["LTX2ConditionPipeline", "LTX2InContextPipeline"])
-def test_other_conditioned_pipelines_are_refused_in_one_line(pipeline, tmp_path, monkeypatch,
-                                                             capsys):  # fmt: skip
-    """LTX-2's video-, keyframe- or reference-conditioned pipelines: one line naming both
-    families trained, exit 2 through `config --explain`."""
-    folder = tmp_path / "model"
-    folder.mkdir()
-    (folder / "model_index.json").write_text(json.dumps({"_class_name": pipeline}))
-    with pytest.raises(ConfigError) as error:
-        families.resolve_family(str(folder))
-    text = str(error.value)
-    assert "\n" not in text and "LTX2Pipeline, ltx2" in text
-    assert "LTX2ImageToVideoPipeline, ltx2i2v" in text
-    (tmp_path / "data").mkdir()
-    code, out, err = tk.config_explain(monkeypatch, capsys, tmp_path, ZT_MODEL=str(folder),
-                                       ZT_DATA_DIR=str(tmp_path / "data"),
-                                       ZT_OUTPUT_DIR=str(tmp_path / "output"))  # fmt: skip
-    errors = [line for line in err.splitlines() if line.startswith("zerotuner: error:")]
-    assert (code, out, len(errors)) == (2, "", 1) and pipeline in errors[0]
-
-
 def test_objective_keeps_the_first_frame_clean_at_timestep_0_and_scores_the_rest(demo):
     """A clip's first latent frame is LTX2ImageToVideoPipeline.prepare_latents' image latents
     (the VAE is causal: nothing to cache beside the clip); the family's loss is the pipeline's
@@ -169,8 +135,10 @@ def test_objective_keeps_the_first_frame_clean_at_timestep_0_and_scores_the_rest
     clip = pixels[:2]
     latents = kind.encode_latents(pipe.vae, clip)  # (2, 16, 5, 8, 8)
     assert kind.encode_conditions(clip, lambda px: kind.encode_latents(pipe.vae, px)) == {}
-    packed, mask = pipe.prepare_latents(clip[:, :, 0], 2, 16, 64, 64, 9, 0.0, torch.float32,
-                                        torch.device("cpu"), torch.Generator().manual_seed(0))  # fmt: skip
+    packed, mask = pipe.prepare_latents(
+        clip[:, :, 0], 2, 16, 64, 64, 9, 0.0, torch.float32, torch.device("cpu"),
+        torch.Generator().manual_seed(0),
+    )  # fmt: skip
     image_latents = pipe._unpack_latents(packed, 5, 8, 8)[:, :, :1]
     torch.testing.assert_close(latents[:, :, :1], image_latents, atol=1e-5, rtol=1e-5)
     objective = kind.objective(Settings(), pipe.scheduler, pipe.transformer.config)
@@ -182,8 +150,8 @@ def test_objective_keeps_the_first_frame_clean_at_timestep_0_and_scores_the_rest
     text = kind.encode_text(pipeline_parts(pipe, FAMILY, kind), [i.caption for i in items[:2]])
     kwargs = kind.model_kwargs(text, torch.float32)
     with torch.no_grad():
-        loss = objective.loss(pipe.transformer, latents, kwargs,
-                              generator=torch.Generator().manual_seed(7), dtype=torch.float32)  # fmt: skip
+        loss = objective.loss(pipe.transformer, latents, kwargs, dtype=torch.float32,
+                              generator=torch.Generator().manual_seed(7))  # fmt: skip
         # the same draws, then the pipeline's own call and the later frames' error
         generator = torch.Generator().manual_seed(7)
         noise = torch.randn(latents.shape, generator=generator)
@@ -257,8 +225,7 @@ def test_full_checkpoint_resumes_on_one_rank_at_zero_2(demo, full_run, tmp_path)
 
 
 @pytest.mark.slow
-def test_lora_at_zero_3_on_an_ltx2_checkpoint_generates_from_an_image(family_demo_dir,
-                                                                      tmp_path) -> None:  # fmt: skip
+def test_lora_at_zero_3_on_an_ltx2_checkpoint_generates_from_an_image(family_demo_dir, tmp_path):
     """ZT_MODEL_FAMILY=ltx2i2v on an LTX2Pipeline folder (as the hub's LTX-2 is), a LoRA at
     ZeRO-3: trained image-to-video (the objective line), the validation clip sampled from an
     image through LTX2ImageToVideoPipeline; the adapter (`transformer.` keys) loads with its
