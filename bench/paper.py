@@ -382,6 +382,7 @@ def family_plans_markdown() -> str:
 VIDEO_MODELS = (
     ("Wan2.1-T2V-1.3B", "wan"), ("Wan2.2-TI2V-5B", "wan-5b"), ("Wan2.1-T2V-14B", "wan-14b"),
     ("LTX-2", "ltx2"),  # 81 frames is 8k + 1 for its VAE too
+    ("LTX-2 (image-to-video)", "ltx2i2v"),  # the same network and clip: its own rows
     ("Wan2.1-I2V-14B-480P", "wani2v"),  # the family's built-in config: its published one
     ("HunyuanVideo-1.5 (480p T2V)", "hunyuanvideo15"),  # 480p's 848 x 480: 640
 )  # fmt: skip

@@ -107,7 +107,12 @@ def held_out_loss(demo: Path, family: str, transformer, draws: int = 4) -> float
     text = kind.encode_text(parts, [item.caption for item in items])
     kwargs = kind.model_kwargs(text, torch.float32)
     objective = kind.objective(Settings(), pipe.scheduler, transformer.config)
-    latents = kind.encode_latents(pipe.vae, pixels)
+    return mean_loss(objective, transformer, kind.encode_latents(pipe.vae, pixels), kwargs, draws)
+
+
+def mean_loss(objective, transformer, latents, kwargs, draws: int) -> float:
+    """`objective`'s loss of `transformer` (in eval mode) on `latents`, averaged over `draws`
+    fixed draws (seeds 0, 1, ...)."""
     with torch.no_grad():
         losses = [
             objective.loss(transformer.eval(), latents, kwargs,

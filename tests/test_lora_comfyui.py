@@ -47,6 +47,7 @@ TARGETS = {
               "add_k_proj,add_v_proj",
     # every kind of layer LTX-2's original names rename, and its feed-forward
     "ltx2": "attention+ff,proj_in,proj_out,linear_1,linear_2,linear",
+    "ltx2i2v": "attention+ff,proj_in,proj_out,linear_1,linear_2,linear",  # LTX-2's network
     # every kind of layer HunyuanVideo 1.5's original names rename: both streams' and the token
     # refiner's attention (q, k, v fused in ComfyUI's model) and feed-forward, the modulations
     "hunyuanvideo15": "attention+ff,add_q_proj,add_k_proj,add_v_proj,to_add_out,"

@@ -2,7 +2,7 @@
 
 The tiny demo (real LTX2VideoTransformer3DModel, AutoencoderKLLTX2Video, Gemma3, connectors,
 audio VAE and vocoder) loads and generates clips through LTX2Pipeline and is told apart by its
-files and its hub id; its image- and video-conditioned pipelines are refused in one line; the
+files and its hub id; its video-conditioned and upsampling pipelines are refused in one line; the
 cached captions are LTX2Pipeline's own conditioning and the objective calls the transformer as
 the pipeline does, the audio stream isolated; the published sizes recount on the meta device.
 On 2 CPU ranks at ZeRO-3 (zero.Init, CPU offload) it trains in full: the held-out loss falls,
@@ -89,17 +89,19 @@ def test_demo_generates_clips_in_ltx2_pipeline_and_is_detected(demo, tmp_path):
     assert frozen_params(configs) == counted
 
 
-@pytest.mark.parametrize("pipeline", ["LTX2ImageToVideoPipeline", "LTX2ConditionPipeline"])
-def test_image_to_video_is_refused_in_one_line(pipeline, tmp_path, monkeypatch, capsys):
-    """LTX-2's image- or video-conditioned pipelines: one line naming what is trained, exit 2
-    through `config --explain`."""
+@pytest.mark.parametrize("pipeline", ["LTX2ConditionPipeline", "LTX2LatentUpsamplePipeline"])
+def test_other_pipelines_are_refused_in_one_line(pipeline, tmp_path, monkeypatch, capsys):
+    """LTX-2's video- or keyframe-conditioned pipelines and its upsampler: one line naming what
+    is trained (image-to-video is `ltx2i2v`: tests/test_ltx2_i2v.py), exit 2 through `config
+    --explain`."""
     folder = tmp_path / "model"
     folder.mkdir()
     (folder / "model_index.json").write_text(json.dumps({"_class_name": pipeline}))
     with pytest.raises(ConfigError) as error:
         families.resolve_family(str(folder))
     text = str(error.value)
-    assert "\n" not in text and "image- or video-conditioned" in text and "LTX2Pipeline" in text
+    assert "\n" not in text and "does not train" in text and "LTX2Pipeline, ltx2" in text
+    assert "LTX2ImageToVideoPipeline, ltx2i2v" in text
     (tmp_path / "data").mkdir()
     code, out, err = tk.config_explain(monkeypatch, capsys, tmp_path, ZT_MODEL=str(folder),
                                        ZT_DATA_DIR=str(tmp_path / "data"),

@@ -126,8 +126,17 @@ def _audio_parts(seed: int) -> tuple[Any, Any]:
 
 def write_model(model_dir: Path, *, seed: int, corpus: list[str],
                 data_dir: Path | None = None) -> Path:  # fmt: skip
+    from diffusers import LTX2Pipeline
+
+    return write_ltx2(model_dir, LTX2Pipeline, seed=seed, corpus=corpus, data_dir=data_dir)
+
+
+def write_ltx2(model_dir: Path, pipeline: type, *, seed: int, corpus: list[str],
+               data_dir: Path | None = None) -> Path:  # fmt: skip
+    """The tiny LTX-2 parts saved as a `pipeline` folder (LTX2Pipeline, or the image-to-video
+    one: the same parts)."""
     import torch
-    from diffusers import FlowMatchEulerDiscreteScheduler, LTX2Pipeline, LTX2VideoTransformer3DModel
+    from diffusers import FlowMatchEulerDiscreteScheduler, LTX2VideoTransformer3DModel
     from diffusers.pipelines.ltx2.connectors import LTX2TextConnectors
 
     from zerotuner.demo.flow import save_pipeline
@@ -160,7 +169,7 @@ def write_model(model_dir: Path, *, seed: int, corpus: list[str],
         max_image_seq_len=1024,
     )  # fmt: skip
     return save_pipeline(
-        model_dir, work, LTX2Pipeline, transformer=transformer, scheduler=scheduler,
+        model_dir, work, pipeline, transformer=transformer, scheduler=scheduler,
         vae=_vae(seed, data_dir), audio_vae=audio_vae, text_encoder=text_encoder,
         tokenizer=tokenizer, connectors=connectors, vocoder=vocoder,
     )  # fmt: skip

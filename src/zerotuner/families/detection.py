@@ -78,15 +78,16 @@ def detect_family(model_dir: Path, expert: str | None = None) -> Family:
 
 
 def refuse_ltx2_variant(model: Any, name: str) -> None:
-    """An LTX-2 pipeline other than text-to-video (LTX2ImageToVideoPipeline,
-    LTX2ConditionPipeline, the IC-LoRA and upsampling ones) is one line, exit 2: they condition
-    on images or video, which zerotuner does not take."""
-    ltx2 = REGISTRY["ltx2"].pipeline
-    if name.startswith("LTX2") and name.endswith("Pipeline") and name != ltx2:
+    """An LTX-2 pipeline other than text-to-video and image-to-video (LTX2ConditionPipeline,
+    the IC-LoRA, HDR, DFR and upsampling ones) is one line, exit 2, naming the two it trains."""
+    trained = (REGISTRY["ltx2"].pipeline, REGISTRY["ltx2i2v"].pipeline)
+    if name.startswith("LTX2") and name.endswith("Pipeline") and name not in trained:
         raise ConfigError(
-            f"ZT_MODEL={model}: {name} is an image- or video-conditioned LTX-2 pipeline, "
-            f"which zerotuner does not train; it trains LTX-2 text-to-video ({ltx2}, its video "
-            f"path) on captioned clips and images"
+            f"ZT_MODEL={model}: {name} is an LTX-2 pipeline zerotuner does not train "
+            f"(conditioned on video, keyframes or references, or an upsampler); it trains "
+            f"LTX-2 text-to-video ({trained[0]}, ltx2) and image-to-video ({trained[1]}, "
+            f"ltx2i2v: ZT_MODEL_FAMILY=ltx2i2v on an LTX-2 checkpoint), their video path, on "
+            f"captioned clips and images"
         )
 
 

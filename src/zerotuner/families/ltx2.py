@@ -145,7 +145,8 @@ class LTX2Objective(FlowObjective):
         audio = torch.zeros(batch, 1, self.audio[0], device=device, dtype=dtype)
         audio_text = torch.zeros(batch, 1, self.audio[1], device=device, dtype=dtype)
         out = model(
-            hidden_states=packed, audio_hidden_states=audio, timestep=t, sigma=t,
+            hidden_states=packed, audio_hidden_states=audio,
+            timestep=self.video_timestep(t, clip), audio_timestep=t, sigma=t,
             audio_encoder_hidden_states=audio_text, num_frames=frames // patch_t,
             height=height // patch, width=width // patch, fps=FPS, audio_num_frames=1,
             isolate_modalities=True, use_cross_timestep=True, return_dict=False, **kwargs,
@@ -153,6 +154,11 @@ class LTX2Objective(FlowObjective):
         pred = LTX2Pipeline._unpack_latents(out, frames // patch_t, height // patch,
                                             width // patch, patch, patch_t)  # fmt: skip
         return pred[:, :, 0] if image else pred
+
+    def video_timestep(self, t: torch.Tensor, clip: torch.Tensor) -> torch.Tensor:
+        """The timestep of the clip's (batch, channels, frames, h, w) video tokens: each
+        example's `t` (image-to-video: one per token, ltx2_i2v.py)."""
+        return t
 
 
 # LTX-2's diffusers module names to the original checkpoint's, which ComfyUI's LTX-2 model has

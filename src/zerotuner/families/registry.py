@@ -236,6 +236,23 @@ FLUX = Spec(
     text_kept_params=CLIP_L_KEPT + T5_XXL_KEPT,
 )  # fmt: skip
 
+LTX2_SPEC = Spec(
+    "ltx2", "LTX2",
+    {"in_channels": 128, "out_channels": 128, "patch_size": 1, "patch_size_t": 1,
+     "num_attention_heads": 32, "attention_head_dim": 128, "cross_attention_dim": 4096,
+     "vae_scale_factors": [8, 32, 32], "audio_in_channels": 128, "audio_out_channels": 128,
+     "audio_num_attention_heads": 32, "audio_attention_head_dim": 64,
+     "audio_cross_attention_dim": 2048, "num_layers": 48, "caption_channels": 3840},
+    (18_876_174_592, 100_663_296), GEMMA3_12B_PARAMS + LTX2_CONNECTORS_PARAMS,
+    LTX2_VAE_PARAMS,
+    flow=True, pipeline="LTX2Pipeline", transformer="LTX2VideoTransformer3DModel",
+    hub_markers=("ltx-2", "ltx2"), guess_order=-1, clip_tokens=0, t5_tokens=1024,
+    long_encoder="Gemma3", text_stream_params=GEMMA3_12B_LAYER, layer_keys=("num_layers",),
+    text_width_key="caption_channels",
+    video=True, native_resolution=640,
+    demo="ltx2:write_model",
+)  # fmt: skip
+
 BUILTIN: dict[str, Spec] = {
     "sdxl": Spec(
         "unet", "SDXL",
@@ -377,21 +394,13 @@ BUILTIN: dict[str, Spec] = {
         text_width_key="text_hidden_dim", text_layers_key="num_text_layers",
         demo="krea2:write_model", base_model="krea/Krea-2-Raw",
     ),
-    "ltx2": Spec(
-        "ltx2", "LTX2",
-        {"in_channels": 128, "out_channels": 128, "patch_size": 1, "patch_size_t": 1,
-         "num_attention_heads": 32, "attention_head_dim": 128, "cross_attention_dim": 4096,
-         "vae_scale_factors": [8, 32, 32], "audio_in_channels": 128, "audio_out_channels": 128,
-         "audio_num_attention_heads": 32, "audio_attention_head_dim": 64,
-         "audio_cross_attention_dim": 2048, "num_layers": 48, "caption_channels": 3840},
-        (18_876_174_592, 100_663_296), GEMMA3_12B_PARAMS + LTX2_CONNECTORS_PARAMS,
-        LTX2_VAE_PARAMS,
-        flow=True, pipeline="LTX2Pipeline", transformer="LTX2VideoTransformer3DModel",
-        hub_markers=("ltx-2", "ltx2"), guess_order=-1, clip_tokens=0, t5_tokens=1024,
-        long_encoder="Gemma3", text_stream_params=GEMMA3_12B_LAYER, layer_keys=("num_layers",),
-        text_width_key="caption_channels",
-        video=True, native_resolution=640,
-        demo="ltx2:write_model",
+    "ltx2": LTX2_SPEC,
+    # LTX-2 image-to-video (families/ltx2_i2v.py): the same network and checkpoint, sampled by
+    # LTX2ImageToVideoPipeline; a hub id says ltx2 (one repository for both), ZT_MODEL_FAMILY
+    # chooses this
+    "ltx2i2v": replace(
+        LTX2_SPEC, module="ltx2_i2v", cls="LTX2I2V", pipeline="LTX2ImageToVideoPipeline",
+        hub_markers=(), demo="ltx2_i2v:write_model", image_to_video=True,
     ),
     # Wan image-to-video (families/wan_i2v.py): Wan2.1-I2V-14B-480P's transformer (its
     # transformer/config.json: 16.39B, 36 channels in, CLIP ViT-H/14's 1280-wide states through

@@ -51,6 +51,7 @@ from typing import Any
 
 import torch
 
+from zerotuner.families.first_frame import FirstFrameKept, first_frame_timesteps, has_later_frames
 from zerotuner.families.wan import Wan, WanObjective
 
 MASK_CHANNELS = 4  # the first frame's mask: one channel per frame the VAE folds into one
@@ -110,28 +111,18 @@ class WanI2VObjective(WanObjective):
 
 
 @dataclass(frozen=True)
-class WanTI2VObjective(WanObjective):
+class WanTI2VObjective(FirstFrameKept, WanObjective):
     """Wan 2.2 TI2V-5B's image-to-video flow matching (`expand_timesteps`): the first latent
-    frame clean, timestep 0 on its tokens, the loss on the later frames."""
+    frame clean, timestep 0 on its tokens, the loss on the later frames (first_frame.py)."""
 
     def describe(self) -> str:
         return (f"{super().describe()}; the first latent frame kept clean at timestep 0, the "
                 f"loss on the later frames (image-to-video, expand_timesteps)")  # fmt: skip
 
-    def kept_clean(self, latents: torch.Tensor, noisy: torch.Tensor) -> torch.Tensor:
-        if latents.ndim == 4 or latents.shape[2] == 1:  # an image: no later frame
-            return noisy
-        return torch.cat([latents[:, :, :1], noisy[:, :, 1:]], dim=2)
-
-    def scored(self, pred: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if target.ndim == 4 or target.shape[2] == 1:
-            return pred, target
-        return pred[:, :, 1:], target[:, :, 1:]
-
     def call(
         self, model: Any, latents: torch.Tensor, t: torch.Tensor, kwargs: dict[str, Any]
     ) -> torch.Tensor:
-        if latents.ndim == 4 or latents.shape[2] == 1:
+        if not has_later_frames(latents):
             return super().call(model, latents, t, kwargs)
         return model(hidden_states=latents, timestep=token_timesteps(latents, t), **kwargs).sample
 
@@ -140,9 +131,7 @@ def token_timesteps(latents: torch.Tensor, t: torch.Tensor, patch: int = 2) -> t
     """(batch, tokens): each token's timestep as WanImageToVideoPipeline's `expand_timesteps`
     gives it, 0 on the first latent frame's tokens (its mask `[:, ::2, ::2]`), t elsewhere."""
     frames, height, width = latents.shape[2:]
-    later = torch.ones(frames, -(-height // patch), -(-width // patch), device=t.device)
-    later[0] = 0
-    return later.flatten()[None].to(t.dtype) * t[:, None]
+    return first_frame_timesteps(t, frames, -(-height // patch) * -(-width // patch))
 
 
 @dataclass(frozen=True)
