@@ -175,7 +175,7 @@ def _dataset(c: Checks) -> tuple[str, list[str]]:
     dataset = scan_sources(
         found, s.cache_dir, log_skipped=False, write_index=False,
         min_image_size=s.min_image_size, video=video, datasets_file=s.datasets_file,
-        control_count=families.REGISTRY[source.family].controls if source is not None else 0,
+        control_count=families.REGISTRY[source.family].control_counts if source else 0,
     )  # fmt: skip
     warnings = dataset.warnings()  # the lines train logs
     shape = c.facts.get("model_shape")  # as train: ZT_RESOLUTION, else the family's own
@@ -251,7 +251,7 @@ def _latent_cache(c: Checks) -> str:
     need = latent_cache_bytes(
         buckets, channels=families.vae_latent_channels(model.local_dir),
         scale=families.vae_scale(model.local_dir), frame_step=video.step if video else None,
-        flip=s.random_flip, controls=families.REGISTRY[model.family].controls,
+        flip=s.random_flip, controls=len(dataset.items[0].controls),  # the run's one count
     )  # fmt: skip
     clip_buckets = sorted({b[2] for b in buckets if len(b) == 3})
     frames = f"; clips of {', '.join(map(str, clip_buckets))} frames" if clip_buckets else ""
