@@ -152,6 +152,21 @@ def _finish(c: Checks) -> int:
     return code
 
 
+def _eval_control_count(s: Any, dataset: Any, counts: range) -> None:
+    """ZT_EVAL_DATA_DIR's targets have the training targets' control image count, refused as
+    the ranks refuse it (controls.one_count); a remote one is read by the ranks alone."""
+    from zerotuner.data.controls import one_count
+    from zerotuner.data.scan import scan_sources
+    from zerotuner.settings.datasets import eval_sources
+
+    local = [e for e in eval_sources(s) if not e.location.remote]
+    if local:
+        held = scan_sources(local, s.cache_dir, log_skipped=False, write_index=False,
+                            min_image_size=s.min_image_size, control_count=counts,
+                            setting="ZT_EVAL_DATA_DIR")  # fmt: skip
+        one_count("ZT_EVAL_DATA_DIR", dataset.items, held.items)
+
+
 def _dataset(c: Checks) -> tuple[str, list[str]]:
     from zerotuner import families
     from zerotuner.data.clips import video_sampling
@@ -177,6 +192,8 @@ def _dataset(c: Checks) -> tuple[str, list[str]]:
         min_image_size=s.min_image_size, video=video, datasets_file=s.datasets_file,
         control_count=families.REGISTRY[source.family].control_counts if source else 0,
     )  # fmt: skip
+    if source is not None and families.REGISTRY[source.family].controls:
+        _eval_control_count(s, dataset, families.REGISTRY[source.family].control_counts)
     warnings = dataset.warnings()  # the lines train logs
     shape = c.facts.get("model_shape")  # as train: ZT_RESOLUTION, else the family's own
     resolution = job_resolution(s, shape) if shape else s.resolution

@@ -60,9 +60,10 @@ def scan(
     Captions are read from `caption_extension` sidecars; `foo.mask.png` is foo's loss mask.
     `control_count`: the control images an edit family trains each target with, or the range
     of counts it takes (Spec.control_counts; 0: control images are refused, `controls.refuse`;
-    the items' counts may differ here: `scan_sources` refuses a mix); they are found beside their targets, in
-    metadata.jsonl or in `control_dir` (its scan index: `control_index`), and a target without
-    them usable is skipped. No usable image is a ConfigError (exit 2) naming `setting`.
+    the items' counts may differ here: `scan_sources` refuses a mix; more than a range's most
+    is refused, `controls.too_many`); they are found beside their targets, in metadata.jsonl
+    or in `control_dir` (its scan index: `control_index`), and a target without them usable
+    is skipped. No usable image is a ConfigError (exit 2) naming `setting`.
     """
     data_dir = Path(data_dir)
     if not data_dir.is_dir():
@@ -252,6 +253,7 @@ def scan_sources(
     video: clips.Video | None = None,
     datasets_file: Path | None = None,
     control_count: int | range = 0,
+    setting: str = "ZT_DATA_DIR",
 ) -> Dataset:
     """Every dataset of the run scanned (`scan`) and joined: one dataset as it is, several
     into a Dataset whose `parts` keep each one's repeats and resolution. A remote dataset is
@@ -260,7 +262,7 @@ def scan_sources(
     `control_count`: the control images the model's family trains each target with, or the
     range it takes (Spec.control_counts; 0: a text-to-image family; a `control_dir` or control
     images are refused in one line); the items of all datasets must have one count
-    (controls.one_count). A
+    (controls.one_count; `setting` names them there: ZT_EVAL_DATA_DIR's). A
     dataset's `video_windows` cuts its clips instead of `video`'s (ZT_VIDEO_WINDOWS)."""
     scanned = []
     for number, source in enumerate(sources):
@@ -302,8 +304,8 @@ def scan_sources(
         skipped = tuple(s for part in scanned for s in part.skipped)
         cut = tuple(c for part in scanned for c in part.cut_captions)
         dataset = Dataset(scanned[0].root, tuple(items), skipped, cut, tuple(parts))
-    controls.one_count(f"ZT_DATASETS_FILE={datasets_file}" if datasets_file else
-                       "ZT_DATA_DIR", dataset.items)  # fmt: skip
+    named = f"ZT_DATASETS_FILE={datasets_file}" if datasets_file else setting
+    controls.one_count(named, dataset.items)
     if log_skipped:
         _warn(dataset)
     return dataset

@@ -612,9 +612,10 @@ def transformer_activations(family: str, config: dict[str, Any]) -> tuple[int, i
     Kontext: its reference, at the target's size), and the text's (SD3: CLIP 77 + T5 256; Flux,
     Chroma: T5 512; Z-Image: Qwen3 512; Qwen-Image-Edit: Qwen2.5-VL 512 and its control
     image's 1369 vision tokens; Qwen-Image-Edit Plus: 3 references and their 201 each, the most
-    it takes: the plan is made before the data are read). Layers: the family's `layer_keys` (Z-Image: its 30
-    main layers and the noise refiner's 2, which see the image; the context refiner's, on the
-    text alone, are left out). A family in MEASURED_BLOCKS: its blocks' measured bytes."""
+    it takes: the plan is made before the data are read). Layers: the family's `layer_keys`
+    (Z-Image: its 30 main layers and the noise refiner's 2, which see the image; the context
+    refiner's, on the text alone, are left out). A family in MEASURED_BLOCKS: its blocks'
+    measured bytes."""
     spec = REGISTRY[family]
     image = (1024 // VAE_SCALE // 2) ** 2 * (1 + spec.controls)
     if family in MEASURED_BLOCKS:

@@ -180,6 +180,7 @@ class Run:
                 write_index=self.place.node_leader, min_image_size=s.min_image_size,
                 video=self.video,
                 control_count=families.REGISTRY[self.job.family].control_counts,
+                setting="ZT_EVAL_DATA_DIR",
             )  # fmt: skip
             one_count("ZT_EVAL_DATA_DIR", self.dataset.items, extra.items)
             offset = len(self.dataset)
