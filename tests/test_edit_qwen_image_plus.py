@@ -37,10 +37,11 @@ def demo(family_demo_dir) -> Path:
     return family_demo_dir(FAMILY)
 
 
-def references(demo: Path) -> list[Image.Image]:
-    """The first demo target's two references, in order."""
+def references(demo: Path, side: int | None = 64) -> list[Image.Image]:
+    """The first demo target's two references, in order, at `side` px (None: as saved)."""
     first = sorted((demo / "data").glob("000-*.png"))
-    return [Image.open(p).convert("RGB") for p in first if ".control" in p.name]
+    images = [Image.open(p).convert("RGB") for p in first if ".control" in p.name]
+    return [i.resize((side, side)) for i in images] if side else images
 
 
 def edit(pipe, images: list[Image.Image]) -> np.ndarray:
@@ -55,7 +56,7 @@ def test_the_demo_is_a_plus_pipeline_that_edits_and_is_detected(demo, tmp_path) 
     pipe = load(demo / "model", FAMILY)
     assert type(pipe).__name__ == PIPELINE
     images = references(demo)
-    assert [i.size for i in images] == [(64, 64), (64, 64)]
+    assert len(images) == 2
     out = edit(pipe, images)
     assert out.shape == (64, 64, 3) and np.isfinite(out).all()
     assert families.detect_family(demo / "model") == FAMILY
@@ -130,8 +131,9 @@ def test_full_fine_tuning_at_zero_3_learns_the_edit_and_exports(demo, full_run) 
     assert np.abs(edit(final, images) - edit(base, images)).max() > 1e-3
     (sample,) = (output / "samples" / f"step-{STEPS}").glob("*.png")
     shown = Image.open(output / "samples" / "inputs" / sample.name).convert("RGB")
-    assert shown.size == (128, 64)  # the two 64 px references side by side
-    assert np.array_equal(np.asarray(shown)[:, 64:], np.asarray(images[1]))
+    first, second = references(demo, side=None)
+    assert shown.size == (first.width + second.width, first.height)  # side by side
+    assert np.array_equal(np.asarray(shown)[:, first.width :], np.asarray(second))
 
 
 @pytest.mark.slow
