@@ -21,7 +21,14 @@ import torch
 import trainkit as tk
 from PIL import Image
 from test_edit_qwen_image import edit_loss, load, pairs
-from test_flow_training import PROMPT, SAVED, STEPS, TOKENS, resumes_on_one_rank_at_zero_2, run
+from test_flow_training import (
+    PROMPT,
+    STEPS,
+    TOKENS,
+    resumes_on_one_rank_at_zero_2,
+    run,
+    saved_run,
+)
 
 from zerotuner import families
 from zerotuner.settings.schema import Settings
@@ -107,13 +114,7 @@ def test_cached_caption_states_are_the_pipelines_encode_prompt(demo) -> None:
 @pytest.fixture(scope="module")
 def full_run(demo, tmp_path_factory):
     """ZeRO-3 on 2 ranks, sampling from the data's first target's two references."""
-    tmp = tmp_path_factory.mktemp("full-qwen-edit-plus") / "run"
-    tmp.mkdir()
-    log = run(
-        tmp, demo, FAMILY, output=tmp / "output", checkpoint_every_steps=SAVED,
-        validation_prompts=[PROMPT], validation_inference_steps=2, **FULL,
-    )  # fmt: skip
-    return tmp / "output", log
+    return saved_run(tmp_path_factory, demo, FAMILY, **FULL)
 
 
 @pytest.mark.slow

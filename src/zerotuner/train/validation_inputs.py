@@ -69,7 +69,7 @@ def chosen(
         return None
     prompts = len(settings.validation_prompts)
     if given:
-        images = [read(path, name) for path in given]
+        images: list[PILImage | list[PILImage]] = [read(path, name) for path in given]
         return images * prompts if len(images) == 1 else images
     image, source = from_data(sample_input, dataset, held)
     log.info("samples: every prompt samples from %s (%s; %s sets others)", source,
