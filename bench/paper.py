@@ -189,6 +189,8 @@ FLOW_MODELS = (
     ("FLUX.1-Kontext-dev", "fluxkontext"),  # the reference image's tokens beside the target's
     # the control's latent tokens beside the target's, its vision tokens in the caption
     ("Qwen-Image-Edit", "qwenimageedit"),
+    # planned for its most references, 3: each a target's tokens and 201 in the caption
+    ("Qwen-Image-Edit-2509 (3 references)", "qwenimageeditplus"),
 )  # fmt: skip
 
 

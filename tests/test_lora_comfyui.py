@@ -32,7 +32,7 @@ TARGETS = {
     "sd3": "attention+ff", "flux": "attention+ff", "fluxkontext": "attention+ff",
     "chroma": "attention,proj_mlp,proj_out",
     "zimage": "attention", "qwenimage": "attention,img_mlp.net.2",
-    "qwenimageedit": "attention,img_mlp.net.2",
+    "qwenimageedit": "attention,img_mlp.net.2", "qwenimageeditplus": "attention,img_mlp.net.2",
     "flux2": "attention,to_qkv_mlp_proj,single_transformer_blocks.0.attn.to_out",
     "flux2klein": "attention,to_qkv_mlp_proj",
     # every kind of layer Wan's original names rename

@@ -152,6 +152,21 @@ def _finish(c: Checks) -> int:
     return code
 
 
+def _eval_control_count(s: Any, dataset: Any, counts: range) -> None:
+    """ZT_EVAL_DATA_DIR's targets have the training targets' control image count, refused as
+    the ranks refuse it (controls.one_count); a remote one is read by the ranks alone."""
+    from zerotuner.data.controls import one_count
+    from zerotuner.data.scan import scan_sources
+    from zerotuner.settings.datasets import eval_sources
+
+    local = [e for e in eval_sources(s) if not e.location.remote]
+    if local:
+        held = scan_sources(local, s.cache_dir, log_skipped=False, write_index=False,
+                            min_image_size=s.min_image_size, control_count=counts,
+                            setting="ZT_EVAL_DATA_DIR")  # fmt: skip
+        one_count("ZT_EVAL_DATA_DIR", dataset.items, held.items)
+
+
 def _dataset(c: Checks) -> tuple[str, list[str]]:
     from zerotuner import families
     from zerotuner.data.clips import video_sampling
@@ -175,8 +190,10 @@ def _dataset(c: Checks) -> tuple[str, list[str]]:
     dataset = scan_sources(
         found, s.cache_dir, log_skipped=False, write_index=False,
         min_image_size=s.min_image_size, video=video, datasets_file=s.datasets_file,
-        control_count=families.REGISTRY[source.family].controls if source is not None else 0,
+        control_count=families.REGISTRY[source.family].control_counts if source else 0,
     )  # fmt: skip
+    if source is not None and families.REGISTRY[source.family].controls:
+        _eval_control_count(s, dataset, families.REGISTRY[source.family].control_counts)
     warnings = dataset.warnings()  # the lines train logs
     shape = c.facts.get("model_shape")  # as train: ZT_RESOLUTION, else the family's own
     resolution = job_resolution(s, shape) if shape else s.resolution
@@ -251,7 +268,7 @@ def _latent_cache(c: Checks) -> str:
     need = latent_cache_bytes(
         buckets, channels=families.vae_latent_channels(model.local_dir),
         scale=families.vae_scale(model.local_dir), frame_step=video.step if video else None,
-        flip=s.random_flip, controls=families.REGISTRY[model.family].controls,
+        flip=s.random_flip, controls=len(dataset.items[0].controls),  # the run's one count
     )  # fmt: skip
     clip_buckets = sorted({b[2] for b in buckets if len(b) == 3})
     frames = f"; clips of {', '.join(map(str, clip_buckets))} frames" if clip_buckets else ""

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from zerotuner.data.dataset import count
+from zerotuner.data.dataset import Item, count
 from zerotuner.data.files import IMAGE_SUFFIXES, LINK_OUT, controlled, walk
 from zerotuner.data.probe import Probe
 from zerotuner.errors import ConfigError
@@ -82,17 +82,18 @@ class Found:
         return self.unusable.get(path.with_suffix("")) or self.unusable.get(path.resolve())
 
     def left_out(
-        self, path: Path, probe: Probe, probes: Sequence[Probe | None], wanted: int
+        self, path: Path, probe: Probe, probes: Sequence[Probe | None], wanted: range
     ) -> str | None:
-        """Why a probed picture does not train for its controls (its skip reason), or None."""
+        """Why a probed picture does not train for its controls (its skip reason), or None.
+        `wanted`: the counts the model takes (Spec.control_counts)."""
         if not wanted:
             return None
         if why := self._why(path):
             return f"its control image is unusable ({why})"
         if not probes:
             return "without its control image"
-        if len(probes) != wanted:
-            return f"with {count(len(probes), 'control image')} (the model takes {wanted})"
+        if len(probes) not in wanted:
+            return f"with {count(len(probes), 'control image')} (the model takes {takes(wanted)})"
         assert probe.size is not None  # a picture without a size is left out before
         tw, th = probe.size
         for control in probes:
@@ -172,8 +173,46 @@ def _under(real: Path, roots: Sequence[Path]) -> Path | None:
     return None
 
 
+def takes(wanted: range) -> str:
+    """The control image counts a model takes, in words: "1", "1 to 3"."""
+    return str(wanted.start) if len(wanted) == 1 else f"{wanted.start} to {wanted[-1]}"
+
+
+def too_many(setting: str, path: Path, found: int, wanted: range) -> ConfigError:
+    """A target with more control images than a model that takes several reads (Qwen-Image-
+    Edit Plus): one line (a model of one count skips such a target with why: `left_out`)."""
+    return ConfigError(
+        f"{setting}: {path} has {count(found, 'control image')}; the model takes "
+        f"{takes(wanted)}: keep at most {wanted[-1]} per target"
+    )
+
+
+def one_count(setting: str, items: Sequence[Item], others: Sequence[Item] = ()) -> None:
+    """Every item of a run trains with as many control images (a batch stacks them): mixed
+    counts are one line naming each count and a file that has it. `others`: ZT_EVAL_DATA_DIR's
+    items, which must have the training items' count."""
+    example: dict[int, Path] = {}
+    for item in items:
+        example.setdefault(len(item.controls), item.path)
+    if len(example) > 1:
+        found = "; ".join(f"{count(n, 'control image')}: {example[n]}" for n in sorted(example))
+        raise ConfigError(
+            f"{setting}: targets with different numbers of control images ({found}); one run "
+            "trains every target with as many (a batch stacks them): give each target the same "
+            "number, or train each count in a run of its own"
+        )
+    held = {len(item.controls): item.path for item in others}
+    if example and (differ := sorted(set(held) - set(example))):
+        (trained, path), n = next(iter(example.items())), differ[0]
+        raise ConfigError(
+            f"ZT_EVAL_DATA_DIR: its targets have {count(n, 'control image')} ({held[n]}), the "
+            f"training targets {trained} ({path}); held-out targets are evaluated as the "
+            "training ones train: give them as many control images"
+        )
+
+
 def control_folder(
-    source: DatasetSource, number: int, datasets_file: Path | None, wanted: int
+    source: DatasetSource, number: int, datasets_file: Path | None, wanted: range | int
 ) -> Path | None:
     """A datasets entry's `control_dir`, refused in one line when the model takes no control
     images or the folder is not there."""

@@ -44,7 +44,7 @@ def scan(
     caption_extension: str = ".txt",
     setting: str = "ZT_DATA_DIR",
     video: clips.Video | None = None,
-    control_count: int = 0,
+    control_count: int | range = 0,
     control_dir: Path | None = None,
     control_index: Path | None = None,
 ) -> Dataset:
@@ -58,10 +58,12 @@ def scan(
     whose short side is below `min_image_size` (ZT_MIN_IMAGE_SIZE). Each caption goes through
     `caption_template` (ZT_CAPTION_TEMPLATE), so the text cache holds what is trained on.
     Captions are read from `caption_extension` sidecars; `foo.mask.png` is foo's loss mask.
-    `control_count`: the control images an edit family trains each target with (0: control
-    images are refused, `controls.refuse`); they are found beside their targets, in
-    metadata.jsonl or in `control_dir` (its scan index: `control_index`), and a target without
-    them usable is skipped. No usable image is a ConfigError (exit 2) naming `setting`.
+    `control_count`: the control images an edit family trains each target with, or the range
+    of counts it takes (Spec.control_counts; 0: control images are refused, `controls.refuse`;
+    the items' counts may differ here: `scan_sources` refuses a mix; more than a range's most
+    is refused, `controls.too_many`); they are found beside their targets, in metadata.jsonl
+    or in `control_dir` (its scan index: `control_index`), and a target without them usable
+    is skipped. No usable image is a ConfigError (exit 2) naming `setting`.
     """
     data_dir = Path(data_dir)
     if not data_dir.is_dir():
@@ -78,6 +80,8 @@ def scan(
     candidates, masks = _classify(others, sidecars, skipped, video)
     paired, broken_masks = _pair_masks(candidates, masks, skipped)
     attached = found.attach(candidates, skipped)
+    if isinstance(control_count, int):
+        control_count = range(control_count, control_count + 1) if control_count else range(0)
     if not control_count and (attached or control_dir):
         raise controls.refuse(setting, data_dir, attached)
     mask_files = [m for m in paired.values() if m is not None]
@@ -100,6 +104,8 @@ def scan(
         mask_probe = mask_probes[mask] if mask else None
         why = _left_out(probe, mask_probe, broken_masks.get(path), min_image_size)
         own = attached.get(path, [])
+        if len(control_count) > 1 and len(own) > control_count[-1]:
+            raise controls.too_many(setting, path, len(own), control_count)
         why = why or found.left_out(path, probe, [control_probes.get(c) for c in own],
                                     control_count)  # fmt: skip
         if why:
@@ -246,14 +252,17 @@ def scan_sources(
     min_image_size: int = 0,
     video: clips.Video | None = None,
     datasets_file: Path | None = None,
-    control_count: int = 0,
+    control_count: int | range = 0,
+    setting: str = "ZT_DATA_DIR",
 ) -> Dataset:
     """Every dataset of the run scanned (`scan`) and joined: one dataset as it is, several
     into a Dataset whose `parts` keep each one's repeats and resolution. A remote dataset is
     read from its fetched copy (settings.datasets.local_folder); `preflight.fetch` made it.
     `datasets_file` (ZT_DATASETS_FILE): what an error names instead of ZT_DATA_DIR.
-    `control_count`: the control images the model's family trains each target with (0: a
-    text-to-image family; a `control_dir` or control images are refused in one line). A
+    `control_count`: the control images the model's family trains each target with, or the
+    range it takes (Spec.control_counts; 0: a text-to-image family; a `control_dir` or control
+    images are refused in one line); the items of all datasets must have one count
+    (controls.one_count; `setting` names them there: ZT_EVAL_DATA_DIR's). A
     dataset's `video_windows` cuts its clips instead of `video`'s (ZT_VIDEO_WINDOWS)."""
     scanned = []
     for number, source in enumerate(sources):
@@ -295,6 +304,8 @@ def scan_sources(
         skipped = tuple(s for part in scanned for s in part.skipped)
         cut = tuple(c for part in scanned for c in part.cut_captions)
         dataset = Dataset(scanned[0].root, tuple(items), skipped, cut, tuple(parts))
+    named = f"ZT_DATASETS_FILE={datasets_file}" if datasets_file else setting
+    controls.one_count(named, dataset.items)
     if log_skipped:
         _warn(dataset)
     return dataset

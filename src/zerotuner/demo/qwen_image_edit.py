@@ -13,6 +13,7 @@ beside it, the same shape in the colour before the target's in RECOLOUR's cycle.
 from __future__ import annotations
 
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 # Qwen2.5-VL's chat and vision markers, as its tokenizer names them
@@ -29,22 +30,37 @@ TEMPLATE_WORDS = (
 def write_model(model_dir: Path, *, seed: int, corpus: list[str],
                 data_dir: Path | None = None) -> Path:  # fmt: skip
     """The tiny pipeline in `model_dir` and, with `data_dir`, each demo image's control."""
+    from diffusers import QwenImageEditPipeline
+
+    from zerotuner.demo.flux_kontext import write_controls
+
+    return write_edit_model(
+        model_dir, QwenImageEditPipeline, seed=seed, corpus=corpus, data_dir=data_dir,
+        write_data=write_controls,
+    )  # fmt: skip
+
+
+def write_edit_model(
+    model_dir: Path, pipeline: type, *, seed: int, corpus: list[str], data_dir: Path | None,
+    write_data: Callable[[Path], object], words: str = TEMPLATE_WORDS,
+    marks: tuple[str, ...] = (",", ":", ".", "(", ")", "'"),
+) -> Path:  # fmt: skip
+    """A tiny Qwen-Image edit `pipeline` (QwenImageEditPipeline or its Plus) in `model_dir`
+    and, with `data_dir`, its controls (`write_data`); `words`, `marks`: its template's."""
     import torch
-    from diffusers import QwenImageEditPipeline, QwenImageTransformer2DModel
+    from diffusers import QwenImageTransformer2DModel
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
         Qwen2VLImageProcessorPil,
     )
 
     from zerotuner.demo.flow import LATENT_CHANNELS, dynamic_scheduler, save_pipeline
-    from zerotuner.demo.flux_kontext import write_controls
     from zerotuner.demo.qwen_image import QWEN_WIDTH, _text_encoder, _vae, write_qwen_tokenizer
     from zerotuner.families.qwen_image_edit import ImageProcessor
 
     work = Path(tempfile.mkdtemp(prefix="zerotuner-tokenizers-"))
     tokenizer = write_qwen_tokenizer(
-        work / "qwen", corpus, specials=SPECIALS, words=TEMPLATE_WORDS,
-        marks=(",", ":", ".", "(", ")", "'"),
-    )  # fmt: skip
+        work / "qwen", corpus, specials=SPECIALS, words=words, marks=marks
+    )
     ids = tokenizer.convert_tokens_to_ids
     vision_ids = {"image_token_id": ids("<|image_pad|>"), "video_token_id": ids("<|video_pad|>"),
                   "vision_start_token_id": ids("<|vision_start|>"),
@@ -66,13 +82,13 @@ def write_model(model_dir: Path, *, seed: int, corpus: list[str],
     )  # fmt: skip
     scheduler = dynamic_scheduler(shift=1.0, shift_terminal=0.02, time_shift_type="exponential")
     save_pipeline(
-        model_dir, work, QwenImageEditPipeline, transformer=transformer, scheduler=scheduler,
+        model_dir, work, pipeline, transformer=transformer, scheduler=scheduler,
         vae=_vae(seed, data_dir), text_encoder=text_encoder, tokenizer=tokenizer,
         processor=processor,
     )  # fmt: skip
     hub_layout(model_dir)
     if data_dir is not None:
-        write_controls(data_dir)
+        write_data(data_dir)
     return model_dir
 
 

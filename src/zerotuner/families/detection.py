@@ -38,7 +38,6 @@ def detect_family(model_dir: Path, expert: str | None = None) -> Family:
     if index.is_file():
         components = model_json(index)
         pipeline = str(components.get("_class_name", ""))
-        refuse_edit_plus(model_dir, pipeline)
         if pipeline not in PIPELINES:  # an edit model zerotuner trains is a family of its own
             refuse_edit_model(model_dir, pipeline)
         refuse_wan_variant(model_dir, pipeline, components, expert)
@@ -164,28 +163,11 @@ def refuse_edit_model(model: Any, name: str) -> None:
         )
 
 
-# Qwen-Image-Edit's later pipeline (several reference images) and the hub names of its models
-EDIT_PLUS = ("QwenImageEditPlusPipeline", "edit-2509", "edit-2511", "edit-plus", "edit_plus")
-
-
-def refuse_edit_plus(model: Any, name: str) -> None:
-    """Qwen-Image-Edit-2509 / 2511 (QwenImageEditPlusPipeline: several reference images, each
-    read by Qwen2.5-VL at its own size) is one line, exit 2: zerotuner trains the original."""
-    if any(marker.lower() in name.lower() for marker in EDIT_PLUS):
-        raise ConfigError(
-            f"ZT_MODEL={model}: {name} is Qwen-Image-Edit's Plus pipeline "
-            f"(QwenImageEditPlusPipeline), an image-edit model with several reference images, "
-            f"which zerotuner does not train yet; it trains Qwen/Qwen-Image-Edit "
-            f"({REGISTRY['qwenimageedit'].pipeline}, one control image) as qwenimageedit"
-        )
-
-
 def guess_family(hub_id: str, expert: str | None = None) -> Family | None:
     """The family a hub id's name says (when its configs cannot be read), or None; an
     image-edit model's name is refused (refuse_edit_model), as a Wan variant's
     (refuse_wan_variant; `expert`: ZT_EXPERT)."""
     name = hub_id.lower()
-    refuse_edit_plus(hub_id, hub_id.rsplit("/", 1)[-1])
     for family, spec in sorted(REGISTRY.items(), key=lambda item: item[1].guess_order):
         if any(marker in name for marker in spec.hub_markers):
             if not spec.controls:  # an edit family's name says edit: it is no refusal

@@ -153,6 +153,15 @@ class QwenImageEdit(QwenImage):
     def latent_cache_tag(self) -> str:
         return f":edit-captions-{self.max_sequence_length}"
 
+    def prompt_texts(self, captions: list[str], references: int) -> list[str]:
+        """Each caption in the pipeline's template (`references`: the control images each
+        item's prompt shows Qwen2.5-VL; here one, in the template)."""
+        return [TEMPLATE.format(c) for c in captions]
+
+    def prompt_images(self, controls: torch.Tensor) -> list[Any]:
+        """The images the processor reads with the captions, each item's in turn."""
+        return control_pixels(controls)
+
     @torch.no_grad()
     def encode_item_captions(
         self, encoders: list[Any], processors: list[Any], captions: list[str],
@@ -163,9 +172,9 @@ class QwenImageEdit(QwenImage):
         vision tokens and the template's plus max_sequence_length (a bucket's items share the
         length, so its batches stack), with the mask of the real ones."""
         (encoder,), (processor,) = encoders, processors
-        images = control_pixels(controls)
+        images, per_item = self.prompt_images(controls), controls.shape[1]
         inputs = processor(
-            text=[TEMPLATE.format(c) for c in captions], images=images, padding=True,
+            text=self.prompt_texts(captions, per_item), images=images, padding=True,
             return_tensors="pt",
         ).to(encoder.device)  # fmt: skip
         out = encoder(
@@ -173,7 +182,8 @@ class QwenImageEdit(QwenImage):
             pixel_values=inputs["pixel_values"], image_grid_thw=inputs["image_grid_thw"],
             output_hidden_states=True,
         )  # fmt: skip
-        empty = processor(text=[TEMPLATE.format("")], images=images[:1], return_tensors="pt")
+        empty = processor(text=self.prompt_texts([""], per_item), images=images[:per_item],
+                          return_tensors="pt")  # fmt: skip
         length = int(empty["attention_mask"].sum()) - TEMPLATE_TOKENS + self.max_sequence_length
         states, mask = out.hidden_states[-1], inputs["attention_mask"].bool()
         embeds = states.new_zeros(len(captions), length, states.shape[-1])

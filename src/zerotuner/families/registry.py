@@ -73,9 +73,12 @@ class Spec:
     base_model: str = ""
     # what a hub id's name says of a distilled checkpoint (Krea 2 Turbo's; HiDream's Dev, Fast)
     distilled_markers: tuple[str, ...] = ("turbo",)
-    # Control images each target trains with (an edit model's inputs: data/controls.py);
-    # 0: a text-to-image family, which refuses them
+    # Control images each target trains with (an edit model's inputs: data/controls.py), the
+    # most it takes; 0: a text-to-image family, which refuses them
     controls: int = 0
+    # the fewest it takes (Qwen-Image-Edit Plus: 1 to 3); 0: exactly `controls`. One run's
+    # items all have the same count (a batch stacks their controls: data/controls.py)
+    min_controls: int = 0
     # An image-to-video family: its pipeline samples from a first frame (sample_input)
     image_to_video: bool = False
     # Its captions' states depend on the control images (Qwen-Image-Edit's Qwen2.5-VL reads
@@ -93,6 +96,13 @@ class Spec:
         """What its pipeline samples from besides the prompt (train/validation_inputs.py): ""
         none, "control image" (an edit model's), "first frame" (image-to-video)."""
         return "control image" if self.controls else "first frame" if self.image_to_video else ""
+
+    @property
+    def control_counts(self) -> range:
+        """The control image counts a target may train with (empty: a text-to-image family)."""
+        if not self.controls:
+            return range(0)
+        return range(self.min_controls or self.controls, self.controls + 1)
 
     @property
     def frozen_params(self) -> int:
@@ -342,6 +352,19 @@ BUILTIN: dict[str, Spec] = {
         pipeline="QwenImageEditPipeline", hub_markers=("qwen-image-edit", "qwen_image_edit"),
         guess_order=-5, demo="qwen_image_edit:write_model", controls=1, captions_per_item=True,
         control_text_tokens=37 * 37,
+    ),
+    # Qwen-Image-Edit Plus (Qwen/Qwen-Image-Edit-2509 and -2511: Qwen-Image's transformer config,
+    # the same encoder and VAE) takes 1 to 3 references, each read by Qwen2.5-VL at 384^2 in
+    # area (the pipeline's CONDITION_IMAGE_SIZE: 14 x 14 merged 28 px patches) after its
+    # "Picture N: " words (a few tokens: counted as 5); tried before qwenimageedit, whose
+    # markers its names contain
+    "qwenimageeditplus": replace(
+        QWEN_IMAGE, module="qwen_image_edit_plus", cls="QwenImageEditPlus",
+        pipeline="QwenImageEditPlusPipeline",
+        hub_markers=("qwen-image-edit-2509", "qwen-image-edit-2511", "qwen-image-edit-plus",
+                     "qwen_image_edit_plus"),
+        guess_order=-6, demo="qwen_image_edit_plus:write_model", controls=3, min_controls=1,
+        captions_per_item=True, control_text_tokens=14 * 14 + 5,
     ),
     "flux2": Spec(
         "flux2", "Flux2",

@@ -146,7 +146,8 @@ def caption_cache_bytes(shape: ModelShape, max_sequence_length: int | None = Non
     if not spec.flow:
         return spec.clip_tokens * shape.text_width * 4
     text = max_sequence_length or spec.t5_tokens
-    vision = spec.controls * spec.control_text_tokens  # Qwen-Image-Edit's: its controls' tokens
+    # Qwen-Image-Edit's: its controls' tokens (the Plus model's: its most, 3)
+    vision = spec.controls * spec.control_text_tokens
     return ((spec.clip_tokens + text + vision) * shape.text_width + spec.other_text_values) * 2
 
 
@@ -610,9 +611,11 @@ def transformer_activations(family: str, config: dict[str, Any]) -> tuple[int, i
     latent cells), once more per control image an edit family packs beside them (FLUX.1
     Kontext: its reference, at the target's size), and the text's (SD3: CLIP 77 + T5 256; Flux,
     Chroma: T5 512; Z-Image: Qwen3 512; Qwen-Image-Edit: Qwen2.5-VL 512 and its control
-    image's 1369 vision tokens). Layers: the family's `layer_keys` (Z-Image: its 30
-    main layers and the noise refiner's 2, which see the image; the context refiner's, on the
-    text alone, are left out). A family in MEASURED_BLOCKS: its blocks' measured bytes."""
+    image's 1369 vision tokens; Qwen-Image-Edit Plus: 3 references and their 201 each, the most
+    it takes: the plan is made before the data are read). Layers: the family's `layer_keys`
+    (Z-Image: its 30 main layers and the noise refiner's 2, which see the image; the context
+    refiner's, on the text alone, are left out). A family in MEASURED_BLOCKS: its blocks'
+    measured bytes."""
     spec = REGISTRY[family]
     image = (1024 // VAE_SCALE // 2) ** 2 * (1 + spec.controls)
     if family in MEASURED_BLOCKS:

@@ -20,6 +20,7 @@ from zerotuner import families
 from zerotuner.data import held_out
 from zerotuner.data.buckets import Bucket, bucket_name, dataset_buckets
 from zerotuner.data.clips import Video, video_sampling
+from zerotuner.data.controls import one_count
 from zerotuner.data.dataset import Dataset
 from zerotuner.data.notes import recipe_notes, upscale_warning
 from zerotuner.data.order import Position, iterate_batches
@@ -143,7 +144,7 @@ class Run:
             write_index=self.place.node_leader, min_image_size=s.min_image_size,
             video=self.video,
             datasets_file=s.datasets_file,
-            control_count=families.REGISTRY[job.family].controls,
+            control_count=families.REGISTRY[job.family].control_counts,
         )  # fmt: skip
         # one bucket rule, the one `check` reports (families.bucket_step)
         multiple = families.bucket_step(
@@ -177,8 +178,11 @@ class Run:
             extra = scan_sources(
                 datasets.eval_sources(s), s.cache_dir, log_skipped=self.rank == 0,
                 write_index=self.place.node_leader, min_image_size=s.min_image_size,
-                video=self.video, control_count=families.REGISTRY[self.job.family].controls,
+                video=self.video,
+                control_count=families.REGISTRY[self.job.family].control_counts,
+                setting="ZT_EVAL_DATA_DIR",
             )  # fmt: skip
+            one_count("ZT_EVAL_DATA_DIR", self.dataset.items, extra.items)
             offset = len(self.dataset)
             joined = dict(self.buckets)
             for bucket, indices in dataset_buckets(

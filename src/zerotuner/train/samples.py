@@ -16,8 +16,9 @@ samples/base-vs-trained/NN-slug.mp4 (the base model's clip beside the trained on
 contact sheet NN-slug.png (base row above trained row).
 
 A model that samples from an input image (Wan image-to-video, FLUX.1 Kontext: `inputs`, one per
-prompt, train/validation_inputs.py) gets it as the pipeline's `image`; the inputs are saved once
-as samples/inputs/NN-slug.png and head the comparisons (input | base | trained: the image grid's
+prompt, train/validation_inputs.py; Qwen-Image-Edit Plus: a list of references) gets it as the
+pipeline's `image`; the inputs are saved once as samples/inputs/NN-slug.png (references side by
+side) and head the comparisons (input | base | trained: the image grid's
 first row, the clip comparison's first column, the still image held for the clip's length).
 """
 
@@ -115,7 +116,7 @@ def render(
     video_fps: float | None = None,
     denoiser: str | None = None,
     base_precision: str = "auto",
-    inputs: list[PILImage] | None = None,
+    inputs: list[PILImage | list[PILImage]] | None = None,
     pipeline: type | None = None,
 ) -> list[Path]:
     """One image per prompt, prompt i with seed + i, into out_dir (e.g. samples/step-N/);
@@ -171,11 +172,11 @@ def render(
 
 def _render_each(
     pipe: Any, prompts: list[str], out_dir: Path, *, seed: int, fps: float | None,
-    call: dict[str, Any], inputs: list[PILImage] | None = None,
+    call: dict[str, Any], inputs: list[PILImage | list[PILImage]] | None = None,
 ) -> list[Path]:  # fmt: skip
     """Prompt i with seed + i through `pipe` into out_dir (with prompts.txt naming the seeds);
     `fps`: a video pipeline's clips, written at that rate beside their contact sheets;
-    `inputs`: prompt i's input image, the pipeline's `image`."""
+    `inputs`: prompt i's input image (or images), the pipeline's `image`."""
     out_dir.mkdir(parents=True, exist_ok=True)
     written = []
     for i, prompt in enumerate(prompts):
@@ -219,15 +220,32 @@ def _compare(
         )
 
 
-def save_inputs(inputs: list[PILImage], prompts: list[str], folder: Path) -> list[Path]:
-    """Each prompt's input image as folder/NN-slug.png (what the comparisons show)."""
+def save_inputs(
+    inputs: list[PILImage | list[PILImage]], prompts: list[str], folder: Path
+) -> list[Path]:
+    """Each prompt's input image as folder/NN-slug.png (what the comparisons show; several
+    references side by side)."""
     folder.mkdir(parents=True, exist_ok=True)
     paths = []
     for i, (image, prompt) in enumerate(zip(inputs, prompts, strict=True)):
         path = folder / f"{i:02d}-{slug(prompt)}.png"
-        image.save(path)
+        joined(image).save(path)
         paths.append(path)
     return paths
+
+
+def joined(images: PILImage | list[PILImage]) -> PILImage:
+    """An input image, or several references side by side at the first one's height."""
+    from PIL import Image
+
+    if not isinstance(images, list):
+        return images
+    height = images[0].height
+    sized = [i.resize((max(1, round(i.width * height / i.height)), height)) for i in images]
+    out = Image.new("RGB", (sum(i.width for i in sized), height))
+    for n, image in enumerate(sized):
+        out.paste(image, (sum(i.width for i in sized[:n]), 0))
+    return out
 
 
 def still(path: Path, frames: np.ndarray) -> np.ndarray:
@@ -248,7 +266,8 @@ def _base_samples(base: Path, prompts: list[str], out_dir: Path, **how: Any) -> 
     if key.get("inputs"):  # the same input images: their pixels' digest
         import hashlib
 
-        key["inputs"] = [hashlib.sha256(i.tobytes()).hexdigest()[:16] for i in key["inputs"]]
+        key["inputs"] = [hashlib.sha256(joined(i).tobytes()).hexdigest()[:16]
+                         for i in key["inputs"]]  # fmt: skip
     else:
         key.pop("inputs", None)
     key["pipeline"] = getattr(key.get("pipeline"), "__name__", None)

@@ -60,16 +60,16 @@ def check(settings: Any, sample_input: str) -> list[Path]:
 
 def chosen(
     settings: Any, sample_input: str, dataset: Dataset, held: list[int]
-) -> list[PILImage] | None:
-    """The input image of each validation prompt (None: the family samples without one),
-    refused as `check` refuses."""
+) -> list[PILImage | list[PILImage]] | None:
+    """The input image of each validation prompt (a list: an item's several references; None:
+    the family samples without one), refused as `check` refuses."""
     name = env_name("validation_images")
     given = check(settings, sample_input)
     if not sample_input or not settings.validation_prompts:
         return None
     prompts = len(settings.validation_prompts)
     if given:
-        images = [read(path, name) for path in given]
+        images: list[PILImage | list[PILImage]] = [read(path, name) for path in given]
         return images * prompts if len(images) == 1 else images
     image, source = from_data(sample_input, dataset, held)
     log.info("samples: every prompt samples from %s (%s; %s sets others)", source,
@@ -90,9 +90,12 @@ def read(path: Path, name: str) -> PILImage:
         return ImageOps.exif_transpose(image).convert("RGB")
 
 
-def from_data(sample_input: str, dataset: Dataset, held: list[int]) -> tuple[PILImage, str]:
-    """The first training item's input: a clip's first frame (`first frame`) or a pair's first
-    control image (`control image`), and the file it came from."""
+def from_data(
+    sample_input: str, dataset: Dataset, held: list[int]
+) -> tuple[PILImage | list[PILImage], str]:
+    """The first training item's input: a clip's first frame (`first frame`) or a pair's
+    control image (`control image`; an item of several, Qwen-Image-Edit Plus's, all of them:
+    the pipeline's `image` list), and the file(s) it came from."""
     out = set(held)
     items = [item for i, item in enumerate(dataset.items) if i not in out] or dataset.items
     if not items:
@@ -101,6 +104,9 @@ def from_data(sample_input: str, dataset: Dataset, held: list[int]) -> tuple[PIL
         item = next((i for i in items if i.controls), items[0])
         if not item.controls:
             raise ConfigError(f"no control image in the data; set {env_name('validation_images')}")
+        if len(item.controls) > 1:  # Qwen-Image-Edit Plus: every reference, in order
+            images = [read(path, env_name("validation_images")) for path in item.controls]
+            return images, ", ".join(map(str, item.controls))
         return read(item.controls[0], env_name("validation_images")), str(item.controls[0])
     item = next((i for i in items if i.frames > 1), items[0])
     return first_frame(item), f"the first frame of {item.path}"
