@@ -254,18 +254,13 @@ def test_a_lone_zero0_rank_skips_the_all_reduce_and_clips_with_foreach_kernels(t
 
 
 def _extensions_copy(tmp: Path) -> Path:
-    """This machine's built DeepSpeed ops in a folder of the test's own (binaries hard-linked:
-    nothing rebuilds an op that is up to date, and nothing here writes them)."""
+    """This machine's built DeepSpeed ops in a folder of the test's own, copied with their
+    times (nothing rebuilds an op that is up to date). Copies, not hard links: a build in the
+    copy would write through a link into the ops every other test loads, and their loaders
+    would relink or fail while it does."""
     root = Path(os.environ["TORCH_EXTENSIONS_DIR"])
     copy = tmp / "torch_extensions"
-
-    def link(src: str, dst: str) -> None:
-        if src.endswith((".o", ".so")):
-            os.link(src, dst)
-        else:
-            shutil.copy2(src, dst)
-
-    shutil.copytree(root, copy, copy_function=link)
+    shutil.copytree(root, copy, copy_function=shutil.copy2)
     return copy
 
 
@@ -279,8 +274,7 @@ def test_a_stale_op_build_lock_is_removed_not_waited_on(demo_dir, tmp_path):
     for op in ("deepspeed_shm_comm", "fused_adam"):
         lock = extensions / op / "lock"
         lock.touch()
-        # The lock alone is aged: the binaries are hard links to the machine's built ops, and an
-        # hour-old .o makes ninja rebuild the op (here and, through the link, for later tests)
+        # The lock alone is aged: an hour-old .o would make ninja rebuild the op
         os.utime(lock, (hour_ago, hour_ago))
     env = entrypoint_env(demo_dir, tmp_path, ZT_MAX_STEPS="1", ZT_CHECKPOINT_EVERY_STEPS="0",
                          TORCH_EXTENSIONS_DIR=str(extensions))  # fmt: skip
