@@ -5,7 +5,9 @@ samples: the adapter's claims need a base that knows the demo's colours and shap
 steps teach (its held-out loss on them 0.29; 0.16 after the 1000 steps, which cost the suite
 ~80 s more). The adapter learns magenta shapes behind the trigger word "sks"
 (zerotuner.demo.concept) through `./entrypoint train` with config/demo-lora.yaml, at ZeRO-2 as
-`make run-lora` runs it, on the base as saved and on the base stored in 8 bits (fp8, int8).
+`make run-lora` runs it, on the base as saved and on the base stored in fp8 (ZT_BASE_PRECISION;
+the coarser of the two 8-bit formats: int8's adapter measured as close, 0.3089 against fp8's
+0.3083, and its 2-rank runs, resume and loading are tests/test_base_precision_training.py's).
 (LoRA at ZeRO-3 trains and resumes in tests/test_lora.py and tests/test_new_families.py; on the
 1000-step base its concept check measured the same 44 % as at ZeRO-2.)
 The held-out checks draw new images of the concept and of the base's own colours and
@@ -76,7 +78,7 @@ def concept(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 # The runs of config/demo-lora.yaml: ZeRO stage and ZT_BASE_PRECISION (the base's storage).
-RUNS = {"zero2": (2, "auto"), "zero2-fp8": (2, "fp8"), "zero2-int8": (2, "int8")}
+RUNS = {"zero2": (2, "auto"), "zero2-fp8": (2, "fp8")}
 
 
 @pytest.fixture(scope="module")
@@ -223,13 +225,13 @@ def test_a_plain_pipeline_with_the_adapter_draws_the_run_samples(adapter: Path, 
     assert kept < learned / 2, f"mean pixel change without / with the trigger: {changes}"
 
 
-@pytest.mark.parametrize("precision", ["fp8", "int8"])
-def test_an_8_bit_base_teaches_the_concept_as_well(adapters, base: Path, precision: str) -> None:
-    """The adapter trained on a base stored at `precision`, loaded on the full-precision
+def test_an_8_bit_base_teaches_the_concept_as_well(adapters, base: Path) -> None:
+    """The adapter trained on a base stored in fp8, loaded on the full-precision
     pipeline: its held-out concept loss within LOW_BASE_LOSS of the same run's on the
     full-precision base (and on the base stored so, as the run trained, printed beside)."""
     from zerotuner.train import samples
 
+    precision = "fp8"
     full = held_out_loss(_pipeline(base, adapters("zero2") / "final"), CONCEPT)
     low = adapters(f"zero2-{precision}") / "final"
     loss = held_out_loss(_pipeline(base, low), CONCEPT)
