@@ -113,6 +113,10 @@ def test_demo_is_an_image_to_video_pipeline_and_is_detected(demo, tmp_path):
     assert families.resolve_family("Lightricks/LTX-2", FAMILY) == FAMILY
     kind = families.get(FAMILY)
     assert kind.pipeline_class() is type(pipe) and kind.sample_input == "first frame"
+    # exports name the pipeline an image-to-video family samples with; the others the base's
+    exported = {f: families.REGISTRY[f].exported_class for f in (FAMILY, "ltx2", "wani2v", "sdxl")}
+    assert exported == {FAMILY: "LTX2ImageToVideoPipeline", "ltx2": "",
+                        "wani2v": "WanImageToVideoPipeline", "sdxl": ""}  # fmt: skip
     from zerotuner.families import model_shape
 
     ltx2 = model_shape("ltx2")
@@ -229,8 +233,9 @@ def test_lora_at_zero_3_on_an_ltx2_checkpoint_generates_from_an_image(family_dem
     """ZT_MODEL_FAMILY=ltx2i2v on an LTX2Pipeline folder (as the hub's LTX-2 is), a LoRA at
     ZeRO-3: trained image-to-video (the objective line), the validation clip sampled from an
     image through LTX2ImageToVideoPipeline; the adapter (`transformer.` keys) loads with its
-    load_lora_weights, lowers the clips' loss and changes the clip it renders from an image."""
-    from diffusers import LTX2ImageToVideoPipeline
+    load_lora_weights, lowers the clips' loss and changes the clip it renders from an image;
+    the merged pipeline folder names that pipeline, not the base folder's LTX2Pipeline."""
+    from diffusers import DiffusionPipeline, LTX2ImageToVideoPipeline
     from safetensors.torch import load_file
 
     from zerotuner.weights import lora_files
@@ -238,10 +243,16 @@ def test_lora_at_zero_3_on_an_ltx2_checkpoint_generates_from_an_image(family_dem
     demo = family_demo_dir("ltx2")
     output = tmp_path / "output"
     log = run(tmp_path, demo, FAMILY, output=output, checkpoint_every_steps=0,
-              validation_prompts=[PROMPT], validation_inference_steps=2, **LORA)  # fmt: skip
+              validation_prompts=[PROMPT], validation_inference_steps=2, lora_merge=True,
+              **LORA)  # fmt: skip
     assert I2V_OBJECTIVE in log
     assert "samples: every prompt samples from the first frame of" in log
     final = output / "final"
+    merged = json.loads((final / lora_files.MERGED / "model_index.json").read_text())
+    assert merged["_class_name"] == "LTX2ImageToVideoPipeline"
+    assert type(DiffusionPipeline.from_pretrained(final / lora_files.MERGED)).__name__ == (
+        "LTX2ImageToVideoPipeline"
+    )
     adapter = load_file(final / lora_files.ADAPTER_FILE)
     assert adapter and all(k.startswith("transformer.") for k in adapter)
     pipe = LTX2ImageToVideoPipeline.from_pretrained(demo / "model")

@@ -98,6 +98,14 @@ class Spec:
         return "control image" if self.controls else "first frame" if self.image_to_video else ""
 
     @property
+    def exported_class(self) -> str:
+        """The `_class_name` of the pipeline folders it exports, where not the base folder's: a
+        family that samples from an input image writes the pipeline it sampled with (LTX-2 and
+        Wan 2.2 TI2V-5B trained as image-to-video on their text-to-video folders load as such);
+        "": the base's own (a text-to-image family keeps its folder's variant)."""
+        return self.pipeline if self.sample_input else ""
+
+    @property
     def control_counts(self) -> range:
         """The control image counts a target may train with (empty: a text-to-image family)."""
         if not self.controls:

@@ -82,8 +82,12 @@ def export_checkpoint(
             f"CKPT={checkpoint}: --merged fuses a LoRA adapter into its base; this checkpoint "
             "is from a full run, whose export is a whole pipeline already"
         )
+    from zerotuner import families
+
     state = checkpoint_unet_state(checkpoint, ema=ema)
-    return write_pipeline(base, state, out, denoiser=manifest.get("denoiser"))
+    spec = families.REGISTRY.get(manifest.get("family", ""))  # (older manifests: no family)
+    cls = spec.exported_class if spec else ""
+    return write_pipeline(base, state, out, denoiser=manifest.get("denoiser"), pipeline=cls)
 
 
 def _export_lora(

@@ -167,7 +167,8 @@ def write_adapter(
                 merge_base, target if part == kind.denoiser else part, layers, config
             )
         unet = merged.pop(kind.denoiser)
-        write_pipeline(merge_base, unet, tmp / MERGED, text_states=merged, denoiser=denoiser)
+        write_pipeline(merge_base, unet, tmp / MERGED, text_states=merged, denoiser=denoiser,
+                       pipeline=families.REGISTRY[family].exported_class)  # fmt: skip
     readable_by_all(tmp)  # safetensors writes 0600: the adapter is for other users too
     if out.exists():
         shutil.rmtree(out)

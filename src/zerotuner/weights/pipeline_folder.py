@@ -86,10 +86,13 @@ def write_pipeline(
     *,
     text_states: dict[str, dict[str, torch.Tensor]] | None = None,
     denoiser: str | None = None,
+    pipeline: str = "",
 ) -> Path:
     """Write `out` as a pipeline folder: `base` without its denoiser (UNet or transformer;
     `denoiser`: that part, Wan 2.2 A14B's trained expert, the other copied as it is), plus these
-    weights (and `text_states`: text encoders' weights by part name, e.g. a merged LoRA's)."""
+    weights (and `text_states`: text encoders' weights by part name, e.g. a merged LoRA's);
+    `pipeline`: the `_class_name` its model_index.json names, if not the base's
+    (Spec.exported_class)."""
     out = Path(out)
     states = {denoiser or denoiser_part(base): unet_state} | (text_states or {})
     modules = {part: built_part(base, part, state) for part, state in states.items()}
@@ -98,6 +101,11 @@ def write_pipeline(
     shutil.copytree(base, tmp, ignore=shutil.ignore_patterns(*states, ".*"))
     for part, module in modules.items():
         module.save_pretrained(tmp / part, safe_serialization=True)
+    index_file = tmp / "model_index.json"
+    index = json.loads(index_file.read_text())
+    if pipeline and index["_class_name"] != pipeline:
+        index_file.unlink()  # copied with the base's mode: a read-only mount's 0444
+        index_file.write_text(json.dumps({**index, "_class_name": pipeline}, indent=2) + "\n")
     readable_by_all(tmp)  # safetensors writes 0600: the export is for other users too
     if out.exists():
         shutil.rmtree(out)

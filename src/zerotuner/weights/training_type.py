@@ -137,11 +137,16 @@ class FullWeights(TrainedWeights):
         state = full_state_dict(module, rank=rank)  # rank 0's only
         if state is None:
             return None
+        from zerotuner import families
+
         out_dir = self.settings.output_dir
-        out = pipeline_folder.write_pipeline(source, state, out_dir / "final", denoiser=part)
+        cls = families.REGISTRY[self.family].exported_class
+        out = pipeline_folder.write_pipeline(
+            source, state, out_dir / "final", denoiser=part, pipeline=cls
+        )
         if ema is not None:
             pipeline_folder.write_pipeline(
-                source, ema.state_dict(), out_dir / "final-ema", denoiser=part
+                source, ema.state_dict(), out_dir / "final-ema", denoiser=part, pipeline=cls
             )
         return Exported(f"{out}{' and final-ema' if ema else ''}")
 
