@@ -227,10 +227,10 @@ def test_caching_outlasts_the_collective_timeout_and_reports_progress(demo_dir, 
     """Rank 0 encodes for several times ZT_COLLECTIVE_TIMEOUT_SECONDS while rank 1 waits: the
     run finishes, and the log shows caching progress, the upscaling and the skipped file."""
     data_dir = tmp_path / "data"
-    for i in range(48):
+    for i in range(24):
         _png(data_dir / f"img-{i:02d}.png", size=(96, 96))
     (data_dir / "broken.png").write_text("not a picture")
-    timeout = 5  # encoding 48 images at 320 px took 13 to 30 s here
+    timeout = 2  # encoding 24 images at 320 px takes 6 to 15 s here
     config = tk.ds_config(0, steps=1)
     job = tk.write_job(tmp_path / "job.json", model=demo_dir / "model", deepspeed=config,
                     resolution=320)  # fmt: skip
@@ -243,11 +243,11 @@ def test_caching_outlasts_the_collective_timeout_and_reports_progress(demo_dir, 
     log = proc.stdout + proc.stderr
     progress = [line for line in log.splitlines() if "caching: " in line and "ETA" in line]
     assert len(progress) >= 3, log[-4000:]
-    took = re.search(r"caching: 49 items in (\d+):(\d+):(\d+)", log)
+    took = re.search(r"caching: 25 items in (\d+):(\d+):(\d+)", log)
     assert took, log[-4000:]
     hours, minutes, seconds = map(int, took.groups())
     assert hours * 3600 + minutes * 60 + seconds >= 2 * timeout  # rank 1 waited that long
-    assert "48 of 48 images are smaller than 320 px and will be upscaled (up to 3.3x)" in log
+    assert "24 of 24 images are smaller than 320 px and will be upscaled (up to 3.3x)" in log
     assert "skipped 1 file, not an image (unrecognised data): broken.png" in log
 
 
