@@ -82,12 +82,10 @@ def export_checkpoint(
             f"CKPT={checkpoint}: --merged fuses a LoRA adapter into its base; this checkpoint "
             "is from a full run, whose export is a whole pipeline already"
         )
-    from zerotuner import families
-
     state = checkpoint_unet_state(checkpoint, ema=ema)
-    spec = families.REGISTRY.get(manifest.get("family", ""))  # (older manifests: no family)
-    cls = spec.exported_class if spec else ""
-    return write_pipeline(base, state, out, denoiser=manifest.get("denoiser"), pipeline=cls)
+    return write_pipeline(
+        base, state, out, denoiser=manifest.get("denoiser"), family=manifest.get("family", "")
+    )
 
 
 def _export_lora(

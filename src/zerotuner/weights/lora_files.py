@@ -168,7 +168,7 @@ def write_adapter(
             )
         unet = merged.pop(kind.denoiser)
         write_pipeline(merge_base, unet, tmp / MERGED, text_states=merged, denoiser=denoiser,
-                       pipeline=families.REGISTRY[family].exported_class)  # fmt: skip
+                       family=family)  # fmt: skip
     readable_by_all(tmp)  # safetensors writes 0600: the adapter is for other users too
     if out.exists():
         shutil.rmtree(out)

@@ -86,13 +86,15 @@ def write_pipeline(
     *,
     text_states: dict[str, dict[str, torch.Tensor]] | None = None,
     denoiser: str | None = None,
-    pipeline: str = "",
+    family: str = "",
 ) -> Path:
     """Write `out` as a pipeline folder: `base` without its denoiser (UNet or transformer;
     `denoiser`: that part, Wan 2.2 A14B's trained expert, the other copied as it is), plus these
     weights (and `text_states`: text encoders' weights by part name, e.g. a merged LoRA's);
-    `pipeline`: the `_class_name` its model_index.json names, if not the base's
-    (Spec.exported_class)."""
+    `family`: the family that trained it, whose pipeline its model_index.json names where that is
+    not the base's (Spec.exported_class)."""
+    from zerotuner.families.registry import REGISTRY
+
     out = Path(out)
     states = {denoiser or denoiser_part(base): unet_state} | (text_states or {})
     modules = {part: built_part(base, part, state) for part, state in states.items()}
@@ -103,6 +105,8 @@ def write_pipeline(
         module.save_pretrained(tmp / part, safe_serialization=True)
     index_file = tmp / "model_index.json"
     index = json.loads(index_file.read_text())
+    spec = REGISTRY.get(family)  # (a manifest older than its `family`: the base's class)
+    pipeline = spec.exported_class if spec else ""
     if pipeline and index["_class_name"] != pipeline:
         index_file.unlink()  # copied with the base's mode: a read-only mount's 0444
         index_file.write_text(json.dumps({**index, "_class_name": pipeline}, indent=2) + "\n")

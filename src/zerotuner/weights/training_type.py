@@ -137,16 +137,13 @@ class FullWeights(TrainedWeights):
         state = full_state_dict(module, rank=rank)  # rank 0's only
         if state is None:
             return None
-        from zerotuner import families
-
         out_dir = self.settings.output_dir
-        cls = families.REGISTRY[self.family].exported_class
         out = pipeline_folder.write_pipeline(
-            source, state, out_dir / "final", denoiser=part, pipeline=cls
+            source, state, out_dir / "final", denoiser=part, family=self.family
         )
         if ema is not None:
             pipeline_folder.write_pipeline(
-                source, ema.state_dict(), out_dir / "final-ema", denoiser=part, pipeline=cls
+                source, ema.state_dict(), out_dir / "final-ema", denoiser=part, family=self.family
             )
         return Exported(f"{out}{' and final-ema' if ema else ''}")
 
