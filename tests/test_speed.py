@@ -5,6 +5,8 @@ rule and its refusals; the light commands' start-up imports."""
 from __future__ import annotations
 
 import copy
+import json
+import os
 import subprocess
 import sys
 
@@ -148,3 +150,42 @@ def test_light_commands_import_no_heavy_framework():
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert done.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize(
+    ("setting", "user_value", "set_here"),
+    [("auto", None, True), (True, None, False), ("auto", "0", False)],
+)
+def test_compiling_off_keeps_the_libraries_eager(setting, user_value, set_here):
+    """A rank with compiling off sets TORCHDYNAMO_DISABLE before the libraries import: the
+    torch.compile that bitsandbytes wraps its CPU kernels in at import hands them back as they
+    are. ZT_COMPILE=true, or the user's own TORCHDYNAMO_DISABLE, leaves torch.compile alone."""
+    env = {k: v for k, v in os.environ.items() if k != "TORCHDYNAMO_DISABLE"}
+    if user_value is not None:
+        env["TORCHDYNAMO_DISABLE"] = user_value
+    code = (
+        f"from zerotuner.train import speed; print(speed.keep_libraries_eager({setting!r})); "
+        "import torch, bitsandbytes; f = lambda x: x + 1; print(torch.compile(f) is f)"
+    )
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          check=True)  # fmt: skip
+    assert done.stdout.split() == [str(set_here), str(set_here)]
+
+
+def test_cpu_info_is_asked_once_per_cpu_model(tmp_path):
+    """py-cpuinfo's answer (a subprocess, about 1 s of CPU per rank) is kept beside the built
+    ops: a later rank on this CPU reads it; a torn file is asked again and rewritten."""
+    asked: list[int] = []
+
+    def ask() -> dict:
+        asked.append(1)
+        return {"arch": "X86_64", "flags": ["avx2", "fma"]}
+
+    assert speed._kept(ask, tmp_path / "ops")() == ask() and len(asked) == 2
+    assert speed._kept(ask, tmp_path / "ops")() == {"arch": "X86_64", "flags": ["avx2", "fma"]}
+    assert len(asked) == 2  # read, not asked
+    (kept,) = (tmp_path / "ops").glob("cpuinfo-*.json")
+    kept.write_text('{"arch": ')
+    assert speed._kept(ask, tmp_path / "ops")()["arch"] == "X86_64" and len(asked) == 3
+    assert json.loads(kept.read_text())["flags"] == ["avx2", "fma"]
+    assert [p.name for p in (tmp_path / "ops").iterdir()] == [kept.name]  # no part file left

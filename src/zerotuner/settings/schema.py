@@ -251,7 +251,8 @@ class Settings(BaseSettings):
     compile: Auto | bool = Field(
         "auto",
         description="torch.compile the model's repeated blocks; `auto` turns it on where it "
-        "pays (see the plan's note).",
+        "pays (see the plan's note). Off, nothing is compiled: the ranks set "
+        "TORCHDYNAMO_DISABLE=1, so no library compiles either.",
     )
     ema: bool = Field(False, description="Keep an EMA of the UNet weights (on the CPU).")
     ema_decay: float = Field(0.9999, gt=0, lt=1, description="EMA decay per step.")

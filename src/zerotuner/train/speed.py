@@ -23,7 +23,8 @@ right before `deepspeed.initialize`:
 
 Around the model: a lone ZeRO-0 rank skips DeepSpeed's gradient all-reduce
 (`skip_lone_allreduce`), ZeRO-0 clips with foreach kernels (`foreach_clip`), and py-cpuinfo
-is asked once per process, early (`warm_cpu_info`).
+is asked once per CPU model, early (`warm_cpu_info`), and with compiling off no library
+compiles either (`keep_libraries_eager`).
 The start-up itself (ranks started before the plan, one rank without torchrun's agent) is
 `launch.start_ranks`'s.
 """
@@ -35,6 +36,7 @@ import functools
 import logging
 import shutil
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from zerotuner.errors import ConfigError, EnvironmentUnfit
@@ -260,15 +262,32 @@ def foreach_clip(engine: Any) -> bool:
     return True
 
 
-def warm_cpu_info() -> None:
-    """Ask py-cpuinfo once per process, in the background.
+def keep_libraries_eager(setting: str | bool) -> bool:
+    """With compiling off (`decide` compiles only on ZT_COMPILE=true), nothing compiles behind
+    the setting's back: TORCHDYNAMO_DISABLE=1 for this rank, set before the libraries import
+    (one the user set is kept). bitsandbytes, which diffusers imports, wraps its CPU kernels in
+    `torch.compile` at import: 1.2-1.4 s of CPU per rank, and inductor's C++ build of them on
+    first use; they run eager instead. Returns whether it was set."""
+    import os
+
+    if setting is True or "TORCHDYNAMO_DISABLE" in os.environ:
+        return False
+    os.environ["TORCHDYNAMO_DISABLE"] = "1"
+    return True
+
+
+def warm_cpu_info(cache: Path) -> None:
+    """Ask py-cpuinfo once per CPU model, in the background.
 
     Loading a JIT-built DeepSpeed CPU op (FusedAdam, CPU Adam, shm comm) recomputes its
     compiler flags before finding the build up to date, and each flag asks
-    `cpuinfo.get_cpu_info()`, which runs a subprocess: about 1 s each, twice per op, all
-    inside `deepspeed.initialize`. The answer cannot change within a process: one call, made
-    in a thread while the rank loads its model, answers every later one (a caller that comes
-    while it runs waits for it rather than starting another). Prebuilt ops never ask."""
+    `cpuinfo.get_cpu_info()`, which runs a subprocess: about 1 s of CPU each, twice per op,
+    all inside `deepspeed.initialize`. The answer cannot change within a process, nor between
+    processes on the same CPU model: one call, made in a thread while the rank loads its
+    model, answers every later one (a caller that comes while it runs waits for it), and is
+    kept in `cache` (beside the built ops, which are as machine-specific) under a key of the
+    CPU's identity and flags, so a later rank on the same CPU reads it instead of asking.
+    Prebuilt ops never ask."""
     import threading
 
     try:
@@ -276,8 +295,56 @@ def warm_cpu_info() -> None:
     except ImportError:  # DeepSpeed falls back to lscpu itself
         return
     if not hasattr(cpuinfo.get_cpu_info, "__wrapped__"):
-        cpuinfo.get_cpu_info = _once(cpuinfo.get_cpu_info)
+        cpuinfo.get_cpu_info = _once(_kept(cpuinfo.get_cpu_info, cache))
     threading.Thread(target=_ask, args=(cpuinfo.get_cpu_info,), name="cpuinfo", daemon=True).start()
+
+
+# The lines of /proc/cpuinfo that name the CPU model and what it can do (not its clock).
+_CPU_IDENTITY = (
+    "vendor_id", "cpu family", "model", "model name", "stepping", "flags",  # x86
+    "CPU implementer", "CPU architecture", "CPU variant", "CPU part", "Features",  # Arm
+)  # fmt: skip
+
+
+def _cpu_key() -> str | None:
+    """A digest of the CPU's identity and flags (None where /proc/cpuinfo is not readable)."""
+    import hashlib
+    import platform
+
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return None
+    lines = sorted({
+        line.strip() for line in text.splitlines()
+        if line.partition(":")[0].strip() in _CPU_IDENTITY
+    })  # fmt: skip
+    return hashlib.sha256("\n".join([platform.machine(), *lines]).encode()).hexdigest()[:16]
+
+
+def _kept(ask: Any, cache: Path) -> Any:
+    """`ask`, its answer read from `cache` when this CPU's is there and written there when not."""
+    import json
+    import os
+
+    key = _cpu_key()
+    if key is None:
+        return ask
+    kept = cache / f"cpuinfo-{key}.json"
+
+    @functools.wraps(ask)
+    def read_or_ask() -> Any:
+        with contextlib.suppress(OSError, ValueError):
+            return json.loads(kept.read_text())
+        answer = ask()
+        with contextlib.suppress(OSError):  # a cache that cannot be written only costs time
+            cache.mkdir(parents=True, exist_ok=True)
+            part = kept.with_name(f"{kept.name}.{os.getpid()}.part")
+            part.write_text(json.dumps(answer))
+            part.replace(kept)  # whole or absent: ranks of the node may write it together
+        return answer
+
+    return read_or_ask
 
 
 def _once(ask: Any) -> Any:

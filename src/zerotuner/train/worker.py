@@ -35,6 +35,7 @@ from zerotuner.errors import (
 from zerotuner.launch import distributed, peers
 from zerotuner.launch.job import Job, load_job, wait_for_job
 from zerotuner.launch.records import Sink, write_rank_status
+from zerotuner.machine.ops import extensions_root
 from zerotuner.settings.effective import effective_settings
 from zerotuner.settings.schema import Settings
 from zerotuner.train import lost_peer, speed
@@ -179,7 +180,7 @@ def main() -> None:
     world = distributed.World.from_environ()
     rank = world.rank
     if os.environ.get("DS_ACCELERATOR") == "cpu":  # JIT-built ops: deepspeed.initialize asks
-        speed.warm_cpu_info()  # for it; the answer comes while the rank imports
+        speed.warm_cpu_info(extensions_root())  # for it; the answer comes while the rank imports
     demote_known_noise()  # before DeepSpeed's import, which may print some
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING)
     try:
@@ -188,6 +189,7 @@ def main() -> None:
         settings = effective_settings(warn=False).settings
         level = rank_level(settings.log_level, rank)
         logging.getLogger().setLevel(level)  # ZT_LOG_LEVEL=debug shows what the import prints
+        speed.keep_libraries_eager(settings.compile)  # before any library imports torch.compile
         import deepspeed  # noqa: F401 - its logger must exist before ours adopts it
 
         _import_libraries()
