@@ -80,7 +80,10 @@ class PeakTracker(TorchDispatchMode):
             warnings.simplefilter("ignore")
             storages = [s for s in map(storage_of, gc.get_objects()) if s is not None]
         for storage in storages:
-            ptr = storage.data_ptr()
+            try:
+                ptr = storage.data_ptr()
+            except RuntimeError:  # a fake tensor's (torch.compile's leftovers): no memory
+                continue
             if ptr and ptr not in seen:
                 seen.add(ptr)
                 self.track(storage)
