@@ -46,43 +46,40 @@ def smooth(values: list[float], *, window: int | None = None) -> list[float]:
 
 def loss_curve_png(steps_jsonl: Path, out_png: Path, *, title: str = "training loss") -> Path:
     """Plot loss per step (faint) with a smoothed line, and the learning rate on a twin axis."""
-    import matplotlib
-
-    matplotlib.use("Agg")  # no display in a container; must precede pyplot
-    import matplotlib.pyplot as plt
+    # The object API, not pyplot: no global figure registry or GUI backend to pick (nothing
+    # is displayed in a container), and about 0.5 s less to import at every run's end.
+    from matplotlib.figure import Figure
 
     records = read_steps(steps_jsonl)
     steps = [int(r["step"]) for r in records]
     losses = [float(r["loss"]) for r in records]
-    fig, ax = plt.subplots(figsize=(8, 4.5), dpi=100)
-    try:
-        if records:
-            ax.plot(steps, losses, color="tab:blue", alpha=0.3, linewidth=1, label="loss")
-            ax.plot(steps, smooth(losses), color="tab:blue", linewidth=2, label="smoothed")
-            handles = ax.get_lines()
-            lrs = [lr for r in records if isinstance(lr := r.get("lr"), int | float)]
-            if len(lrs) == len(records):  # every step logged its rate
-                twin = ax.twinx()
-                (lr_line,) = twin.plot(
-                    steps, lrs, color="tab:orange", linestyle="--", linewidth=1, label="lr"
-                )
-                twin.set_ylabel("learning rate", color="tab:orange")
-                twin.ticklabel_format(axis="y", style="sci", scilimits=(-2, 2))
-                ax.set_zorder(twin.get_zorder() + 1)  # the loss is drawn over the lr line
-                ax.patch.set_visible(False)
-                handles.append(lr_line)
-            ax.legend(handles=handles, loc="upper right", framealpha=0.9)
-        else:
-            ax.text(0.5, 0.5, "no steps recorded", ha="center", va="center")
-        ax.set_xlabel("optimizer step")
-        ax.set_ylabel("loss")
-        ax.set_title(title)
-        ax.grid(alpha=0.3)
-        fig.tight_layout()
-        out_png = Path(out_png)
-        out_png.parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(out_png)
-    finally:
-        plt.close(fig)
+    fig = Figure(figsize=(8, 4.5), dpi=100)
+    ax = fig.subplots()
+    if records:
+        ax.plot(steps, losses, color="tab:blue", alpha=0.3, linewidth=1, label="loss")
+        ax.plot(steps, smooth(losses), color="tab:blue", linewidth=2, label="smoothed")
+        handles = ax.get_lines()
+        lrs = [lr for r in records if isinstance(lr := r.get("lr"), int | float)]
+        if len(lrs) == len(records):  # every step logged its rate
+            twin = ax.twinx()
+            (lr_line,) = twin.plot(
+                steps, lrs, color="tab:orange", linestyle="--", linewidth=1, label="lr"
+            )
+            twin.set_ylabel("learning rate", color="tab:orange")
+            twin.ticklabel_format(axis="y", style="sci", scilimits=(-2, 2))
+            ax.set_zorder(twin.get_zorder() + 1)  # the loss is drawn over the lr line
+            ax.patch.set_visible(False)
+            handles.append(lr_line)
+        ax.legend(handles=handles, loc="upper right", framealpha=0.9)
+    else:
+        ax.text(0.5, 0.5, "no steps recorded", ha="center", va="center")
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("loss")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    out_png = Path(out_png)
+    out_png.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out_png)  # a PNG through Agg, the canvas Figure draws with by default
     log.info("loss curve: %s", out_png)
     return out_png
