@@ -452,6 +452,48 @@ def test_parquet_control_columns_become_the_targets_controls(
             )
 
 
+def test_a_parquet_list_of_control_images_is_each_targets_references(
+    demo_dir, tmp_path, monkeypatch
+) -> None:
+    """A multi-reference edit dataset on the hub (Qwen-Image-Edit Plus' kind): its `control`
+    column holds each row's references as a list of images (the hub's Sequence(Image)); they
+    become the target's controls in the list's order, as `control`, `control_1`, ... columns
+    would."""
+    import io
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    def png(path: Path, turn: Image.Transpose) -> bytes:
+        out = io.BytesIO()
+        Image.open(path).transpose(turn).save(out, format="PNG")
+        return out.getvalue()
+
+    targets = sorted((demo_dir / "data").glob("*.png"))[:3]
+    references = [[png(t, Image.Transpose.FLIP_LEFT_RIGHT), png(t, Image.Transpose.FLIP_TOP_BOTTOM)]
+                  for t in targets]  # fmt: skip
+    table = pa.table({
+        "image": [{"bytes": t.read_bytes(), "path": t.name} for t in targets],
+        "prompt": [f"combine {i}" for i in range(len(targets))],
+        "control": [[{"bytes": b, "path": None} for b in pair] for pair in references],
+    })  # fmt: skip
+    (tmp_path / "repo" / "data").mkdir(parents=True)
+    pq.write_table(table, tmp_path / "repo" / "data" / "train.parquet")
+    entry = {"path": "hf://datasets/acme/references"}
+    with FakeHub({"datasets/acme/references": tmp_path / "repo"}) as hub:
+        hub.use_in_this_process(monkeypatch)
+        settings = Settings(datasets_file=_datasets_file(tmp_path, {"datasets": [entry]}),
+                            cache_dir=tmp_path / "cache")  # fmt: skip
+        found = sources(settings)
+        fetch_all(found, settings)
+        dataset = scan_sources(found, settings.cache_dir, log_skipped=False,
+                               control_count=range(1, 4))  # fmt: skip
+    got = {i.path.read_bytes(): [c.read_bytes() for c in i.controls] for i in dataset.items}
+    assert got == {t.read_bytes(): pair for t, pair in zip(targets, references, strict=True)}
+    assert [c.name for c in dataset.items[0].controls] == ["0000001.control.png",
+                                                          "0000001.control_1.png"]  # fmt: skip
+
+
 # --- the issue's run --------------------------------------------------------------------------
 
 

@@ -492,12 +492,15 @@ def _write_shard(
 
 def _write_controls(out: Path, number: int, cells: list[Any]) -> list[str]:
     """A row's control images beside its target, as metadata.jsonl's `control` names them:
-    `0000007.control.png`, then `0000007.control_1.png`, ... (data/controls.py)."""
-    names = []
-    for place, cell in enumerate(cells):
-        data, name = _image_bytes(cell)
+    `0000007.control.png`, then `0000007.control_1.png`, ... (data/controls.py), in the
+    columns' order, a list cell's images (the hub's `Sequence(Image)`) in its own order."""
+    images = [image for cell in cells for image in (cell if isinstance(cell, list) else [cell])]
+    names: list[str] = []
+    for image in images:
+        data, name = _image_bytes(image)
         if data is None:
             continue
+        place = len(names)
         tag = "control" if place == 0 else f"control_{place}"
         file_name = f"{number:07d}.{tag}{_suffix(data, name)}"
         (out / file_name).write_bytes(data)
@@ -507,8 +510,9 @@ def _write_controls(out: Path, number: int, cells: list[Any]) -> list[str]:
 
 def _columns(schema: Any, source: DatasetSource, where: str) -> tuple[str, ...]:
     """The image column (the hub's Image feature: a struct with binary `bytes`; or binary),
-    the caption column (text) and the control image columns, as the entry names them or as
-    found; `where` begins an error line (the entry and the shard)."""
+    the caption column (text) and the control image columns (each of images or of lists of
+    them), as the entry names them or as found; `where` begins an error line (the entry and
+    the shard)."""
     import pyarrow as pa
 
     def binary(kind: Any) -> bool:
@@ -518,6 +522,10 @@ def _columns(schema: Any, source: DatasetSource, where: str) -> tuple[str, ...]:
         if pa.types.is_struct(kind) and kind.get_field_index("bytes") >= 0:
             return binary(kind.field("bytes").type)
         return binary(kind)
+
+    def is_images(kind: Any) -> bool:  # an image, or a list of them (Sequence(Image))
+        listed = pa.types.is_list(kind) or pa.types.is_large_list(kind)
+        return is_image(kind.value_type if listed else kind)
 
     def is_text(kind: Any) -> bool:  # null: a column of empty captions
         return pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_null(kind)
@@ -548,10 +556,10 @@ def _columns(schema: Any, source: DatasetSource, where: str) -> tuple[str, ...]:
     controls = source.control_columns
     if controls is None:  # metadata.jsonl's names: `control`, then `control_1`, ...
         controls = [n for n in ("control", *(f"control_{i}" for i in range(1, 10)))
-                    if n in names and is_image(kinds[n])]  # fmt: skip
+                    if n in names and is_images(kinds[n])]  # fmt: skip
     for name in controls:
-        if name not in names or not is_image(kinds[name]):
-            fitting = [n for n in names if is_image(kinds[n]) and n != image]
+        if name not in names or not is_images(kinds[name]):
+            fitting = [n for n in names if is_images(kinds[n]) and n != image]
             raise ConfigError(
                 f"{where}: control_column={name!r} is "
                 + (f"a column of {kinds[name]}" if name in names else "no column")
