@@ -328,3 +328,24 @@ def listed_samples(
                     and controlled(p) is None]  # fmt: skip
         total += len(pictures) * source.repeats
     return total
+
+
+def listed_references(sources: Sequence[DatasetSource], cache_dir: Path) -> int | None:
+    """The most control images a target has as the file names tell, nothing decoded (beside
+    it, in metadata.jsonl, in `control_dir`): what the planner counts a family whose references
+    are optional (FLUX.2) with; `scan` pairs them. None while a dataset is not there, or not
+    fetched yet."""
+    most = 0
+    for source in sources:
+        folder = local_folder(source, cache_dir)
+        if not folder.is_dir() or (source.location.remote and not (folder / FETCHED).is_file()):
+            return None
+        files, skipped = walk(folder)
+        _, named = read_metadata([p for p in files if p.name == METADATA_FILE])
+        given = Path(source.control_dir).expanduser() if source.control_dir else None
+        control_dir = given if given and given.is_dir() else None  # (the scan refuses it)
+        found = controls.find(folder, files, skipped, named, control_dir)
+        counts = [len(own) for own in found.named.values()]
+        counts += [len(places) for places in found.beside.values()]
+        most = max([most, *counts])
+    return most
