@@ -24,10 +24,12 @@ import pytest
 import torch
 import trainkit as tk
 from PIL import Image
+from test_edit_qwen_image import pairs
 from test_flow_training import (
     PROMPT,
     STEPS,
     TOKENS,
+    mean_loss,
     pipeline_parts,
     resumes_on_one_rank_at_zero_2,
     run,
@@ -35,7 +37,6 @@ from test_flow_training import (
 )
 
 from zerotuner import families
-from zerotuner.data.loading import load_example
 from zerotuner.data.scan import listed_references, scan, scan_sources
 from zerotuner.errors import ConfigError
 from zerotuner.settings.datasets import DatasetSource
@@ -215,24 +216,16 @@ def edit_loss(paired: Path, transformer, draws: int = 4) -> float:
     latents beside the noisy targets', as the cache and the objective see them."""
     pipe = load(paired / "model")
     kind = dataclasses.replace(families.get(FAMILY), max_sequence_length=TOKENS)
-    items = scan(paired / "data", log_skipped=False, control_count=COUNTS).items[:16]
-    examples = [load_example(item, (64, 64)) for item in items]
-    pixels = torch.stack([torch.from_numpy(e.pixels) for e in examples])
-    controls = torch.stack([torch.from_numpy(e.controls) for e in examples])  # type: ignore[arg-type]
-    batch = kind.encode_text(pipeline_parts(pipe, FAMILY, kind), [i.caption for i in items])
+    captions, pixels, controls = pairs(paired, count=16, family=FAMILY)
+    batch = kind.encode_text(pipeline_parts(pipe, FAMILY, kind), captions)
     batch["control_latents"] = kind.encode_latents(pipe.vae, controls.flatten(0, 1)).unflatten(
         0, controls.shape[:2]
     )
-    kwargs = kind.model_kwargs(batch, torch.float32)
     objective = kind.objective(Settings(), pipe.scheduler, transformer.config)
     latents = kind.encode_latents(pipe.vae, pixels)
-    with torch.no_grad():
-        losses = [
-            objective.loss(transformer.eval(), latents, kwargs,
-                           generator=torch.Generator().manual_seed(d), dtype=torch.float32)
-            for d in range(draws)
-        ]  # fmt: skip
-    return float(sum(losses)) / draws
+    return mean_loss(
+        objective, transformer, latents, kind.model_kwargs(batch, torch.float32), draws
+    )
 
 
 @pytest.fixture(scope="module")
