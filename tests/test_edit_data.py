@@ -166,7 +166,10 @@ def test_controls_on_a_text_to_image_family_are_one_line_exit_2(demo_job_env, tm
     out = capsys.readouterr().out
     (line,) = [x for x in out.splitlines() if "control images" in x]
     assert f"ZT_DATA_DIR={data}: control images (a.control.png) train an edit model" in line
-    assert "(fluxkontext, qwenimageedit, qwenimageeditplus)" in line and "Traceback" not in out
+    assert (
+        "(fluxkontext, qwenimageedit, qwenimageeditplus, flux2, flux2klein)" in line
+        and "Traceback" not in out
+    )
     with pytest.raises(ConfigError, match="this model's family takes none"):
         scan(data, log_skipped=False)
 

@@ -188,10 +188,10 @@ def test_image_edit_models_are_refused_in_one_line(name, index, tmp_path, monkey
         text = str(error)
         assert "\n" not in text and "image-edit model" in text
         assert "chroma, zimage" in text
-    # FLUX.2 is not guessed as FLUX.1 by its name; with reference images it is refused
+    # FLUX.2 is not guessed as FLUX.1 by its name; it edits with reference images: an edit
+    # fine-tune's name is its family's (tests/test_edit_flux2.py)
     assert families.resolve_family("black-forest-labs/FLUX.2-dev") == "flux2"
-    with pytest.raises(ConfigError, match="without reference images"):
-        families.resolve_family("someone/FLUX.2-dev-edit")
+    assert families.resolve_family("someone/FLUX.2-dev-edit") == "flux2"
     assert families.resolve_family("someone/sdxl-credit-cards") == "sdxl"  # a word, not "edit"
     # an edit family's own marker says an edit pipeline that is no family (Kontext's inpainting)
     (folder / "model_index.json").write_text(

@@ -28,8 +28,10 @@ def run(args: argparse.Namespace) -> int:
     paths = write_demo(args.dir, seed=args.seed, family=args.family)
     root, model, data = paths.root.resolve(), paths.model.resolve(), paths.data.resolve()
     print(f"demo model ({paths.family}, {DEMO_RESOLUTION} px): {model}")
-    # an edit family's demo images each have a control image beside them (foo.control.png)
-    pairs = " and control images" if REGISTRY[paths.family].controls else ""
+    # an edit family's demo images each have a control image beside them (foo.control.png);
+    # FLUX.2's, whose references are optional, are its text-to-image demo
+    spec = REGISTRY[paths.family]
+    pairs = " and control images" if spec.controls and not spec.optional_controls else ""
     print(f"demo data ({paths.images} images with captions{pairs}): {data}")
     flow = paths.family in FLOW_FAMILIES  # flow matching: no DDPM settings in its config
     job = (

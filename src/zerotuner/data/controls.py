@@ -90,8 +90,8 @@ class Found:
             return None
         if why := self._why(path):
             return f"its control image is unusable ({why})"
-        if not probes:
-            return "without its control image"
+        if not probes:  # (a model whose control images are optional trains it without)
+            return None if 0 in wanted else "without its control image"
         if len(probes) not in wanted:
             return f"with {count(len(probes), 'control image')} (the model takes {takes(wanted)})"
         assert probe.size is not None  # a picture without a size is left out before

@@ -320,11 +320,42 @@ def listed_samples(
     suffixes = IMAGE_SUFFIXES + (clips.CLIP_SUFFIXES if video else ())
     total = 0
     for source in sources:
-        folder = local_folder(source, cache_dir)
-        if not folder.is_dir() or (source.location.remote and not (folder / FETCHED).is_file()):
+        if (walked := _walked(source, cache_dir)) is None:
             return None
-        files, _ = walk(folder)
+        _, files, _ = walked
         pictures = [p for p in files if p.suffix.lower() in suffixes and masked(p) is None
                     and controlled(p) is None]  # fmt: skip
         total += len(pictures) * source.repeats
     return total
+
+
+def listed_references(sources: Sequence[DatasetSource], cache_dir: Path) -> int | None:
+    """The most control images a target has as the file names tell, nothing decoded (beside
+    it, in metadata.jsonl, in `control_dir`): what the planner counts a family whose references
+    are optional (FLUX.2) with; `scan` pairs them. None while a dataset is not there, or not
+    fetched yet."""
+    most = 0
+    for source in sources:
+        if (walked := _walked(source, cache_dir)) is None:
+            return None
+        folder, files, skipped = walked
+        _, named = read_metadata([p for p in files if p.name == METADATA_FILE])
+        given = Path(source.control_dir).expanduser() if source.control_dir else None
+        control_dir = given if given and given.is_dir() else None  # (the scan refuses it)
+        found = controls.find(folder, files, skipped, named, control_dir)
+        counts = [len(own) for own in found.named.values()]
+        counts += [len(places) for places in found.beside.values()]
+        most = max([most, *counts])
+    return most
+
+
+def _walked(
+    source: DatasetSource, cache_dir: Path
+) -> tuple[Path, list[Path], list[tuple[Path, str]]] | None:
+    """A dataset's folder and its walk (files, skipped), nothing decoded; None while it is not
+    there, or not fetched yet."""
+    folder = local_folder(source, cache_dir)
+    if not folder.is_dir() or (source.location.remote and not (folder / FETCHED).is_file()):
+        return None
+    files, skipped = walk(folder)
+    return folder, files, skipped

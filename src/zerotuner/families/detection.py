@@ -142,13 +142,12 @@ EDIT_NAMES = ("hidream-e1",)
 
 
 def refuse_edit_model(model: Any, name: str) -> None:
-    """An image-edit model that is no family here (Qwen-Image-Edit: a pipeline or hub name
-    that says so; FLUX.2 with reference images) is one line, exit 2, naming what zerotuner
-    trains (FLUX.1 Kontext is a family: detected before this is asked)."""
+    """An image-edit model that is no family here (a pipeline or hub name that says so:
+    HiDream-E1, Kontext's inpainting) is one line, exit 2, naming what zerotuner trains (the
+    edit families, FLUX.1 Kontext, Qwen-Image-Edit and FLUX.2 with its references, are
+    detected before this is asked)."""
     import re
 
-    is_flux2 = any(m in name.lower() for m in REGISTRY["flux2"].hub_markers)
-    flux2 = " (FLUX.2 trains here on text and image alone, without reference images)" * is_flux2
     supported = (f"zerotuner trains text-to-image models from captioned images: "
                  f"{', '.join(FAMILIES)}")  # fmt: skip
     # words of a class or hub name: QwenImageEditPipeline, Qwen-Image-Edit-2509 (not "credit")
@@ -158,7 +157,7 @@ def refuse_edit_model(model: Any, name: str) -> None:
     if words & markers or any(n in name.lower() for n in EDIT_NAMES):
         raise ConfigError(
             f"ZT_MODEL={model}: {name} is an image-edit model, trained on paired (source, "
-            f"edited) images, which zerotuner takes for {', '.join(edit)} alone{flux2}; "
+            f"edited) images, which zerotuner takes for {', '.join(edit)} alone; "
             f"{supported}"
         )
 

@@ -23,8 +23,28 @@ pipelines/flux2/):
   (`_prepare_latent_ids`) and text ids (`_prepare_text_ids`), the timestep as sigma
   (`timesteps / 1000`), guidance only where the transformer embeds it (the klein example:
   `if transformer.config.guidance_embeds`), and the velocity `noise - x` regressed.
-FLUX.2 with reference images (image editing, the `*_img2img.py` examples) is refused
-(families.refuse_edit_model).
+
+FLUX.2 is one checkpoint for text-to-image and editing: its pipelines take 0 to N reference
+images (`image=`). A run whose data have control images (`foo.control.png`, then
+`foo.control_1.png`, ...; metadata.jsonl's `control` columns; a dataset's `control_dir`:
+data/controls.py) trains with them, each target with as many (Spec.controls: at most 6 for
+[dev], 4 for [klein], as BFL's docs recommend; min_controls 0); a run whose data have none is
+the text-to-image run above in every respect. The references train as the pipelines sample with
+them (diffusers 0.42, pipelines/flux2/pipeline_flux2.py and pipeline_flux2_klein.py, `__call__`'s
+"4. process images", `prepare_image_latents`, `_encode_vae_image`, `_prepare_image_ids`) and as
+diffusers' img2img examples train (examples/dreambooth/train_dreambooth_lora_flux2_img2img.py
+at diffusers 0392cd8, train_dreambooth_lora_flux2_klein_img2img.py at 027e8ee):
+- each reference encoded by the VAE's mode and normalised by `vae.bn` as the target is
+  (`flux2_latents`), cropped, flipped and sized with its target (data/loading.py; the pipeline
+  resizes each to at most 1024^2 in area, sides multiples of 16: at ZT_RESOLUTION 1024 a bucket
+  is that size, and the scan keeps only references of the target's aspect ratio);
+- patched and packed as the target, the references' tokens after the noisy ones in order
+  (`torch.cat([latents, image_latents], dim=1)`), reference i with (t, h, w, l) ids on its own
+  grid at t = 10 + 10 i (`_prepare_image_ids`, scale 10), the same for every item of a batch
+  (the examples' one reference: `_prepare_image_ids([cond_model_input[0:1]])` expanded);
+- the transformer's output cut to the noisy tokens (`noise_pred[:, : latents.size(1)]`): the
+  loss is on the target's alone. Samples of such a run edit an input image through the same
+  pipeline (ZT_VALIDATION_IMAGES, else the data's first target's references).
 
 Caching FLUX.2 [dev]'s text encoder: its 24B parameters are ~48 GB in bf16, more than a 24 or
 40 GB GPU holds, and on an 80 GB one they would sit beside a ZeRO-3 partition. On a GPU,
@@ -56,7 +76,8 @@ def latent_ids(batch: int, height: int, width: int) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class Flux2Objective(FlowObjective):
-    """Flux's flow matching on FLUX.2's patches: 4-axis ids, the text's own ids."""
+    """Flux's flow matching on FLUX.2's patches: 4-axis ids, the text's own ids; a run's
+    reference latents (`control_latents`) packed after the noisy ones, t = 10, 20, ..."""
 
     packed: bool = True
 
@@ -84,6 +105,21 @@ class Flux2Objective(FlowObjective):
         if self.guidance is not None:
             extra["guidance"] = torch.full((batch,), self.guidance)
         return {**extra, **kwargs}
+
+    def reference_inputs(self, extra: dict[str, Any], references: torch.Size) -> dict[str, Any]:
+        """The target's ids, then each reference's on its own grid at t = 10 + 10 i."""
+        batch, count, (height, width) = references[0], references[1], references[-2:]
+        ids = reference_ids(count, height, width).expand(batch, -1, -1)
+        return {"img_ids": torch.cat([extra["img_ids"], ids], dim=1)}
+
+
+def reference_ids(count: int, height: int, width: int) -> torch.Tensor:
+    """(1, count x patches, 4) ids of `count` references of `height` x `width` latent cells,
+    as Flux2Pipeline.prepare_image_latents gives them (`_prepare_image_ids`)."""
+    from diffusers import Flux2Pipeline
+
+    grids = [torch.empty(1, 1, height // 2, width // 2) for _ in range(count)]
+    return Flux2Pipeline._prepare_image_ids(grids)
 
 
 def execution_device(module: Any) -> torch.device:
@@ -116,7 +152,12 @@ class Flux2(FlowFamily):
         return {"prompt_embeds": states}
 
     def model_kwargs(self, batch: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, Any]:
-        return {"encoder_hidden_states": batch["prompt_embeds"].to(dtype)}
+        """The caption's states, and a run with reference images their latents (batch,
+        references, channels, height, width), packed after the noisy ones by the objective."""
+        kwargs = {"encoder_hidden_states": batch["prompt_embeds"].to(dtype)}
+        if "control_latents" in batch:
+            kwargs["control_latents"] = batch["control_latents"].to(dtype)
+        return kwargs
 
     @torch.no_grad()
     def encode_latents(self, vae: Any, pixels: torch.Tensor) -> torch.Tensor:

@@ -76,9 +76,10 @@ class Spec:
     # Control images each target trains with (an edit model's inputs: data/controls.py), the
     # most it takes; 0: a text-to-image family, which refuses them
     controls: int = 0
-    # the fewest it takes (Qwen-Image-Edit Plus: 1 to 3); 0: exactly `controls`. One run's
-    # items all have the same count (a batch stacks their controls: data/controls.py)
-    min_controls: int = 0
+    # the fewest it takes (Qwen-Image-Edit Plus: 1 to 3; FLUX.2: 0, its reference images are
+    # optional: a run whose data have none trains text-to-image); None: exactly `controls`.
+    # One run's items all have the same count (a batch stacks their controls: data/controls.py)
+    min_controls: int | None = None
     # An image-to-video family: its pipeline samples from a first frame (sample_input)
     image_to_video: bool = False
     # Its captions' states depend on the control images (Qwen-Image-Edit's Qwen2.5-VL reads
@@ -97,20 +98,43 @@ class Spec:
         none, "control image" (an edit model's), "first frame" (image-to-video)."""
         return "control image" if self.controls else "first frame" if self.image_to_video else ""
 
+    def run_sample_input(self, controls: int | None) -> str:
+        """What one run's samples take besides the prompt, its targets having `controls`
+        control images each (None: not known yet): a family whose control images are optional
+        (FLUX.2) samples from its prompts alone where its data have none."""
+        return "" if self.optional_controls and controls == 0 else self.sample_input
+
     @property
     def exported_class(self) -> str:
         """The `_class_name` of the pipeline folders it exports, where not the base folder's: a
         family that samples from an input image writes the pipeline it sampled with (LTX-2 and
         Wan 2.2 TI2V-5B trained as image-to-video on their text-to-video folders load as such);
-        "": the base's own (a text-to-image family keeps its folder's variant)."""
-        return self.pipeline if self.sample_input else ""
+        "": the base's own (a text-to-image family keeps its folder's variant; FLUX.2's, whose
+        reference images are optional, takes them in its own pipeline)."""
+        return self.pipeline if self.sample_input and not self.optional_controls else ""
 
     @property
     def control_counts(self) -> range:
-        """The control image counts a target may train with (empty: a text-to-image family)."""
+        """The control image counts a target may train with (empty: a text-to-image family;
+        from 0: references are optional)."""
         if not self.controls:
             return range(0)
-        return range(self.min_controls or self.controls, self.controls + 1)
+        fewest = self.controls if self.min_controls is None else self.min_controls
+        return range(fewest, self.controls + 1)
+
+    @property
+    def optional_controls(self) -> bool:
+        """It trains with control images or without (FLUX.2: editing or text-to-image, one
+        checkpoint): the run's data say which."""
+        return bool(self.controls) and self.min_controls == 0
+
+    def planned_controls(self, listed: int | None) -> int:
+        """The control images a target's tokens are planned with: an edit family's most (the
+        plan is made before the data are decoded); an optional-controls family's as the data's
+        file names tell (`listed`: data.scan.listed_references; None, not there yet: 0)."""
+        if not self.optional_controls:
+            return self.controls
+        return min(listed or 0, self.controls)
 
     @property
     def frozen_params(self) -> int:
@@ -374,6 +398,9 @@ BUILTIN: dict[str, Spec] = {
         guess_order=-6, demo="qwen_image_edit_plus:write_model", controls=3, min_controls=1,
         captions_per_item=True, control_text_tokens=14 * 14 + 5,
     ),
+    # FLUX.2 edits with reference images in the same checkpoint: 0 (text-to-image) to the most
+    # BFL's docs give per model (docs.bfl.ai, guides/prompting_editing_overview, "Reference
+    # Images per Model": [dev] "Recommended max 6", [klein] 4B and 9B "Up to 4")
     "flux2": Spec(
         "flux2", "Flux2",
         {"patch_size": 1, "in_channels": 128, "num_layers": 8, "num_single_layers": 48,
@@ -383,7 +410,7 @@ BUILTIN: dict[str, Spec] = {
         hub_markers=("flux.2", "flux2", "flux-2"), guess_order=-2, clip_tokens=0,
         t5_tokens=512, long_encoder="Mistral", text_stream_params=MISTRAL_SMALL_3_LAYER,
         layer_keys=("num_layers", "num_single_layers"),
-        demo="flux2:write_model",
+        demo="flux2:write_model", controls=6, min_controls=0,
         text_kept_params=MISTRAL_SMALL_3_KEPT,
     ),
     "flux2klein": Spec(
@@ -396,7 +423,7 @@ BUILTIN: dict[str, Spec] = {
         hub_markers=("flux.2-klein", "flux2-klein", "flux-2-klein", "flux2klein"),
         guess_order=-3, clip_tokens=0, t5_tokens=512, long_encoder="Qwen3",
         layer_keys=("num_layers", "num_single_layers"),
-        demo="flux2:write_klein_model",
+        demo="flux2:write_klein_model", controls=4, min_controls=0,
         text_kept_params=QWEN3_4B_KEPT,
     ),
     "wan": Spec(

@@ -207,16 +207,21 @@ def model_shape(
     *,
     recount: bool = False,
     denoiser: str | None = None,
+    controls: int | None = None,
 ) -> ModelShape:
     """Count the UNet's parameters on the meta device: no memory, no download.
 
     A built-in family uses its stored counts unless `recount`. `denoiser`: the trained part's
     folder when it is not the family's first (Wan 2.2 A14B's `transformer_2`: EXPERTS).
+    `controls`: the control images a target's activations are counted with (None: the
+    family's own count, Spec.planned_controls).
     """
     config_path = unet_config_path(model_dir, denoiser) if model_dir else None
     spec = REGISTRY[family]
     if spec.flow:
-        return _transformer_shape(family, model_dir, config_path, recount=recount)
+        return _transformer_shape(
+            family, model_dir, config_path, recount=recount, controls=controls
+        )
     if config_path is None and not recount:
         params, largest = spec.builtin_counts
         native = int(spec.builtin_config["sample_size"]) * VAE_SCALE
@@ -330,7 +335,12 @@ def _vae_channels(model_dir: Path) -> int:
 
 
 def _transformer_shape(
-    family: Family, model_dir: Path | None, config_path: Path | None, *, recount: bool
+    family: Family,
+    model_dir: Path | None,
+    config_path: Path | None,
+    *,
+    recount: bool,
+    controls: int | None = None,
 ) -> ModelShape:
     """model_shape of a flow-matching transformer (SD3's or Flux's), counted like a UNet,
     with its activations from its layers and width (`transformer_activations`), or measured per
@@ -355,7 +365,7 @@ def _transformer_shape(
     text_width = spec.caption_width or int(config[spec.text_width_key]) * text_layers
     return ModelShape(
         family, params, largest, frozen, native, source,
-        activations_1024=transformer_activations(family, config),
+        activations_1024=transformer_activations(family, config, controls),
         text_width=text_width, caching_params=streamed, video=video,
         boundary_ratio=boundary_ratio(model_dir) if model_dir else None,
         blocks=MEASURED_BLOCKS[family](config) if family in MEASURED_BLOCKS else None,
@@ -603,7 +613,9 @@ MEASURED_BLOCKS: dict[str, Callable[[dict[str, Any]], MeasuredBlocks]] = {
 }  # fmt: skip
 
 
-def transformer_activations(family: str, config: dict[str, Any]) -> tuple[int, int]:
+def transformer_activations(
+    family: str, config: dict[str, Any], controls: int | None = None
+) -> tuple[int, int]:
     """(without, with checkpointing) bytes of a transformer's activations for one 1024 px
     image in 16-bit: per layer 34 x tokens x width without checkpointing (Korthikanti et al.,
     arXiv 2205.05198, with fused attention: no tokens^2 term), and with it the layer inputs
@@ -612,15 +624,18 @@ def transformer_activations(family: str, config: dict[str, Any]) -> tuple[int, i
     Kontext: its reference, at the target's size), and the text's (SD3: CLIP 77 + T5 256; Flux,
     Chroma: T5 512; Z-Image: Qwen3 512; Qwen-Image-Edit: Qwen2.5-VL 512 and its control
     image's 1369 vision tokens; Qwen-Image-Edit Plus: 3 references and their 201 each, the most
-    it takes: the plan is made before the data are read). Layers: the family's `layer_keys`
+    it takes: the plan is made before the data are read; FLUX.2, whose references are optional:
+    `controls`, as the data's file names tell, Spec.planned_controls). Layers: the family's
+    `layer_keys`
     (Z-Image: its 30 main layers and the noise refiner's 2, which see the image; the context
     refiner's, on the text alone, are left out). A family in MEASURED_BLOCKS: its blocks'
     measured bytes."""
     spec = REGISTRY[family]
-    image = (1024 // VAE_SCALE // 2) ** 2 * (1 + spec.controls)
+    references = spec.planned_controls(None) if controls is None else controls
+    image = (1024 // VAE_SCALE // 2) ** 2 * (1 + references)
     if family in MEASURED_BLOCKS:
         return MEASURED_BLOCKS[family](config).at_resolution(1024)
-    tokens = image + spec.clip_tokens + spec.t5_tokens + spec.controls * spec.control_text_tokens
+    tokens = image + spec.clip_tokens + spec.t5_tokens + references * spec.control_text_tokens
     width = math.prod(int(config[key]) for key in spec.width_keys)
     layers = sum(int(config[key]) for key in spec.layer_keys)
     per_layer = 34 * tokens * width

@@ -203,6 +203,18 @@ def _fetch_configs(settings: Settings, *, offline: bool) -> tuple[Path | None, s
     return Path(path), ""
 
 
+def listed_controls(settings: Settings) -> int | None:
+    """The most control images a target of the run's data has, as their file names tell
+    (data.scan.listed_references); None where that is not known here (a dataset not there or
+    not fetched, a datasets file the dataset step refuses)."""
+    from zerotuner.data.scan import listed_references
+
+    try:
+        return listed_references(sources(settings), settings.cache_dir)
+    except ConfigError:  # said by the step that reads the data, in its place
+        return None
+
+
 class PreflightRun:
     """Preflight's steps in order, on one state. `preflight()` runs them all; `check` reports
     them one by one (`STEPS`), so what `check` accepts `train` starts, and what it refuses
@@ -264,9 +276,12 @@ class PreflightRun:
         )
         check_family_settings(settings, model.family)
         expert = EXPERTS.get(settings.expert or "")  # A14B: the expert this run trains
-        shape = model_shape(model.family, model.local_dir, denoiser=expert)
+        spec = REGISTRY[model.family]
+        listed = listed_controls(settings) if spec.optional_controls else None
+        shape = model_shape(model.family, model.local_dir, denoiser=expert,
+                            controls=spec.planned_controls(listed))  # fmt: skip
         check_family_settings(settings, model.family, shape)  # the model's VAE: its frame rule
-        validation_inputs.check(settings, REGISTRY[model.family].sample_input)
+        validation_inputs.check(settings, spec.run_sample_input(listed))
         # an adapter file's rank, alpha and targets are the run's: the plan and resume see them
         fetch_adapter(settings, offline=self.effective.hub_offline)  # an s3:// or hf:// file
         settings, _ = lora_from.apply(settings, model.family, model_dir=model.local_dir)
@@ -286,6 +301,8 @@ class PreflightRun:
         self.model_warnings = [distilled] if distilled else []
         warnings += self.model_warnings
         params = f"{shape.denoiser_params / 1e6:.1f}M params"
+        if spec.optional_controls and listed:  # a FLUX.2 run with reference images
+            params += f"; planned with {spec.planned_controls(listed)} reference image(s) a target"
         return f"{where}; {model.family} ({model.reason}); denoiser {params}", warnings
 
     def make_plan(self) -> tuple[str, list[str]]:

@@ -10,7 +10,8 @@ training: a missing or unusable one is one line, exit 2, with nothing trained or
 Unset, a family that samples from an input takes its first training item's (the first in the
 scanned order, held-out images aside): Wan I2V the first frame of the first clip (of the first
 image when the data hold no clip), Kontext the first control image of the first pair; every
-prompt samples from it, and the log names it.
+prompt samples from it, and the log names it. FLUX.2 samples from an input where its data have
+reference images (Spec.run_sample_input), from its prompts alone where they have none.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ def check(settings: Any, sample_input: str) -> list[Path]:
         raise ConfigError(
             f"{name} is set but the model samples from its prompts alone: unset {name} (it "
             f"applies to the models that sample from an input image: Wan image-to-video, FLUX.1 "
-            f"Kontext)"
+            f"Kontext, FLUX.2 trained with reference images)"
         )
     prompts = len(settings.validation_prompts)
     if given and prompts and len(given) not in (1, prompts):
