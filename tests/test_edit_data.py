@@ -22,6 +22,7 @@ from zerotuner.data.loading import load_example
 from zerotuner.data.scan import scan, scan_sources
 from zerotuner.errors import ConfigError
 from zerotuner.settings.datasets import DatasetSource
+from zerotuner.settings.schema import Settings
 from zerotuner.train import caching
 from zerotuner.train.feature_cache import FeatureCache
 
@@ -193,3 +194,29 @@ def test_a_control_dir_that_is_not_there_is_one_line(tmp_path: Path) -> None:
         "directory; point it at a folder of control images named as their targets"
     )
     assert (data / "a.png").is_file()
+
+
+def test_validation_images_give_a_prompt_several_references(demo_dir, tmp_path, capsys) -> None:
+    """ZT_VALIDATION_IMAGES as a JSON list: an entry that is a list is one prompt's references
+    (Qwen-Image-Edit Plus, FLUX.2), read in its order; more than the model takes for one prompt,
+    or a list of anything but paths, is one line."""
+    from pydantic import ValidationError
+
+    from zerotuner.data.dataset import Dataset
+    from zerotuner.train import validation_inputs
+
+    data = demo_dir / "data"
+    first, second, third = sorted(p.name for p in data.glob("*.png"))[:3]
+    settings = Settings(data_dir=str(data), validation_prompts=["a", "b"],
+                        validation_images=json.dumps([[first, second], third]))  # fmt: skip
+    assert settings.validation_image_paths == [[data / first, data / second], [data / third]]
+    empty = Dataset(tmp_path, [], [])
+    references, alone = validation_inputs.chosen(settings, "control image", empty, [], most=3)
+    assert [r.size for r in references] == [Image.open(data / n).size for n in (first, second)]
+    assert not isinstance(alone, list) and alone.mode == "RGB"
+    with pytest.raises(ConfigError) as refused:
+        validation_inputs.chosen(settings, "control image", empty, [], most=1)
+    assert "2 images for one prompt" in str(refused.value) and "\n" not in str(refused.value)
+    for bad in ('[["a.png", 3]]', '["a.png", {"b": 1}]', "[[]]"):
+        with pytest.raises(ValidationError, match="a list whose entries are a path"):
+            Settings(validation_images=bad)

@@ -266,13 +266,20 @@ def test_full_checkpoint_resumes_on_one_rank(paired, full_run, tmp_path) -> None
 def test_lora_at_zero_3_edits_through_the_pipeline(paired, tmp_path) -> None:
     """A LoRA adapter at ZeRO-3 trained with references: `transformer.` keys that
     Flux2KleinPipeline loads with `load_lora_weights`, lowering the held-out edit loss and
-    changing its edit of an input image."""
+    changing its edit of an input image. Its sample edits the two references
+    ZT_VALIDATION_IMAGES gives its prompt (a JSON list's list), shown side by side."""
     from safetensors.torch import load_file
 
     from zerotuner.weights import lora_files
 
     output = tmp_path / "output"
-    run(tmp_path, paired, FAMILY, output=output, checkpoint_every_steps=STEPS, **LORA)
+    references = [a_control_path(paired).name, sorted((paired / "data").glob("*.png"))[0].name]
+    run(tmp_path, paired, FAMILY, output=output, checkpoint_every_steps=STEPS,
+        validation_prompts=[PROMPT], validation_images=json.dumps([references]),
+        **LORA)  # fmt: skip
+    (sample,) = (output / "samples" / f"step-{STEPS}").glob("*.png")
+    shown = Image.open(output / "samples" / "inputs" / sample.name)
+    assert shown.size == (2 * 64, 64)  # both references, at the first one's height
     adapter = load_file(output / "final" / lora_files.ADAPTER_FILE)
     assert adapter and all(k.startswith("transformer.") for k in adapter)
     manifest = json.loads((output / "checkpoints" / f"step-{STEPS}" / "zerotuner.json").read_text())

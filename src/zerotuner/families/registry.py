@@ -98,6 +98,12 @@ class Spec:
         none, "control image" (an edit model's), "first frame" (image-to-video)."""
         return "control image" if self.controls else "first frame" if self.image_to_video else ""
 
+    @property
+    def sample_images(self) -> int:
+        """The most input images one sample takes (ZT_VALIDATION_IMAGES per prompt): its most
+        control images, else one (a first frame)."""
+        return self.controls or 1
+
     def run_sample_input(self, controls: int | None) -> str:
         """What one run's samples take besides the prompt, its targets having `controls`
         control images each (None: not known yet): a family whose control images are optional

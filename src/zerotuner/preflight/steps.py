@@ -281,7 +281,7 @@ class PreflightRun:
         shape = model_shape(model.family, model.local_dir, denoiser=expert,
                             controls=spec.planned_controls(listed))  # fmt: skip
         check_family_settings(settings, model.family, shape)  # the model's VAE: its frame rule
-        validation_inputs.check(settings, spec.run_sample_input(listed))
+        validation_inputs.check(settings, spec.run_sample_input(listed), spec.sample_images)
         # an adapter file's rank, alpha and targets are the run's: the plan and resume see them
         fetch_adapter(settings, offline=self.effective.hub_offline)  # an s3:// or hf:// file
         settings, _ = lora_from.apply(settings, model.family, model_dir=model.local_dir)

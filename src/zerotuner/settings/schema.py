@@ -385,8 +385,10 @@ class Settings(BaseSettings):
         description="Input images of the samples of a model that samples from one (Wan "
         "image-to-video: the first frame; FLUX.1 Kontext, Qwen-Image-Edit: the image to edit): "
         "comma-separated paths, one per validation prompt or one for all (relative: under "
-        "ZT_DATA_DIR); empty = the first training clip's first frame (an edit model: the first "
-        "pair's control image).",
+        "ZT_DATA_DIR), or a JSON list whose entries may be lists, a prompt's several "
+        'references (Qwen-Image-Edit Plus, FLUX.2): `[["a.png", "b.png"], "c.png"]`; empty = '
+        "the first training clip's first frame (an edit model: the first pair's control "
+        "images).",
     )
     validation_every_steps: int = Field(0, ge=0, description="Sample interval; 0 = end only.")
     validation_inference_steps: int = Field(20, ge=1, description="Denoising steps per sample.")
@@ -535,6 +537,19 @@ class Settings(BaseSettings):
             return [p.strip() for p in text.split("|") if p.strip()]
         return value
 
+    @field_validator("validation_images")
+    @classmethod
+    def _image_list(cls, value: str | None) -> str | None:
+        try:
+            _image_groups(value)
+        except ConfigError as error:
+            raise PydanticCustomError(
+                "json_invalid",
+                "comma-separated paths or a JSON list of paths and lists of paths ({why})",
+                {"why": str(error)},
+            ) from None
+        return value
+
     @field_validator("data_dir", "eval_data_dir", mode="before")
     @classmethod
     def _folder_or_url(cls, value: Any) -> Any:
@@ -610,13 +625,16 @@ class Settings(BaseSettings):
         return (_fractions(self.timestep_range) if self.timestep_range else None) or (0.0, 1.0)
 
     @property
-    def validation_image_paths(self) -> list[Path]:
-        """ZT_VALIDATION_IMAGES's paths, a relative one under ZT_DATA_DIR when that is a local
-        folder."""
-        names = [n.strip() for n in (self.validation_images or "").split(",") if n.strip()]
+    def validation_image_paths(self) -> list[list[Path]]:
+        """ZT_VALIDATION_IMAGES's paths, per prompt (each prompt's one image, or its several
+        references), a relative one under ZT_DATA_DIR when that is a local folder."""
         data = self.data_dir
         root = Path(data) if data and "://" not in data else None
-        return [Path(n) if Path(n).is_absolute() or root is None else root / n for n in names]
+
+        def path(name: str) -> Path:
+            return Path(name) if Path(name).is_absolute() or root is None else root / name
+
+        return [[path(n) for n in names] for names in _image_groups(self.validation_images)]
 
     @property
     def windows(self) -> Windows:
@@ -693,6 +711,23 @@ class Settings(BaseSettings):
 
 def env_name(field: str) -> str:
     return ENV_PREFIX + field.upper()
+
+
+def _image_groups(text: str | None) -> list[list[str]]:
+    """ZT_VALIDATION_IMAGES's names per prompt: comma-separated (one each), or a JSON list whose
+    entries are a name or a list of names (one prompt's references)."""
+    text = (text or "").strip()
+    if not text.startswith("["):
+        return [[n.strip()] for n in text.split(",") if n.strip()]
+    listed = parse_json(text, source="JSON")  # the shared reader: depth and size limits
+    groups = (
+        [e if isinstance(e, list) else [e] for e in listed] if isinstance(listed, list) else None
+    )
+    if groups is None or not all(
+        group and all(isinstance(n, str) and n.strip() for n in group) for group in groups
+    ):
+        raise ConfigError("a list whose entries are a path or a non-empty list of paths")
+    return [[n.strip() for n in group] for group in groups]
 
 
 FRACTIONS = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*-\s*(\d+(?:\.\d*)?|\.\d+)\s*$")

@@ -156,10 +156,11 @@ class Run:
         self._hold_out(multiple)
         # a model that samples from an input image: each prompt's, read before any training
         # (FLUX.2 samples from its references where its data have them: the run's one count)
-        sample_input = families.REGISTRY[job.family].run_sample_input(
-            len(dataset.items[0].controls)
+        spec = families.REGISTRY[job.family]
+        sample_input = spec.run_sample_input(len(dataset.items[0].controls))
+        self.sample_inputs = validation_inputs.chosen(
+            s, sample_input, dataset, self.held, spec.sample_images
         )
-        self.sample_inputs = validation_inputs.chosen(s, sample_input, dataset, self.held)
         if self.rank == 0:  # every rank scanned the same files: count them once
             self._report_dataset(dataset, objective, multiple)
         self.weights.check_base(source, self.resume, rank=self.rank)  # a LoRA's own base only

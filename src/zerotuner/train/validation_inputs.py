@@ -1,9 +1,11 @@
 """The input image of each validation sample, for the families that sample from one (Wan
 image-to-video: the clip's first frame; FLUX.1 Kontext: the image to edit): ZT_VALIDATION_IMAGES,
-one image per validation prompt (or one for every prompt), else the training data's own.
+one image per validation prompt (or one for every prompt; a model of several references,
+Qwen-Image-Edit Plus and FLUX.2, takes a list of them per prompt), else the training data's own.
 
-ZT_VALIDATION_IMAGES lists paths as the container sees them, comma-separated; a relative path is
-read under ZT_DATA_DIR when that is a local folder. Each is probed as a training image is
+ZT_VALIDATION_IMAGES lists paths as the container sees them, comma-separated or as a JSON list
+(an entry a path or a list of paths); a relative path is read under ZT_DATA_DIR when that is a
+local folder. Each is probed as a training image is
 (data.probe: unreadable, truncated, not PNG/JPEG/WebP, a link out of its folder...) before any
 training: a missing or unusable one is one line, exit 2, with nothing trained or overwritten.
 
@@ -31,11 +33,13 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-def check(settings: Any, sample_input: str) -> list[Path]:
-    """ZT_VALIDATION_IMAGES's paths, each probed; one line, exit 2, for the setting given to a
-    family that samples without an input, a count that is neither 1 nor the prompts', or an
-    image that cannot be read. Preflight's model step runs it (every command refuses as train
-    does, train before its ranks start); the ranks again as they read the images."""
+def check(settings: Any, sample_input: str, most: int = 1) -> list[list[Path]]:
+    """ZT_VALIDATION_IMAGES's paths per prompt, each probed; one line, exit 2, for the setting
+    given to a family that samples without an input, a count that is neither 1 nor the
+    prompts', more images for one prompt than the model takes (`most`: its most control images,
+    1 for a first frame), or an image that cannot be read. Preflight's model step runs it
+    (every command refuses as train does, train before its ranks start); the ranks again as
+    they read the images."""
     from zerotuner.data.probe import probe
 
     name = env_name("validation_images")
@@ -52,25 +56,34 @@ def check(settings: Any, sample_input: str) -> list[Path]:
             f"{name}: {len(given)} images for {prompts} validation prompts; give one image per "
             f"prompt (in the prompts' order), or one for all of them"
         )
-    for path in given:
-        found = probe(path, None)
-        if found.reason:
-            raise ConfigError(f"{name}: {path}: {found.reason}; give an image the job can read")
+    for group in given:
+        if len(group) > most:
+            raise ConfigError(
+                f"{name}: {len(group)} images for one prompt ({', '.join(map(str, group))}); "
+                f"the model takes at most {most} {sample_input}{'s' * (most > 1)} a sample"
+            )
+        for path in group:
+            found = probe(path, None)
+            if found.reason:
+                raise ConfigError(f"{name}: {path}: {found.reason}; give an image the job can read")
     return given
 
 
 def chosen(
-    settings: Any, sample_input: str, dataset: Dataset, held: list[int]
+    settings: Any, sample_input: str, dataset: Dataset, held: list[int], most: int = 1
 ) -> list[PILImage | list[PILImage]] | None:
-    """The input image of each validation prompt (a list: an item's several references; None:
-    the family samples without one), refused as `check` refuses."""
+    """The input image of each validation prompt (a list: its several references; None: the
+    family samples without one), refused as `check` refuses."""
     name = env_name("validation_images")
-    given = check(settings, sample_input)
+    given = check(settings, sample_input, most)
     if not sample_input or not settings.validation_prompts:
         return None
     prompts = len(settings.validation_prompts)
     if given:
-        images: list[PILImage | list[PILImage]] = [read(path, name) for path in given]
+        images: list[PILImage | list[PILImage]] = [
+            read(group[0], name) if len(group) == 1 else [read(path, name) for path in group]
+            for group in given
+        ]
         return images * prompts if len(images) == 1 else images
     image, source = from_data(sample_input, dataset, held)
     log.info("samples: every prompt samples from %s (%s; %s sets others)", source,
