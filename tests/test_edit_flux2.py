@@ -279,7 +279,9 @@ def test_lora_at_zero_3_edits_through_the_pipeline(paired, tmp_path) -> None:
         **LORA)  # fmt: skip
     (sample,) = (output / "samples" / f"step-{STEPS}").glob("*.png")
     shown = Image.open(output / "samples" / "inputs" / sample.name)
-    assert shown.size == (2 * 64, 64)  # both references, at the first one's height
+    first, second = (Image.open(paired / "data" / name) for name in references)
+    wide = round(second.width * first.height / second.height)  # at the first one's height
+    assert shown.size == (first.width + wide, first.height)  # both references, side by side
     adapter = load_file(output / "final" / lora_files.ADAPTER_FILE)
     assert adapter and all(k.startswith("transformer.") for k in adapter)
     manifest = json.loads((output / "checkpoints" / f"step-{STEPS}" / "zerotuner.json").read_text())

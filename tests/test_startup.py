@@ -311,7 +311,9 @@ def test_a_lock_a_build_holds_is_waited_on_with_a_line_and_a_bound(tmp_path, cap
 def test_a_sigterm_as_the_ranks_start_is_a_stop_not_a_crash(demo_dir, tmp_path):
     """Issue 40: SIGTERM just after the ranks were released, before a rank installed its
     handler (it was still importing), ended with exit 1 ("the rank exited -15"): a crash to an
-    orchestrator. It is a stop with nothing to resume from: 143, said in one line."""
+    orchestrator. It is a stop with nothing to resume from: 143, said in one line. (The signal
+    may also land between the "launching" line and the ranks' release, on a busy machine: the
+    entrypoint then stops them itself, "stopped by SIGTERM before training: exit 143".)"""
     env = entrypoint_env(demo_dir, tmp_path, ZT_MAX_STEPS="2")
     log_path = tmp_path / "log.txt"
     with log_path.open("w") as log:
@@ -329,5 +331,7 @@ def test_a_sigterm_as_the_ranks_start_is_a_stop_not_a_crash(demo_dir, tmp_path):
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
     out = log_path.read_text()
-    assert "stopped before training, nothing to resume from: exit 143" in out, out[-3000:]
+    assert any("before training" in line and "exit 143" in line for line in out.splitlines()), out[
+        -3000:
+    ]
     assert "Traceback" not in out, out[-3000:]
