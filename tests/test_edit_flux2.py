@@ -184,7 +184,6 @@ def test_the_planner_counts_the_reference_tokens_of_a_run_that_has_them(
 ) -> None:
     """Text-to-image data: the plan of before (no reference tokens); paired data, as their file
     names tell: one reference's tokens more in every attention, and `check` says so."""
-    from zerotuner.cli import main
     from zerotuner.families.shapes import model_shape, transformer_activations
 
     config = families.REGISTRY[FAMILY].builtin_config
@@ -201,14 +200,7 @@ def test_the_planner_counts_the_reference_tokens_of_a_run_that_has_them(
     assert listed_references(sources, tmp_path) == 1
     assert listed_references([DatasetSource(path=str(demo / "data"))], tmp_path) == 0
     assert listed_references([DatasetSource(path=str(tmp_path / "nowhere"))], tmp_path) is None
-    for key, value in {"ZT_MODEL": str(paired / "model"), "ZT_DATA_DIR": str(paired / "data"),
-                       "ZT_OUTPUT_DIR": str(tmp_path / "output"), "ZT_DEVICE": "cpu",
-                       "ZT_CACHE_DIR": str(tmp_path / "cache"), "ZT_RESOLUTION": "64",
-                       "ZT_OFFLOAD_DIR": str(tmp_path / "offload"),
-                       "ZT_NUM_PROCESSES": "1"}.items():  # fmt: skip
-        monkeypatch.setenv(key, value)
-    assert main(["check"]) == 0
-    out = capsys.readouterr().out
+    out = tk.check_output(monkeypatch, capsys, paired / "model", paired / "data", tmp_path)
     assert "64 images with 1 control image each" in out
     assert "planned with 1 reference image(s) a target" in out
 

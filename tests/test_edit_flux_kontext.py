@@ -116,20 +116,12 @@ def test_the_demo_is_a_kontext_pipeline_that_edits_and_is_detected(demo, tmp_pat
 
 
 def test_check_lists_a_target_without_its_control(demo, monkeypatch, tmp_path, capsys) -> None:
-    from zerotuner.cli import main
 
     data = tmp_path / "data"
     shutil.copytree(demo / "data", data)
     (lonely,) = data.glob("000-*.control.png")
     lonely.unlink()
-    for key, value in {"ZT_MODEL": str(demo / "model"), "ZT_DATA_DIR": str(data),
-                       "ZT_OUTPUT_DIR": str(tmp_path / "output"), "ZT_DEVICE": "cpu",
-                       "ZT_CACHE_DIR": str(tmp_path / "cache"), "ZT_RESOLUTION": "64",
-                       "ZT_OFFLOAD_DIR": str(tmp_path / "offload"),
-                       "ZT_NUM_PROCESSES": "1"}.items():  # fmt: skip
-        monkeypatch.setenv(key, value)
-    assert main(["check"]) == 0
-    out = capsys.readouterr().out
+    out = tk.check_output(monkeypatch, capsys, demo / "model", data, tmp_path)
     assert "63 images with 1 control image each" in out
     (line,) = [x for x in out.splitlines() if "without its control image" in x]
     assert "skipped 1 file, without its control image: 000-" in line

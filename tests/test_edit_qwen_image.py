@@ -275,14 +275,7 @@ def test_check_counts_a_caption_per_image_and_refuses_caption_dropout(
     with its control); ZT_CAPTION_DROPOUT is one line, exit 2."""
     from zerotuner.cli import main
 
-    for key, value in {"ZT_MODEL": str(demo / "model"), "ZT_DATA_DIR": str(demo / "data"),
-                       "ZT_OUTPUT_DIR": str(tmp_path / "output"), "ZT_DEVICE": "cpu",
-                       "ZT_CACHE_DIR": str(tmp_path / "cache"), "ZT_RESOLUTION": "64",
-                       "ZT_OFFLOAD_DIR": str(tmp_path / "offload"),
-                       "ZT_NUM_PROCESSES": "1"}.items():  # fmt: skip
-        monkeypatch.setenv(key, value)
-    assert main(["check"]) == 0
-    out = capsys.readouterr().out
+    out = tk.check_output(monkeypatch, capsys, demo / "model", demo / "data", tmp_path)
     assert "64 images with 1 control image each" in out and "64 captions x" in out
     monkeypatch.setenv("ZT_CAPTION_DROPOUT", "0.1")
     assert main(["check"]) == 2

@@ -330,6 +330,21 @@ def lone_rank_result(tmp: Path, source: str, *, timeout: int = 600) -> dict[str,
     return json.loads(line[len("RESULT ") :])
 
 
+def check_output(monkeypatch, capsys, model: Path, data: Path, tmp: Path) -> str:
+    """`zerotuner check`'s output (it must pass) for `model` on `data` at 64 px, one CPU rank,
+    every folder under `tmp`."""
+    from zerotuner.cli import main
+
+    for key, value in {"ZT_MODEL": str(model), "ZT_DATA_DIR": str(data),
+                       "ZT_OUTPUT_DIR": str(tmp / "output"), "ZT_DEVICE": "cpu",
+                       "ZT_CACHE_DIR": str(tmp / "cache"), "ZT_RESOLUTION": "64",
+                       "ZT_OFFLOAD_DIR": str(tmp / "offload"),
+                       "ZT_NUM_PROCESSES": "1"}.items():  # fmt: skip
+        monkeypatch.setenv(key, value)
+    assert main(["check"]) == 0
+    return capsys.readouterr().out
+
+
 def checked_buckets(capsys, **settings: Any) -> set[str]:
     """The buckets `zerotuner check` says train will build (its latent-cache line), for
     `settings` as ZT_* variables (settings_env's names)."""
