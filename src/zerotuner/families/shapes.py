@@ -658,8 +658,11 @@ def bucket_step(
     trainer = get(family)
     path = unet_config_path(model_dir, denoiser) if model_dir else None
     config = model_json(path) if path else REGISTRY[family].builtin_config
-    # a config holds the fields that differ from the class's defaults (as diffusers reads it)
-    init = inspect.signature(trainer.denoiser_class().__init__).parameters.values()
-    defaults = {p.name: p.default for p in init if p.default is not inspect.Parameter.empty}
-    step = vae_scale(model_dir) * trainer.latent_multiple(SimpleNamespace(**{**defaults, **config}))
+    try:  # save_pretrained writes every field: no need to import the class (seconds in `check`)
+        cells = trainer.latent_multiple(SimpleNamespace(**config))
+    except AttributeError:  # a field left out takes the class's default, as diffusers reads it
+        init = inspect.signature(trainer.denoiser_class().__init__).parameters.values()
+        defaults = {p.name: p.default for p in init if p.default is not inspect.Parameter.empty}
+        cells = trainer.latent_multiple(SimpleNamespace(**{**defaults, **config}))
+    step = vae_scale(model_dir) * cells
     return max(step, 64) if resolution >= 512 and not REGISTRY[family].video else step
