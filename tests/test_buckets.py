@@ -23,7 +23,6 @@ def test_check_lists_the_buckets_an_image_run_builds_at_1024_px(demo_dir, tmp_pa
     assert tk.checked_buckets(capsys, **settings, offload_dir=tmp_path / "offload") == trained
 
 
-
 def _read_as_diffusers(family: str, config: dict) -> int:
     """The denoiser's cells per bucket step from `config` with the class's defaults under it:
     the config diffusers builds the model from."""
