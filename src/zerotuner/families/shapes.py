@@ -166,8 +166,6 @@ def frozen_params(
     """Parameters of the text encoders and VAE (or `parts`) of a local pipeline, from their
     safetensors headers, else counted on the meta device (LTX-2's connectors, audio VAE and
     vocoder too: diffusers classes its model_index.json names)."""
-    from accelerate import init_empty_weights
-
     total = 0
     for sub in parts:
         folder = model_dir / sub
@@ -178,27 +176,42 @@ def frozen_params(
             continue
         index = model_dir / "model_index.json"  # Qwen-Image's VAE is another class
         named = model_json(index).get(sub) if index.is_file() else None
-        with init_empty_weights():
-            if sub == "vae" or (named and named[0] != "transformers"):
-                import importlib
-
-                import diffusers
-
-                # a diffusers class, or one of a pipeline's own module (LTX-2's `ltx2`)
-                library = diffusers if not named or named[0] == "diffusers" else (
-                    importlib.import_module(f"diffusers.pipelines.{named[0]}"))  # fmt: skip
-                cls = getattr(library, named[1] if named else "AutoencoderKL")
-                module = cls.from_config(cls.load_config(str(folder)))
-            else:
-                import transformers
-
-                config = transformers.AutoConfig.from_pretrained(str(folder))
-                arch = (config.architectures or ["CLIPTextModel"])[0]
-                module = getattr(transformers, arch)(config)
-        if hasattr(module, "tie_weights"):  # T5's and UMT5's encoder embedding is `shared`,
-            module.tie_weights()  # tied by from_pretrained, not on the meta device
-        total += sum(p.numel() for p in module.parameters())
+        library, diffusers_class = named if named and named[0] != "transformers" else (None, None)
+        if sub == "vae" and not diffusers_class:
+            library, diffusers_class = "diffusers", "AutoencoderKL"
+        config = (folder / "config.json").read_text()
+        total += _counted_on_meta(str(folder), config, library, diffusers_class)
     return total
+
+
+@functools.lru_cache(maxsize=16)  # per config: a plan counts the same encoders again (the
+def _counted_on_meta(  # builder, bench's tables); building a 6B UMT5 on meta takes ~1 s
+    folder: str, config: str, library: str | None, diffusers_class: str | None
+) -> int:
+    """Parameters of the part in `folder` (its `config` the key), built on the meta device: a
+    diffusers class of `library` (a pipeline's own module: LTX-2's `ltx2`), else the
+    transformers architecture its config names."""
+    from accelerate import init_empty_weights
+
+    with init_empty_weights():
+        if diffusers_class:
+            import importlib
+
+            import diffusers
+
+            module = diffusers if library == "diffusers" else (
+                importlib.import_module(f"diffusers.pipelines.{library}"))  # fmt: skip
+            cls = getattr(module, diffusers_class)
+            model = cls.from_config(cls.load_config(folder))
+        else:
+            import transformers
+
+            loaded = transformers.AutoConfig.from_pretrained(folder)
+            arch = (loaded.architectures or ["CLIPTextModel"])[0]
+            model = getattr(transformers, arch)(loaded)
+    if hasattr(model, "tie_weights"):  # T5's and UMT5's encoder embedding is `shared`,
+        model.tie_weights()  # tied by from_pretrained, not on the meta device
+    return sum(p.numel() for p in model.parameters())
 
 
 def model_shape(

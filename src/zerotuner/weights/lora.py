@@ -142,18 +142,14 @@ def resolve_targets(module: torch.nn.Module, targets: Iterable[str]) -> tuple[st
     A name that also matches layers the model's family never trains (`ModelFamily.trains`:
     LTX-2's audio stream, which no gradient reaches) becomes the full names of the layers it
     does train; one that matches only such layers stays as it is."""
-    layers = [n for n, m in module.named_modules()
-              if isinstance(getattr(m, "base_layer", m), LORA_LAYERS)]  # fmt: skip
-
-    def named(target: str) -> bool:
-        return any(_matches(n, target) for n in layers)
-
+    layers = matching(n for n, m in module.named_modules()
+                      if isinstance(getattr(m, "base_layer", m), LORA_LAYERS))  # fmt: skip
     trains = _family_trains(module)
     resolved: list[str] = []
     for target in targets:
-        if target in SPELLINGS and not named(target) and named(SPELLINGS[target]):
+        if target in SPELLINGS and target not in layers and SPELLINGS[target] in layers:
             target = SPELLINGS[target]
-        matched = [n for n in layers if _matches(n, target)]
+        matched = layers.get(target, [])
         trained = [n for n in matched if trains(f"{n}.weight")]
         resolved += [target] if not trained or len(trained) == len(matched) else trained
     return tuple(dict.fromkeys(resolved))
@@ -173,9 +169,21 @@ def alpha(settings: Settings) -> float:
     return settings.lora_rank if settings.lora_alpha is None else settings.lora_alpha
 
 
-def _matches(module_name: str, target: str) -> bool:
-    """peft's rule for a list of target names: the whole name or a dotted suffix of it."""
-    return module_name == target or module_name.endswith("." + target)
+def suffixes(module_name: str) -> list[str]:
+    """The target names that pick `module_name` out by peft's rule for a list of names: the
+    whole name and each dotted suffix of it (`up.0.to_q`, `0.to_q`, `to_q`)."""
+    parts = module_name.split(".")
+    return [".".join(parts[i:]) for i in range(len(parts))]
+
+
+def matching(module_names: Iterable[str]) -> dict[str, list[str]]:
+    """Each target name that picks out a module -> those modules, in order: one lookup per
+    target (a plan checks thousands of full names against a 14B model's thousands of layers)."""
+    index: dict[str, list[str]] = {}
+    for name in module_names:
+        for suffix in suffixes(name):
+            index.setdefault(suffix, []).append(name)
+    return index
 
 
 def short_names(module: torch.nn.Module) -> list[str]:
@@ -197,10 +205,10 @@ def adapter_size(
     lora_A / lora_B of a Linear are rank x in and out x rank; of a Conv2d, a conv of the
     layer's kernel from its inputs to `rank` channels and a 1x1 conv back (no biases); DoRA
     adds a magnitude per output feature."""
-    targets = tuple(targets)
+    wanted = set(targets)
     total = largest = 0
     for name, layer in module.named_modules():
-        if not isinstance(layer, LORA_LAYERS) or not any(_matches(name, t) for t in targets):
+        if not isinstance(layer, LORA_LAYERS) or wanted.isdisjoint(suffixes(name)):
             continue
         if isinstance(layer, torch.nn.Linear):
             a, b, out = rank * layer.in_features, layer.out_features * rank, layer.out_features
@@ -220,8 +228,9 @@ def check_targets(
     """Every target must name at least one Linear/Conv2d layer of this UNet (only Linear
     layers for peft's PiSSA / OLoRA: their SVD / QR is of a matrix)."""
     targets = tuple(targets)
-    layers = [n for n, m in denoiser.named_modules() if isinstance(m, LORA_LAYERS)]
-    missing = [t for t in targets if not any(_matches(n, t) for n in layers)]
+    order = {t: i for i, t in enumerate(targets)}
+    layers = matching(n for n, m in denoiser.named_modules() if isinstance(m, LORA_LAYERS))
+    missing = [t for t in targets if t not in layers]
     if missing:
         raise ConfigError(
             f"{env_name('lora_targets')}: no layer of this UNet is called "
@@ -230,18 +239,19 @@ def check_targets(
         )
     # peft wraps every module a target matches and raises on any it cannot (a SiLU that
     # shares Z-Image's `adaLN_modulation.0`), which would fail the run after caching
-    other = next(((t, n, m) for n, m in denoiser.named_modules() for t in targets
-                  if n and not isinstance(m, LORA_LAYERS) and _matches(n, t)), None)  # fmt: skip
+    other = next(((min(hit, key=order.__getitem__), n, m) for n, m in denoiser.named_modules()
+                  if n and not isinstance(m, LORA_LAYERS)
+                  and (hit := order.keys() & suffixes(n))), None)  # fmt: skip
     if other is not None:
         target, name, module = other
-        layer = next(n for n in layers if _matches(n, target))
+        layer = layers[target][0]
         raise ConfigError(
             f"{env_name('lora_targets')}: {target} also names {name}, a "
             f"{type(module).__name__}, and LoRA wraps only Linear and Conv2d layers; leave it "
             f"out, or give each layer's whole path (e.g. {layer})"
         )
-    convs = sorted({t for n, m in denoiser.named_modules() for t in targets
-                    if isinstance(m, torch.nn.Conv2d) and _matches(n, t)})  # fmt: skip
+    convs = sorted({t for n, m in denoiser.named_modules() if isinstance(m, torch.nn.Conv2d)
+                    for t in order.keys() & suffixes(n)})  # fmt: skip
     if init != "gaussian" and convs:
         raise ConfigError(
             f"{env_name('lora_init')}={init}: {', '.join(convs)} name convolutions, and "

@@ -314,10 +314,10 @@ def check_model(
                 f"{expected.get(key)}: an adapter for another model family or size"
             )
     if "lora_targets" in settings.model_fields_set:
-        targets = lora.parse_targets(settings.lora_targets)
+        targets = set(lora.parse_targets(settings.lora_targets))
         named = sorted(
             n for n, m in layers.items()
-            if isinstance(m, lora.LORA_LAYERS) and any(lora._matches(n, t) for t in targets)
+            if isinstance(m, lora.LORA_LAYERS) and not targets.isdisjoint(lora.suffixes(n))
         )  # fmt: skip
         if named != adapter.modules:
             raise ConfigError(
