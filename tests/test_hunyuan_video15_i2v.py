@@ -36,7 +36,6 @@ from zerotuner import families
 from zerotuner.data import clips
 from zerotuner.data.loading import load_example
 from zerotuner.data.scan import scan
-from zerotuner.errors import ConfigError
 from zerotuner.settings.schema import Settings
 
 FAMILY = "hunyuanvideo15i2v"
@@ -127,24 +126,6 @@ def test_demo_is_an_image_to_video_pipeline_and_is_detected(demo, tmp_path):
     counted = sum(p.numel() for part in ("text_encoder", "text_encoder_2", "vae", "image_encoder")
                   for p in getattr(pipe, part).parameters())  # fmt: skip
     assert frozen_params(demo / "model") == counted
-
-
-@pytest.mark.parametrize(
-    "model",
-    ["HunyuanVideo15SuperResolutionPipeline", "tencent/HunyuanVideo-1.5-i2v-sr"],
-)  # fmt: skip
-def test_other_variants_are_refused_in_one_line_naming_both(model, tmp_path):
-    """A HunyuanVideo 1.5 pipeline or hub id that is neither trained one: one line naming
-    text-to-video's and image-to-video's pipelines."""
-    where = model
-    if "/" not in model:
-        where = str(tmp_path / "model")
-        (tmp_path / "model").mkdir()
-        (tmp_path / "model" / "model_index.json").write_text(json.dumps({"_class_name": model}))
-    with pytest.raises(ConfigError) as error:
-        families.resolve_family(where)
-    text = str(error.value)
-    assert "\n" not in text and "HunyuanVideo15Pipeline" in text and PIPELINE in text
 
 
 def test_cached_conditions_and_objective_are_the_pipelines(demo):
