@@ -4,10 +4,10 @@ The tiny demo (real HunyuanVideo15Transformer3DModel, AutoencoderKLHunyuanVideo1
 text model, ByT5) loads and generates clips through HunyuanVideo15Pipeline and is told apart by
 its files and its hub id; its other variants are refused in one line (image-to-video is
 tests/test_hunyuan_video15_i2v.py); the cached captions are HunyuanVideo15Pipeline's own
-conditioning and the objective calls the transformer as the pipeline does; the published sizes recount on the meta device. On 2 CPU
-ranks at ZeRO-3 (zero.Init, CPU offload) it trains in full: the held-out loss falls, the export
-generates in HunyuanVideo15Pipeline, the checkpoint resumes on one rank at ZeRO-2; a LoRA at
-ZeRO-3 on NVMe loads with `load_lora_weights`.
+conditioning and the objective calls the transformer as the pipeline does; the published sizes
+recount on the meta device. On 2 CPU ranks at ZeRO-3 (zero.Init, CPU offload) it trains in
+full: the held-out loss falls, the export generates in HunyuanVideo15Pipeline, the checkpoint
+resumes on one rank at ZeRO-2; a LoRA at ZeRO-3 on NVMe loads with `load_lora_weights`.
 """
 
 from __future__ import annotations
