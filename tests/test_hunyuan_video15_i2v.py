@@ -24,18 +24,15 @@ from test_flow_training import (
     PROMPT,
     STEPS,
     TOKENS,
-    mean_loss,
     pipeline_parts,
     resumes_on_one_rank_at_zero_2,
     run,
     saved_run,
 )
-from test_wan_i2v import first_frame
+from test_ltx2_i2v import demo_clips
+from test_wan_i2v import conditioned_loss, first_frame
 
 from zerotuner import families
-from zerotuner.data import clips
-from zerotuner.data.loading import load_example
-from zerotuner.data.scan import scan
 from zerotuner.settings.schema import Settings
 
 FAMILY = "hunyuanvideo15i2v"
@@ -43,7 +40,6 @@ PIPELINE = "HunyuanVideo15ImageToVideoPipeline"
 HUB_IDS = ("hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-480p_i2v",
            "hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-720p_i2v",
            "hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-480p_i2v_distilled")  # fmt: skip
-CLIP_BUCKET = (64, 64, 9)  # the demo's clips: 9 frames of 64 x 64 (its VAE folds 2 into 1)
 FULL = {"stage": 3, "offload_optimizer": "cpu", "offload_param": "cpu"}
 LORA = {"stage": 3, "offload_optimizer": "nvme", "offload_param": "nvme",
         "training_type": "lora", "lora_rank": 4, "lora_alpha": 4, "lr": 3e-2,
@@ -55,14 +51,6 @@ I2V_OBJECTIVE = "the first frame's latents, mask and image states beside the noi
 def demo(family_demo_dir) -> Path:
     """`zerotuner demo DIR --family hunyuanvideo15i2v` (the session's, read-only)."""
     return family_demo_dir(FAMILY)
-
-
-def demo_clips(demo: Path) -> tuple[list, torch.Tensor]:
-    """The demo's clips (items) and their pixels (clips, 3, 9, 64, 64) in [-1, 1]."""
-    video = clips.Video(fps=16.0, frames=CLIP_BUCKET[2], step=2)
-    items = [i for i in scan(demo / "data", log_skipped=False, video=video).items if i.frames > 1]
-    pixels = [torch.from_numpy(load_example(i, CLIP_BUCKET, flip=False).pixels) for i in items]
-    return items, torch.stack(pixels)
 
 
 def i2v_clip(pipe, image, frames: int = 5):
@@ -78,21 +66,7 @@ def i2v_clip(pipe, image, frames: int = 5):
 def clip_loss(demo: Path, transformer, draws: int = 3) -> float:
     """The family's training loss of `transformer` on the demo's clips, fixed draws, the first
     frame's condition and image states as the cache holds them."""
-    from diffusers import DiffusionPipeline
-
-    pipe = DiffusionPipeline.from_pretrained(demo / "model")
-    kind = dataclasses.replace(families.get(FAMILY), max_sequence_length=TOKENS)
-    items, pixels = demo_clips(demo)
-    batch = kind.encode_text(pipeline_parts(pipe, FAMILY, kind), [i.caption for i in items])
-
-    def encode(px: torch.Tensor) -> torch.Tensor:
-        return kind.encode_latents(pipe.vae, px)
-
-    encoder = kind.load_image_encoder(demo / "model", torch.device("cpu"))
-    batch |= kind.encode_conditions(pixels, encode, encoder)
-    kwargs = kind.model_kwargs(batch, torch.float32)
-    objective = kind.objective(Settings(), pipe.scheduler, transformer.config)
-    return mean_loss(objective, transformer, encode(pixels), kwargs, draws)
+    return conditioned_loss(demo, FAMILY, transformer, demo_clips(demo), draws)
 
 
 # --- the demo, detection, the cache, the objective ---------------------------------------------
