@@ -387,6 +387,7 @@ VIDEO_MODELS = (
     ("LTX-2 (image-to-video)", "ltx2i2v"),  # the same network and clip: its own rows
     ("Wan2.1-I2V-14B-480P", "wani2v"),  # the family's built-in config: its published one
     ("HunyuanVideo-1.5 (480p T2V)", "hunyuanvideo15"),  # 480p's 848 x 480: 640
+    ("HunyuanVideo-1.5 (480p I2V)", "hunyuanvideo15i2v"),  # the same network, SigLIP beside it
 )  # fmt: skip
 VIDEO_FRAMES = 81
 

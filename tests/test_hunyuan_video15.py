@@ -2,12 +2,12 @@
 
 The tiny demo (real HunyuanVideo15Transformer3DModel, AutoencoderKLHunyuanVideo15, Qwen2.5-VL's
 text model, ByT5) loads and generates clips through HunyuanVideo15Pipeline and is told apart by
-its files and its hub id; its image-to-video pipeline and checkpoints are refused in one line;
-the cached captions are HunyuanVideo15Pipeline's own conditioning and the objective calls the
-transformer as the pipeline does; the published sizes recount on the meta device. On 2 CPU
-ranks at ZeRO-3 (zero.Init, CPU offload) it trains in full: the held-out loss falls, the export
-generates in HunyuanVideo15Pipeline, the checkpoint resumes on one rank at ZeRO-2; a LoRA at
-ZeRO-3 on NVMe loads with `load_lora_weights`.
+its files and its hub id; its other variants are refused in one line (image-to-video is
+tests/test_hunyuan_video15_i2v.py); the cached captions are HunyuanVideo15Pipeline's own
+conditioning and the objective calls the transformer as the pipeline does; the published sizes
+recount on the meta device. On 2 CPU ranks at ZeRO-3 (zero.Init, CPU offload) it trains in
+full: the held-out loss falls, the export generates in HunyuanVideo15Pipeline, the checkpoint
+resumes on one rank at ZeRO-2; a LoRA at ZeRO-3 on NVMe loads with `load_lora_weights`.
 """
 
 from __future__ import annotations
@@ -92,12 +92,13 @@ def test_demo_generates_clips_in_its_pipeline_and_is_detected(demo, tmp_path):
 
 @pytest.mark.parametrize(
     "model",
-    ["HunyuanVideo15ImageToVideoPipeline",
-     "hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-480p_i2v"],
+    ["HunyuanVideo15SuperResolutionPipeline", "tencent/HunyuanVideo-1.5-i2v-sr"],
 )  # fmt: skip
-def test_image_to_video_is_refused_in_one_line(model, tmp_path, monkeypatch, capsys):
-    """HunyuanVideo 1.5 image-to-video, as a pipeline folder or a hub id (not taken for Wan
-    I2V's `_i2v`): one line naming what is trained, exit 2 through `config --explain`."""
+def test_other_variants_are_refused_in_one_line(model, tmp_path, monkeypatch, capsys):
+    """A HunyuanVideo 1.5 pipeline other than text- and image-to-video (image-to-video is
+    `hunyuanvideo15i2v`: tests/test_hunyuan_video15_i2v.py), as a folder or a hub id naming
+    an i2v checkpoint that is not a published diffusers one (not taken for Wan I2V's `_i2v`):
+    one line naming both pipelines it trains, exit 2 through `config --explain`."""
     if "/" in model:
         where = model
     else:
@@ -108,6 +109,7 @@ def test_image_to_video_is_refused_in_one_line(model, tmp_path, monkeypatch, cap
         families.resolve_family(where)
     text = str(error.value)
     assert "\n" not in text and "image-to-video" in text and PIPELINE in text
+    assert "HunyuanVideo15ImageToVideoPipeline, the Diffusers-480p_i2v" in text
     (tmp_path / "data").mkdir()
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     code, out, err = tk.config_explain(monkeypatch, capsys, tmp_path, ZT_MODEL=where,

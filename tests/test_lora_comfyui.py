@@ -53,6 +53,10 @@ TARGETS = {
     "hunyuanvideo15": "attention+ff,add_q_proj,add_k_proj,add_v_proj,to_add_out,"
                       "ff_context.net.0.proj,ff_context.net.2,norm1.linear,norm1_context.linear,"
                       "refiner_blocks.0.norm_out.linear,proj_in,proj_out",
+    # HunyuanVideo 1.5's network: image-to-video's checkpoints are its weights
+    "hunyuanvideo15i2v": "attention+ff,add_q_proj,add_k_proj,add_v_proj,to_add_out,"
+                         "ff_context.net.0.proj,ff_context.net.2,norm1.linear,"
+                         "norm1_context.linear,refiner_blocks.0.norm_out.linear,proj_in,proj_out",
 }  # fmt: skip
 TOLERANCE = {"rtol": 1e-5, "atol": 1e-6}  # fp32; folding the scale into lora_B rounds once
 # ComfyUI's HunyuanVideo (1.0 and 1.5: model_base.HunyuanVideo15 subclasses it), read in
@@ -165,7 +169,7 @@ def test_comfyui_file_loads_as_the_diffusers_adapter(family, family_demo_dir, tm
         assert all(k.startswith(layout.prefix) for k in comfy)
     expected, _ = fused(demo, family, out, lora_files.ADAPTER_FILE)
     loaded, layers = (
-        comfyui_hunyuan_applied(demo, comfy) if family == "hunyuanvideo15"
+        comfyui_hunyuan_applied(demo, comfy) if family.startswith("hunyuanvideo15")
         else fused(demo, family, out, lora_files.COMFY_FILE)
     )  # fmt: skip
     assert layers == len(modules)

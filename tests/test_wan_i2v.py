@@ -24,6 +24,7 @@ from test_flow_training import (
     PROMPT,
     STEPS,
     TOKENS,
+    mean_loss,
     pipeline_parts,
     resumes_on_one_rank_at_zero_2,
     run,
@@ -100,13 +101,19 @@ def i2v_clip(pipe, image, frames: int = 5):
 def clip_loss(demo: Path, transformer, draws: int = 3, held: bool = False) -> float:
     """The family's training loss of `transformer` on the demo's clips (`held`: the held-out
     ones), fixed draws: the first frame's condition and image states as the cache holds them."""
+    return conditioned_loss(demo, FAMILY, transformer, demo_clips(demo, held), draws)
+
+
+def conditioned_loss(demo: Path, family: str, transformer, clips: tuple, draws: int) -> float:
+    """An image-to-video `family`'s training loss of `transformer` on `clips` (the demo's
+    items and their pixels), fixed draws, with what its cache holds beside the latents
+    (`encode_conditions` with its image encoder)."""
     from diffusers import DiffusionPipeline
 
     pipe = DiffusionPipeline.from_pretrained(demo / "model")
-    kind = dataclasses.replace(families.get(FAMILY), max_sequence_length=TOKENS)
-    items, pixels = demo_clips(demo, held)
-    parts = pipeline_parts(pipe, FAMILY, kind)
-    batch = kind.encode_text(parts, [item.caption for item in items])
+    kind = dataclasses.replace(families.get(family), max_sequence_length=TOKENS)
+    items, pixels = clips
+    batch = kind.encode_text(pipeline_parts(pipe, family, kind), [i.caption for i in items])
 
     def encode(px: torch.Tensor) -> torch.Tensor:
         return kind.encode_latents(pipe.vae, px)
@@ -115,14 +122,7 @@ def clip_loss(demo: Path, transformer, draws: int = 3, held: bool = False) -> fl
     batch |= kind.encode_conditions(pixels, encode, encoder)
     kwargs = kind.model_kwargs(batch, torch.float32)
     objective = kind.objective(Settings(), pipe.scheduler, transformer.config)
-    latents = encode(pixels)
-    with torch.no_grad():
-        losses = [
-            objective.loss(transformer.eval(), latents, kwargs,
-                           generator=torch.Generator().manual_seed(d), dtype=torch.float32)
-            for d in range(draws)
-        ]  # fmt: skip
-    return float(sum(losses)) / draws
+    return mean_loss(objective, transformer, encode(pixels), kwargs, draws)
 
 
 # --- the demo, detection, the conditioning -----------------------------------------------------

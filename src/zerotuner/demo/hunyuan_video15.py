@@ -132,11 +132,21 @@ class _FramesVAE:
 
 def write_model(model_dir: Path, *, seed: int, corpus: list[str],
                 data_dir: Path | None = None) -> Path:  # fmt: skip
+    from diffusers import HunyuanVideo15Pipeline
+
+    return write_hunyuan_video15(model_dir, HunyuanVideo15Pipeline, seed=seed, corpus=corpus,
+                                 data_dir=data_dir)  # fmt: skip
+
+
+def write_hunyuan_video15(
+    model_dir: Path, pipeline: type, *, seed: int, corpus: list[str],
+    data_dir: Path | None = None, task_type: str = "t2v", **parts: Any,
+) -> Path:  # fmt: skip
+    """The tiny parts saved as `pipeline` (`parts`: its others, image-to-video's encoder)."""
     import torch
     from diffusers import (
         ClassifierFreeGuidance,
         FlowMatchEulerDiscreteScheduler,
-        HunyuanVideo15Pipeline,
         HunyuanVideo15Transformer3DModel,
     )
     from transformers import ByT5Tokenizer
@@ -150,13 +160,13 @@ def write_model(model_dir: Path, *, seed: int, corpus: list[str],
         in_channels=2 * LATENT_CHANNELS + 1, out_channels=LATENT_CHANNELS, num_attention_heads=2,
         attention_head_dim=16, num_layers=2, num_refiner_layers=1, mlp_ratio=2.0,
         text_embed_dim=QWEN_WIDTH, text_embed_2_dim=BYT5_WIDTH, image_embed_dim=IMAGE_WIDTH,
-        rope_axes_dim=(4, 6, 6), target_size=64, task_type="t2v",
+        rope_axes_dim=(4, 6, 6), target_size=64, task_type=task_type,
     )  # fmt: skip
     # the 480p pipelines' scheduler (the published one infers at shift 5) and guider
     scheduler = FlowMatchEulerDiscreteScheduler(shift=5.0)
     return save_pipeline(
-        model_dir, work, HunyuanVideo15Pipeline, transformer=transformer, scheduler=scheduler,
+        model_dir, work, pipeline, transformer=transformer, scheduler=scheduler,
         vae=_vae(seed, data_dir), text_encoder=_qwen(tokenizer, seed + 4), tokenizer=tokenizer,
         text_encoder_2=_byt5(seed + 5), tokenizer_2=ByT5Tokenizer(),
-        guider=ClassifierFreeGuidance(guidance_scale=6.0),
+        guider=ClassifierFreeGuidance(guidance_scale=6.0), **parts,
     )  # fmt: skip

@@ -91,18 +91,21 @@ def refuse_ltx2_variant(model: Any, name: str) -> None:
 
 
 def refuse_hunyuan_video15_variant(model: Any, name: str) -> None:
-    """HunyuanVideo 1.5's image-to-video pipeline (HunyuanVideo15ImageToVideoPipeline, or a
-    hub id naming its i2v checkpoints) is one line, exit 2: it conditions on a first frame
-    through SigLIP, which zerotuner does not train for this model."""
-    t2v = REGISTRY["hunyuanvideo15"]
+    """A HunyuanVideo 1.5 pipeline other than text-to-video and image-to-video (its
+    super-resolution ones), or a hub id naming an image-to-video checkpoint that is not a
+    diffusers 480p or 720p one, is one line, exit 2, naming the two it trains."""
+    t2v, i2v = REGISTRY["hunyuanvideo15"], REGISTRY["hunyuanvideo15i2v"]
     lower = name.lower()
     hub_i2v = any(m in lower for m in t2v.hub_markers) and "i2v" in lower
-    if hub_i2v or (name.startswith("HunyuanVideo15") and name.endswith("Pipeline")
-                   and name != t2v.pipeline):  # fmt: skip
+    other = name.startswith("HunyuanVideo15") and name.endswith("Pipeline")
+    if (hub_i2v and not any(m in lower for m in i2v.hub_markers)) or (
+        other and name not in (t2v.pipeline, i2v.pipeline)
+    ):
         raise ConfigError(
-            f"ZT_MODEL={model}: {name} is HunyuanVideo 1.5 image-to-video, which zerotuner does "
-            f"not train; it trains HunyuanVideo 1.5 text-to-video ({t2v.pipeline}, the *_t2v "
-            f"checkpoints) on captioned clips and images"
+            f"ZT_MODEL={model}: {name} is a HunyuanVideo 1.5 model zerotuner does not train; it "
+            f"trains HunyuanVideo 1.5 text-to-video ({t2v.pipeline}, the *_t2v checkpoints, "
+            f"hunyuanvideo15) and image-to-video ({i2v.pipeline}, the Diffusers-480p_i2v and "
+            f"-720p_i2v checkpoints, hunyuanvideo15i2v) on captioned clips and images"
         )
 
 

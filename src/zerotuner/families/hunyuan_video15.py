@@ -25,7 +25,8 @@ sigma = sigmoid(randn) (ZT_WEIGHTING_SCHEME's logit_normal(0, 1), the default), 
 details differ, both too small to matter: the trainer keeps t inside [1e-5, 1 - 1e-5], and it
 encodes with `latent_dist.sample()` where the cache here keeps the mean (deterministic, as for
 every family). Its text-to-video task trains with `cond_latents` zero, as here; its
-image-to-video task is HunyuanVideo15ImageToVideoPipeline's, refused in one line (detection).
+image-to-video task is HunyuanVideo15ImageToVideoPipeline's, the `hunyuanvideo15i2v` family
+(hunyuan_video15_i2v.py).
 
 A full fine-tuning leaves the image projection (`image_embedder`) frozen: text-to-video
 multiplies its output by zero, so it gets no gradient and weight decay alone would move it.
@@ -127,12 +128,15 @@ class HunyuanVideo15(FlowFamily):
         return not parameter.startswith("image_embedder.")
 
     def pipeline_class(self) -> type:
-        """HunyuanVideo15Pipeline with diffusers' HunyuanVideo LoRA loader (it has none)."""
-        return lora_pipeline()
+        """Its pipeline (HunyuanVideo15Pipeline; image-to-video's for hunyuanvideo15i2v) with
+        diffusers' HunyuanVideo LoRA loader (they have none)."""
+        from zerotuner.families.registry import REGISTRY
+
+        return lora_pipeline(REGISTRY[self.name].pipeline)
 
     def open_pipeline(self, folder: Path, cls: type | None = None, **kwargs: Any) -> Any:
         """As its LoRA pipeline unless told otherwise: the folder's own class has no loader."""
-        return super().open_pipeline(folder, cls or lora_pipeline(), **kwargs)
+        return super().open_pipeline(folder, cls or self.pipeline_class(), **kwargs)
 
     def lora_load_code(self, source: str, *, into_transformer_2: bool = False) -> str:
         """Into the transformer: HunyuanVideo15Pipeline has no `load_lora_weights`."""
@@ -199,14 +203,15 @@ class HunyuanVideo15(FlowFamily):
         return int(model_config.patch_size)
 
 
-@functools.cache  # one class: diffusers' registries and pickles see the same type
-def lora_pipeline() -> type:
-    """HunyuanVideo15Pipeline with diffusers' HunyuanVideo LoRA loader: `save_lora_weights`
-    and `load_lora_weights` for its one `transformer` part."""
-    from diffusers import HunyuanVideo15Pipeline
+@functools.cache  # one class a pipeline: diffusers' registries and pickles see the same type
+def lora_pipeline(pipeline: str = "HunyuanVideo15Pipeline") -> type:
+    """The diffusers pipeline class named `pipeline` (HunyuanVideo15Pipeline or
+    HunyuanVideo15ImageToVideoPipeline) with diffusers' HunyuanVideo LoRA loader:
+    `save_lora_weights` and `load_lora_weights` for its one `transformer` part."""
+    import diffusers
     from diffusers.loaders import HunyuanVideoLoraLoaderMixin
 
-    class HunyuanVideo15LoraPipeline(HunyuanVideo15Pipeline, HunyuanVideoLoraLoaderMixin):
-        """HunyuanVideo15Pipeline that loads and saves LoRA adapters."""
-
-    return HunyuanVideo15LoraPipeline
+    base = getattr(diffusers, pipeline)
+    doc = f"{pipeline} that loads and saves LoRA adapters."
+    name = pipeline.replace("Pipeline", "LoraPipeline")  # HunyuanVideo15LoraPipeline
+    return type(name, (base, HunyuanVideoLoraLoaderMixin), {"__doc__": doc})

@@ -215,6 +215,10 @@ QWEN25_VL_7B_TEXT_LAYER = 152064 * 3584
 HUNYUAN_VIDEO15_VAE_PARAMS = 1_260_634_115
 QWEN25_VL_7B_TEXT_KEPT = QWEN25_VL_7B_TEXT_LAYER  # what an 8-bit one keeps (it has no lm_head)
 BYT5_SMALL_KEPT = 384 * 1472  # and ByT5's
+# SiglipVisionModel of google/siglip-so400m-patch14-384's vision config (27 layers, 1152 wide,
+# 729 tokens at 384 px, its pooling head included): HunyuanVideo 1.5 I2V's image encoder, FLUX.1
+# Redux's, as diffusers' scripts/convert_hunyuan_video1_5_to_diffusers.py `load_siglip` takes it
+SIGLIP_SO400M_PARAMS = 428_225_600
 VAE_PARAMS = 83_653_863  # the SD 1.x/2.x/XL VAE
 VAE16_PARAMS = 83_819_683  # SD3's and Flux's 16-channel VAE
 VAE_SCALE = 8  # pixels per latent cell in every family's VAE
@@ -299,6 +303,27 @@ LTX2_SPEC = Spec(
     text_width_key="caption_channels",
     video=True, native_resolution=640,
     demo="ltx2:write_model",
+)  # fmt: skip
+
+HUNYUAN_VIDEO15 = Spec(
+    "hunyuan_video15", "HunyuanVideo15",
+    {"in_channels": 65, "out_channels": 32, "num_attention_heads": 16,
+     "attention_head_dim": 128, "num_layers": 54, "num_refiner_layers": 2, "mlp_ratio": 4.0,
+     "patch_size": 1, "patch_size_t": 1, "text_embed_dim": 3584, "text_embed_2_dim": 1472,
+     "image_embed_dim": 1152, "rope_axes_dim": [16, 56, 56], "target_size": 640},
+    (8_326_608_160, 25_165_824), QWEN25_VL_7B_TEXT_PARAMS + BYT5_SMALL_ENCODER_PARAMS,
+    HUNYUAN_VIDEO15_VAE_PARAMS,
+    flow=True, pipeline="HunyuanVideo15Pipeline",
+    transformer="HunyuanVideo15Transformer3DModel",
+    hub_markers=("hunyuanvideo-1.5", "hunyuanvideo1.5", "hunyuan-video-1.5",
+                 "hunyuanvideo-15", "hunyuanvideo15"),
+    # tried before Wan I2V's `_i2v` (after its image-to-video family, whose ids contain these)
+    guess_order=-3, clip_tokens=0, t5_tokens=1000, long_encoder="Qwen2.5-VL",
+    text_stream_params=QWEN25_VL_7B_TEXT_LAYER, layer_keys=("num_layers",),
+    text_width_key="text_embed_dim",
+    other_text_values=256 * 1472, video=True, native_resolution=640,
+    demo="hunyuan_video15:write_model",
+    text_kept_params=QWEN25_VL_7B_TEXT_KEPT + BYT5_SMALL_KEPT,
 )  # fmt: skip
 
 BUILTIN: dict[str, Spec] = {
@@ -501,25 +526,23 @@ BUILTIN: dict[str, Spec] = {
         base_model="HiDream-ai/HiDream-I1-Full", distilled_markers=("i1-dev", "i1-fast"),
         text_kept_params=HIDREAM_TEXT_KEPT,
     ),
-    "hunyuanvideo15": Spec(
-        "hunyuan_video15", "HunyuanVideo15",
-        {"in_channels": 65, "out_channels": 32, "num_attention_heads": 16,
-         "attention_head_dim": 128, "num_layers": 54, "num_refiner_layers": 2, "mlp_ratio": 4.0,
-         "patch_size": 1, "patch_size_t": 1, "text_embed_dim": 3584, "text_embed_2_dim": 1472,
-         "image_embed_dim": 1152, "rope_axes_dim": [16, 56, 56], "target_size": 640},
-        (8_326_608_160, 25_165_824), QWEN25_VL_7B_TEXT_PARAMS + BYT5_SMALL_ENCODER_PARAMS,
-        HUNYUAN_VIDEO15_VAE_PARAMS,
-        flow=True, pipeline="HunyuanVideo15Pipeline",
-        transformer="HunyuanVideo15Transformer3DModel",
-        hub_markers=("hunyuanvideo-1.5", "hunyuanvideo1.5", "hunyuan-video-1.5",
-                     "hunyuanvideo-15", "hunyuanvideo15"),
-        # tried before Wan I2V's `_i2v`: its own i2v ids are refused, not taken for Wan's
-        guess_order=-3, clip_tokens=0, t5_tokens=1000, long_encoder="Qwen2.5-VL",
-        text_stream_params=QWEN25_VL_7B_TEXT_LAYER, layer_keys=("num_layers",),
-        text_width_key="text_embed_dim",
-        other_text_values=256 * 1472, video=True, native_resolution=640,
-        demo="hunyuan_video15:write_model",
-        text_kept_params=QWEN25_VL_7B_TEXT_KEPT + BYT5_SMALL_KEPT,
+    "hunyuanvideo15": HUNYUAN_VIDEO15,
+    # HunyuanVideo 1.5 image-to-video (families/hunyuan_video15_i2v.py): the same transformer class
+    # and size (480p_i2v's config is text-to-video's with `task_type` i2v: its 65 input channels
+    # already hold the condition latents and mask), SigLIP's 729 states of the first frame; tried
+    # before hunyuanvideo15, whose markers its hub ids contain
+    "hunyuanvideo15i2v": replace(
+        HUNYUAN_VIDEO15, module="hunyuan_video15_i2v", cls="HunyuanVideo15I2V",
+        builtin_config={**HUNYUAN_VIDEO15.builtin_config, "task_type": "i2v"},
+        text_params=QWEN25_VL_7B_TEXT_PARAMS + BYT5_SMALL_ENCODER_PARAMS + SIGLIP_SO400M_PARAMS,
+        pipeline="HunyuanVideo15ImageToVideoPipeline",
+        # hunyuanvideo-community's HunyuanVideo-1.5-Diffusers-480p_i2v, -720p_i2v (and their
+        # distilled ones), also named without "Diffusers"
+        hub_markers=tuple(f"hunyuanvideo-1.5-{d}{size}p_i2v" for d in ("diffusers-", "")
+                          for size in (480, 720)),
+        guess_order=-4, demo="hunyuan_video15_i2v:write_model", image_to_video=True,
+        # the image encoder is never stored low
+        text_kept_params=QWEN25_VL_7B_TEXT_KEPT + BYT5_SMALL_KEPT + SIGLIP_SO400M_PARAMS,
     ),
 }  # fmt: skip
 REGISTRY = BUILTIN | installed_families(BUILTIN)

@@ -155,7 +155,7 @@ def caption_cache_bytes(shape: ModelShape, max_sequence_length: int | None = Non
 # the VAE, and LTX-2's connectors, audio VAE and vocoder
 FROZEN_PARTS = (
     "text_encoder", "text_encoder_2", "text_encoder_3", "text_encoder_4", "vae", "connectors",
-    "audio_vae", "vocoder",
+    "audio_vae", "vocoder", "image_encoder",  # an image-to-video family's (Wan 2.1 I2V's CLIP)
 )  # fmt: skip
 
 
@@ -163,9 +163,9 @@ def frozen_params(
     model_dir: Path,
     parts: tuple[str, ...] = FROZEN_PARTS,
 ) -> int:
-    """Parameters of the text encoders and VAE (or `parts`) of a local pipeline, from their
-    safetensors headers, else counted on the meta device (LTX-2's connectors, audio VAE and
-    vocoder too: diffusers classes its model_index.json names)."""
+    """Parameters of the text encoders, VAE and image encoder (or `parts`) of a local pipeline,
+    from their safetensors headers, else counted on the meta device (LTX-2's connectors, audio
+    VAE and vocoder too: diffusers classes its model_index.json names)."""
     total = 0
     for sub in parts:
         folder = model_dir / sub

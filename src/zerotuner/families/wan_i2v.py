@@ -52,6 +52,7 @@ from typing import Any
 import torch
 
 from zerotuner.families.first_frame import FirstFrameKept, first_frame_timesteps, has_later_frames
+from zerotuner.families.image_encoder import first_frames_uint8, load_image_encoder
 from zerotuner.families.wan import Wan, WanObjective
 
 MASK_CHANNELS = 4  # the first frame's mask: one channel per frame the VAE folds into one
@@ -73,13 +74,6 @@ def condition_pixels(clip: torch.Tensor) -> torch.Tensor:
     condition = torch.zeros_like(clip)
     condition[:, :, :1] = clip[:, :, :1]
     return condition
-
-
-def first_frames_uint8(clip: torch.Tensor) -> list[Any]:
-    """The first frame of each clip (batch, 3, frames, h, w) in [-1, 1] as (h, w, 3) uint8 arrays,
-    as the image processor reads a PIL image."""
-    frames = ((clip[:, :, 0].float().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)
-    return list(frames.permute(0, 2, 3, 1).cpu().numpy())
 
 
 @dataclass(frozen=True)
@@ -175,21 +169,8 @@ class WanI2V(Wan):
         return "" if self.expand_timesteps else ":i2v"
 
     def load_image_encoder(self, source: Path, device: torch.device) -> Any:
-        """Wan 2.1's image encoder and its processor (the classes model_index.json names), or
-        None (Wan 2.2 I2V A14B: none)."""
-        import importlib
-
-        index = json.loads((source / "model_index.json").read_text())
-        parts = []
-        for name in ("image_encoder", "image_processor"):
-            library, cls = index.get(name) or (None, None)
-            if not library or not cls:
-                return None
-            parts.append((getattr(importlib.import_module(library), cls), name))
-        (encoder_cls, encoder_dir), (processor_cls, processor_dir) = parts
-        encoder = encoder_cls.from_pretrained(source, subfolder=encoder_dir, dtype=torch.float32)
-        processor = processor_cls.from_pretrained(source, subfolder=processor_dir)
-        return encoder.to(device).eval().requires_grad_(False), processor
+        """Wan 2.1's image encoder and its processor, or None (Wan 2.2 I2V A14B: none)."""
+        return load_image_encoder(source, device, "image_processor")
 
     @torch.no_grad()
     def encode_conditions(

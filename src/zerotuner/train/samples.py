@@ -148,7 +148,9 @@ def render(
             or 1
         )
         extra |= {"num_frames": sample_frames(video_frames, temporal), "output_type": "np"}
-    how = {"height": resolution, "width": resolution, "num_inference_steps": inference_steps}
+    how = {"num_inference_steps": inference_steps}
+    if "height" in takes:  # HunyuanVideo 1.5 I2V's sizes the clip by its input image
+        how |= {"height": resolution, "width": resolution}
     written = _render_each(pipe, prompts, out_dir, seed=seed, fps=fps if video else None,
                            call=how | extra, inputs=inputs)  # fmt: skip
     del pipe
