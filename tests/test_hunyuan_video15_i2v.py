@@ -102,6 +102,22 @@ def test_demo_is_an_image_to_video_pipeline_and_is_detected(demo, tmp_path):
     assert frozen_params(demo / "model") == counted
 
 
+def test_a_text_to_video_folder_is_refused_as_image_to_video_in_one_line(
+    family_demo_dir, tmp_path, monkeypatch, capsys
+):
+    """ZT_MODEL_FAMILY=hunyuanvideo15i2v on a text-to-video pipeline folder (no SigLIP to read
+    the first frame with): one line naming what is missing, exit 2, before anything is cached."""
+    t2v = family_demo_dir("hunyuanvideo15")
+    code, out, err = tk.config_explain(
+        monkeypatch, capsys, tmp_path, ZT_MODEL=str(t2v / "model"), ZT_MODEL_FAMILY=FAMILY,
+        ZT_DATA_DIR=str(t2v / "data"), ZT_OUTPUT_DIR=str(tmp_path / "output"),
+    )  # fmt: skip
+    errors = [line for line in err.splitlines() if line.startswith("zerotuner: error:")]
+    assert (code, out, len(errors)) == (2, "", 1), err
+    assert "image_encoder and feature_extractor" in errors[0] and PIPELINE in errors[0]
+    assert "Traceback" not in err
+
+
 def test_cached_conditions_and_objective_are_the_pipelines(demo):
     """A clip's cached condition latents are the pipeline's `_get_image_latents` of its first
     frame and its image states `encode_image`'s; the objective's prediction is the transformer

@@ -21,6 +21,7 @@ from zerotuner.families.detection import (
     distilled_note,
     guess_family,
     hub_cache_dir,
+    refuse_missing_parts,
     resolve_family,
 )
 from zerotuner.families.family_settings import check_family_settings
@@ -52,6 +53,7 @@ __all__ = [
     "EXPERTS", "FAMILIES", "FLOW_FAMILIES", "HUB_CONFIG_FILES", "REGISTRY", "Family",
     "ModelShape", "Spec", "VideoShape", "bucket_step", "caption_cache_bytes",
     "check_family_settings", "detect_family", "distilled_note", "frozen_params", "get",
-    "guess_family", "hub_cache_dir", "known_family", "meta_model", "model_shape", "resolve_family",
-    "unet_config_path", "vae_latent_channels", "vae_scale", "video_shape",
+    "guess_family", "hub_cache_dir", "known_family", "meta_model", "model_shape",
+    "refuse_missing_parts", "resolve_family", "unet_config_path", "vae_latent_channels",
+    "vae_scale", "video_shape",
 ]  # fmt: skip

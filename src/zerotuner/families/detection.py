@@ -109,6 +109,22 @@ def refuse_hunyuan_video15_variant(model: Any, name: str) -> None:
         )
 
 
+def refuse_missing_parts(family: Family, model_dir: Path, name: str) -> None:
+    """A folder whose model_index.json lacks a part the family needs (Spec.required_parts:
+    ZT_MODEL_FAMILY=hunyuanvideo15i2v on a text-to-video folder, which has no SigLIP) is one
+    line, exit 2, before anything is cached."""
+    needed = REGISTRY[family].required_parts
+    index = model_dir / "model_index.json"
+    components = model_json(index) if index.is_file() else {}
+    missing = [part for part in needed if not components.get(part)]
+    if missing:
+        raise ConfigError(
+            f"{name}: {family} needs the pipeline's {' and '.join(missing)}, which its "
+            f"model_index.json does not name; point it at a {REGISTRY[family].pipeline} folder "
+            f"or set ZT_MODEL_FAMILY to the folder's own family"
+        )
+
+
 def transformer_family(name: str, config: dict[str, Any]) -> Family:
     """The family of a transformer config of class `name`: FLUX.2 [klein] shares [dev]'s
     class and has no guidance embedding; Wan's image-to-video transformer shares text-to-video's

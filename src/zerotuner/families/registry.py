@@ -82,6 +82,9 @@ class Spec:
     min_controls: int | None = None
     # An image-to-video family: its pipeline samples from a first frame (sample_input)
     image_to_video: bool = False
+    # Parts a model folder must name in its model_index.json for this family to train on it
+    # (HunyuanVideo 1.5 I2V's SigLIP: ZT_MODEL_FAMILY may name it on a text-to-video folder)
+    required_parts: tuple[str, ...] = ()
     # Its captions' states depend on the control images (Qwen-Image-Edit's Qwen2.5-VL reads
     # them): cached per item in its latent entry, not per caption (train/feature_cache.py)
     captions_per_item: bool = False
@@ -541,6 +544,7 @@ BUILTIN: dict[str, Spec] = {
         hub_markers=tuple(f"hunyuanvideo-1.5-{d}{size}p_i2v" for d in ("diffusers-", "")
                           for size in (480, 720)),
         guess_order=-4, demo="hunyuan_video15_i2v:write_model", image_to_video=True,
+        required_parts=("image_encoder", "feature_extractor"),
         # the image encoder is never stored low
         text_kept_params=QWEN25_VL_7B_TEXT_KEPT + BYT5_SMALL_KEPT + SIGLIP_SO400M_PARAMS,
     ),

@@ -29,6 +29,7 @@ from zerotuner.families import (
     hub_cache_dir,
     known_family,
     model_shape,
+    refuse_missing_parts,
     unet_config_path,
 )
 from zerotuner.launch.ranks import Topology, resolve_topology
@@ -138,6 +139,7 @@ def resolve_model(
         else:
             where = f"its configs at commit {revision[:12]}" if revision else str(local)
             family, reason = detect_family(local, settings.expert), f"detected from {where}"
+        refuse_missing_parts(family, local, name)
         return ModelSource(family, local, reason, hub_id, revision)
     if looks_local:
         raise ConfigError(f"{name}: no such folder")
