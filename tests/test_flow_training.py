@@ -41,10 +41,11 @@ OTHER = {
 def run(tmp: Path, demo: Path, family: str, *, stage: int, world: int = 2, output: Path,
         lr: float = 3e-3, offload_optimizer="none", offload_param="none",
         gradient_checkpointing=False, offload_activations="none", param_buffer=1_000_000,
-        **settings) -> str:  # fmt: skip
+        cache: Path | None = None, **settings) -> str:  # fmt: skip
     """`family`'s demo trained on `world` CPU ranks at `stage`; the ranks' log.
     `offload_activations`: the job's (the plan's ZT_OFFLOAD_ACTIVATIONS); `param_buffer`: the
-    offloaded parameters' buffer (HunyuanVideo 1.5's ByT5 projection is 2048 wide even tiny)."""
+    offloaded parameters' buffer (HunyuanVideo 1.5's ByT5 projection is 2048 wide even tiny);
+    `cache`: the feature cache (default: beside `tmp`)."""
     config = tk.ds_config(
         stage, world=world, steps=STEPS, lr=lr, offload_optimizer=offload_optimizer,
         offload_param=offload_param, nvme_dir=tmp / "nvme", param_buffer=param_buffer,
@@ -53,7 +54,8 @@ def run(tmp: Path, demo: Path, family: str, *, stage: int, world: int = 2, outpu
                        world=world, gradient_checkpointing=gradient_checkpointing,
                        offload_activations=offload_activations)  # fmt: skip
     env = tk.settings_env(
-        model=demo / "model", data=demo / "data", output=output, cache=tmp.parent / "cache",
+        model=demo / "model", data=demo / "data", output=output,
+        cache=cache or tmp.parent / "cache",
         max_steps=STEPS, log_every_steps=1, max_sequence_length=TOKENS, **settings,
     )  # fmt: skip
     proc = tk.run_ranks(tmp, env, job_file=job, world=world)
@@ -282,13 +284,14 @@ def resumes_on_one_rank_at_zero_2(
 ) -> None:
     """A full run's step-SAVED checkpoint, alone in a new output folder, trains on to STEPS on
     1 rank at ZeRO-2 (converted once to a universal checkpoint), EMA included, and exports
-    `pipeline` folders."""
+    `pipeline` folders. It reads the full run's feature cache (`run` keeps it beside the run's
+    folder), as a restart on the same volume does."""
     stopped = tmp_path / "output"
     (stopped / "checkpoints").mkdir(parents=True)
     shutil.copytree(output / "checkpoints" / f"step-{SAVED}",
                     stopped / "checkpoints" / f"step-{SAVED}")  # fmt: skip
     log = run(tmp_path, demo, family, stage=2, world=1, output=stopped, ema=True,
-              checkpoint_every_steps=0)  # fmt: skip
+              checkpoint_every_steps=0, cache=output.parent.parent / "cache")  # fmt: skip
     assert "converting once to universal" in log
     assert [s["step"] for s in tk.read_steps(stopped)] == list(range(SAVED + 1, STEPS + 1))
     for folder in ("final", "final-ema"):
