@@ -209,13 +209,14 @@ def test_cached_caption_states_are_the_pipelines_encode_prompt(demo) -> None:
 
 @pytest.fixture(scope="module")
 def full_run(demo, tmp_path_factory):
+    """The module's full run; its feature cache is the session's, as saved_run's."""
     tmp = tmp_path_factory.mktemp("full-qwen-edit") / "run"
     tmp.mkdir()
     (given,) = sorted((demo / "data").glob("001-*.control.png"))
     log = run(
         tmp, demo, FAMILY, output=tmp / "output", checkpoint_every_steps=SAVED,
         validation_prompts=[PROMPT], validation_inference_steps=2,
-        validation_images=given.name, **FULL,
+        validation_images=given.name, cache=tmp_path_factory.getbasetemp() / "cache", **FULL,
     )  # fmt: skip
     return tmp / "output", log
 

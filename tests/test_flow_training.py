@@ -45,7 +45,7 @@ def run(tmp: Path, demo: Path, family: str, *, stage: int, world: int = 2, outpu
     """`family`'s demo trained on `world` CPU ranks at `stage`; the ranks' log.
     `offload_activations`: the job's (the plan's ZT_OFFLOAD_ACTIVATIONS); `param_buffer`: the
     offloaded parameters' buffer (HunyuanVideo 1.5's ByT5 projection is 2048 wide even tiny);
-    `cache`: the feature cache (default: beside `tmp`)."""
+    `cache`: the feature cache (default: beside `tmp`, the session's for a test's tmp_path)."""
     config = tk.ds_config(
         stage, world=world, steps=STEPS, lr=lr, offload_optimizer=offload_optimizer,
         offload_param=offload_param, nvme_dir=tmp / "nvme", param_buffer=param_buffer,
@@ -66,12 +66,15 @@ def run(tmp: Path, demo: Path, family: str, *, stage: int, world: int = 2, outpu
 def saved_run(tmp_path_factory, demo: Path, family: str, **how) -> tuple[Path, str]:
     """`family`'s demo trained as `run` trains it (`how`: its stage, offload, settings),
     committing a checkpoint at SAVED and sampling PROMPT, in a folder of its own under the
-    session's: (its output folder, the ranks' log). A module's full run, shared by its tests."""
+    session's: (its output folder, the ranks' log). A module's full run, shared by its tests;
+    its feature cache is the session's, which `run` gives a test's own runs (LoRA, resume):
+    each item is encoded once, as on a volume that keeps ZT_CACHE_DIR."""
     tmp = tmp_path_factory.mktemp(f"run-{family}") / "run"
     tmp.mkdir()
     log = run(
         tmp, demo, family, output=tmp / "output", checkpoint_every_steps=SAVED,
-        validation_prompts=[PROMPT], validation_inference_steps=2, **how,
+        validation_prompts=[PROMPT], validation_inference_steps=2,
+        cache=tmp_path_factory.getbasetemp() / "cache", **how,
     )  # fmt: skip
     return tmp / "output", log
 
@@ -284,14 +287,14 @@ def resumes_on_one_rank_at_zero_2(
 ) -> None:
     """A full run's step-SAVED checkpoint, alone in a new output folder, trains on to STEPS on
     1 rank at ZeRO-2 (converted once to a universal checkpoint), EMA included, and exports
-    `pipeline` folders. It reads the full run's feature cache (`run` keeps it beside the run's
-    folder), as a restart on the same volume does."""
+    `pipeline` folders. It reads the full run's feature cache (`saved_run`'s: the session's),
+    as a restart on the same volume does."""
     stopped = tmp_path / "output"
     (stopped / "checkpoints").mkdir(parents=True)
     shutil.copytree(output / "checkpoints" / f"step-{SAVED}",
                     stopped / "checkpoints" / f"step-{SAVED}")  # fmt: skip
     log = run(tmp_path, demo, family, stage=2, world=1, output=stopped, ema=True,
-              checkpoint_every_steps=0, cache=output.parent.parent / "cache")  # fmt: skip
+              checkpoint_every_steps=0)  # fmt: skip
     assert "converting once to universal" in log
     assert [s["step"] for s in tk.read_steps(stopped)] == list(range(SAVED + 1, STEPS + 1))
     for folder in ("final", "final-ema"):
